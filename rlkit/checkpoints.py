@@ -1,0 +1,148 @@
+"""Model directories: Hugging Face `save_pretrained` layouts plus an `rlkit.json` manifest.
+
+`AutoModelForCausalLM.from_pretrained(dir)` loads them without rlkit. The manifest records the
+producing command, config, input fingerprints, training step and the sha256 of every weights file,
+which is how a frozen reference proves it is unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+from rlkit.artifacts import MODEL_MANIFEST, _sha256_file
+from rlkit.errors import RlkitError
+
+TINY = "tiny"
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def weight_files(d: Path) -> list[Path]:
+    return sorted(d.glob("*.safetensors"))
+
+
+def hash_weights(d: Path) -> tuple[dict[str, str], str]:
+    """sha256 of each weights file and one digest over all of them."""
+    per_file = {f.name: _sha256_file(f) for f in weight_files(d)}
+    digest = hashlib.sha256(json.dumps(per_file, sort_keys=True).encode()).hexdigest()
+    return per_file, digest
+
+
+def load_manifest(d: Path) -> dict | None:
+    m = d / MODEL_MANIFEST
+    return json.loads(m.read_text()) if m.is_file() else None
+
+
+def check_model_dir(d: Path, what: str = "model") -> None:
+    if not d.exists():
+        raise RlkitError(f"{what} directory {d} not found")
+    if not d.is_dir():
+        raise RlkitError(f"{what} {d} is a file, expected a Hugging Face model directory")
+    if not (d / "config.json").is_file():
+        raise RlkitError(f"{d} is not a model directory (no config.json); expected the --out of `rlkit sft` or a Hugging Face model")
+    if not weight_files(d):
+        raise RlkitError(f"{d} has no *.safetensors weights (rlkit loads safetensors only, never pickles)")
+
+
+def safetensors_summary(d: Path) -> dict[str, Any]:
+    """Parameter count, bytes and dtypes from the safetensors headers alone (no torch needed)."""
+    params, nbytes, dtypes = 0, 0, set()
+    for f in weight_files(d):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, t in header.items():
+            if name == "__metadata__":
+                continue
+            count = 1
+            for s in t["shape"]:
+                count *= s
+            params += count
+            nbytes += count * _DTYPE_BYTES.get(t["dtype"], 0)
+            dtypes.add(t["dtype"])
+    return {"parameters": params, "bytes": nbytes, "dtypes": sorted(dtypes)}
+
+
+def save_model(model, tokenizer, tmp: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Save into `tmp` (an `atomic_dir`), hash the weights and write the manifest; returns it."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    per_file, digest = hash_weights(tmp)
+    manifest = {**manifest, "weights_sha256": per_file, "weights_digest": digest}
+    (tmp / MODEL_MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return manifest
+
+
+def load_tokenizer(src: str | Path, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(src), trust_remote_code=trust_remote_code)
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise RlkitError(f"{src}: tokenizer has neither a pad nor an eos token")
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_policy(src: str | Path, dtype: str = "fp32", trust_remote_code: bool = False):
+    """A trainable causal LM and its tokenizer from a directory or hub id (never a pickle)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    p = Path(src)
+    if p.exists() or str(src).startswith((".", "/")):
+        check_model_dir(p, "policy")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(src), dtype=getattr(torch, DTYPES[dtype]), trust_remote_code=trust_remote_code,
+            use_safetensors=True,
+        )
+    except OSError as e:
+        raise RlkitError(f"cannot load model {src}: {str(e).splitlines()[0]}") from e
+    return model, load_tokenizer(src, trust_remote_code)
+
+
+def policy_step(src: str | Path) -> int:
+    m = load_manifest(Path(src)) if Path(src).is_dir() else None
+    return int(m.get("step", 0)) if m else 0
+
+
+def verify_reference(d: Path) -> dict[str, Any]:
+    """Check that a reference made by `freeze-ref` still has the weights it was frozen with."""
+    check_model_dir(d, "reference")
+    m = load_manifest(d)
+    if m is None or m.get("kind") != "reference":
+        raise RlkitError(f"{d} is not a frozen reference (make one with `rlkit freeze-ref --policy DIR --out {d}`)")
+    per_file, _ = hash_weights(d)
+    if per_file != m.get("weights_sha256"):
+        changed = sorted(set(per_file.items()) ^ set(m.get("weights_sha256", {}).items()))
+        names = sorted({name for name, _ in changed})
+        raise RlkitError(
+            f"reference {d} was modified after freezing: sha256 mismatch in {', '.join(names)}; "
+            "refusing to use it (re-run `rlkit freeze-ref`)"
+        )
+    return m
+
+
+def load_reference(d: Path, device: str = "cpu", trust_remote_code: bool = False):
+    """The frozen reference: hash-verified, requires_grad=False, eval mode, in its stored dtype."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = verify_reference(d)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(d), dtype=getattr(torch, DTYPES[m["config"]["dtype"]]), trust_remote_code=trust_remote_code,
+        use_safetensors=True,
+    ).to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model, load_tokenizer(d, trust_remote_code), m

@@ -1,0 +1,94 @@
+"""The `rlkit` command: every stage registered in one place.
+
+Stage modules import only typer and the standard library at top level (torch and transformers load
+inside `run`), so `rlkit --help` stays instant. Errors print as one line; `--debug` (anywhere on the
+command line) or RLKIT_DEBUG=1 shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import click
+import typer
+
+from rlkit import __version__
+from rlkit.errors import RlkitError
+from rlkit.stages import eval as eval_stage
+from rlkit.stages import freeze_ref, inspect, prompts, sft
+
+app = typer.Typer(
+    name="rlkit",
+    help="Composable stages for RL post-training of language models. Tables are Arrow streams; "
+    "models are Hugging Face directories; stages chain over pipes.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+app.command("prompts")(prompts.command)
+app.command("sft")(sft.command)
+app.command("freeze-ref")(freeze_ref.command)
+app.command("eval")(eval_stage.command)
+app.command("inspect")(inspect.command)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"rlkit {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks (also RLKIT_DEBUG=1; may go anywhere on the line)."),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    """rlkit: SFT, reward models and PPO/GRPO-family RL as shell-scriptable jobs."""
+
+
+def _on_sigterm(signum, frame):  # noqa: ARG001
+    raise KeyboardInterrupt("terminated")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = os.environ.get("RLKIT_DEBUG", "") not in ("", "0") or "--debug" in args
+    args = [a for a in args if a != "--debug"]
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    err = click.get_text_stream("stderr")
+    try:
+        rv = app(args=args, prog_name="rlkit", standalone_mode=False)
+        return rv if isinstance(rv, int) else 0
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.ClickException as e:
+        e.show()
+        return e.exit_code
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        if debug:
+            raise
+        print("rlkit: interrupted; nothing was written to --out", file=err)
+        return 130
+    except BrokenPipeError:
+        # The downstream stage exited: stop quietly, non-zero, and keep Python from complaining at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print("rlkit: output pipe closed by the downstream stage", file=err)
+        return 141
+    except RlkitError as e:
+        if debug:
+            raise
+        print(f"rlkit: error: {e}", file=err)
+        return e.exit_code
+    except Exception as e:
+        if debug:
+            raise
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"rlkit: unexpected {type(e).__name__}: {msg} (rerun with --debug for the traceback)", file=err)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Tasks: prompt generators that carry their own verifier, chosen by name from a registry.
+
+A task spec is `name[:key=value,...]`, e.g. `arithmetic` or `arithmetic:terms=2-5,max=20`.
+A verifier is a reward function of (response, gold answer) -> float, so a verifier (RLVR) and a
+reward model (RLHF) are interchangeable reward components.
+
+Train and held-out prompts come from one deterministic partition of the problem space (a stable
+hash of the prompt text), so a held-out prompt can never be drawn for training, whatever the seeds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rlkit.errors import RlkitError
+
+SPLITS = ("train", "heldout")
+_INT = re.compile(r"-?\d+")
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt_id: str
+    prompt: str
+    answer: str
+    split: str
+
+
+def last_integer(response: str, answer: str) -> float:
+    """1.0 if the last integer in the response equals the gold answer's last integer, else 0.0.
+
+    A chain of thought before the answer is fine; the final number decides.
+    """
+    got, gold = _INT.findall(response), _INT.findall(answer)
+    return float(bool(got) and bool(gold) and int(got[-1]) == int(gold[-1]))
+
+
+VERIFIERS: dict[str, Callable[[str, str], float]] = {"last-integer": last_integer}
+
+
+def _heldout(prompt: str, fraction: float) -> bool:
+    h = int.from_bytes(hashlib.blake2b(prompt.encode(), digest_size=8).digest(), "big")
+    return (h % 10_000) < fraction * 10_000
+
+
+@dataclass(frozen=True)
+class Arithmetic:
+    """Sums like `<3+4+5>=` whose answer is the integer total.
+
+    Knobs: `terms` (range of the number of terms, e.g. 2-4) and `max` (largest operand, 0..max).
+    """
+
+    min_terms: int = 2
+    max_terms: int = 4
+    max_operand: int = 9
+    heldout_fraction: float = 0.1
+    name: str = field(default="arithmetic", init=False)
+    verifier: str = field(default="last-integer", init=False)
+
+    @classmethod
+    def from_options(cls, opts: dict[str, str]) -> Arithmetic:
+        kw: dict = {}
+        for k, v in opts.items():
+            if k == "terms":
+                lo, _, hi = v.partition("-")
+                kw["min_terms"], kw["max_terms"] = int(lo), int(hi or lo)
+            elif k == "max":
+                kw["max_operand"] = int(v)
+            elif k == "heldout":
+                kw["heldout_fraction"] = float(v)
+            else:
+                raise RlkitError(f"unknown option {k!r} for task arithmetic; expected terms=LO-HI, max=N, heldout=F")
+        t = cls(**kw)
+        if not (1 <= t.min_terms <= t.max_terms) or t.max_operand < 1 or not (0 < t.heldout_fraction < 1):
+            raise RlkitError(f"bad arithmetic options {opts}: need 1 <= terms, low <= high, max >= 1, 0 < heldout < 1")
+        return t
+
+    @property
+    def spec(self) -> str:
+        return f"arithmetic:terms={self.min_terms}-{self.max_terms},max={self.max_operand},heldout={self.heldout_fraction}"
+
+    def _problem(self, rng: random.Random) -> tuple[str, str]:
+        terms = [rng.randint(0, self.max_operand) for _ in range(rng.randint(self.min_terms, self.max_terms))]
+        return f"<{'+'.join(map(str, terms))}>=", str(sum(terms))
+
+    def problem_space(self) -> int:
+        return sum((self.max_operand + 1) ** k for k in range(self.min_terms, self.max_terms + 1))
+
+    def examples(self, split: str, n: int, seed: int, unique: bool = False) -> list[Example]:
+        """`n` problems of `split`, deterministic in `seed`. Held-out sets are always unique."""
+        if split not in SPLITS:
+            raise RlkitError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
+        unique = unique or split == "heldout"
+        want_heldout = split == "heldout"
+        rng = random.Random(f"{self.spec}|{split}|{seed}")
+        out: list[Example] = []
+        seen: set[str] = set()
+        tries = 0
+        while len(out) < n:
+            tries += 1
+            if tries > 200 * n + 10_000:
+                raise RlkitError(
+                    f"task {self.spec}: cannot draw {n} distinct {split} prompts (problem space {self.problem_space()}); "
+                    "ask for fewer or widen the task"
+                )
+            prompt, answer = self._problem(rng)
+            if _heldout(prompt, self.heldout_fraction) != want_heldout or (unique and prompt in seen):
+                continue
+            seen.add(prompt)
+            out.append(Example(f"{split}-{seed}-{len(out)}", prompt, answer, split))
+        return out
+
+    def completion(self, ex: Example) -> str:
+        """The SFT target for an example (the eos token is appended by the tokenization step)."""
+        return ex.answer
+
+    def reward(self, response: str, answer: str) -> float:
+        return VERIFIERS[self.verifier](response, answer)
+
+
+TASKS: dict[str, Callable[[dict[str, str]], object]] = {"arithmetic": Arithmetic.from_options}
+
+
+def get_task(spec: str) -> Arithmetic:
+    name, _, rest = spec.partition(":")
+    if name not in TASKS:
+        raise RlkitError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}")
+    opts: dict[str, str] = {}
+    for part in filter(None, rest.split(",")):
+        k, eq, v = part.partition("=")
+        if not eq:
+            raise RlkitError(f"bad task option {part!r} in {spec!r}; expected key=value")
+        opts[k.strip()] = v.strip()
+    return TASKS[name](opts)

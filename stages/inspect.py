@@ -1,0 +1,128 @@
+"""`rlkit inspect PATH`: what an artifact is, what made it and from what.
+
+For a table: its manifest, schema, row count and first rows. For a model directory: parameter count,
+dtypes, bytes, the recorded weights hash (recomputed with --verify) and its lineage: the chain of
+checkpoints and data it was made from, each marked when it has changed since.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+_LINEAGE_KEYS = ("policy", "model", "base", "ref", "data", "prompts", "prefs")
+
+
+@dataclass(frozen=True)
+class InspectConfig:
+    path: Path
+    rows: int = 5
+    verify: bool = False
+    as_json: bool = False
+
+
+def _lineage(manifest: dict | None, depth: int = 0) -> list[dict[str, Any]]:
+    from rlkit import artifacts
+
+    out: list[dict[str, Any]] = []
+    if not manifest or depth > 32:
+        return out
+    config, inputs = manifest.get("config") or {}, manifest.get("inputs") or {}
+    for key in _LINEAGE_KEYS:
+        src = config.get(key)
+        if not isinstance(src, str) or not Path(src).exists():
+            if isinstance(src, str):
+                out.append({"depth": depth, "role": key, "path": src, "kind": "embedded" if src == "tiny" else "not found"})
+            continue
+        parent = artifacts.read_manifest(src)
+        entry = {"depth": depth, "role": key, "path": src, "kind": (parent or {}).get("kind", "external")}
+        if key in inputs:
+            entry["changed_since"] = artifacts.fingerprint(src) != inputs[key]
+        out.append(entry)
+        out.extend(_lineage(parent, depth + 1))
+    return out
+
+
+def run(cfg: InspectConfig) -> dict[str, Any]:
+    import json
+    import sys
+
+    from rlkit import artifacts, checkpoints, console
+    from rlkit.errors import RlkitError
+
+    p = cfg.path
+    if not p.exists():
+        raise RlkitError(f"{p}: no such file or directory")
+    if p.is_dir():
+        checkpoints.check_model_dir(p)
+        manifest = checkpoints.load_manifest(p)
+        info: dict[str, Any] = {"path": str(p), "type": "model", **checkpoints.safetensors_summary(p)}
+        cfg_json = json.loads((p / "config.json").read_text())
+        info["architecture"] = (cfg_json.get("architectures") or ["?"])[0]
+        if manifest:
+            info.update(kind=manifest.get("kind"), command=manifest.get("command"), step=manifest.get("step"),
+                        created=manifest.get("created"), weights_digest=manifest.get("weights_digest"),
+                        metrics=manifest.get("metrics"), config=manifest.get("config"))
+            info["lineage"] = _lineage(manifest)
+        if cfg.verify:
+            per_file, digest = checkpoints.hash_weights(p)
+            info["weights_verified"] = bool(manifest) and per_file == manifest.get("weights_sha256")
+            info["weights_digest_now"] = digest
+    else:
+        manifest = artifacts.read_manifest(p)
+        if manifest is None:
+            raise RlkitError(f"{p} is not an rlkit artifact (neither a model directory nor an rlkit Arrow table)")
+        table, _ = artifacts.read_table(p, [manifest["kind"]], require_rows=False)
+        info = {"path": str(p), "type": "table", "kind": manifest["kind"], "rows": table.num_rows,
+                "manifest": manifest, "schema": {f.name: str(f.type) for f in table.schema},
+                "first_rows": table.slice(0, cfg.rows).to_pylist(), "lineage": _lineage(manifest)}
+    if cfg.as_json:
+        sys.stdout.write(json.dumps(info, indent=2, default=str) + "\n")
+        return info
+    from rich.table import Table
+
+    t = Table(title=f"{info['path']} ({info['type']})", show_header=False)
+    skip = {"first_rows", "schema", "manifest", "lineage", "config", "metrics"}
+    for k, v in info.items():
+        if k not in skip:
+            t.add_row(k, f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v))
+    if "manifest" in info:
+        m = info["manifest"]
+        for k in ("command", "schema_version", "rlkit_version", "created"):
+            t.add_row(k, str(m.get(k)))
+        t.add_row("config", json.dumps(m.get("config")))
+        t.add_row("inputs", json.dumps(m.get("inputs")))
+    for k in ("config", "metrics"):
+        if info.get(k):
+            t.add_row(k, json.dumps(info[k]))
+    console.err.print(t)
+    if info.get("lineage"):
+        lt = Table(title="lineage")
+        for col in ("role", "path", "kind", "changed since"):
+            lt.add_column(col)
+        for e in info["lineage"]:
+            changed = e.get("changed_since")
+            lt.add_row("  " * e["depth"] + e["role"], e["path"], e["kind"],
+                       "" if changed is None else ("yes" if changed else "no"))
+        console.err.print(lt)
+    if "schema" in info:
+        st = Table(title=f"schema and first {min(cfg.rows, info['rows'])} of {info['rows']:,} rows")
+        for name in info["schema"]:
+            st.add_column(f"{name}\n{info['schema'][name]}", overflow="fold", max_width=40)
+        for row in info["first_rows"]:
+            st.add_row(*(str(v)[:80] for v in row.values()))
+        console.err.print(st)
+    return info
+
+
+def command(
+    path: Annotated[Path, typer.Argument(help="A table (.arrow) or a model directory.")],
+    rows: Annotated[int, typer.Option(min=0, help="How many first rows of a table to show.")] = 5,
+    verify: Annotated[bool, typer.Option("--verify", help="Recompute the weights sha256 and compare with the manifest.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON to stdout instead of tables.")] = False,
+) -> None:
+    """Show an artifact's manifest, schema, rows, size, hash and lineage."""
+    run(InspectConfig(path=path, rows=rows, verify=verify, as_json=as_json))

@@ -1,0 +1,68 @@
+"""`rlkit prompts`: write a task's prompts, or its SFT pairs, as a table.
+
+Reads a task spec; writes a 'prompts' table (prompt_id, prompt, answer, split) or, with --sft, an
+'sft' table (prompt, completion). Users edit such files and hand them to stages with --prompts or
+--data; a stage rerun after the edit sees a new fingerprint and does the work again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from rlkit.options import Force, OutTable, Seed, Task
+
+
+@dataclass(frozen=True)
+class PromptsConfig:
+    out: Path | None = None
+    task: str = "arithmetic"
+    split: str = "train"
+    num: int = 1000
+    seed: int = 0
+    sft: bool = False
+    force: bool = False
+
+
+def run(cfg: PromptsConfig) -> Path | None:
+    from rlkit import artifacts
+    from rlkit.tasks import get_task
+
+    task = get_task(cfg.task)
+    cfg = replace(cfg, task=task.spec)
+    out = artifacts.resolve_out(cfg.out)
+    artifacts.check_out(out, "table")
+    if artifacts.skip_if_current(out, "prompts", cfg, {}):
+        return out
+    examples = task.examples(cfg.split, cfg.num, cfg.seed)
+    kind = "sft" if cfg.sft else "prompts"
+    with artifacts.write_table(kind, out, artifacts.make_manifest(kind, "prompts", cfg, {})) as w:
+        for i in range(0, len(examples), 1024):
+            chunk = examples[i : i + 1024]
+            cols = {
+                "prompt_id": [e.prompt_id for e in chunk],
+                "prompt": [e.prompt for e in chunk],
+                "split": [e.split for e in chunk],
+            }
+            if cfg.sft:
+                cols["completion"] = [task.completion(e) for e in chunk]
+            else:
+                cols["answer"] = [e.answer for e in chunk]
+            w.write(cols)
+    return out
+
+
+def command(
+    task: Task = "arithmetic",
+    split: Annotated[str, typer.Option(help="Which split: train or heldout (they never overlap).")] = "train",
+    num: Annotated[int, typer.Option("--num", "-n", min=1, help="Number of rows.")] = 1000,
+    sft: Annotated[bool, typer.Option("--sft", help="Write prompt/completion pairs (an 'sft' table) instead.")] = False,
+    seed: Seed = 0,
+    out: OutTable = None,
+    force: Force = False,
+) -> None:
+    """Write a task's prompts (or SFT pairs) as an Arrow table."""
+    run(PromptsConfig(out=out, task=task, split=split, num=num, seed=seed, sft=sft, force=force))

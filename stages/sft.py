@@ -1,0 +1,201 @@
+"""`rlkit sft`: supervised fine-tuning, the first stage of both RLHF and RLVR.
+
+Reads a base model (`tiny`, a local directory or a hub id) and either a task's generated train split
+or a data file with prompt/completion (or chat `messages`) columns. Writes a Hugging Face checkpoint
+with `rlkit.json` (config, input fingerprints, weights sha256, metrics).
+
+Loss is on completion tokens only (prompt and padding masked); batches are packed by a token budget,
+not a fixed row count; AdamW with linear warmup and cosine decay. Ends with a greedy held-out
+evaluation when a task is known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from rlkit.options import Force, OutDir, Seed, TrustRemoteCode
+from rlkit.tiny import TinyConfig
+
+
+@dataclass(frozen=True)
+class SftConfig:
+    out: Path
+    model: str = "tiny"
+    task: str | None = None  # resolved to "arithmetic" when no --data is given
+    data: str | None = None
+    prompt_column: str = "prompt"
+    completion_column: str = "completion"
+    num_examples: int = 40_000
+    epochs: int = 1
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: float = 0.05
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    batch_tokens: int = 1024
+    max_len: int = 256
+    eval_num: int = 300
+    max_new_tokens: int = 16
+    seed: int = 0
+    tiny: TinyConfig = field(default_factory=TinyConfig)
+    dtype: str = "fp32"
+    trust_remote_code: bool = False
+    metrics: Path | None = None
+    force: bool = False
+
+
+def _lr_lambda(total: int, warmup: int, min_ratio: float):
+    import math
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+def run(cfg: SftConfig) -> Path:
+    import json
+    import random
+    import time
+
+    import torch
+
+    from rlkit import artifacts, checkpoints, console, data, tiny
+    from rlkit.errors import RlkitError
+    from rlkit.evaluate import greedy_eval
+    from rlkit.tasks import get_task
+
+    if cfg.task is None and cfg.data is None:
+        cfg = replace(cfg, task="arithmetic")
+    task = get_task(cfg.task) if cfg.task else None
+    cfg = replace(cfg, task=task.spec if task else None)
+    if cfg.model != checkpoints.TINY:
+        cfg = replace(cfg, tiny=None)
+    artifacts.check_out(cfg.out, "model")
+    inputs = {}
+    if Path(cfg.model).exists():
+        checkpoints.check_model_dir(Path(cfg.model), "base model")
+        inputs["model"] = artifacts.fingerprint(cfg.model)
+    source = None
+    if cfg.data:
+        source = data.load_source(cfg.data, "sft", {"prompt": cfg.prompt_column, "completion": cfg.completion_column})
+        inputs["data"] = source.fingerprint
+    if artifacts.skip_if_current(cfg.out, "sft", cfg, inputs):
+        return cfg.out
+
+    torch.manual_seed(cfg.seed)
+    if cfg.model == checkpoints.TINY:
+        tokenizer = tiny.build_tokenizer()
+        model = tiny.build_model(cfg.tiny, tokenizer, cfg.seed)
+    else:
+        model, tokenizer = checkpoints.load_policy(cfg.model, cfg.dtype, cfg.trust_remote_code)
+
+    if source is not None:
+        prompts = data.render_prompts(tokenizer, source, for_sft=True)
+        completions = source.table.column("completion").to_pylist()
+        chat = source.chat
+    else:
+        examples = task.examples("train", cfg.num_examples, cfg.seed)
+        prompts = [e.prompt for e in examples]
+        completions = [task.completion(e) for e in examples]
+        chat = False
+    prompt_ids = data.encode_prompts(tokenizer, prompts, chat)
+    ids, plens, truncated = data.encode_sft(tokenizer, prompt_ids, completions, cfg.max_len)
+    if not ids:
+        raise RlkitError("no training examples left after tokenization (every prompt reaches --max-len)")
+    if truncated:
+        console.warn(f"{truncated} examples longer than --max-len {cfg.max_len} were truncated")
+
+    rng = random.Random(cfg.seed)
+    lengths = [len(s) for s in ids]
+    epochs = [data.token_batches(lengths, cfg.batch_tokens, rng) for _ in range(cfg.epochs)]
+    total = sum(len(e) for e in epochs)
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(0.9, 0.95),
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total, max(1, int(cfg.warmup * total)), cfg.min_lr_ratio))
+    model.train()
+    t0, tokens, ema = time.monotonic(), 0, None
+    with console.progress("sft", total) as bar:
+        for batches in epochs:
+            for batch in batches:
+                input_ids, mask, labels = data.collate_sft([ids[i] for i in batch], [plens[i] for i in batch],
+                                                           tokenizer.pad_token_id)
+                loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+                if not torch.isfinite(loss):
+                    raise RlkitError(f"non-finite SFT loss at step {bar._done}; lower --lr (now {cfg.lr})")
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                opt.step()
+                sched.step()
+                tokens += int(mask.sum())
+                ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+                bar.advance(1, loss=ema, **{"tok/s": float(tokens / (time.monotonic() - t0))})
+    train_s = time.monotonic() - t0
+    metrics = {"train_loss": ema, "steps": total, "examples": len(ids), "tokens": tokens,
+               "train_seconds": round(train_s, 2), "tokens_per_s": round(tokens / train_s, 1)}
+    if task is not None:
+        held = task.examples("heldout", cfg.eval_num, cfg.seed)
+        ev = greedy_eval(model, tokenizer, [e.prompt for e in held], [e.answer for e in held], task.reward,
+                         max_new_tokens=cfg.max_new_tokens)
+        metrics.update(heldout_accuracy=ev["accuracy"], heldout_n=ev["n"],
+                       mean_response_tokens=ev["mean_response_tokens"])
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    manifest = artifacts.make_manifest("model", "sft", cfg, inputs, step=0, metrics=metrics)
+    with artifacts.atomic_dir(cfg.out) as tmp:
+        checkpoints.save_model(model, tokenizer, tmp, manifest)
+    if cfg.metrics is not None:
+        with open(cfg.metrics, "a") as f:
+            f.write(json.dumps({"stage": "sft", "out": str(cfg.out), **metrics}) + "\n")
+    acc = metrics.get("heldout_accuracy")
+    console.info(
+        f"sft: {total} steps, {tokens} tokens in {train_s:.1f}s ({metrics['tokens_per_s']:.0f} tok/s), "
+        f"final loss {ema:.4f}" + (f", held-out accuracy {acc:.1%} (n={metrics['heldout_n']})" if acc is not None else "")
+        + f" -> {cfg.out}"
+    )
+    return cfg.out
+
+
+def command(
+    out: OutDir,
+    model: Annotated[str, typer.Option(help="Base model: 'tiny' (embedded, built fresh), a local directory or a hub id.")] = "tiny",
+    task: Annotated[str | None, typer.Option(help="Task spec to train on and evaluate; default 'arithmetic' when no --data.")] = None,
+    data: Annotated[str | None, typer.Option(help="Training data: .arrow/.parquet/.jsonl or datasets spec NAME[:CONFIG][@SPLIT].")] = None,
+    prompt_column: Annotated[str, typer.Option(help="Column of --data holding the prompt.")] = "prompt",
+    completion_column: Annotated[str, typer.Option(help="Column of --data holding the completion.")] = "completion",
+    num_examples: Annotated[int, typer.Option(min=1, help="Train examples drawn from the task (without --data).")] = SftConfig.num_examples,
+    epochs: Annotated[int, typer.Option(min=1, help="Passes over the training data.")] = SftConfig.epochs,
+    lr: Annotated[float, typer.Option(help="Peak learning rate (AdamW).")] = SftConfig.lr,
+    warmup: Annotated[float, typer.Option(help="Fraction of steps for linear warmup.")] = SftConfig.warmup,
+    weight_decay: Annotated[float, typer.Option(help="AdamW weight decay (not on norms and biases).")] = SftConfig.weight_decay,
+    batch_tokens: Annotated[int, typer.Option(min=16, help="Token budget per batch (rows x longest row).")] = SftConfig.batch_tokens,
+    max_len: Annotated[int, typer.Option(min=2, help="Longest training sequence; longer ones are truncated.")] = SftConfig.max_len,
+    eval_num: Annotated[int, typer.Option(min=1, help="Held-out prompts for the final greedy evaluation.")] = SftConfig.eval_num,
+    layers: Annotated[int, typer.Option(help="tiny model: transformer layers.")] = TinyConfig.layers,
+    hidden: Annotated[int, typer.Option(help="tiny model: hidden width.")] = TinyConfig.hidden,
+    dtype: Annotated[str, typer.Option(help="Training dtype for a loaded model: fp32, bf16 or fp16.")] = "fp32",
+    metrics: Annotated[Path | None, typer.Option(help="Append the run's metrics as one JSON line to this file.")] = None,
+    seed: Seed = 0,
+    trust_remote_code: TrustRemoteCode = False,
+    force: Force = False,
+) -> None:
+    """Supervised fine-tuning on completion tokens; writes a checkpoint and its metrics."""
+    run(SftConfig(
+        out=out, model=model, task=task, data=data, prompt_column=prompt_column, completion_column=completion_column,
+        num_examples=num_examples, epochs=epochs, lr=lr, warmup=warmup, weight_decay=weight_decay,
+        batch_tokens=batch_tokens, max_len=max_len, eval_num=eval_num, seed=seed, dtype=dtype,
+        tiny=TinyConfig(layers=layers, hidden=hidden, heads=max(1, hidden // 32), intermediate=4 * hidden),
+        trust_remote_code=trust_remote_code, metrics=metrics, force=force,
+    ))

@@ -1,0 +1,43 @@
+"""Shared fixtures: a real tiny SFT checkpoint (trained briefly, once per session) and CLI helpers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def rlkit_cmd() -> list[str]:
+    return [sys.executable, "-m", "rlkit"]
+
+
+def run_cli(*args: str, cwd: Path | None = None, input: bytes | None = None, env: dict | None = None,
+            timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run the real `rlkit` command in a subprocess (stdin is a pipe unless `input` is None)."""
+    e = {**os.environ, "RLKIT_DEBUG": "0", **(env or {})}
+    return subprocess.run([*rlkit_cmd(), *args], cwd=cwd, input=input if input is not None else b"",
+                          capture_output=True, env=e, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def sft_dir(tmp_path_factory) -> Path:
+    """A tiny policy after a short real SFT run (a few seconds)."""
+    from rlkit.stages.sft import SftConfig, run
+
+    out = tmp_path_factory.mktemp("ckpt") / "sft"
+    run(SftConfig(out=out, num_examples=1500, eval_num=20, batch_tokens=512))
+    return out
+
+
+@pytest.fixture(scope="session")
+def ref_dir(sft_dir, tmp_path_factory) -> Path:
+    from rlkit.stages.freeze_ref import FreezeRefConfig, run
+
+    out = tmp_path_factory.mktemp("ref") / "ref"
+    run(FreezeRefConfig(policy=sft_dir, out=out, dtype="bf16"))
+    return out

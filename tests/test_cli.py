@@ -1,0 +1,189 @@
+"""The CLI as users run it: flags map into configs, and bad input gives one clear line, a non-zero
+exit code, nothing written at --out and nothing existing damaged."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from rlkit.cli import app
+
+from conftest import rlkit_cmd, run_cli
+
+runner = CliRunner()
+
+
+def _capture(monkeypatch, module):
+    seen = []
+    monkeypatch.setattr(module, "run", lambda cfg: seen.append(cfg))
+    return seen
+
+
+def test_sft_flags_map_into_the_config(monkeypatch, tmp_path):
+    from rlkit.stages import sft
+
+    seen = _capture(monkeypatch, sft)
+    r = runner.invoke(app, ["sft", "--out", str(tmp_path / "o"), "--num-examples", "123", "--lr", "0.01",
+                            "--layers", "2", "--hidden", "64", "--batch-tokens", "777", "--seed", "5", "--force"])
+    assert r.exit_code == 0, r.output
+    (cfg,) = seen
+    assert (cfg.num_examples, cfg.lr, cfg.batch_tokens, cfg.seed, cfg.force) == (123, 0.01, 777, 5, True)
+    assert (cfg.tiny.layers, cfg.tiny.hidden, cfg.tiny.heads, cfg.tiny.intermediate) == (2, 64, 2, 256)
+    assert cfg.model == "tiny" and cfg.task is None and cfg.data is None
+
+
+def test_freeze_ref_and_eval_flags(monkeypatch, tmp_path):
+    from rlkit.stages import eval as eval_stage
+    from rlkit.stages import freeze_ref
+
+    seen = _capture(monkeypatch, freeze_ref)
+    assert runner.invoke(app, ["freeze-ref", "--policy", "p", "--out", "r", "--dtype", "fp16"]).exit_code == 0
+    assert seen[0].dtype == "fp16" and str(seen[0].policy) == "p"
+    seen = _capture(monkeypatch, eval_stage)
+    r = runner.invoke(app, ["eval", "--policy", "p", "--task", "arithmetic:terms=2-2", "--num", "7", "--json"])
+    assert r.exit_code == 0, r.output
+    assert seen[0].num == 7 and seen[0].as_json and seen[0].task == "arithmetic:terms=2-2"
+
+
+def _one_error_line(r):
+    err = r.stderr.decode().strip().splitlines()
+    assert r.returncode != 0
+    assert len(err) == 1 and err[0].startswith("rlkit: error:"), err
+    assert "Traceback" not in r.stderr.decode()
+    return err[0]
+
+
+def test_unknown_task(tmp_path):
+    line = _one_error_line(run_cli("prompts", "--task", "chess", "--out", str(tmp_path / "p.arrow")))
+    assert "unknown task 'chess'" in line and "arithmetic" in line
+    assert not os.listdir(tmp_path)
+
+
+def test_missing_file_and_missing_policy(tmp_path):
+    line = _one_error_line(run_cli("inspect", str(tmp_path / "nothing.arrow")))
+    assert "no such file" in line
+    line = _one_error_line(run_cli("freeze-ref", "--policy", str(tmp_path / "nope"), "--out", str(tmp_path / "r")))
+    assert "policy directory" in line and "not found" in line
+    assert not (tmp_path / "r").exists()
+
+
+def test_wrong_kind_missing_column_and_empty_table(tmp_path, sft_dir):
+    import pyarrow as pa
+
+    from rlkit import artifacts
+
+    prefs = tmp_path / "prefs.arrow"
+    with artifacts.write_table("prefs", prefs, artifacts.make_manifest("prefs", "build-prefs", {}, {})) as w:
+        w.write({"prompt_id": ["a"], "prompt": ["<1+1>="], "chosen": ["2"], "rejected": ["3"], "split": ["train"]})
+    line = _one_error_line(run_cli("eval", "--policy", str(sft_dir), "--prompts", str(prefs)))
+    assert "is a 'prefs' table, expected a 'prompts' table" in line
+
+    nocol = tmp_path / "nocol.arrow"
+    with pa.ipc.new_stream(str(nocol), pa.schema([("prompt_id", pa.string()), ("text", pa.string())])) as w:
+        w.write_table(pa.table({"prompt_id": ["a"], "text": ["x"]}))
+    line = _one_error_line(run_cli("eval", "--policy", str(sft_dir), "--prompts", str(nocol)))
+    assert "missing column 'prompt'" in line
+
+    empty = tmp_path / "empty.arrow"
+    r = run_cli("prompts", "--num", "1", "--out", str(empty))
+    assert r.returncode == 0
+    with artifacts.write_table("prompts", empty, artifacts.make_manifest("prompts", "prompts", {}, {})):
+        pass
+    line = _one_error_line(run_cli("eval", "--policy", str(sft_dir), "--prompts", str(empty)))
+    assert "has no rows" in line
+    line = _one_error_line(run_cli("sft", "--data", str(empty), "--out", str(tmp_path / "s")))
+    assert "expected a 'sft' table" in line
+    assert not (tmp_path / "s").exists()
+
+
+def test_out_pointing_at_a_foreign_file_is_left_alone(tmp_path, sft_dir):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("precious")
+    line = _one_error_line(run_cli("prompts", "--out", str(notes)))
+    assert "not an rlkit table; refusing to overwrite" in line
+    d = tmp_path / "mine"
+    d.mkdir()
+    (d / "thesis.tex").write_text("precious")
+    line = _one_error_line(run_cli("freeze-ref", "--policy", str(sft_dir), "--out", str(d)))
+    assert "not an rlkit checkpoint" in line
+    assert notes.read_text() == "precious" and os.listdir(d) == ["thesis.tex"]
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    r = run_cli("prompts", "--task", "chess", "--out", str(tmp_path / "p.arrow"), "--debug")
+    assert r.returncode != 0 and b"Traceback" in r.stderr
+
+
+def test_refuses_to_write_a_table_to_a_terminal(monkeypatch):
+    import sys as _sys
+
+    from rlkit import artifacts
+    from rlkit.errors import RlkitError
+
+    monkeypatch.setattr(_sys.stdout, "isatty", lambda: True)
+    with pytest.raises(RlkitError, match="refusing to write an Arrow table to the terminal"):
+        artifacts.resolve_out(None)
+
+
+def test_prompts_stream_through_a_pipe_into_eval(tmp_path, sft_dir):
+    p1 = subprocess.Popen([*rlkit_cmd(), "prompts", "--split", "heldout", "--num", "40"], stdout=subprocess.PIPE)
+    r = subprocess.run([*rlkit_cmd(), "eval", "--policy", str(sft_dir), "--prompts", "-", "--json"],
+                       stdin=p1.stdout, capture_output=True)
+    p1.stdout.close()
+    assert p1.wait() == 0
+    assert r.returncode == 0, r.stderr
+    import json
+
+    res = json.loads(r.stdout)
+    assert res["n"] == 40 and res["n_scored"] == 40 and 0.0 <= res["accuracy"] <= 1.0
+
+
+def test_a_failed_upstream_fails_the_downstream(tmp_path, sft_dir):
+    p1 = subprocess.Popen([*rlkit_cmd(), "prompts", "--task", "chess"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    r = subprocess.run([*rlkit_cmd(), "eval", "--policy", str(sft_dir), "--prompts", "-", "--json"],
+                       stdin=p1.stdout, capture_output=True)
+    p1.stdout.close()
+    assert p1.wait() != 0
+    line = _one_error_line(r)
+    assert "stdin holds no Arrow stream" in line
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_during_a_write_leaves_nothing(tmp_path, sig):
+    out = tmp_path / "big.arrow"
+    p = subprocess.Popen([*rlkit_cmd(), "prompts", "--task", "arithmetic:terms=3-6,max=99", "--num", "3000000",
+                          "--out", str(out)], stderr=subprocess.PIPE)
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(n.startswith(".big.arrow.tmp") for n in os.listdir(tmp_path)):
+        time.sleep(0.05)
+    assert any(n.startswith(".big.arrow.tmp") for n in os.listdir(tmp_path)), "writer never started"
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert b"interrupted" in err and os.listdir(tmp_path) == []
+
+
+def test_interrupted_sft_keeps_the_existing_checkpoint(tmp_path, sft_dir):
+    import shutil
+
+    from rlkit import artifacts
+
+    out = tmp_path / "sft"
+    shutil.copytree(sft_dir, out)
+    before = artifacts.fingerprint(out)
+    p = subprocess.Popen([*rlkit_cmd(), "sft", "--out", str(out), "--num-examples", "200000", "--force"],
+                         stderr=subprocess.PIPE)
+    time.sleep(6)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert artifacts.fingerprint(out) == before and sorted(os.listdir(tmp_path)) == ["sft"]
+
+
+def test_version():
+    r = subprocess.run([sys.executable, "-m", "rlkit", "--version"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("rlkit ")

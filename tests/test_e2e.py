@@ -1,0 +1,84 @@
+"""End to end as a user runs it: real subprocesses on the real tiny model."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def test_sft_freeze_ref_eval_inspect(tmp_path):
+    sft, ref = tmp_path / "sft", tmp_path / "ref"
+    r = run_cli("sft", "--out", str(sft), "--num-examples", "4000", "--eval-num", "50", "--batch-tokens", "512",
+                "--metrics", str(tmp_path / "m.jsonl"))
+    assert r.returncode == 0, r.stderr
+    assert b"held-out accuracy" in r.stderr
+    man = json.loads((sft / "rlkit.json").read_text())
+    assert man["metrics"]["train_loss"] < 2.0  # from ~4.6 (ln 100) at init
+    row = json.loads((tmp_path / "m.jsonl").read_text())
+    assert row["stage"] == "sft" and row["heldout_accuracy"] == man["metrics"]["heldout_accuracy"]
+
+    r = run_cli("freeze-ref", "--policy", str(sft), "--out", str(ref))
+    assert r.returncode == 0, r.stderr
+
+    r = run_cli("eval", "--policy", str(sft), "--num", "50", "--json", "--metrics", str(tmp_path / "m.jsonl"))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["n"] == 50 and res["accuracy"] == man["metrics"]["heldout_accuracy"]  # same greedy eval, same set
+    assert res["samples"] and all(s["prompt"].startswith("<") for s in res["samples"])
+
+    r = run_cli("eval", "--policy", str(ref), "--num", "20")  # a reference is a policy too (bf16 weights)
+    assert r.returncode == 0, r.stderr
+    assert b"held-out accuracy" in r.stderr
+
+    r = run_cli("inspect", str(ref), "--json", "--verify")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["weights_verified"] and info["dtypes"] == ["BF16"]
+    assert info["lineage"][0]["path"] == str(sft) and info["lineage"][0]["changed_since"] is False
+    assert info["lineage"][1]["path"] == "tiny"
+
+    r = run_cli("prompts", "--num", "30", "--out", str(tmp_path / "p.arrow"))
+    assert r.returncode == 0, r.stderr
+    r = run_cli("inspect", str(tmp_path / "p.arrow"), "--json")
+    info = json.loads(r.stdout)
+    assert info["kind"] == "prompts" and info["rows"] == 30 and len(info["first_rows"]) == 5
+
+
+def test_sft_from_a_data_file_with_mapped_columns(tmp_path):
+    rows = [{"q": f"<{a}+{b}>=", "a": str(a + b)} for a in range(10) for b in range(10)]
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "sft"
+    r = run_cli("sft", "--data", str(data), "--prompt-column", "q", "--completion-column", "a", "--out", str(out),
+                "--epochs", "2")
+    assert r.returncode == 0, r.stderr
+    m = json.loads((out / "rlkit.json").read_text())
+    assert m["config"]["task"] is None and m["inputs"]["data"].startswith("sha256:")
+    assert m["metrics"]["examples"] == 100
+    # rerun after editing the data file: not up to date any more
+    r = run_cli("sft", "--data", str(data), "--prompt-column", "q", "--completion-column", "a", "--out", str(out),
+                "--epochs", "2")
+    assert b"up to date" in r.stderr
+    data.write_text("\n".join(json.dumps(r) for r in rows[:50]))
+    r = run_cli("sft", "--data", str(data), "--prompt-column", "q", "--completion-column", "a", "--out", str(out),
+                "--epochs", "2")
+    assert r.returncode == 0 and b"up to date" not in r.stderr
+    assert json.loads((out / "rlkit.json").read_text())["metrics"]["examples"] == 50
+
+
+def test_every_recipe_runs_scaled_down(tmp_path):
+    """Users run recipes in their own CI; ours runs each one end to end with its small-size knobs."""
+    import subprocess
+
+    recipes = sorted((REPO / "recipes").glob("*.sh"))
+    assert recipes
+    env = {**os.environ, "RUNS": str(tmp_path / "runs"), "SFT_EXAMPLES": "3000", "EVAL_NUM": "40"}
+    for recipe in recipes:
+        r = subprocess.run(["bash", str(recipe)], capture_output=True, env=env, timeout=600, cwd=tmp_path)
+        assert r.returncode == 0, f"{recipe.name}: {r.stderr.decode()[-2000:]}"
+        assert Path(tmp_path / "runs").exists()
