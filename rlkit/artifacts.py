@@ -52,6 +52,8 @@ def _f(name: str, typ: pa.DataType, nullable: bool = False) -> pa.Field:
 class TableKind:
     """One table kind: its versioned schema and the command that produces it.
 
+    Written tables carry every field (optional ones as nullable columns); readers require only
+    `fields`, so plain tables made by other tools need just the columns a stage uses.
     ``prefixes`` are families of dynamic columns, e.g. ``reward/<component>`` (float64), so that
     verifier and reward-model scores travel as named components side by side.
     """
@@ -65,7 +67,7 @@ class TableKind:
 
     def schema(self, extra: Sequence[pa.Field] = (), manifest: Mapping[str, Any] | None = None) -> pa.Schema:
         meta = {SCHEMA_KEY: json.dumps(manifest, sort_keys=True).encode()} if manifest else None
-        return pa.schema([*self.fields, *extra], metadata=meta)
+        return pa.schema([*self.fields, *self.optional, *extra], metadata=meta)
 
 
 _ROLLOUT_FIELDS = (

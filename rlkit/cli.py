@@ -58,10 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     debug = os.environ.get("RLKIT_DEBUG", "") not in ("", "0") or "--debug" in args
     args = [a for a in args if a != "--debug"]
     signal.signal(signal.SIGTERM, _on_sigterm)
-    err = click.get_text_stream("stderr")
+    err = sys.stderr
     try:
         rv = app(args=args, prog_name="rlkit", standalone_mode=False)
-        return rv if isinstance(rv, int) else 0
+        rv = rv if isinstance(rv, int) else 0
+        if rv == 130:  # typer turns Ctrl-C (and our SIGTERM) into Exit(130), which click returns
+            print("rlkit: interrupted; nothing was written to --out", file=err)
+        return rv
     except click.exceptions.Exit as e:
         return e.exit_code
     except click.ClickException as e:

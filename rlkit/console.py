@@ -13,11 +13,11 @@ err = Console(stderr=True, highlight=False)
 
 
 def info(msg: str) -> None:
-    err.print(msg)
+    err.print(msg, soft_wrap=True)  # one log line stays one line, whatever the width
 
 
 def warn(msg: str) -> None:
-    err.print(f"[bold yellow]warning:[/] {msg}")
+    err.print(f"[bold yellow]warning:[/] {msg}", soft_wrap=True)
 
 
 class _Ticker:
@@ -40,7 +40,7 @@ class _Ticker:
         now = time.monotonic()
         if now - self._last >= self._every or self._done >= self.total:
             self._last = now
-            err.print(f"{self._desc}: {self._done}/{self.total} [{now - self._t0:.1f}s] {self._fields}")
+            err.print(f"{self._desc}: {self._done}/{self.total} [{now - self._t0:.1f}s] {self._fields}", soft_wrap=True)
 
 
 @contextmanager

@@ -30,7 +30,7 @@ class Source:
     chat: bool  # prompts come from a `messages` column through the chat template
 
 
-def _read_any(source: str) -> tuple[pa.Table, str, bool]:
+def _read_any(source: str) -> tuple[pa.Table | None, str, bool]:
     """(table, fingerprint, is_rlkit_table) for a file path or a datasets spec."""
     p = Path(source)
     if p.exists():
@@ -39,7 +39,7 @@ def _read_any(source: str) -> tuple[pa.Table, str, bool]:
         suffix = p.suffix.lower()
         if suffix == ".arrow":
             if artifacts.read_manifest(p) is not None:
-                return pa.Table.from_batches([]), "", True
+                return None, "", True
             import datasets
 
             try:

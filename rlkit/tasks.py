@@ -11,9 +11,10 @@ hash of the prompt text), so a held-out prompt can never be drawn for training, 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from rlkit.errors import RlkitError
@@ -90,29 +91,31 @@ class Arithmetic:
     def problem_space(self) -> int:
         return sum((self.max_operand + 1) ** k for k in range(self.min_terms, self.max_terms + 1))
 
-    def examples(self, split: str, n: int, seed: int, unique: bool = False) -> list[Example]:
-        """`n` problems of `split`, deterministic in `seed`. Held-out sets are always unique."""
+    def iter_examples(self, split: str, seed: int, unique: bool = False) -> Iterator[Example]:
+        """Endless problems of `split`, deterministic in `seed`. Held-out ones are always unique."""
         if split not in SPLITS:
             raise RlkitError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
         unique = unique or split == "heldout"
         want_heldout = split == "heldout"
         rng = random.Random(f"{self.spec}|{split}|{seed}")
-        out: list[Example] = []
         seen: set[str] = set()
-        tries = 0
-        while len(out) < n:
-            tries += 1
-            if tries > 200 * n + 10_000:
-                raise RlkitError(
-                    f"task {self.spec}: cannot draw {n} distinct {split} prompts (problem space {self.problem_space()}); "
-                    "ask for fewer or widen the task"
-                )
+        misses, i = 0, 0
+        while True:
             prompt, answer = self._problem(rng)
             if _heldout(prompt, self.heldout_fraction) != want_heldout or (unique and prompt in seen):
+                misses += 1
+                if misses > 10_000 + 200 * i:
+                    raise RlkitError(
+                        f"task {self.spec}: ran out of distinct {split} prompts after {i} "
+                        f"(problem space {self.problem_space()}); ask for fewer or widen the task"
+                    )
                 continue
             seen.add(prompt)
-            out.append(Example(f"{split}-{seed}-{len(out)}", prompt, answer, split))
-        return out
+            yield Example(f"{split}-{seed}-{i}", prompt, answer, split)
+            i += 1
+
+    def examples(self, split: str, n: int, seed: int, unique: bool = False) -> list[Example]:
+        return list(itertools.islice(self.iter_examples(split, seed, unique), n))
 
     def completion(self, ex: Example) -> str:
         """The SFT target for an example (the eos token is appended by the tokenization step)."""

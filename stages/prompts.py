@@ -37,11 +37,12 @@ def run(cfg: PromptsConfig) -> Path | None:
     artifacts.check_out(out, "table")
     if artifacts.skip_if_current(out, "prompts", cfg, {}):
         return out
-    examples = task.examples(cfg.split, cfg.num, cfg.seed)
+    import itertools
+
+    examples = itertools.islice(task.iter_examples(cfg.split, cfg.seed), cfg.num)
     kind = "sft" if cfg.sft else "prompts"
     with artifacts.write_table(kind, out, artifacts.make_manifest(kind, "prompts", cfg, {})) as w:
-        for i in range(0, len(examples), 1024):
-            chunk = examples[i : i + 1024]
+        while chunk := list(itertools.islice(examples, 4096)):
             cols = {
                 "prompt_id": [e.prompt_id for e in chunk],
                 "prompt": [e.prompt for e in chunk],

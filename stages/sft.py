@@ -29,14 +29,14 @@ class SftConfig:
     data: str | None = None
     prompt_column: str = "prompt"
     completion_column: str = "completion"
-    num_examples: int = 40_000
+    num_examples: int = 30_000
     epochs: int = 1
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup: float = 0.05
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    batch_tokens: int = 1024
+    batch_tokens: int = 512
     max_len: int = 256
     eval_num: int = 300
     max_new_tokens: int = 16
@@ -80,7 +80,7 @@ def run(cfg: SftConfig) -> Path:
         cfg = replace(cfg, tiny=None)
     artifacts.check_out(cfg.out, "model")
     inputs = {}
-    if Path(cfg.model).exists():
+    if cfg.model != checkpoints.TINY and Path(cfg.model).exists():
         checkpoints.check_model_dir(Path(cfg.model), "base model")
         inputs["model"] = artifacts.fingerprint(cfg.model)
     source = None
@@ -134,7 +134,7 @@ def run(cfg: SftConfig) -> Path:
                                                            tokenizer.pad_token_id)
                 loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
                 if not torch.isfinite(loss):
-                    raise RlkitError(f"non-finite SFT loss at step {bar._done}; lower --lr (now {cfg.lr})")
+                    raise RlkitError(f"non-finite SFT loss at step {sched.last_epoch}; lower --lr (now {cfg.lr})")
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -142,7 +142,7 @@ def run(cfg: SftConfig) -> Path:
                 sched.step()
                 tokens += int(mask.sum())
                 ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
-                bar.advance(1, loss=ema, **{"tok/s": float(tokens / (time.monotonic() - t0))})
+                bar.advance(1, loss=ema, **{"tok/s": int(tokens / (time.monotonic() - t0))})
     train_s = time.monotonic() - t0
     metrics = {"train_loss": ema, "steps": total, "examples": len(ids), "tokens": tokens,
                "train_seconds": round(train_s, 2), "tokens_per_s": round(tokens / train_s, 1)}

@@ -2,6 +2,7 @@
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -77,8 +78,42 @@ def test_every_recipe_runs_scaled_down(tmp_path):
 
     recipes = sorted((REPO / "recipes").glob("*.sh"))
     assert recipes
-    env = {**os.environ, "RUNS": str(tmp_path / "runs"), "SFT_EXAMPLES": "3000", "EVAL_NUM": "40"}
+    env = {**os.environ, "RUNS": str(tmp_path / "runs"), "SFT_EXAMPLES": "3000", "EVAL_NUM": "40",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     for recipe in recipes:
         r = subprocess.run(["bash", str(recipe)], capture_output=True, env=env, timeout=600, cwd=tmp_path)
         assert r.returncode == 0, f"{recipe.name}: {r.stderr.decode()[-2000:]}"
         assert Path(tmp_path / "runs").exists()
+
+
+def test_a_local_hugging_face_model_with_chat_data(tmp_path):
+    """Not the tiny default: a Qwen2-architecture directory whose tokenizer has a chat template."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rlkit.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    base = tmp_path / "qwen-like"
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                                         bos_token_id=tok.bos_token_id))
+    model.save_pretrained(base)
+    tok.save_pretrained(base)
+    rows = [{"messages": [{"role": "user", "content": f"<{a}+{b}>="}, {"role": "assistant", "content": str(a + b)}],
+             "answer": str(a + b)} for a in range(10) for b in range(10)]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "sft"
+    r = run_cli("sft", "--model", str(base), "--data", str(data), "--out", str(out), "--epochs", "3")
+    assert r.returncode == 0, r.stderr
+    m = json.loads((out / "rlkit.json").read_text())
+    assert m["config"]["tiny"] is None and m["inputs"]["model"].startswith("sha256:")
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    # eval renders the same chat template over the messages column and scores the answer column
+    r = run_cli("eval", "--policy", str(out), "--prompts", str(data), "--num", "20", "--json")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["n_scored"] == 20 and res["samples"][0]["prompt"] == "<user><0+0>=\n<assistant>"

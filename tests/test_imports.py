@@ -5,6 +5,7 @@ import pkgutil
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -55,7 +56,7 @@ def test_every_command_has_help_for_every_option():
 
 
 def test_ruff_is_clean():
-    ruff = shutil.which("ruff")
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
     if ruff is None:
         pytest.skip("ruff not installed (it is in the dev extra)")
     r = subprocess.run([ruff, "check", "."], cwd=REPO, capture_output=True, text=True)

@@ -48,5 +48,5 @@ def test_spec_round_trips_and_bad_specs_fail():
 
 
 def test_too_many_unique_prompts_is_a_clear_error():
-    with pytest.raises(RlkitError, match="distinct"):
+    with pytest.raises(RlkitError, match="ran out of distinct heldout prompts"):
         get_task("arithmetic:terms=1-1,max=9").examples("heldout", 50, 0)
