@@ -7,7 +7,7 @@ set -euo pipefail
 RUNS=${RUNS:-runs/quickstart}
 SEED=${SEED:-0}
 TASK=${TASK:-arithmetic}
-SFT_EXAMPLES=${SFT_EXAMPLES:-30000}
+SFT_EXAMPLES=${SFT_EXAMPLES:-24000}
 EVAL_NUM=${EVAL_NUM:-300}
 REF_DTYPE=${REF_DTYPE:-bf16}
 

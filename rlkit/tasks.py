@@ -57,7 +57,7 @@ class Arithmetic:
 
     min_terms: int = 2
     max_terms: int = 4
-    max_operand: int = 9
+    max_operand: int = 19
     heldout_fraction: float = 0.1
     name: str = field(default="arithmetic", init=False)
     verifier: str = field(default="last-integer", init=False)

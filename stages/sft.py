@@ -29,9 +29,9 @@ class SftConfig:
     data: str | None = None
     prompt_column: str = "prompt"
     completion_column: str = "completion"
-    num_examples: int = 30_000
+    num_examples: int = 24_000
     epochs: int = 1
-    lr: float = 3e-3
+    lr: float = 1e-3
     min_lr_ratio: float = 0.1
     warmup: float = 0.05
     weight_decay: float = 0.01

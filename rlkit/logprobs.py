@@ -1,0 +1,76 @@
+"""Per-token log-probs, memory-lean: gather the sampled token's log-prob without a second
+full-vocabulary tensor.
+
+`log_softmax(logits).gather(targets)` allocates another (B, T, V) tensor; at a 150k vocabulary that
+doubles peak memory. Here each chunk of positions computes `logit[target] - logsumexp(logits)`, so the
+only full-vocabulary temporaries are (B, chunk, V).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+def gather_logprobs(logits: Tensor, targets: Tensor, chunk: int = 256, temperature: float = 1.0,
+                    with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """log pi(target) per position and optionally the entropy of pi.
+
+    logits (B, T, V) any float dtype; targets (B, T) long -> (B, T) float32 (and (B, T) float32).
+    Differentiable. `temperature` divides the logits first (the sampling distribution).
+    """
+    B, T, _ = logits.shape
+    outs, ents = [], []
+    for s in range(0, T, chunk):
+        lg = logits[:, s : s + chunk].float()
+        if temperature != 1.0:
+            lg = lg / temperature
+        lse = torch.logsumexp(lg, dim=-1)
+        outs.append(lg.gather(-1, targets[:, s : s + chunk].unsqueeze(-1)).squeeze(-1) - lse)
+        if with_entropy:
+            with torch.no_grad():
+                p = torch.softmax(lg, dim=-1)
+                ents.append(lse - (p * lg).sum(-1))
+    lp = torch.cat(outs, dim=1) if outs else logits.new_zeros((B, 0), dtype=torch.float32)
+    return lp, (torch.cat(ents, dim=1) if with_entropy and ents else None)
+
+
+def pack_sequences(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], pad_id: int):
+    """Right-padded prompt+completion batch for scoring completion tokens.
+
+    -> input_ids (B, L), attention_mask (B, L), targets (B, C), completion_mask (B, C), start (B,)
+    where targets[b, t] is completion token t of row b, predicted by the logits at position
+    start[b] + t (start = prompt length - 1), and C is the longest completion.
+    """
+    B = len(prompt_ids)
+    L = max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids, strict=True))
+    C = max((len(c) for c in completion_ids), default=0)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, L), dtype=torch.long)
+    targets = torch.full((B, C), pad_id, dtype=torch.long)
+    cmask = torch.zeros((B, C), dtype=torch.bool)
+    start = torch.zeros(B, dtype=torch.long)
+    for b, (p, c) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
+        seq = [*p, *c]
+        input_ids[b, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attn[b, : len(seq)] = 1
+        targets[b, : len(c)] = torch.tensor(list(c), dtype=torch.long)
+        cmask[b, : len(c)] = True
+        start[b] = len(p) - 1
+    return input_ids, attn, targets, cmask, start
+
+
+def completion_logprobs(model, input_ids: Tensor, attn: Tensor, targets: Tensor, start: Tensor,
+                        temperature: float = 1.0, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """(B, C) log-probs of the completion tokens under `model` (and entropies), from one forward pass.
+
+    Only the completion positions' logits reach the log-prob computation: (B, C, V), not (B, L, V).
+    """
+    C = targets.shape[1]
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attn).last_hidden_state  # (B, L, H)
+    idx = (start.unsqueeze(1) + torch.arange(C, device=start.device).unsqueeze(0)).clamp(max=input_ids.shape[1] - 1)
+    h = hidden.gather(1, idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # (B, C, H)
+    logits = model.get_output_embeddings()(h)  # (B, C, V)
+    return gather_logprobs(logits, targets, temperature=temperature, with_entropy=with_entropy)
