@@ -265,14 +265,28 @@ def _tmp_sibling(out: Path, tag: str) -> Path:
     return out.parent / f".{out.name}.{tag}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
+@contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM for a few syscalls, so a rename pair is never cut in half."""
+    import signal
+
+    held = {signal.SIGINT, signal.SIGTERM}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def _swap_into_place(tmp: Path, out: Path) -> None:
-    if out.is_dir():
-        old = _tmp_sibling(out, "old")
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
+    with _signals_deferred():
+        if out.is_dir():
+            old = _tmp_sibling(out, "old")
+            os.rename(out, old)
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
 
 
 @contextmanager
@@ -284,8 +298,8 @@ def atomic_dir(out: Path) -> Iterator[Path]:
     """
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_sibling(out, "tmp")
-    tmp.mkdir()
     try:
+        tmp.mkdir()
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -324,9 +338,15 @@ class TableWriter:
             self._sink: BinaryIO = sys.stdout.buffer
         else:
             out.parent.mkdir(parents=True, exist_ok=True)
-            self._tmp = _tmp_sibling(out, "tmp")
-            self._sink = open(self._tmp, "wb")  # noqa: SIM115 (closed in close/abort)
-        self._writer = pa.ipc.new_stream(self._sink, self.schema)
+            tmp = _tmp_sibling(out, "tmp")
+            with _signals_deferred():  # the file and self._tmp come into being together
+                self._sink = open(tmp, "wb")  # noqa: SIM115 (closed in close/abort)
+                self._tmp = tmp
+        try:
+            self._writer = pa.ipc.new_stream(self._sink, self.schema)
+        except BaseException:
+            self.abort()
+            raise
 
     def write(self, columns: Mapping[str, Sequence[Any]] | pa.RecordBatch) -> None:
         batch = columns if isinstance(columns, pa.RecordBatch) else self._batch(columns)
@@ -361,7 +381,7 @@ class TableWriter:
         """Leave no file behind; on stdout, stop without the end marker so the reader fails."""
         if self._tmp is not None:
             self._sink.close()
-            self._tmp.unlink(missing_ok=True)
+            self._tmp.unlink(missing_ok=True)  # after close() renamed it, this is a no-op
         else:
             try:
                 self._sink.flush()
@@ -375,10 +395,10 @@ def write_table(kind_name: str, out: Path | None, manifest: Mapping[str, Any],
     w = TableWriter(kind_name, out, manifest, extra)
     try:
         yield w
+        w.close()
     except BaseException:
         w.abort()
         raise
-    w.close()
 
 
 # ---------------------------------------------------------------------------------------------

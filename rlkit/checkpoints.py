@@ -71,15 +71,20 @@ def safetensors_summary(d: Path) -> dict[str, Any]:
 
 def save_model(model, tokenizer, tmp: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     """Save into `tmp` (an `atomic_dir`), hash the weights and write the manifest; returns it."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
+    _quiet_transformers()
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     per_file, digest = hash_weights(tmp)
     manifest = {**manifest, "weights_sha256": per_file, "weights_digest": digest}
     (tmp / MODEL_MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
+
+
+def _quiet_transformers() -> None:
+    """No per-load progress bars on stderr: stages print their own one-line summaries."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def load_tokenizer(src: str | Path, trust_remote_code: bool = False):
@@ -98,6 +103,7 @@ def load_policy(src: str | Path, dtype: str = "fp32", trust_remote_code: bool = 
     import torch
     from transformers import AutoModelForCausalLM
 
+    _quiet_transformers()
     p = Path(src)
     if p.exists() or str(src).startswith((".", "/")):
         check_model_dir(p, "policy")
@@ -139,6 +145,7 @@ def load_reference(d: Path, device: str = "cpu", trust_remote_code: bool = False
     from transformers import AutoModelForCausalLM
 
     m = verify_reference(d)
+    _quiet_transformers()
     model = AutoModelForCausalLM.from_pretrained(
         str(d), dtype=getattr(torch, DTYPES[m["config"]["dtype"]]), trust_remote_code=trust_remote_code,
         use_safetensors=True,
@@ -146,3 +153,10 @@ def load_reference(d: Path, device: str = "cpu", trust_remote_code: bool = False
     model.eval()
     model.requires_grad_(False)
     return model, load_tokenizer(d, trust_remote_code), m
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Identity of a tokenizer's id mapping: same vocabulary and special tokens -> same string."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    special = sorted((k, str(v)) for k, v in tokenizer.special_tokens_map.items())
+    return "tok:" + hashlib.sha256(json.dumps([vocab, special]).encode()).hexdigest()[:16]

@@ -17,7 +17,7 @@ import typer
 from rlkit import __version__
 from rlkit.errors import RlkitError
 from rlkit.stages import eval as eval_stage
-from rlkit.stages import freeze_ref, inspect, prompts, sft
+from rlkit.stages import freeze_ref, inspect, prompts, rollout, score_ref, sft, update
 
 app = typer.Typer(
     name="rlkit",
@@ -31,6 +31,9 @@ app = typer.Typer(
 app.command("prompts")(prompts.command)
 app.command("sft")(sft.command)
 app.command("freeze-ref")(freeze_ref.command)
+app.command("rollout")(rollout.command)
+app.command("score-ref")(score_ref.command)
+app.command("update")(update.command)
 app.command("eval")(eval_stage.command)
 app.command("inspect")(inspect.command)
 

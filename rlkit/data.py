@@ -118,7 +118,8 @@ def render_prompts(tokenizer, source: Source, for_sft: bool) -> list[str]:
         )
     out = []
     for msgs in source.table.column("messages").to_pylist():
-        turns = msgs[:-1] if for_sft else msgs
+        # the final assistant turn is the completion (SFT) or the reference answer (eval): never in the prompt
+        turns = msgs[:-1] if msgs and (for_sft or msgs[-1].get("role") == "assistant") else msgs
         out.append(tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False))
     return out
 

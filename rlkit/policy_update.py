@@ -1,0 +1,229 @@
+"""One RL update on one rollout batch, in memory: the loop `rlkit update` runs between loading a
+checkpoint and saving the next. Kept apart from the stage so that N sequential `update` processes
+can be checked against one process doing the same N updates.
+
+The math comes from the pure modules: `advantages`, `kl`, `losses`, `logprobs`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from rlkit.advantages import ADVANTAGES, degenerate_groups
+from rlkit.errors import RlkitError
+from rlkit.kl import KL_ESTIMATORS
+from rlkit.logprobs import completion_logprobs, pack_sequences
+from rlkit.losses import AGGREGATIONS, clipped_surrogate
+from rlkit.rl_config import RLConfig
+
+TRAINER_DIR = "trainer"
+
+
+class RLBatch(NamedTuple):
+    """A rollout batch as tensors. N sequences, L = longest prompt+completion, C = longest completion."""
+
+    input_ids: Tensor  # (N, L) long, right-padded
+    attn: Tensor  # (N, L)
+    targets: Tensor  # (N, C) completion tokens
+    mask: Tensor  # (N, C) bool, True on completion tokens
+    start: Tensor  # (N,) position whose logits predict completion token 0
+    old_logp: Tensor  # (N, C) pi_old, logged at rollout
+    ref_logp: Tensor | None  # (N, C) pi_ref from score-ref, or None
+    rewards: Tensor  # (N,) combined reward
+    groups: Tensor  # (N,) group ids
+
+
+def _padded(rows: list[list[float]], C: int) -> Tensor:
+    out = torch.zeros((len(rows), C), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
+    return out
+
+
+def combine_rewards(columns: dict[str, list[float]], weights: dict[str, float] | None) -> tuple[Tensor, dict[str, float]]:
+    """Weighted sum of reward components (default: each present component with weight 1)."""
+    if not columns:
+        raise RlkitError("the input has no reward/<component> columns; sample with a task that has a verifier")
+    w = dict(weights) if weights else {name: 1.0 for name in columns}
+    missing = sorted(set(w) - set(columns))
+    if missing:
+        raise RlkitError(f"--reward names {missing}, but the input only has components {sorted(columns)}")
+    total = torch.zeros(len(next(iter(columns.values()))), dtype=torch.float64)
+    for name, weight in w.items():
+        vals = torch.tensor([math.nan if v is None else v for v in columns[name]], dtype=torch.float64)
+        if torch.isnan(vals).any():
+            raise RlkitError(f"reward component {name!r} has missing values")
+        total += weight * vals
+    return total.float(), w
+
+
+def build_batch(table, pad_id: int, weights: dict[str, float] | None = None) -> tuple[RLBatch, dict[str, float]]:
+    """Tensors from a rollouts/scored Arrow table."""
+    prompts = table.column("prompt_ids").to_pylist()
+    comps = table.column("completion_ids").to_pylist()
+    old = table.column("old_logprobs").to_pylist()
+    for i, (c, o) in enumerate(zip(comps, old, strict=True)):
+        if len(c) != len(o):
+            raise RlkitError(f"row {i}: {len(c)} completion tokens but {len(o)} old log-probs; the rollouts table is corrupt")
+    ids, attn, targets, mask, start = pack_sequences(prompts, comps, pad_id)
+    C = targets.shape[1]
+    ref = None
+    if "ref_logprobs" in table.column_names:
+        ref = _padded(table.column("ref_logprobs").to_pylist(), C)
+    reward_cols = {n.split("/", 1)[1]: table.column(n).to_pylist() for n in table.column_names if n.startswith("reward/")}
+    rewards, used = combine_rewards(reward_cols, weights)
+    groups = torch.tensor(table.column("group_id").to_pylist(), dtype=torch.long)
+    return RLBatch(ids, attn, targets, mask, start, _padded(old, C), ref, rewards, groups), used
+
+
+def make_optimizer(model, cfg: RLConfig) -> torch.optim.AdamW:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(0.9, 0.99), eps=1e-8,
+    )
+
+
+@dataclass
+class TrainerState:
+    """What carries over between `update` processes besides the weights."""
+
+    optimizer_step: int = 0
+    updates: int = 0
+
+    def lr_factor(self, warmup: int) -> float:
+        return min(1.0, (self.optimizer_step + 1) / warmup) if warmup > 0 else 1.0
+
+
+def save_trainer(model, opt: torch.optim.Optimizer, state: TrainerState, d: Path) -> None:
+    """AdamW moments and step per parameter name, the step counter and the torch RNG: safetensors + JSON."""
+    from safetensors.torch import save_file
+
+    d.mkdir(parents=True, exist_ok=True)
+    tensors = {"rng/torch": torch.get_rng_state()}
+    for name, p in model.named_parameters():
+        st = opt.state.get(p)
+        if st:
+            for k in ("exp_avg", "exp_avg_sq"):
+                tensors[f"{name}/{k}"] = st[k].detach().contiguous()
+            tensors[f"{name}/step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1)
+    save_file(tensors, str(d / "optimizer.safetensors"))
+    (d / "state.json").write_text(json.dumps({"optimizer_step": state.optimizer_step, "updates": state.updates}) + "\n")
+
+
+def load_trainer(model, opt: torch.optim.Optimizer, d: Path) -> TrainerState:
+    """Restore what `save_trainer` wrote; a checkpoint without it (an SFT model) starts fresh."""
+    from safetensors.torch import load_file
+
+    if not (d / "optimizer.safetensors").is_file():
+        return TrainerState()
+    tensors = load_file(str(d / "optimizer.safetensors"))
+    for name, p in model.named_parameters():
+        if f"{name}/exp_avg" in tensors:
+            opt.state[p] = {"step": tensors[f"{name}/step"].reshape(()).clone(),
+                            "exp_avg": tensors[f"{name}/exp_avg"].to(p.dtype),
+                            "exp_avg_sq": tensors[f"{name}/exp_avg_sq"].to(p.dtype)}
+    torch.set_rng_state(tensors["rng/torch"])
+    s = json.loads((d / "state.json").read_text())
+    return TrainerState(optimizer_step=s["optimizer_step"], updates=s["updates"])
+
+
+def train_on_batch(model, opt: torch.optim.Optimizer, state: TrainerState, batch: RLBatch, cfg: RLConfig,
+                   temperature: float = 1.0, length_norm: float | None = None, ticker=None) -> dict[str, Any]:
+    """Advantages, then `epochs` passes of shuffled minibatches of the clipped surrogate (+ KL term)."""
+    t0 = time.monotonic()
+    kl_fn, agg = KL_ESTIMATORS[cfg.kl_estimator], AGGREGATIONS[cfg.aggregation]
+    mask = batch.mask
+    if cfg.beta > 0 and batch.ref_logp is None:
+        raise RlkitError("--beta > 0 needs reference log-probs: pipe the rollouts through `rlkit score-ref --ref REF` "
+                         "(or pass --beta 0)")
+    rewards = batch.rewards
+    metrics: dict[str, Any] = {}
+    if batch.ref_logp is not None:
+        kl_tok = kl_fn(batch.old_logp, batch.ref_logp) * mask
+        metrics["kl_per_token"] = float(kl_tok.sum() / mask.sum().clamp(min=1))
+        metrics["kl_per_seq"] = float(kl_tok.sum(1).mean())
+        if cfg.kl_in == "reward" and cfg.beta > 0:
+            rewards = rewards - cfg.beta * kl_tok.sum(1)
+    adv = ADVANTAGES[cfg.algo](rewards, batch.groups)
+    degen, n_degen, n_groups = degenerate_groups(batch.rewards, batch.groups)
+    keep = torch.arange(len(adv))
+    if cfg.drop_degenerate:
+        keep = keep[~degen]
+    metrics.update(degenerate_group_fraction=n_degen / max(1, n_groups), sequences=len(adv),
+                   sequences_trained=len(keep))
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + state.updates)
+    clip_n = tok_n = 0
+    ratio_min, ratio_max, ratio_sum = math.inf, -math.inf, 0.0
+    ent_sum = ent_n = 0.0
+    grad_norms, losses = [], []
+    model.train()
+    tokens = 0
+    for epoch in range(cfg.epochs):
+        order = keep[torch.randperm(len(keep), generator=gen)]
+        for s in range(0, len(order), cfg.minibatch_size):
+            idx = order[s : s + cfg.minibatch_size]
+            L = int(batch.attn[idx].sum(1).max())
+            C = int(batch.mask[idx].sum(1).max())
+            m = batch.mask[idx, :C]
+            logp, ent = completion_logprobs(model, batch.input_ids[idx, :L], batch.attn[idx, :L], batch.targets[idx, :C],
+                                            batch.start[idx], temperature=temperature, with_entropy=epoch == 0)
+            pg, clipped, ratio = clipped_surrogate(logp, batch.old_logp[idx, :C], adv[idx], cfg.clip_low, cfg.clip_high)
+            per_tok = pg
+            if cfg.beta > 0 and cfg.kl_in == "loss":
+                per_tok = per_tok + cfg.beta * kl_fn(logp, batch.ref_logp[idx, :C])
+            loss = agg(per_tok, m, length_norm)
+            if not torch.isfinite(loss):
+                raise RlkitError(f"non-finite loss at optimizer step {state.optimizer_step}; nothing was written "
+                                 f"(lower --lr, now {cfg.lr})")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            if not torch.isfinite(gn):
+                raise RlkitError(f"non-finite gradient at optimizer step {state.optimizer_step}; nothing was written")
+            for g in opt.param_groups:
+                g["lr"] = cfg.lr * state.lr_factor(cfg.warmup_steps)
+            opt.step()
+            state.optimizer_step += 1
+            with torch.no_grad():
+                r = ratio[m]
+                clip_n += int(clipped[m].sum())
+                tok_n += int(m.sum())
+                ratio_min, ratio_max = min(ratio_min, float(r.min())), max(ratio_max, float(r.max()))
+                ratio_sum += float(r.sum())
+                if ent is not None:
+                    ent_sum += float(ent[m].sum())
+                    ent_n += int(m.sum())
+            tokens += int(batch.attn[idx, :L].sum())
+            grad_norms.append(float(gn))
+            losses.append(loss.item())
+            if ticker is not None:
+                ticker.advance(1, loss=losses[-1])
+    state.updates += 1
+    secs = time.monotonic() - t0
+    lengths = mask.sum(1).float()
+    metrics.update(
+        loss=sum(losses) / max(1, len(losses)),
+        optimizer_steps=len(losses),
+        clip_fraction=clip_n / max(1, tok_n),
+        ratio_min=ratio_min if tok_n else None, ratio_max=ratio_max if tok_n else None,
+        ratio_mean=ratio_sum / max(1, tok_n),
+        entropy=ent_sum / ent_n if ent_n else None,
+        grad_norm=sum(grad_norms) / max(1, len(grad_norms)),
+        advantage_abs_mean=float(adv.abs().mean()),
+        mean_response_tokens=float(lengths.mean()),
+        train_seconds=round(secs, 3),
+        tokens_per_s=round(tokens / secs, 1) if secs > 0 else None,
+    )
+    return metrics

@@ -1,0 +1,51 @@
+"""The knobs of one RL update, importable without torch (so `rlkit --help` stays light)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Loss aggregation each algorithm uses unless --loss-agg says otherwise.
+ALGO_AGG = {"grpo": "token-mean", "dr-grpo": "seq-mean-token-sum-norm", "rloo": "token-mean",
+            "reinforce-pp": "token-mean"}
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    """The knobs of one update; the stage's config carries these plus I/O paths."""
+
+    algo: str = "grpo"
+    lr: float = 2e-4
+    epochs: int = 2
+    minibatch_size: int = 128
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    beta: float = 0.01
+    kl_estimator: str = "k3"
+    kl_in: str = "loss"
+    loss_agg: str | None = None  # None: the algorithm's default (ALGO_AGG)
+    drop_degenerate: bool = False
+    grad_clip: float = 1.0
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    seed: int = 0
+
+    def check(self) -> None:
+        from rlkit.advantages import ADVANTAGES
+        from rlkit.errors import RlkitError
+        from rlkit.kl import KL_ESTIMATORS
+        from rlkit.losses import AGGREGATIONS
+
+        if self.algo not in ADVANTAGES:
+            raise RlkitError(f"--algo {self.algo!r} is not one of {', '.join(ADVANTAGES)}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise RlkitError(f"--kl-estimator {self.kl_estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
+        if self.kl_in not in ("loss", "reward"):
+            raise RlkitError(f"--kl-in {self.kl_in!r} is not one of loss, reward")
+        if self.loss_agg is not None and self.loss_agg not in AGGREGATIONS:
+            raise RlkitError(f"--loss-agg {self.loss_agg!r} is not one of {', '.join(AGGREGATIONS)}")
+        if self.beta < 0 or self.lr <= 0 or self.clip_low < 0 or self.clip_high < 0:
+            raise RlkitError("--beta, --clip-low and --clip-high must be >= 0 and --lr > 0")
+
+    @property
+    def aggregation(self) -> str:
+        return self.loss_agg or ALGO_AGG[self.algo]

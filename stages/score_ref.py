@@ -1,0 +1,109 @@
+"""`rlkit score-ref`: the forward-only scorer; adds the frozen reference's log-prob of every completion
+token (pi_ref) to a rollouts table.
+
+Reads a rollouts table (stdin or --in) and a reference made by `freeze-ref`, whose weights hash is
+verified before use. Writes a 'scored' table: the input rows, in input order, plus `ref_logprobs`.
+Rows are bucketed by length within each incoming batch to cut padding, and each batch is written as
+soon as it is scored, so the stage streams. Log-probs use the rollout's sampling temperature, like
+pi_old, and are gathered without a second full-vocabulary tensor (`rlkit.logprobs`).
+
+The reference must share the policy's tokenizer (the rollouts record its fingerprint). Reward models
+(RLHF) plug into the same scorer pattern: a forward pass per bucket, one column per model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from rlkit.options import Force, InTable, OutTable, TrustRemoteCode
+
+
+@dataclass(frozen=True)
+class ScoreRefConfig:
+    ref: Path
+    inp: str | None = None
+    out: Path | None = None
+    device: str = "cpu"
+    batch_tokens: int = 16384
+    trust_remote_code: bool = False
+    force: bool = False
+
+
+def score_batch(model, batch, pad_id: int, temperature: float, batch_tokens: int) -> list[list[float]]:
+    """Reference log-probs for every row of a record batch, in row order."""
+    import torch
+
+    from rlkit.data import token_batches
+    from rlkit.logprobs import completion_logprobs, pack_sequences
+
+    prompts = batch.column("prompt_ids").to_pylist()
+    comps = batch.column("completion_ids").to_pylist()
+    out: list[list[float] | None] = [None] * len(prompts)
+    device = next(model.parameters()).device
+    lengths = [len(p) + len(c) for p, c in zip(prompts, comps, strict=True)]
+    for idx in token_batches(lengths, batch_tokens):
+        ids, attn, targets, cmask, start = pack_sequences([prompts[i] for i in idx], [comps[i] for i in idx], pad_id)
+        with torch.no_grad():
+            lp, _ = completion_logprobs(model, ids.to(device), attn.to(device), targets.to(device), start.to(device),
+                                        temperature=temperature)
+        lp = lp.cpu()
+        for r, i in enumerate(idx):
+            out[i] = lp[r, : len(comps[i])].tolist()
+    return out  # type: ignore[return-value]
+
+
+def run(cfg: ScoreRefConfig) -> Path | None:
+    import pyarrow as pa
+
+    from rlkit import artifacts, checkpoints, console
+    from rlkit.errors import RlkitError
+
+    reader = artifacts.TableReader(cfg.inp, ["rollouts"])
+    out = artifacts.resolve_out(cfg.out)
+    artifacts.check_out(out, "table")
+    checkpoints.verify_reference(cfg.ref)
+    inputs = {"in": reader.fingerprint, "ref": artifacts.fingerprint(cfg.ref)}
+    if artifacts.skip_if_current(out, "score-ref", cfg, inputs):
+        return out
+    model, tokenizer, _ = checkpoints.load_reference(cfg.ref, cfg.device, cfg.trust_remote_code)
+    upstream = reader.manifest or {}
+    want = upstream.get("tokenizer")
+    if want and want != checkpoints.tokenizer_fingerprint(tokenizer):
+        raise RlkitError(
+            f"reference {cfg.ref} has a different tokenizer from the policy that sampled these rollouts "
+            f"({checkpoints.tokenizer_fingerprint(tokenizer)} vs {want}); freeze the reference from the same SFT checkpoint"
+        )
+    temperature = float((upstream.get("config") or {}).get("temperature", 1.0))
+    extra = [f for f in reader.schema if f.name.startswith("reward/")]
+    manifest = artifacts.make_manifest("scored", "score-ref", cfg, inputs, tokenizer=want,
+                                       rollout=upstream.get("config"), temperature=temperature)
+    lp_type = artifacts.kind("scored").schema().field("ref_logprobs").type
+    with artifacts.write_table("scored", out, manifest, extra) as w:
+        for batch in reader:
+            ref_lp = score_batch(model, batch, tokenizer.pad_token_id, temperature, cfg.batch_tokens)
+            cols = {name: batch.column(name) for name in batch.schema.names}
+            cols["ref_logprobs"] = pa.array(ref_lp, lp_type)
+            w.write(pa.record_batch([cols[f.name] if f.name in cols else pa.nulls(batch.num_rows, f.type)
+                                     for f in w.schema], schema=w.schema))
+        if reader.rows == 0:
+            raise RlkitError(f"{reader.label}: the rollouts table has no rows")
+    console.info(f"score-ref: {reader.rows} rows scored by {cfg.ref}")
+    return out
+
+
+def command(
+    ref: Annotated[Path, typer.Option("--ref", help="Frozen reference directory (made by `rlkit freeze-ref`).")],
+    inp: InTable = None,
+    out: OutTable = None,
+    device: Annotated[str, typer.Option(help="Device for the reference: cpu, cuda, cuda:1, ...")] = "cpu",
+    batch_tokens: Annotated[int, typer.Option(min=16, help="Token budget per forward batch.")] = 16384,
+    trust_remote_code: TrustRemoteCode = False,
+    force: Force = False,
+) -> None:
+    """Add the frozen reference's per-token log-probs to a rollouts table (streams)."""
+    run(ScoreRefConfig(ref=ref, inp=inp, out=out, device=device, batch_tokens=batch_tokens,
+                       trust_remote_code=trust_remote_code, force=force))

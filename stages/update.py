@@ -1,0 +1,164 @@
+"""`rlkit update`: one policy-gradient update of the policy on one rollout batch.
+
+Reads a policy checkpoint and a rollouts table (or a 'scored' one, with reference log-probs, from
+`score-ref`) on stdin or --in. Writes the next checkpoint: weights, `rlkit.json` (step + 1, metrics)
+and `trainer/` (AdamW moments and step counter as safetensors, state as JSON), which the next
+`update` resumes, so N sequential processes equal one process doing N updates.
+
+Advantages come from a registry (grpo, dr-grpo, rloo, reinforce-pp); the loss is PPO's clipped
+surrogate on pi_theta / pi_old with asymmetric clipping, run for --epochs passes of --minibatch-size
+sequences, so one rollout batch feeds many optimizer steps. The KL leash to pi_ref (never pi_old) is
+a loss term or a reward penalty. Metrics go to the screen, the manifest and --metrics FILE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from rlkit.options import Force, InTable, OutDir, PolicyDir, TrustRemoteCode
+from rlkit.rl_config import RLConfig
+
+
+@dataclass(frozen=True)
+class UpdateConfig:
+    policy: Path
+    out: Path
+    inp: str | None = None
+    rl: RLConfig = field(default_factory=RLConfig)
+    reward: tuple[str, ...] = ()  # NAME=WEIGHT; empty: every component with weight 1
+    metrics: Path | None = None
+    trust_remote_code: bool = False
+    force: bool = False
+
+
+def parse_weights(specs: tuple[str, ...]) -> dict[str, float] | None:
+    from rlkit.errors import RlkitError
+
+    if not specs:
+        return None
+    out = {}
+    for s in specs:
+        name, eq, w = s.partition("=")
+        try:
+            out[name.strip()] = float(w)
+        except ValueError:
+            eq = ""
+        if not eq or not name.strip():
+            raise RlkitError(f"--reward {s!r}: expected NAME=WEIGHT, e.g. verifier=1.0")
+    return out
+
+
+def run(cfg: UpdateConfig) -> Path:
+    import json
+
+    from rlkit import artifacts, checkpoints, console, policy_update
+    from rlkit.errors import RlkitError
+
+    cfg.rl.check()
+    weights = parse_weights(cfg.reward)
+    checkpoints.check_model_dir(cfg.policy, "policy")
+    artifacts.check_out(cfg.out, "model")
+    reader = artifacts.TableReader(cfg.inp, ["rollouts", "scored"])
+    if cfg.rl.beta > 0 and reader.kind == "rollouts":
+        raise RlkitError("--beta > 0 needs reference log-probs, but the input has none: pipe the rollouts through "
+                         "`rlkit score-ref --ref REF` first (or pass --beta 0)")
+    inputs = {"policy": artifacts.fingerprint(cfg.policy), "in": reader.fingerprint}
+    if artifacts.skip_if_current(cfg.out, "update", cfg, inputs):
+        return cfg.out
+    table = reader.read_all()
+    for col in ("prompt_ids", "completion_ids", "old_logprobs"):
+        if table.column(col).null_count:
+            raise RlkitError(f"{reader.label}: column '{col}' has missing values; rollouts need token ids and log-probs")
+    model, tokenizer = checkpoints.load_policy(cfg.policy, "fp32", cfg.trust_remote_code)
+    upstream = reader.manifest or {}
+    want = upstream.get("tokenizer")
+    if want and want != checkpoints.tokenizer_fingerprint(tokenizer):
+        raise RlkitError(f"policy {cfg.policy} has a different tokenizer from the one that sampled these rollouts")
+    rollout_cfg = upstream.get("rollout") or upstream.get("config") or {}
+    temperature = float(upstream.get("temperature", rollout_cfg.get("temperature", 1.0)))
+    batch, used = policy_update.build_batch(table, tokenizer.pad_token_id, weights)
+    length_norm = float(rollout_cfg.get("max_new_tokens") or batch.targets.shape[1])  # Dr. GRPO's constant
+    if weights is None:
+        console.info("update: reward = " + " + ".join(f"1.0*{k}" for k in used) + " (set weights with --reward NAME=W)")
+    if any(p != inputs["policy"] for p in set(table.column("policy_fingerprint").to_pylist())):
+        console.warn("these rollouts were sampled from another checkpoint than --policy (off-policy); "
+                     "the pi_theta/pi_old ratio corrects for it, within the clip range")
+
+    opt = policy_update.make_optimizer(model, cfg.rl)
+    state = policy_update.load_trainer(model, opt, cfg.policy / policy_update.TRAINER_DIR)
+    steps = cfg.rl.epochs * -(-len(table) // cfg.rl.minibatch_size)
+    with console.progress("update", steps) as bar:
+        m = policy_update.train_on_batch(model, opt, state, batch, cfg.rl, temperature, length_norm, bar)
+    comps = {n.split("/", 1)[1]: table.column(n).to_pylist() for n in table.column_names if n.startswith("reward/")}
+    rew = batch.rewards
+    metrics = {
+        "step": checkpoints.policy_step(cfg.policy) + 1,
+        "reward_mean": float(rew.mean()),
+        "reward_std": float(rew.std()) if len(rew) > 1 else 0.0,
+        **{f"reward/{k}": sum(v) / len(v) for k, v in comps.items()},
+        **({"verifier_accuracy": sum(v == 1.0 for v in comps["verifier"]) / len(comps["verifier"])}
+           if "verifier" in comps else {}),
+        **m,
+    }
+    parent = checkpoints.load_manifest(cfg.policy) or {}
+    manifest = artifacts.make_manifest("model", "update", cfg, inputs, step=metrics["step"], metrics=metrics,
+                                       reward_weights=used, sft_root=parent.get("sft_root", str(cfg.policy)))
+    with artifacts.atomic_dir(cfg.out) as tmp:
+        checkpoints.save_model(model, tokenizer, tmp, manifest)
+        policy_update.save_trainer(model, opt, state, tmp / policy_update.TRAINER_DIR)
+    if cfg.metrics is not None:
+        with open(cfg.metrics, "a") as f:
+            f.write(json.dumps({"stage": "update", "out": str(cfg.out), **metrics}) + "\n")
+    _show(metrics)
+    return cfg.out
+
+
+def _show(metrics: dict) -> None:
+    from rich.table import Table
+
+    from rlkit import console
+
+    t = Table(title=f"update step {metrics['step']}", show_header=False)
+    keys = ("reward_mean", "reward_std", "verifier_accuracy", "kl_per_token", "kl_per_seq", "entropy",
+            "clip_fraction", "ratio_min", "ratio_mean", "ratio_max", "grad_norm", "mean_response_tokens",
+            "degenerate_group_fraction", "optimizer_steps", "tokens_per_s", "train_seconds")
+    for k in (*[k for k in metrics if k.startswith("reward/")], *keys):
+        v = metrics.get(k)
+        if v is not None:
+            t.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
+    console.err.print(t)
+
+
+def command(
+    policy: PolicyDir,
+    out: OutDir,
+    inp: InTable = None,
+    algo: Annotated[str, typer.Option(help="Advantage estimator: grpo, dr-grpo, rloo or reinforce-pp.")] = "grpo",
+    lr: Annotated[float, typer.Option(help="AdamW learning rate.")] = RLConfig.lr,
+    epochs: Annotated[int, typer.Option(min=1, help="Passes over the rollout batch.")] = RLConfig.epochs,
+    minibatch_size: Annotated[int, typer.Option(min=1, help="Sequences per optimizer step.")] = RLConfig.minibatch_size,
+    clip_low: Annotated[float, typer.Option(help="Ratio clip below 1: 1 - clip_low.")] = RLConfig.clip_low,
+    clip_high: Annotated[float, typer.Option(help="Ratio clip above 1: 1 + clip_high.")] = RLConfig.clip_high,
+    beta: Annotated[float, typer.Option(help="KL coefficient to the reference (0: no reference needed).")] = RLConfig.beta,
+    kl_estimator: Annotated[str, typer.Option(help="KL estimator: k1, k2 or k3.")] = RLConfig.kl_estimator,
+    kl_in: Annotated[str, typer.Option(help="Where the KL goes: loss (a loss term) or reward (a penalty).")] = RLConfig.kl_in,
+    loss_agg: Annotated[str | None, typer.Option(help="token-mean, seq-mean-token-mean or seq-mean-token-sum-norm (default: per --algo).")] = None,
+    drop_degenerate: Annotated[bool, typer.Option(help="Leave out groups whose rewards are all equal.")] = False,
+    reward: Annotated[list[str] | None, typer.Option(help="Reward component weight NAME=W (repeatable); default: sum of all components.")] = None,
+    grad_clip: Annotated[float, typer.Option(help="Gradient norm clip.")] = RLConfig.grad_clip,
+    warmup_steps: Annotated[int, typer.Option(min=0, help="Linear LR warmup over this many optimizer steps (counted across updates).")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the minibatch order.")] = 0,
+    metrics: Annotated[Path | None, typer.Option(help="Append this update's metrics as one JSON line to this file.")] = None,
+    trust_remote_code: TrustRemoteCode = False,
+    force: Force = False,
+) -> None:
+    """One clipped policy-gradient update (GRPO family) with a KL leash; writes the next checkpoint."""
+    rl = RLConfig(algo=algo, lr=lr, epochs=epochs, minibatch_size=minibatch_size, clip_low=clip_low, clip_high=clip_high,
+                  beta=beta, kl_estimator=kl_estimator, kl_in=kl_in, loss_agg=loss_agg, drop_degenerate=drop_degenerate,
+                  grad_clip=grad_clip, warmup_steps=warmup_steps, seed=seed)
+    run(UpdateConfig(policy=policy, out=out, inp=inp, rl=rl, reward=tuple(reward or ()), metrics=metrics,
+                     trust_remote_code=trust_remote_code, force=force))

@@ -1,0 +1,123 @@
+"""The RL math with hand-derived values, and the vectorised loss against a naive loop."""
+
+import math
+
+import pytest
+import torch
+
+from rlkit import advantages, kl, losses
+from rlkit.logprobs import gather_logprobs
+
+
+def test_gather_logprobs_matches_log_softmax_and_entropy():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 7, 11, generator=g)
+    targets = torch.randint(0, 11, (3, 7), generator=g)
+    for temp in (1.0, 0.7):
+        lp, ent = gather_logprobs(logits, targets, chunk=2, temperature=temp, with_entropy=True)
+        ref = torch.log_softmax(logits / temp, -1)
+        assert torch.allclose(lp, ref.gather(-1, targets.unsqueeze(-1)).squeeze(-1), atol=1e-6)
+        assert torch.allclose(ent, -(ref.exp() * ref).sum(-1), atol=1e-5)
+
+
+def test_kl_estimators_by_hand():
+    logp, ref = torch.tensor([[math.log(0.5)]]), torch.tensor([[math.log(0.25)]])
+    # log(pi/pi_ref) = log 2
+    assert kl.k1(logp, ref).item() == pytest.approx(math.log(2))
+    assert kl.k2(logp, ref).item() == pytest.approx(0.5 * math.log(2) ** 2)
+    # k3 = r - 1 - log r with r = pi_ref/pi = 0.5: 0.5 - 1 + log 2
+    assert kl.k3(logp, ref).item() == pytest.approx(-0.5 + math.log(2))
+    same = torch.randn(4, 5)
+    for f in kl.KL_ESTIMATORS.values():
+        assert torch.allclose(f(same, same), torch.zeros(4, 5))
+    assert (kl.k3(torch.randn(50), torch.randn(50)) >= 0).all()
+
+
+def test_k3_is_an_unbiased_kl_estimate():
+    # pi = [0.7, 0.3], pi_ref = [0.4, 0.6]: KL = 0.7 ln(7/4) + 0.3 ln(3/6)
+    p, q = torch.tensor([0.7, 0.3]), torch.tensor([0.4, 0.6])
+    exact = float((p * (p / q).log()).sum())
+    for f in (kl.k1, kl.k3):
+        expect = float((p * f(p.log(), q.log())).sum())
+        assert expect == pytest.approx(exact, abs=1e-6)
+
+
+R = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 3.0, 3.0])
+G = torch.tensor([0, 0, 0, 0, 5, 5, 9, 9])
+
+
+def test_grpo_by_hand():
+    a = advantages.grpo(R, G, eps=0.0 + 1e-12)
+    # group 0: mean 0.75, unbiased std = sqrt(0.25) = 0.5 -> (1-0.75)/0.5 = 0.5, (0-0.75)/0.5 = -1.5
+    assert a[:4].tolist() == pytest.approx([0.5, -1.5, 0.5, 0.5])
+    # groups 5 and 9 are degenerate: zero advantage
+    assert a[4:].tolist() == pytest.approx([0, 0, 0, 0])
+
+
+def test_dr_grpo_rloo_reinforce_pp_by_hand():
+    assert advantages.dr_grpo(R, G)[:4].tolist() == pytest.approx([0.25, -0.75, 0.25, 0.25])
+    # RLOO: row 0 baseline = mean(0, 1, 1) = 2/3 -> 1/3; row 1 baseline = 1 -> -1
+    assert advantages.rloo(R, G)[:4].tolist() == pytest.approx([1 / 3, -1.0, 1 / 3, 1 / 3])
+    assert advantages.rloo(R, G)[4:].tolist() == pytest.approx([0, 0, 0, 0])
+    a = advantages.reinforce_pp(R, G)
+    assert float(a.mean()) == pytest.approx(0, abs=1e-6) and float(a.std()) == pytest.approx(1, abs=1e-4)
+    # rloo is (n/(n-1)) x dr_grpo within a group
+    assert torch.allclose(advantages.rloo(R, G)[:4], advantages.dr_grpo(R, G)[:4] * 4 / 3)
+
+
+def test_degenerate_groups_are_counted():
+    mask, n_degen, n_groups = advantages.degenerate_groups(R, G)
+    assert mask.tolist() == [False] * 4 + [True] * 4 and (n_degen, n_groups) == (2, 3)
+
+
+def test_clipped_surrogate_by_hand():
+    # ratio = e^0.5 = 1.6487 > 1.28 with A = +1: clipped to 1.28 -> loss -1.28, counted as clipped
+    # ratio = e^-0.5 = 0.6065 < 0.8 with A = -1: clipped to 0.8 -> loss max(0.6065, 0.8) = 0.8
+    logp = torch.tensor([[0.5, -0.5]])
+    old = torch.zeros(1, 2)
+    loss, clipped, ratio = losses.clipped_surrogate(logp, old, torch.tensor([[1.0, -1.0]]), 0.2, 0.28)
+    assert loss.tolist()[0] == pytest.approx([-1.28, 0.8])
+    assert clipped.tolist() == [[True, True]]
+    # inside the range nothing is clipped: loss = -A * ratio
+    loss, clipped, _ = losses.clipped_surrogate(torch.tensor([[0.1]]), torch.zeros(1, 1), torch.tensor([2.0]))
+    assert loss.item() == pytest.approx(-2 * math.exp(0.1)) and not clipped.any()
+    # A > 0 with ratio below 1 - clip_low is not clipped (pessimistic bound keeps the gradient)
+    loss, clipped, _ = losses.clipped_surrogate(torch.tensor([[-1.0]]), torch.zeros(1, 1), torch.tensor([1.0]))
+    assert loss.item() == pytest.approx(-math.exp(-1)) and not clipped.any()
+
+
+def test_aggregations_by_hand():
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    m = torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=torch.bool)
+    assert losses.token_mean(x, m).item() == pytest.approx(10 / 4)
+    assert losses.seq_mean_token_mean(x, m).item() == pytest.approx((2 + 4) / 2)
+    assert losses.seq_mean_token_sum_norm(x, m, 8).item() == pytest.approx(10 / (2 * 8))
+
+
+def test_vectorised_grpo_loss_matches_a_naive_per_sequence_loop():
+    g = torch.Generator().manual_seed(1)
+    B, T = 6, 9
+    logp, old = torch.randn(B, T, generator=g) * 0.3 - 1, torch.randn(B, T, generator=g) * 0.3 - 1
+    lengths = [9, 3, 5, 1, 7, 2]
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        mask[b, :n] = True
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0])
+    groups = torch.tensor([0, 0, 0, 1, 1, 1])
+    adv = advantages.grpo(rewards, groups)
+    loss_mat, _, _ = losses.clipped_surrogate(logp, old, adv)
+    vec = losses.seq_mean_token_mean(loss_mat, mask)
+    # naive: per group mean/std, per sequence per token PPO clip, mean over tokens then sequences
+    naive_seq = []
+    for b in range(B):
+        members = [i for i in range(B) if groups[i] == groups[b]]
+        rs = [float(rewards[i]) for i in members]
+        mu = sum(rs) / len(rs)
+        sd = math.sqrt(sum((r - mu) ** 2 for r in rs) / (len(rs) - 1))
+        a = (float(rewards[b]) - mu) / (sd + 1e-6)
+        toks = []
+        for t in range(lengths[b]):
+            r = math.exp(float(logp[b, t]) - float(old[b, t]))
+            toks.append(max(-a * r, -a * min(max(r, 0.8), 1.28)))
+        naive_seq.append(sum(toks) / len(toks))
+    assert vec.item() == pytest.approx(sum(naive_seq) / B, rel=1e-5)
