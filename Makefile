@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 setup: $(VENV)/.installed
 
 demo: setup
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash recipes/quickstart.sh
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash recipes/rlvr.sh
 
 lint: setup
 	$(VENV)/bin/ruff check .

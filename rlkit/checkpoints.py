@@ -139,16 +139,20 @@ def verify_reference(d: Path) -> dict[str, Any]:
     return m
 
 
-def load_reference(d: Path, device: str = "cpu", trust_remote_code: bool = False):
-    """The frozen reference: hash-verified, requires_grad=False, eval mode, in its stored dtype."""
+def load_reference(d: Path, device: str = "cpu", trust_remote_code: bool = False, compute_dtype: str = "stored"):
+    """The frozen reference: hash-verified, requires_grad=False, eval mode.
+
+    `compute_dtype` "stored" keeps the frozen dtype; "fp32" upcasts after the hash check (CPUs without
+    fast bf16 kernels run fp32 several times faster; the stored weights stay what was frozen).
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
     m = verify_reference(d)
     _quiet_transformers()
+    dtype = DTYPES[m["config"]["dtype"]] if compute_dtype == "stored" else DTYPES[compute_dtype]
     model = AutoModelForCausalLM.from_pretrained(
-        str(d), dtype=getattr(torch, DTYPES[m["config"]["dtype"]]), trust_remote_code=trust_remote_code,
-        use_safetensors=True,
+        str(d), dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code, use_safetensors=True,
     ).to(device)
     model.eval()
     model.requires_grad_(False)

@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     debug = os.environ.get("RLKIT_DEBUG", "") not in ("", "0") or "--debug" in args
     args = [a for a in args if a != "--debug"]
     signal.signal(signal.SIGTERM, _on_sigterm)
+    # Stages in a pipe share the cores: idle OpenMP threads must sleep, not spin (before torch loads).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     err = sys.stderr
     try:
         rv = app(args=args, prog_name="rlkit", standalone_mode=False)

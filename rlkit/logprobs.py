@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 
-def gather_logprobs(logits: Tensor, targets: Tensor, chunk: int = 256, temperature: float = 1.0,
+def gather_logprobs(logits: Tensor, targets: Tensor, chunk: int = 32, temperature: float = 1.0,
                     with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
     """log pi(target) per position and optionally the entropy of pi.
 
@@ -66,11 +66,20 @@ def completion_logprobs(model, input_ids: Tensor, attn: Tensor, targets: Tensor,
                         temperature: float = 1.0, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
     """(B, C) log-probs of the completion tokens under `model` (and entropies), from one forward pass.
 
-    Only the completion positions' logits reach the log-prob computation: (B, C, V), not (B, L, V).
+    Only completion positions reach the output head: (B, C, V) logits, never (B, L, V); without
+    grad (scoring) the head runs on 32 positions at a time, so peak memory is (B, 32, V).
     """
     C = targets.shape[1]
     hidden = model.base_model(input_ids=input_ids, attention_mask=attn).last_hidden_state  # (B, L, H)
     idx = (start.unsqueeze(1) + torch.arange(C, device=start.device).unsqueeze(0)).clamp(max=input_ids.shape[1] - 1)
     h = hidden.gather(1, idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # (B, C, H)
-    logits = model.get_output_embeddings()(h)  # (B, C, V)
-    return gather_logprobs(logits, targets, temperature=temperature, with_entropy=with_entropy)
+    head = model.get_output_embeddings()
+    if torch.is_grad_enabled():  # training: autograd keeps the (B, C, V) logits for backward anyway
+        return gather_logprobs(head(h), targets, temperature=temperature, with_entropy=with_entropy)
+    # forward-only scoring: project `chunk` positions at a time, never holding (B, C, V)
+    chunk = 32
+    parts = [gather_logprobs(head(h[:, s : s + chunk]), targets[:, s : s + chunk], chunk, temperature, with_entropy)
+             for s in range(0, C, chunk)]
+    lp = torch.cat([p[0] for p in parts], 1) if parts else h.new_zeros((h.shape[0], 0), dtype=torch.float32)
+    ent = torch.cat([p[1] for p in parts], 1) if with_entropy and parts else None
+    return lp, ent

@@ -14,7 +14,7 @@ class RLConfig:
     """The knobs of one update; the stage's config carries these plus I/O paths."""
 
     algo: str = "grpo"
-    lr: float = 2e-4
+    lr: float = 5e-5
     epochs: int = 2
     minibatch_size: int = 128
     clip_low: float = 0.2

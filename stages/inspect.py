@@ -22,6 +22,20 @@ class InspectConfig:
     rows: int = 5
     verify: bool = False
     as_json: bool = False
+    check: bool = False
+
+
+def is_current(path: Path) -> bool:
+    """True when `path` is an rlkit artifact and none of its recorded file inputs changed since."""
+    from rlkit import artifacts
+
+    manifest = artifacts.read_manifest(path) if path.exists() else None
+    if manifest is None:
+        return False
+    for e in _lineage(manifest):
+        if e["depth"] == 0 and (e["kind"] == "not found" or e.get("changed_since")):
+            return False
+    return True
 
 
 def _lineage(manifest: dict | None, depth: int = 0) -> list[dict[str, Any]]:
@@ -54,6 +68,12 @@ def run(cfg: InspectConfig) -> dict[str, Any]:
     from rlkit.errors import RlkitError
 
     p = cfg.path
+    if cfg.check:
+        current = is_current(p)
+        console.info(f"{p}: {'current' if current else 'missing or stale'}")
+        if not current:
+            raise typer.Exit(1)
+        return {"current": True}
     if not p.exists():
         raise RlkitError(f"{p}: no such file or directory")
     if p.is_dir():
@@ -123,6 +143,7 @@ def command(
     rows: Annotated[int, typer.Option(min=0, help="How many first rows of a table to show.")] = 5,
     verify: Annotated[bool, typer.Option("--verify", help="Recompute the weights sha256 and compare with the manifest.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON to stdout instead of tables.")] = False,
+    check: Annotated[bool, typer.Option("--check", help="Only tell whether PATH exists and its inputs are unchanged: exit 0 if so, 1 if not (for scripts).")] = False,
 ) -> None:
     """Show an artifact's manifest, schema, rows, size, hash and lineage."""
-    run(InspectConfig(path=path, rows=rows, verify=verify, as_json=as_json))
+    run(InspectConfig(path=path, rows=rows, verify=verify, as_json=as_json, check=check))

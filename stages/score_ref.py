@@ -28,6 +28,7 @@ class ScoreRefConfig:
     inp: str | None = None
     out: Path | None = None
     device: str = "cpu"
+    dtype: str = "auto"  # compute dtype: auto (fp32 on CPU, stored on GPU), stored, fp32
     batch_tokens: int = 16384
     trust_remote_code: bool = False
     force: bool = False
@@ -69,7 +70,10 @@ def run(cfg: ScoreRefConfig) -> Path | None:
     inputs = {"in": reader.fingerprint, "ref": artifacts.fingerprint(cfg.ref)}
     if artifacts.skip_if_current(out, "score-ref", cfg, inputs):
         return out
-    model, tokenizer, _ = checkpoints.load_reference(cfg.ref, cfg.device, cfg.trust_remote_code)
+    if cfg.dtype not in ("auto", "stored", "fp32"):
+        raise RlkitError(f"--dtype {cfg.dtype!r} is not one of auto, stored, fp32")
+    compute = cfg.dtype if cfg.dtype != "auto" else ("fp32" if cfg.device == "cpu" else "stored")
+    model, tokenizer, _ = checkpoints.load_reference(cfg.ref, cfg.device, cfg.trust_remote_code, compute)
     upstream = reader.manifest or {}
     want = upstream.get("tokenizer")
     if want and want != checkpoints.tokenizer_fingerprint(tokenizer):
@@ -100,10 +104,11 @@ def command(
     inp: InTable = None,
     out: OutTable = None,
     device: Annotated[str, typer.Option(help="Device for the reference: cpu, cuda, cuda:1, ...")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="Compute dtype: auto (fp32 on CPU, the frozen dtype on GPU), stored or fp32.")] = "auto",
     batch_tokens: Annotated[int, typer.Option(min=16, help="Token budget per forward batch.")] = 16384,
     trust_remote_code: TrustRemoteCode = False,
     force: Force = False,
 ) -> None:
     """Add the frozen reference's per-token log-probs to a rollouts table (streams)."""
-    run(ScoreRefConfig(ref=ref, inp=inp, out=out, device=device, batch_tokens=batch_tokens,
+    run(ScoreRefConfig(ref=ref, inp=inp, out=out, device=device, dtype=dtype, batch_tokens=batch_tokens,
                        trust_remote_code=trust_remote_code, force=force))

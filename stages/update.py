@@ -55,14 +55,18 @@ def parse_weights(specs: tuple[str, ...]) -> dict[str, float] | None:
 def run(cfg: UpdateConfig) -> Path:
     import json
 
-    from rlkit import artifacts, checkpoints, console, policy_update
+    from rlkit import artifacts, checkpoints, console
     from rlkit.errors import RlkitError
 
-    cfg.rl.check()
     weights = parse_weights(cfg.reward)
     checkpoints.check_model_dir(cfg.policy, "policy")
     artifacts.check_out(cfg.out, "model")
+    # Block on the upstream schema before importing torch: in a pipe, the upstream stage's own
+    # start-up then has the cores to itself instead of sharing them with ours.
     reader = artifacts.TableReader(cfg.inp, ["rollouts", "scored"])
+    from rlkit import policy_update
+
+    cfg.rl.check()
     if cfg.rl.beta > 0 and reader.kind == "rollouts":
         raise RlkitError("--beta > 0 needs reference log-probs, but the input has none: pipe the rollouts through "
                          "`rlkit score-ref --ref REF` first (or pass --beta 0)")
@@ -138,7 +142,7 @@ def command(
     out: OutDir,
     inp: InTable = None,
     algo: Annotated[str, typer.Option(help="Advantage estimator: grpo, dr-grpo, rloo or reinforce-pp.")] = "grpo",
-    lr: Annotated[float, typer.Option(help="AdamW learning rate.")] = RLConfig.lr,
+    lr: Annotated[float, typer.Option(help="AdamW learning rate (default suits the tiny model; ~1e-6 for 1B+ models).")] = RLConfig.lr,
     epochs: Annotated[int, typer.Option(min=1, help="Passes over the rollout batch.")] = RLConfig.epochs,
     minibatch_size: Annotated[int, typer.Option(min=1, help="Sequences per optimizer step.")] = RLConfig.minibatch_size,
     clip_low: Annotated[float, typer.Option(help="Ratio clip below 1: 1 - clip_low.")] = RLConfig.clip_low,

@@ -79,11 +79,18 @@ def test_every_recipe_runs_scaled_down(tmp_path):
     recipes = sorted((REPO / "recipes").glob("*.sh"))
     assert recipes
     env = {**os.environ, "RUNS": str(tmp_path / "runs"), "SFT_EXAMPLES": "3000", "EVAL_NUM": "40",
+           "ROUNDS": "2", "PROMPTS": "16", "N": "4",
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     for recipe in recipes:
         r = subprocess.run(["bash", str(recipe)], capture_output=True, env=env, timeout=600, cwd=tmp_path)
         assert r.returncode == 0, f"{recipe.name}: {r.stderr.decode()[-2000:]}"
         assert Path(tmp_path / "runs").exists()
+    # a rerun of the RLVR recipe with nothing changed skips every stage and every round
+    r = subprocess.run(["bash", str(REPO / "recipes" / "rlvr.sh")], capture_output=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    err = r.stderr.decode()
+    assert err.count("is up to date") >= 2 and "round 1: " in err and "round 2: " in err
+    assert "after RL (2 rounds)" in r.stdout.decode()
 
 
 def test_a_local_hugging_face_model_with_chat_data(tmp_path):

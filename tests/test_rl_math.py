@@ -121,3 +121,25 @@ def test_vectorised_grpo_loss_matches_a_naive_per_sequence_loop():
             toks.append(max(-a * r, -a * min(max(r, 0.8), 1.28)))
         naive_seq.append(sum(toks) / len(toks))
     assert vec.item() == pytest.approx(sum(naive_seq) / B, rel=1e-5)
+
+
+def test_chunked_scoring_equals_the_training_path():
+    """Without grad the output head runs 32 positions at a time; values must not change."""
+    from rlkit.logprobs import completion_logprobs, pack_sequences
+    from rlkit.tiny import TinyConfig, build_model, build_tokenizer
+
+    tok = build_tokenizer()
+    model = build_model(TinyConfig(layers=1, hidden=32, heads=2, intermediate=64), tok, seed=0)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 100, (n,), generator=g).tolist() for n in (3, 9)]
+    comps = [torch.randint(4, 100, (n,), generator=g).tolist() for n in (70, 5)]
+    ids, attn, targets, mask, start = pack_sequences(prompts, comps, tok.pad_token_id)
+    lp_grad, ent_grad = completion_logprobs(model, ids, attn, targets, start, 0.9, with_entropy=True)
+    with torch.no_grad():
+        lp, ent = completion_logprobs(model, ids, attn, targets, start, 0.9, with_entropy=True)
+        full = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits / 0.9, -1)
+    assert torch.allclose(lp_grad.detach()[mask], lp[mask], atol=1e-5)
+    assert torch.allclose(ent_grad[mask], ent[mask], atol=1e-5)
+    for b, (p, c) in enumerate(zip(prompts, comps, strict=True)):
+        naive = full[b, len(p) - 1 : len(p) - 1 + len(c)].gather(-1, torch.tensor(c).unsqueeze(-1)).squeeze(-1)
+        assert torch.allclose(lp[b, : len(c)], naive, atol=1e-5)
