@@ -72,10 +72,10 @@ rl_secs=$(awk -v a="$rl_start" -v b="$(now)" 'BEGIN{printf "%.1f", b-a}')
 timed eval-final rlkit eval --policy "$policy" --task "$TASK" --num "$EVAL_NUM" --label "round-$ROUNDS" --json \
   --metrics "$RUNS/metrics.jsonl" > "$RUNS/eval-final.json"
 
-python3 - "$RUNS" "$rl_secs" <<'PY'
+python3 - "$RUNS" "$rl_secs" "$ROUNDS" <<'PY'
 import json, sys
 from collections import defaultdict
-runs, rl_secs = sys.argv[1], float(sys.argv[2])
+runs, rl_secs, n_rounds = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
 before = json.load(open(f"{runs}/eval-sft.json"))
 after = json.load(open(f"{runs}/eval-final.json"))
 times = defaultdict(float)
@@ -85,8 +85,10 @@ for line in open(f"{runs}/times.tsv"):
 rounds = sorted({k.split(":")[0] for k in times if k.startswith("round-")}, key=lambda r: int(r.split("-")[1]))
 print(f"\n{'':24}{'held-out accuracy':>18}{'mean tokens':>13}")
 print(f"{'SFT checkpoint':24}{before['accuracy']:>18.1%}{before['mean_response_tokens']:>13.2f}")
-print(f"{'after RL (' + str(len(rounds)) + ' rounds)':24}{after['accuracy']:>18.1%}{after['mean_response_tokens']:>13.2f}")
-print(f"gain: {100 * (after['accuracy'] - before['accuracy']):+.1f} points; RL phase wall time {rl_secs:.1f}s\n")
+print(f"{'after RL (' + str(n_rounds) + ' rounds)':24}{after['accuracy']:>18.1%}{after['mean_response_tokens']:>13.2f}")
+skipped = n_rounds - len(rounds)
+note = f" ({skipped} up-to-date rounds skipped)" if skipped else ""
+print(f"gain: {100 * (after['accuracy'] - before['accuracy']):+.1f} points; RL phase wall time {rl_secs:.1f}s{note}\n")
 if rounds:
     print(f"{'round':8}{'wall s':>8}{'rollout':>9}{'score-ref':>11}{'update':>8}   (process wall times; they overlap in the pipe)")
     for r in rounds:

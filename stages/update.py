@@ -108,9 +108,8 @@ def run(cfg: UpdateConfig) -> Path:
            if "verifier" in comps else {}),
         **m,
     }
-    parent = checkpoints.load_manifest(cfg.policy) or {}
     manifest = artifacts.make_manifest("model", "update", cfg, inputs, step=metrics["step"], metrics=metrics,
-                                       reward_weights=used, sft_root=parent.get("sft_root", str(cfg.policy)))
+                                       reward_weights=used)
     with artifacts.atomic_dir(cfg.out) as tmp:
         checkpoints.save_model(model, tokenizer, tmp, manifest)
         policy_update.save_trainer(model, opt, state, tmp / policy_update.TRAINER_DIR)
