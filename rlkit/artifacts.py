@@ -151,7 +151,7 @@ def make_manifest(kind: str, command: str, config: Any, inputs: Mapping[str, str
     }
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -174,7 +174,7 @@ def fingerprint(path: str | Path) -> str:
         st = q.stat()
         h.update(str(q.relative_to(p) if p.is_dir() else q.name).encode() + b"\0")
         if st.st_size < CONTENT_HASH_LIMIT:
-            h.update(_sha256_file(q).encode())
+            h.update(sha256_file(q).encode())
         else:
             h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
     return "sha256:" + h.hexdigest()

@@ -13,7 +13,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from rlkit.artifacts import MODEL_MANIFEST, _sha256_file
+from rlkit.artifacts import MODEL_MANIFEST, sha256_file
 from rlkit.errors import RlkitError
 
 TINY = "tiny"
@@ -29,7 +29,7 @@ def weight_files(d: Path) -> list[Path]:
 
 def hash_weights(d: Path) -> tuple[dict[str, str], str]:
     """sha256 of each weights file and one digest over all of them."""
-    per_file = {f.name: _sha256_file(f) for f in weight_files(d)}
+    per_file = {f.name: sha256_file(f) for f in weight_files(d)}
     digest = hashlib.sha256(json.dumps(per_file, sort_keys=True).encode()).hexdigest()
     return per_file, digest
 
