@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -28,6 +28,10 @@ class Source:
     fingerprint: str
     label: str
     chat: bool  # prompts come from a `messages` column through the chat template
+
+    def head(self, n: int | None) -> Source:
+        """The first `n` rows (all when n is None), so later steps render and tokenize only those."""
+        return self if n is None or n >= self.table.num_rows else replace(self, table=self.table.slice(0, n))
 
 
 def _read_any(source: str) -> tuple[pa.Table | None, str, bool]:

@@ -48,10 +48,10 @@ def run(cfg: EvalConfig) -> dict:
         source = data.load_source(cfg.prompts, "prompts", {"prompt": cfg.prompt_column, "answer": cfg.answer_column})
     model, tokenizer = checkpoints.load_policy(cfg.policy, "fp32", cfg.trust_remote_code)
     if source is not None:
+        source = source.head(cfg.num)
         prompts = data.render_prompts(tokenizer, source, for_sft=False)
         t = source.table
         answers = t.column("answer").to_pylist() if "answer" in t.column_names else [None] * t.num_rows
-        prompts, answers = prompts[: cfg.num], answers[: cfg.num]
     else:
         held = task.examples("heldout", cfg.num, cfg.seed)
         prompts, answers = [e.prompt for e in held], [e.answer for e in held]

@@ -60,7 +60,8 @@ def run(cfg: RolloutConfig) -> Path | None:
     if cfg.prompts:
         source = data.load_source(cfg.prompts, "prompts", {"prompt": cfg.prompt_column, "answer": cfg.answer_column})
         inputs["prompts"] = source.fingerprint
-        t = source.table.slice(0, cfg.num_prompts) if cfg.num_prompts else source.table
+        source = source.head(cfg.num_prompts)
+        t = source.table
         ids, answers = t.column("prompt_id").to_pylist(), (
             t.column("answer").to_pylist() if "answer" in t.column_names else [None] * t.num_rows)
     else:
@@ -73,8 +74,6 @@ def run(cfg: RolloutConfig) -> Path | None:
 
     model, tokenizer = checkpoints.load_policy(cfg.policy, "fp32", cfg.trust_remote_code)
     texts = data.render_prompts(tokenizer, source, for_sft=False) if source else [e.prompt for e in ex]
-    if source is not None:
-        texts = texts[: len(ids)]
     prompt_ids = data.encode_prompts(tokenizer, texts, bool(source and source.chat))
     engine = engines.HFEngine(model, tokenizer, cfg.batch_tokens)
     scored = all(a is not None for a in answers)

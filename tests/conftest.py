@@ -24,6 +24,15 @@ def run_cli(*args: str, cwd: Path | None = None, input: bytes | None = None, env
                           capture_output=True, env=e, timeout=timeout)
 
 
+def one_error_line(r: subprocess.CompletedProcess) -> str:
+    """Bad input: non-zero exit, exactly one `rlkit: error:` line on stderr, no traceback."""
+    lines = r.stderr.decode().strip().splitlines()
+    assert r.returncode != 0
+    assert len(lines) == 1 and lines[0].startswith("rlkit: error:"), lines
+    assert "Traceback" not in r.stderr.decode()
+    return lines[0]
+
+
 @pytest.fixture(scope="session")
 def sft_dir(tmp_path_factory) -> Path:
     """A tiny policy after a short real SFT run (a few seconds)."""

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from rlkit.cli import app
 
-from conftest import rlkit_cmd, run_cli
+from conftest import one_error_line, rlkit_cmd, run_cli
 
 runner = CliRunner()
 
@@ -49,24 +49,16 @@ def test_freeze_ref_and_eval_flags(monkeypatch, tmp_path):
     assert seen[0].num == 7 and seen[0].as_json and seen[0].task == "arithmetic:terms=2-2"
 
 
-def _one_error_line(r):
-    err = r.stderr.decode().strip().splitlines()
-    assert r.returncode != 0
-    assert len(err) == 1 and err[0].startswith("rlkit: error:"), err
-    assert "Traceback" not in r.stderr.decode()
-    return err[0]
-
-
 def test_unknown_task(tmp_path):
-    line = _one_error_line(run_cli("prompts", "--task", "chess", "--out", str(tmp_path / "p.arrow")))
+    line = one_error_line(run_cli("prompts", "--task", "chess", "--out", str(tmp_path / "p.arrow")))
     assert "unknown task 'chess'" in line and "arithmetic" in line
     assert not os.listdir(tmp_path)
 
 
 def test_missing_file_and_missing_policy(tmp_path):
-    line = _one_error_line(run_cli("inspect", str(tmp_path / "nothing.arrow")))
+    line = one_error_line(run_cli("inspect", str(tmp_path / "nothing.arrow")))
     assert "no such file" in line
-    line = _one_error_line(run_cli("freeze-ref", "--policy", str(tmp_path / "nope"), "--out", str(tmp_path / "r")))
+    line = one_error_line(run_cli("freeze-ref", "--policy", str(tmp_path / "nope"), "--out", str(tmp_path / "r")))
     assert "policy directory" in line and "not found" in line
     assert not (tmp_path / "r").exists()
 
@@ -79,13 +71,13 @@ def test_wrong_kind_missing_column_and_empty_table(tmp_path, sft_dir):
     prefs = tmp_path / "prefs.arrow"
     with artifacts.write_table("prefs", prefs, artifacts.make_manifest("prefs", "build-prefs", {}, {})) as w:
         w.write({"prompt_id": ["a"], "prompt": ["<1+1>="], "chosen": ["2"], "rejected": ["3"], "split": ["train"]})
-    line = _one_error_line(run_cli("eval", "--policy", str(sft_dir), "--prompts", str(prefs)))
+    line = one_error_line(run_cli("eval", "--policy", str(sft_dir), "--prompts", str(prefs)))
     assert "is a 'prefs' table, expected a 'prompts' table" in line
 
     nocol = tmp_path / "nocol.arrow"
     with pa.ipc.new_stream(str(nocol), pa.schema([("prompt_id", pa.string()), ("text", pa.string())])) as w:
         w.write_table(pa.table({"prompt_id": ["a"], "text": ["x"]}))
-    line = _one_error_line(run_cli("eval", "--policy", str(sft_dir), "--prompts", str(nocol)))
+    line = one_error_line(run_cli("eval", "--policy", str(sft_dir), "--prompts", str(nocol)))
     assert "missing column 'prompt'" in line
 
     empty = tmp_path / "empty.arrow"
@@ -93,9 +85,9 @@ def test_wrong_kind_missing_column_and_empty_table(tmp_path, sft_dir):
     assert r.returncode == 0
     with artifacts.write_table("prompts", empty, artifacts.make_manifest("prompts", "prompts", {}, {})):
         pass
-    line = _one_error_line(run_cli("eval", "--policy", str(sft_dir), "--prompts", str(empty)))
+    line = one_error_line(run_cli("eval", "--policy", str(sft_dir), "--prompts", str(empty)))
     assert "has no rows" in line
-    line = _one_error_line(run_cli("sft", "--data", str(empty), "--out", str(tmp_path / "s")))
+    line = one_error_line(run_cli("sft", "--data", str(empty), "--out", str(tmp_path / "s")))
     assert "expected a 'sft' table" in line
     assert not (tmp_path / "s").exists()
 
@@ -103,12 +95,12 @@ def test_wrong_kind_missing_column_and_empty_table(tmp_path, sft_dir):
 def test_out_pointing_at_a_foreign_file_is_left_alone(tmp_path, sft_dir):
     notes = tmp_path / "notes.txt"
     notes.write_text("precious")
-    line = _one_error_line(run_cli("prompts", "--out", str(notes)))
+    line = one_error_line(run_cli("prompts", "--out", str(notes)))
     assert "not an rlkit table; refusing to overwrite" in line
     d = tmp_path / "mine"
     d.mkdir()
     (d / "thesis.tex").write_text("precious")
-    line = _one_error_line(run_cli("freeze-ref", "--policy", str(sft_dir), "--out", str(d)))
+    line = one_error_line(run_cli("freeze-ref", "--policy", str(sft_dir), "--out", str(d)))
     assert "not an rlkit checkpoint" in line
     assert notes.read_text() == "precious" and os.listdir(d) == ["thesis.tex"]
 
@@ -148,7 +140,7 @@ def test_a_failed_upstream_fails_the_downstream(tmp_path, sft_dir):
                        stdin=p1.stdout, capture_output=True)
     p1.stdout.close()
     assert p1.wait() != 0
-    line = _one_error_line(r)
+    line = one_error_line(r)
     assert "stdin holds no Arrow stream" in line
 
 

@@ -11,7 +11,7 @@ import torch
 
 from rlkit import artifacts, checkpoints
 
-from conftest import rlkit_cmd, run_cli
+from conftest import one_error_line, rlkit_cmd, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -141,16 +141,10 @@ def test_sequential_updates_equal_one_process(sft_dir, tmp_path):
     assert st["optimizer_step"] == state.optimizer_step == 2 * 2 * 3  # 48 rows / 16 = 3 steps x 2 epochs x 2 updates
 
 
-def _one_error_line(r):
-    lines = r.stderr.decode().strip().splitlines()
-    assert r.returncode != 0 and len(lines) == 1 and lines[0].startswith("rlkit: error:"), lines
-    return lines[0]
-
-
 def test_bad_inputs_to_the_loop(sft_dir, ref_dir, tmp_path):
     roll = _rollouts(sft_dir, tmp_path / "r.arrow", num=4)
     # beta > 0 without reference log-probs
-    line = _one_error_line(run_cli("update", "--policy", str(sft_dir), "--in", str(roll), "--out", str(tmp_path / "u"),
+    line = one_error_line(run_cli("update", "--policy", str(sft_dir), "--in", str(roll), "--out", str(tmp_path / "u"),
                                    "--beta", "0.1"))
     assert "score-ref" in line and not (tmp_path / "u").exists()
     # rollouts without token ids (a plain table from another tool)
@@ -159,16 +153,16 @@ def test_bad_inputs_to_the_loop(sft_dir, ref_dir, tmp_path):
     stripped = t.drop_columns(["completion_ids"]).replace_schema_metadata(None)
     with pa.ipc.new_stream(str(plain), stripped.schema) as w:
         w.write_table(stripped)
-    line = _one_error_line(run_cli("score-ref", "--ref", str(ref_dir), "--in", str(plain), "--out", str(tmp_path / "s.arrow")))
+    line = one_error_line(run_cli("score-ref", "--ref", str(ref_dir), "--in", str(plain), "--out", str(tmp_path / "s.arrow")))
     assert "missing column 'completion_ids'" in line and "`rlkit rollout`" in line
     # empty input
     empty = tmp_path / "empty.arrow"
     with artifacts.write_table("rollouts", empty, artifacts.read_manifest(roll),
                                [pa.field("reward/verifier", pa.float64())]):
         pass
-    line = _one_error_line(run_cli("score-ref", "--ref", str(ref_dir), "--in", str(empty), "--out", str(tmp_path / "s.arrow")))
+    line = one_error_line(run_cli("score-ref", "--ref", str(ref_dir), "--in", str(empty), "--out", str(tmp_path / "s.arrow")))
     assert "no rows" in line and not (tmp_path / "s.arrow").exists()
-    line = _one_error_line(run_cli("update", "--policy", str(sft_dir), "--in", str(empty), "--out", str(tmp_path / "u"),
+    line = one_error_line(run_cli("update", "--policy", str(sft_dir), "--in", str(empty), "--out", str(tmp_path / "u"),
                                    "--beta", "0"))
     assert "no rows" in line
     # a reference whose tokenizer differs from the policy's
@@ -183,11 +177,11 @@ def test_bad_inputs_to_the_loop(sft_dir, ref_dir, tmp_path):
     tok.add_special_tokens({"additional_special_tokens": ["<extra>"]})
     tok.save_pretrained(other)
     freeze(FreezeRefConfig(policy=other, out=tmp_path / "other-ref"))
-    line = _one_error_line(run_cli("score-ref", "--ref", str(tmp_path / "other-ref"), "--in", str(roll),
+    line = one_error_line(run_cli("score-ref", "--ref", str(tmp_path / "other-ref"), "--in", str(roll),
                                    "--out", str(tmp_path / "s.arrow")))
     assert "different tokenizer" in line and not (tmp_path / "s.arrow").exists()
     # a prompts table is not rollouts
     p = tmp_path / "p.arrow"
     assert run_cli("prompts", "--num", "3", "--out", str(p)).returncode == 0
-    line = _one_error_line(run_cli("update", "--policy", str(sft_dir), "--in", str(p), "--out", str(tmp_path / "u")))
+    line = one_error_line(run_cli("update", "--policy", str(sft_dir), "--in", str(p), "--out", str(tmp_path / "u")))
     assert "is a 'prompts' table, expected a 'rollouts' or 'scored' table" in line
