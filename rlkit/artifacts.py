@@ -15,9 +15,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import secrets
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -468,6 +470,7 @@ class TableReader:
             if sys.stdin.isatty():
                 raise RlkitError("no input table: pass --in FILE, or pipe one in from an upstream rlkit stage")
             self.label = "stdin"
+            self._piped = True
             self._source: Any = sys.stdin.buffer
         else:
             p = Path(src)
@@ -476,7 +479,9 @@ class TableReader:
             if p.is_dir():
                 raise RlkitError(f"{p} is a directory, expected an Arrow table file")
             self.label = str(p)
-            self._source = pa.OSFile(str(p), "rb")
+            # a FIFO or /dev/fd/N (bash `--in <(...)`) cannot seek: read it like stdin
+            self._piped = not p.is_file()
+            self._source = open(p, "rb") if self._piped else pa.OSFile(str(p), "rb")  # noqa: SIM115
         try:
             self._reader = pa.ipc.open_stream(self._source)
         except pa.ArrowInvalid as e:
@@ -489,11 +494,41 @@ class TableReader:
         self.manifest = validate_schema(self.schema, kinds, self.label)
         self.kind = self.manifest["kind"] if self.manifest else kinds[0]
         self.fingerprint = (
-            stream_fingerprint(self.manifest) if self.from_stdin else fingerprint(Path(src))
+            stream_fingerprint(self.manifest) if self.from_stdin or self._piped else fingerprint(Path(src))
         )
         self.rows = 0
+        self._queue: queue.SimpleQueue | None = None
+
+    def prefetch(self) -> TableReader:
+        """Drain the stream into memory on a background thread from now on; iterating takes from it.
+
+        A stage calls this before importing torch and loading its model: a pipe whose reader is busy
+        for seconds fills after 64 KiB and stalls every stage upstream of it.
+        """
+        if self._queue is None:
+            self._queue = q = queue.SimpleQueue()
+
+            def drain() -> None:
+                try:
+                    for batch in self._batches():
+                        q.put(batch)
+                    q.put(None)
+                except BaseException as e:  # handed to the consumer, raised there
+                    q.put(e)
+
+            threading.Thread(target=drain, name="rlkit-prefetch", daemon=True).start()
+        return self
 
     def __iter__(self) -> Iterator[pa.RecordBatch]:
+        if self._queue is None:
+            yield from self._batches()
+            return
+        while (item := self._queue.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def _batches(self) -> Iterator[pa.RecordBatch]:
         ended = False
         while True:
             try:
@@ -521,6 +556,44 @@ class TableReader:
         if require_rows and table.num_rows == 0:
             raise RlkitError(f"{self.label}: the table has no rows")
         return table
+
+
+class PendingTable:
+    """A table being opened and drained by a background thread (see `open_table`)."""
+
+    def __init__(self, src: str | Path | None, kinds: Sequence[str]) -> None:
+        if (src is None or str(src) == "-") and sys.stdin.isatty():
+            TableReader(src, kinds)  # raises its one-line error now, not after the caller's imports
+        self._done = threading.Event()
+        self._reader: TableReader | None = None
+        self._error: BaseException | None = None
+        threading.Thread(target=self._open, args=(src, kinds), name="rlkit-open", daemon=True).start()
+
+    def _open(self, src: str | Path | None, kinds: Sequence[str]) -> None:
+        try:
+            self._reader = TableReader(src, kinds).prefetch()
+        except BaseException as e:  # raised in the caller by result()
+            self._error = e
+        finally:
+            self._done.set()
+
+    def result(self) -> TableReader:
+        """Wait for the schema; raise what opening raised (bad input), or return the prefetching reader."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._reader is not None
+        return self._reader
+
+
+def open_table(src: str | Path | None, kinds: Sequence[str]) -> PendingTable:
+    """Open a table (file or stdin) on a background thread that then reads ahead into memory.
+
+    For stages that spend seconds importing torch and loading a model before they consume input:
+    in a pipe, every stage then imports at once and the upstream keeps streaming instead of
+    blocking on a full pipe buffer. Call `.result()` once the model is loaded.
+    """
+    return PendingTable(src, kinds)
 
 
 def read_table(src: str | Path | None, kinds: Sequence[str], require_rows: bool = True) -> tuple[pa.Table, TableReader]:

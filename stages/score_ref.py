@@ -63,17 +63,19 @@ def run(cfg: ScoreRefConfig) -> Path | None:
     from rlkit import artifacts, checkpoints, console
     from rlkit.errors import RlkitError
 
-    reader = artifacts.TableReader(cfg.inp, ["rollouts"])
+    if cfg.dtype not in ("auto", "stored", "fp32"):
+        raise RlkitError(f"--dtype {cfg.dtype!r} is not one of auto, stored, fp32")
     out = artifacts.resolve_out(cfg.out)
     artifacts.check_out(out, "table")
     checkpoints.verify_reference(cfg.ref)
+    # the input opens and streams into memory on a thread while torch imports and the reference loads
+    pending = artifacts.open_table(cfg.inp, ["rollouts"])
+    compute = cfg.dtype if cfg.dtype != "auto" else ("fp32" if cfg.device == "cpu" else "stored")
+    model, tokenizer, _ = checkpoints.load_reference(cfg.ref, cfg.device, cfg.trust_remote_code, compute)
+    reader = pending.result()
     inputs = {"in": reader.fingerprint, "ref": artifacts.fingerprint(cfg.ref)}
     if artifacts.skip_if_current(out, "score-ref", cfg, inputs):
         return out
-    if cfg.dtype not in ("auto", "stored", "fp32"):
-        raise RlkitError(f"--dtype {cfg.dtype!r} is not one of auto, stored, fp32")
-    compute = cfg.dtype if cfg.dtype != "auto" else ("fp32" if cfg.device == "cpu" else "stored")
-    model, tokenizer, _ = checkpoints.load_reference(cfg.ref, cfg.device, cfg.trust_remote_code, compute)
     upstream = reader.manifest or {}
     want = upstream.get("tokenizer")
     if want and want != checkpoints.tokenizer_fingerprint(tokenizer):

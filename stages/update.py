@@ -61,12 +61,14 @@ def run(cfg: UpdateConfig) -> Path:
     weights = parse_weights(cfg.reward)
     checkpoints.check_model_dir(cfg.policy, "policy")
     artifacts.check_out(cfg.out, "model")
-    # Block on the upstream schema before importing torch: in a pipe, the upstream stage's own
-    # start-up then has the cores to itself instead of sharing them with ours.
-    reader = artifacts.TableReader(cfg.inp, ["rollouts", "scored"])
+    # Open the input on a background thread and import torch and load the policy meanwhile: in a pipe
+    # all stages then start up at once, and upstream streams into memory instead of a full pipe.
+    cfg.rl.check()
+    pending = artifacts.open_table(cfg.inp, ["rollouts", "scored"])
     from rlkit import policy_update
 
-    cfg.rl.check()
+    model, tokenizer = checkpoints.load_policy(cfg.policy, "fp32", cfg.trust_remote_code)
+    reader = pending.result()
     if cfg.rl.beta > 0 and reader.kind == "rollouts":
         raise RlkitError("--beta > 0 needs reference log-probs, but the input has none: pipe the rollouts through "
                          "`rlkit score-ref --ref REF` first (or pass --beta 0)")
@@ -77,7 +79,6 @@ def run(cfg: UpdateConfig) -> Path:
     for col in ("prompt_ids", "completion_ids", "old_logprobs"):
         if table.column(col).null_count:
             raise RlkitError(f"{reader.label}: column '{col}' has missing values; rollouts need token ids and log-probs")
-    model, tokenizer = checkpoints.load_policy(cfg.policy, "fp32", cfg.trust_remote_code)
     upstream = reader.manifest or {}
     want = upstream.get("tokenizer")
     if want and want != checkpoints.tokenizer_fingerprint(tokenizer):

@@ -1,6 +1,7 @@
 """Artifact round trips, schema rejections, end markers, fingerprints, atomic writes."""
 
 import os
+import subprocess
 
 import datasets
 import pyarrow as pa
@@ -89,6 +90,39 @@ def test_stream_cut_at_a_batch_boundary_is_detected(tmp_path):
     p2.write_bytes(full[: len(full) // 2])
     with pytest.raises(TruncatedStream):
         artifacts.read_table(p2, ["prompts"])
+
+
+def test_open_table_reads_ahead_so_a_piped_producer_never_blocks(tmp_path):
+    """A producer writing far more than a pipe buffer (64 KiB) finishes while the consumer is still
+    busy (importing torch, loading a model): the background thread drains the pipe into memory."""
+    src = _prompts(tmp_path / "big.arrow", n=20_000, chunk=1000)
+    assert src.stat().st_size > 8 * 65536
+    r, w = os.pipe()
+    producer = subprocess.Popen(["cat", str(src)], stdout=w)
+    os.close(w)
+    try:
+        pending = artifacts.open_table(f"/dev/fd/{r}", ["prompts"])
+        assert producer.wait(timeout=60) == 0  # finished with nobody consuming yet
+        reader = pending.result()
+        table = reader.read_all()
+    finally:
+        os.close(r)
+    assert table.num_rows == 20_000 and table.column("prompt_id")[19_999].as_py() == "p19999"
+    assert reader.manifest["kind"] == "prompts"
+
+
+def test_open_table_raises_open_and_stream_errors_at_the_consumer(tmp_path):
+    bad = tmp_path / "x.arrow"
+    bad.write_text("hello")
+    pending = artifacts.open_table(bad, ["prompts"])
+    with pytest.raises(RlkitError, match="not an Arrow IPC stream"):
+        pending.result()
+    full = _prompts(tmp_path / "p.arrow", n=12).read_bytes()
+    cut = tmp_path / "cut.arrow"
+    cut.write_bytes(full[: len(full) // 2])
+    reader = artifacts.open_table(cut, ["prompts"]).result()
+    with pytest.raises(TruncatedStream):
+        reader.read_all()
 
 
 def test_not_an_arrow_file(tmp_path):
