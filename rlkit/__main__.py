@@ -4,4 +4,6 @@ import sys
 
 from rlkit.cli import main
 
-sys.exit(main())
+# Guarded: vLLM starts its engine processes with spawn, which imports this module again.
+if __name__ == "__main__":
+    sys.exit(main())

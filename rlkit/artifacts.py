@@ -314,12 +314,33 @@ def atomic_dir(out: Path) -> Iterator[Path]:
 
 
 def resolve_out(out: Path | None) -> Path | None:
-    """`--out -` and an omitted --out both mean stdout, which must not be a terminal."""
+    """`--out -` and an omitted --out both mean stdout, which must not be a terminal (and is claimed
+    for the table from here on, see `stdout_sink`)."""
     if out is not None and str(out) != "-":
         return out
     if sys.stdout.isatty():
         raise RlkitError("refusing to write an Arrow table to the terminal: pass --out FILE or pipe into another stage")
+    stdout_sink()
     return None
+
+
+_STDOUT: BinaryIO | None = None
+
+
+def stdout_sink() -> BinaryIO:
+    """The process's real stdout, for an Arrow stream only.
+
+    The first call moves it to a new descriptor and points fd 1 at stderr, so that whatever else
+    writes to stdout, in this process or in processes it starts (vLLM's engine workers log there),
+    lands on stderr instead of corrupting the table downstream.
+    """
+    global _STDOUT
+    if _STDOUT is None:
+        sys.stdout.flush()
+        fd = os.dup(1)
+        os.dup2(2, 1)
+        _STDOUT = os.fdopen(fd, "wb")
+    return _STDOUT
 
 
 class TableWriter:
@@ -337,7 +358,7 @@ class TableWriter:
         self.rows = 0
         self._tmp: Path | None = None
         if out is None:
-            self._sink: BinaryIO = sys.stdout.buffer
+            self._sink: BinaryIO = stdout_sink()
         else:
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = _tmp_sibling(out, "tmp")

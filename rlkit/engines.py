@@ -1,12 +1,28 @@
 """Rollout engines behind one small interface: token ids in, n sampled completions per prompt out,
-with the sampling policy's log-prob of every sampled token (pi_old). `rollout` picks one by name."""
+with the sampling policy's log-prob of every sampled token (pi_old). `rollout` picks one by name:
+
+- ``hf``: Hugging Face `generate` on the policy already loaded by rlkit (CPU or one GPU).
+- ``vllm``: `vllm.LLM` on the checkpoint directory (GPUs; vLLM's CPU backend for tests).
+- ``auto``: vLLM when it imports and a GPU is present, otherwise HF.
+
+Both return the same `Generated`, so the rollout stage does not know which one ran. Log-probs are
+those of the distribution sampled from: the logits divided by the temperature (vLLM: its
+``processed_logprobs``, which also renormalises over the nucleus when top_p < 1).
+"""
 
 from __future__ import annotations
 
+import hashlib
+import os
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
+from rlkit.errors import RlkitError
 from rlkit.generation import Generated, generate
+
+ENGINES = ("auto", "hf", "vllm")
 
 
 class Engine(Protocol):
@@ -32,4 +48,114 @@ class HFEngine:
                         logprobs=True)
 
 
-ENGINES = ("hf",)
+@dataclass(frozen=True)
+class VLLMOptions:
+    """What `rlkit rollout` passes through to `vllm.LLM`."""
+
+    tp: int = 1  # tensor_parallel_size
+    gpu_memory_utilization: float | None = None  # None: 0.9 on a GPU, 0.3 on vLLM's CPU backend
+    dtype: str = "auto"  # auto: the checkpoint's dtype
+    max_model_len: int | None = None  # None: the model's context length
+    enforce_eager: bool = False  # skip CUDA graph capture (faster start, slower steps)
+
+
+def vllm_import_error() -> str | None:
+    """Why `import vllm` fails here, or None when it imports."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # any failure (missing, broken torchvision, ABI) means: no vLLM here
+        return f"{type(e).__name__}: {e}".splitlines()[0]
+    return None
+
+
+def choose(name: str) -> tuple[str, str]:
+    """Resolve `--engine` to 'hf' or 'vllm', with the reason (said on stderr by the stage)."""
+    if name not in ENGINES:
+        raise RlkitError(f"--engine {name!r} is not one of {', '.join(ENGINES)}")
+    if name != "auto":
+        return name, "asked for"
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return "hf", "auto: no GPU here; vLLM on a CPU is for tests, not speed"
+    if importlib.util.find_spec("vllm") is None:
+        return "hf", "auto: vLLM is not installed (pip install 'rlkit[vllm]')"
+    err = vllm_import_error()
+    if err:
+        return "hf", f"auto: vLLM does not import ({err})"
+    return "vllm", "auto: vLLM imports and a GPU is present"
+
+
+def checkpoint_dtype(policy: Path, asked: str) -> str:
+    """`--dtype auto` means the dtype the checkpoint was saved in (vLLM's own 'auto' would run an fp32
+    checkpoint in bf16, and the log-probs it logs would no longer be the trainer's)."""
+    if asked != "auto":
+        return asked
+    import json
+
+    cfg = json.loads((Path(policy) / "config.json").read_text())
+    return str(cfg.get("dtype") or cfg.get("torch_dtype") or "auto")
+
+
+def _prompt_seed(seed: int, i: int) -> int:
+    """A well-spread 31-bit seed per prompt; vLLM seeds the n samples of a prompt seed+0 .. seed+n-1."""
+    h = hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") % (2**31 - 2**16)
+
+
+class VLLMEngine:
+    """`vllm.LLM` over the checkpoint directory; prompts go in as token ids, samples come back as
+    token ids with the log-prob of each sampled token (`logprobs=0`: the sampled token only)."""
+
+    name = "vllm"
+
+    def __init__(self, policy: Path, tokenizer, opts: VLLMOptions, seed: int = 0, trust_remote_code: bool = False,
+                 device: str | None = None) -> None:
+        err = vllm_import_error()
+        if err:
+            raise RlkitError(f"--engine vllm: vLLM does not import here ({err}); on a GPU: pip install 'rlkit[vllm]', "
+                             "on a CPU see the README's 'vLLM on a CPU'")
+        import torch
+        from vllm import LLM
+
+        on_gpu = torch.cuda.is_available() if device is None else device != "cpu"
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout may carry our table
+        if not on_gpu:
+            # vLLM's CPU backend sizes its KV cache from this (GiB); its default asks for more memory than a
+            # small shared machine has free
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        util = opts.gpu_memory_utilization or (0.9 if on_gpu else 0.3)
+        self.eos = tokenizer.eos_token_id
+        self.llm = LLM(model=str(policy), tokenizer=str(policy), dtype=checkpoint_dtype(policy, opts.dtype), tensor_parallel_size=opts.tp,
+                       gpu_memory_utilization=util, max_model_len=opts.max_model_len, enforce_eager=opts.enforce_eager,
+                       seed=seed, logprobs_mode="processed_logprobs", trust_remote_code=trust_remote_code)
+
+    def sample(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed) -> Generated:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
+                                 seed=_prompt_seed(seed, i), logprobs=0, detokenize=False)
+                  for i in range(len(prompt_ids))]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params, use_tqdm=False)
+        ids, fins, lps = [], [], []
+        for o in outs:
+            for c in sorted(o.outputs, key=lambda c: c.index):
+                toks = list(c.token_ids)
+                if c.logprobs is None or len(c.logprobs) != len(toks):
+                    raise RlkitError("vLLM returned no log-prob for some sampled tokens; cannot log pi_old")
+                ids.append(toks)
+                lps.append([float(d[t].logprob) for d, t in zip(c.logprobs, toks, strict=True)])
+                fins.append("eos" if toks and toks[-1] == self.eos else "length")
+        return Generated(ids, fins, lps)
+
+    def close(self) -> None:
+        """Shut the engine's worker processes down now rather than at interpreter exit."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None and hasattr(llm, "llm_engine") and hasattr(llm.llm_engine, "engine_core"):
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:  # shutting down is best effort: the processes die with us anyway
+                pass

@@ -25,6 +25,16 @@ def clipped_surrogate(logp: Tensor, old_logp: Tensor, adv: Tensor, clip_low: flo
     return loss, clipped > unclipped, ratio
 
 
+def truncated_is_weights(old_logp: Tensor, engine_logp: Tensor, cap: float) -> Tensor:
+    """Truncated importance-sampling weight per token, min(pi_old / pi_engine, cap), correcting for the
+    rollout engine's log-probs differing from the trainer's (TIS, Yao et al. 2025; verl's `tis_imp_ratio_cap`).
+
+    old_logp: the trainer's own log-prob of the sampled tokens (recomputed, no grad); engine_logp:
+    what the engine reported. (B, T), (B, T) -> (B, T), detached.
+    """
+    return torch.exp(old_logp - engine_logp).clamp(max=cap).detach()
+
+
 def token_mean(x: Tensor, mask: Tensor, norm: float | None = None) -> Tensor:  # noqa: ARG001
     """Mean over every unmasked token of the batch (long answers weigh more). (B, T) -> ()."""
     m = mask.to(x.dtype)

@@ -21,7 +21,7 @@ from rlkit.advantages import ADVANTAGES, degenerate_groups
 from rlkit.errors import RlkitError
 from rlkit.kl import KL_ESTIMATORS
 from rlkit.logprobs import completion_logprobs, pack_sequences
-from rlkit.losses import AGGREGATIONS, clipped_surrogate
+from rlkit.losses import AGGREGATIONS, clipped_surrogate, truncated_is_weights
 from rlkit.rl_config import RLConfig
 
 TRAINER_DIR = "trainer"
@@ -139,19 +139,52 @@ def load_trainer(model, opt: torch.optim.Optimizer, d: Path) -> TrainerState:
     return TrainerState(optimizer_step=s["optimizer_step"], updates=s["updates"])
 
 
+def recompute_logprobs(model, batch: RLBatch, temperature: float, minibatch_size: int) -> Tensor:
+    """The trainer's own log-probs of the sampled tokens under `model`, no grad: (N, C), 0 off the mask."""
+    out = torch.zeros_like(batch.old_logp)
+    with torch.no_grad():
+        for s in range(0, len(out), minibatch_size):
+            idx = torch.arange(s, min(len(out), s + minibatch_size))
+            L = int(batch.attn[idx].sum(1).max())
+            C = int(batch.mask[idx].sum(1).max())
+            lp, _ = completion_logprobs(model, batch.input_ids[idx, :L], batch.attn[idx, :L], batch.targets[idx, :C],
+                                        batch.start[idx], temperature=temperature)
+            out[idx, :C] = lp * batch.mask[idx, :C]
+    return out
+
+
 def train_on_batch(model, opt: torch.optim.Optimizer, state: TrainerState, batch: RLBatch, cfg: RLConfig,
-                   temperature: float = 1.0, length_norm: float | None = None, ticker=None) -> dict[str, Any]:
-    """Advantages, then `epochs` passes of shuffled minibatches of the clipped surrogate (+ KL term)."""
+                   temperature: float = 1.0, length_norm: float | None = None, ticker=None,
+                   recompute: bool = False) -> dict[str, Any]:
+    """Advantages, then `epochs` passes of shuffled minibatches of the clipped surrogate (+ KL term).
+
+    `recompute`: pi_old is the trainer's own forward pass before the first step rather than the
+    engine's logged log-probs (their gap is logged as `logprob_mismatch`); with `cfg.tis_cap` the
+    per-token loss is also weighted by min(pi_old / pi_engine, cap).
+    """
     t0 = time.monotonic()
     kl_fn, agg = KL_ESTIMATORS[cfg.kl_estimator], AGGREGATIONS[cfg.aggregation]
     mask = batch.mask
     if cfg.beta > 0 and batch.ref_logp is None:
         raise RlkitError("--beta > 0 needs reference log-probs: pipe the rollouts through `rlkit score-ref --ref REF` "
                          "(or pass --beta 0)")
+    if cfg.tis_cap is not None and not recompute:
+        raise RlkitError("--tis-cap needs the recomputed pi_old (--old-logprobs recompute)")
     rewards = batch.rewards
-    metrics: dict[str, Any] = {}
+    metrics: dict[str, Any] = {"old_logprobs": "recompute" if recompute else "engine"}
+    old_logp, tis = batch.old_logp, None
+    if recompute:
+        model.train()
+        old_logp = recompute_logprobs(model, batch, temperature, cfg.minibatch_size)
+        gap = (old_logp - batch.old_logp).abs()[mask]
+        metrics.update(logprob_mismatch=float(gap.mean()) if gap.numel() else 0.0,
+                       logprob_mismatch_max=float(gap.max()) if gap.numel() else 0.0)
+        if cfg.tis_cap is not None:
+            tis = truncated_is_weights(old_logp, batch.old_logp, cfg.tis_cap)
+            metrics.update(tis_weight_mean=float(tis[mask].mean()),
+                           tis_capped_fraction=float((tis[mask] >= cfg.tis_cap).float().mean()))
     if batch.ref_logp is not None:
-        kl_tok = kl_fn(batch.old_logp, batch.ref_logp) * mask
+        kl_tok = kl_fn(old_logp, batch.ref_logp) * mask
         metrics["kl_per_token"] = float(kl_tok.sum() / mask.sum().clamp(min=1))
         metrics["kl_per_seq"] = float(kl_tok.sum(1).mean())
         if cfg.kl_in == "reward" and cfg.beta > 0:
@@ -179,8 +212,8 @@ def train_on_batch(model, opt: torch.optim.Optimizer, state: TrainerState, batch
             m = batch.mask[idx, :C]
             logp, ent = completion_logprobs(model, batch.input_ids[idx, :L], batch.attn[idx, :L], batch.targets[idx, :C],
                                             batch.start[idx], temperature=temperature, with_entropy=epoch == 0)
-            pg, clipped, ratio = clipped_surrogate(logp, batch.old_logp[idx, :C], adv[idx], cfg.clip_low, cfg.clip_high)
-            per_tok = pg
+            pg, clipped, ratio = clipped_surrogate(logp, old_logp[idx, :C], adv[idx], cfg.clip_low, cfg.clip_high)
+            per_tok = pg if tis is None else pg * tis[idx, :C]
             if cfg.beta > 0 and cfg.kl_in == "loss":
                 per_tok = per_tok + cfg.beta * kl_fn(logp, batch.ref_logp[idx, :C])
             loss = agg(per_tok, m, length_norm)

@@ -28,6 +28,8 @@ class RLConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 0
     seed: int = 0
+    old_logprobs: str = "auto"  # engine | recompute | auto (recompute unless the HF engine sampled)
+    tis_cap: float | None = None  # truncated importance sampling cap C (needs recomputed pi_old)
 
     def check(self) -> None:
         from rlkit.advantages import ADVANTAGES
@@ -43,6 +45,12 @@ class RLConfig:
             raise RlkitError(f"--kl-in {self.kl_in!r} is not one of loss, reward")
         if self.loss_agg is not None and self.loss_agg not in AGGREGATIONS:
             raise RlkitError(f"--loss-agg {self.loss_agg!r} is not one of {', '.join(AGGREGATIONS)}")
+        if self.old_logprobs not in ("auto", "engine", "recompute"):
+            raise RlkitError(f"--old-logprobs {self.old_logprobs!r} is not one of engine, recompute, auto")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise RlkitError(f"--tis-cap {self.tis_cap} must be > 0 (e.g. 2.0)")
+        if self.tis_cap is not None and self.old_logprobs == "engine":
+            raise RlkitError("--tis-cap weighs by pi_recomputed / pi_engine, so it needs --old-logprobs recompute")
         if self.beta < 0 or self.lr <= 0 or self.clip_low < 0 or self.clip_high < 0:
             raise RlkitError("--beta, --clip-low and --clip-high must be >= 0 and --lr > 0")
 

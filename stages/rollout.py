@@ -33,8 +33,13 @@ class RolloutConfig:
     top_p: float = 1.0
     max_new_tokens: int = 16
     seed: int = 0
-    engine: str = "hf"
+    engine: str = "auto"
     batch_tokens: int = 16384
+    tp: int = 1
+    gpu_memory_utilization: float | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    enforce_eager: bool = False
     chunk_prompts: int = 64
     trust_remote_code: bool = False
     force: bool = False
@@ -50,6 +55,9 @@ def run(cfg: RolloutConfig) -> Path | None:
     task = get_task(cfg.task)
     if cfg.engine not in engines.ENGINES:
         raise RlkitError(f"--engine {cfg.engine!r} is not one of {', '.join(engines.ENGINES)}")
+    if cfg.engine == "hf" and (cfg.tp != 1 or cfg.gpu_memory_utilization or cfg.max_model_len or cfg.enforce_eager):
+        raise RlkitError("--tp, --gpu-memory-utilization, --max-model-len and --enforce-eager are vLLM options; "
+                         "pass --engine vllm (or auto) with them")
     if cfg.temperature <= 0 or not (0 < cfg.top_p <= 1):
         raise RlkitError("sampling needs --temperature > 0 and 0 < --top-p <= 1 (use `rlkit eval` for greedy)")
     checkpoints.check_model_dir(cfg.policy, "policy")
@@ -72,10 +80,20 @@ def run(cfg: RolloutConfig) -> Path | None:
     if artifacts.skip_if_current(out, "rollout", cfg, inputs):
         return out
 
-    model, tokenizer = checkpoints.load_policy(cfg.policy, "fp32", cfg.trust_remote_code)
+    chosen, why = engines.choose(cfg.engine)
+    console.info(f"rollout: engine {chosen} ({why})")
+    if chosen == "vllm":
+        tokenizer = checkpoints.load_tokenizer(cfg.policy, cfg.trust_remote_code)
+        opts = engines.VLLMOptions(tp=cfg.tp, gpu_memory_utilization=cfg.gpu_memory_utilization, dtype=cfg.dtype,
+                                   max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager)
+        engine = engines.VLLMEngine(cfg.policy, tokenizer, opts, cfg.seed, cfg.trust_remote_code)
+    else:
+        if cfg.dtype not in ("auto", "fp32"):
+            raise RlkitError(f"--dtype {cfg.dtype}: the hf engine samples in fp32 (pass --engine vllm for other dtypes)")
+        model, tokenizer = checkpoints.load_policy(cfg.policy, "fp32", cfg.trust_remote_code)
+        engine = engines.HFEngine(model, tokenizer, cfg.batch_tokens)
     texts = data.render_prompts(tokenizer, source, for_sft=False) if source else [e.prompt for e in ex]
     prompt_ids = data.encode_prompts(tokenizer, texts, bool(source and source.chat))
-    engine = engines.HFEngine(model, tokenizer, cfg.batch_tokens)
     scored = all(a is not None for a in answers)
     if not scored:
         console.warn("some prompts have no gold answer: no verifier reward column is written")
@@ -110,6 +128,8 @@ def run(cfg: RolloutConfig) -> Path | None:
                 cols["reward/verifier"] = [task.reward(c, answers[p]) for c, (p, _) in zip(comps, rows, strict=True)]
             w.write(cols)
             bar.advance(len(rows), **({"reward": sum(cols["reward/verifier"]) / len(rows)} if scored else {}))
+    if isinstance(engine, engines.VLLMEngine):
+        engine.close()
     return out
 
 
@@ -124,8 +144,13 @@ def command(
     temperature: Annotated[float, typer.Option(help="Sampling temperature (> 0).")] = 1.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling threshold.")] = 1.0,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Longest completion, in tokens.")] = 16,
-    engine: Annotated[str, typer.Option(help="Rollout engine: hf.")] = "hf",
-    batch_tokens: Annotated[int, typer.Option(min=16, help="Token budget per generation batch.")] = 16384,
+    engine: Annotated[str, typer.Option(help="Rollout engine: hf, vllm, or auto (vLLM when it imports and a GPU is present, else hf).")] = "auto",
+    batch_tokens: Annotated[int, typer.Option(min=16, help="Token budget per generation batch (hf engine).")] = 16384,
+    tp: Annotated[int, typer.Option("--tp", min=1, help="vLLM tensor-parallel size (GPUs per engine).")] = 1,
+    gpu_memory_utilization: Annotated[float | None, typer.Option(min=0.01, max=1.0, help="vLLM memory fraction (default 0.9 on a GPU, 0.3 on vLLM's CPU backend).")] = None,
+    dtype: Annotated[str, typer.Option(help="vLLM weights/compute dtype: auto (the checkpoint's), float32, bfloat16, float16.")] = "auto",
+    max_model_len: Annotated[int | None, typer.Option(min=16, help="vLLM context length (default: the model's).")] = None,
+    enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="vLLM: no CUDA graphs (faster start-up).")] = False,
     seed: Seed = 0,
     out: OutTable = None,
     trust_remote_code: TrustRemoteCode = False,
@@ -135,4 +160,6 @@ def command(
     run(RolloutConfig(policy=policy, out=out, task=task, prompts=prompts, prompt_column=prompt_column,
                       answer_column=answer_column, num_prompts=num_prompts, n=n, temperature=temperature,
                       top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, engine=engine,
-                      batch_tokens=batch_tokens, trust_remote_code=trust_remote_code, force=force))
+                      batch_tokens=batch_tokens, tp=tp, gpu_memory_utilization=gpu_memory_utilization, dtype=dtype,
+                      max_model_len=max_model_len, enforce_eager=enforce_eager,
+                      trust_remote_code=trust_remote_code, force=force))

@@ -86,7 +86,8 @@ def run(cfg: ScoreRefConfig) -> Path | None:
     temperature = float((upstream.get("config") or {}).get("temperature", 1.0))
     extra = [f for f in reader.schema if f.name.startswith("reward/")]
     manifest = artifacts.make_manifest("scored", "score-ref", cfg, inputs, tokenizer=want,
-                                       rollout=upstream.get("config"), temperature=temperature)
+                                       rollout=upstream.get("config"), temperature=temperature,
+                                       engine=upstream.get("engine"))
     lp_type = artifacts.kind("scored").schema().field("ref_logprobs").type
     with artifacts.write_table("scored", out, manifest, extra) as w:
         for batch in reader:

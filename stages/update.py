@@ -95,9 +95,14 @@ def run(cfg: UpdateConfig) -> Path:
 
     opt = policy_update.make_optimizer(model, cfg.rl)
     state = policy_update.load_trainer(model, opt, cfg.policy / policy_update.TRAINER_DIR)
+    engine = upstream.get("engine")
+    recompute = cfg.rl.old_logprobs == "recompute" or (cfg.rl.old_logprobs == "auto" and engine != "hf")
+    if cfg.rl.old_logprobs == "auto" and recompute:
+        console.info(f"update: rollouts sampled by engine {engine or 'unknown'}: recomputing pi_old with the trainer "
+                     "(--old-logprobs engine to trust the engine's)")
     steps = cfg.rl.epochs * -(-len(table) // cfg.rl.minibatch_size)
     with console.progress("update", steps) as bar:
-        m = policy_update.train_on_batch(model, opt, state, batch, cfg.rl, temperature, length_norm, bar)
+        m = policy_update.train_on_batch(model, opt, state, batch, cfg.rl, temperature, length_norm, bar, recompute)
     comps = {n.split("/", 1)[1]: table.column(n).to_pylist() for n in table.column_names if n.startswith("reward/")}
     rew = batch.rewards
     metrics = {
@@ -128,7 +133,8 @@ def _show(metrics: dict) -> None:
 
     t = Table(title=f"update step {metrics['step']}", show_header=False)
     keys = ("reward_mean", "reward_std", "verifier_accuracy", "kl_per_token", "kl_per_seq", "entropy",
-            "clip_fraction", "ratio_min", "ratio_mean", "ratio_max", "grad_norm", "mean_response_tokens",
+            "clip_fraction", "ratio_min", "ratio_mean", "ratio_max", "logprob_mismatch", "logprob_mismatch_max",
+            "tis_weight_mean", "tis_capped_fraction", "grad_norm", "mean_response_tokens",
             "degenerate_group_fraction", "optimizer_steps", "tokens_per_s", "train_seconds")
     for k in (*[k for k in metrics if k.startswith("reward/")], *keys):
         v = metrics.get(k)
@@ -156,6 +162,8 @@ def command(
     grad_clip: Annotated[float, typer.Option(help="Gradient norm clip.")] = RLConfig.grad_clip,
     warmup_steps: Annotated[int, typer.Option(min=0, help="Linear LR warmup over this many optimizer steps (counted across updates).")] = 0,
     seed: Annotated[int, typer.Option(help="Seed of the minibatch order.")] = 0,
+    old_logprobs: Annotated[str, typer.Option(help="pi_old for the ratio: engine (as logged at rollout), recompute (the trainer's own forward pass before the first step) or auto (recompute unless the hf engine sampled).")] = RLConfig.old_logprobs,
+    tis_cap: Annotated[float | None, typer.Option(help="Truncated importance sampling: weight each token's loss by min(pi_recomputed / pi_engine, CAP), e.g. 2.0.")] = None,
     metrics: Annotated[Path | None, typer.Option(help="Append this update's metrics as one JSON line to this file.")] = None,
     trust_remote_code: TrustRemoteCode = False,
     force: Force = False,
@@ -163,6 +171,6 @@ def command(
     """One clipped policy-gradient update (GRPO family) with a KL leash; writes the next checkpoint."""
     rl = RLConfig(algo=algo, lr=lr, epochs=epochs, minibatch_size=minibatch_size, clip_low=clip_low, clip_high=clip_high,
                   beta=beta, kl_estimator=kl_estimator, kl_in=kl_in, loss_agg=loss_agg, drop_degenerate=drop_degenerate,
-                  grad_clip=grad_clip, warmup_steps=warmup_steps, seed=seed)
+                  grad_clip=grad_clip, warmup_steps=warmup_steps, seed=seed, old_logprobs=old_logprobs, tis_cap=tis_cap)
     run(UpdateConfig(policy=policy, out=out, inp=inp, rl=rl, reward=tuple(reward or ()), metrics=metrics,
                      trust_remote_code=trust_remote_code, force=force))

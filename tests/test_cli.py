@@ -179,3 +179,29 @@ def test_interrupted_sft_keeps_the_existing_checkpoint(tmp_path, sft_dir):
 def test_version():
     r = subprocess.run([sys.executable, "-m", "rlkit", "--version"], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.startswith("rlkit ")
+
+
+def test_stray_stdout_writes_cannot_corrupt_a_streamed_table(tmp_path):
+    """Once a stage claims stdout for its table, prints from the process or from processes it starts
+    (vLLM's engine workers log to stdout) go to stderr and the downstream reader gets a clean table."""
+    code = (
+        "import os, sys\n"
+        "from rlkit import artifacts\n"
+        "out = artifacts.resolve_out(None)\n"
+        "print('noise from the stage')\n"
+        "os.system('echo noise from a child process')\n"
+        "m = artifacts.make_manifest('prompts', 'prompts', {}, {})\n"
+        "with artifacts.write_table('prompts', out, m) as w:\n"
+        "    w.write({'prompt_id': ['a'], 'prompt': ['1+1='], 'answer': ['2'], 'split': ['train']})\n"
+        "print('more noise')\n"
+    )
+    producer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    table, err = producer.communicate(timeout=120)
+    assert producer.returncode == 0, err
+    assert b"noise from the stage" in err and b"noise from a child process" in err and b"more noise" in err
+    p = tmp_path / "t.arrow"
+    p.write_bytes(table)
+    from rlkit import artifacts
+
+    t, _ = artifacts.read_table(p, ["prompts"])
+    assert t.column("prompt").to_pylist() == ["1+1="]

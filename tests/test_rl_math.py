@@ -143,3 +143,13 @@ def test_chunked_scoring_equals_the_training_path():
     for b, (p, c) in enumerate(zip(prompts, comps, strict=True)):
         naive = full[b, len(p) - 1 : len(p) - 1 + len(c)].gather(-1, torch.tensor(c).unsqueeze(-1)).squeeze(-1)
         assert torch.allclose(lp[b, : len(c)], naive, atol=1e-5)
+
+
+def test_truncated_is_weights_by_hand():
+    from rlkit.losses import truncated_is_weights
+
+    old = torch.tensor([[math.log(0.5), math.log(0.2), math.log(0.9)]])
+    eng = torch.tensor([[math.log(0.25), math.log(0.4), math.log(0.1)]])
+    w = truncated_is_weights(old, eng, cap=3.0)
+    assert torch.allclose(w, torch.tensor([[2.0, 0.5, 3.0]]))  # 0.5/0.25, 0.2/0.4, min(9, 3)
+    assert not w.requires_grad

@@ -185,3 +185,54 @@ def test_bad_inputs_to_the_loop(sft_dir, ref_dir, tmp_path):
     assert run_cli("prompts", "--num", "3", "--out", str(p)).returncode == 0
     line = one_error_line(run_cli("update", "--policy", str(sft_dir), "--in", str(p), "--out", str(tmp_path / "u")))
     assert "is a 'prompts' table, expected a 'rollouts' or 'scored' table" in line
+
+
+def test_engine_choice_and_recomputed_pi_old(sft_dir, tmp_path):
+    from rlkit import policy_update
+    from rlkit.rl_config import RLConfig
+
+    path = tmp_path / "r.arrow"
+    r = run_cli("rollout", "--policy", str(sft_dir), "--num-prompts", "12", "--n", "4", "--seed", "5",
+                "--out", str(path))
+    assert r.returncode == 0, r.stderr
+    assert "rollout: engine hf (auto: no GPU here" in r.stderr.decode()  # --engine auto on a CPU, and why
+    assert artifacts.read_manifest(path)["engine"] == "hf"
+    t, _ = artifacts.read_table(path, ["rollouts"])
+    # trusting the HF engine's pi_old or recomputing it (with TIS) gives the same update: the engine is exact
+    params, metrics = [], []
+    for recompute, cap in ((False, None), (True, None), (True, 2.0)):
+        cfg = RLConfig(beta=0.0, minibatch_size=16, epochs=2, lr=1e-3, tis_cap=cap)
+        model, tok = checkpoints.load_policy(sft_dir)
+        batch, _ = policy_update.build_batch(t, tok.pad_token_id)
+        metrics.append(policy_update.train_on_batch(model, policy_update.make_optimizer(model, cfg),
+                                                    policy_update.TrainerState(), batch, cfg, 1.0, 16.0,
+                                                    recompute=recompute))
+        params.append(model.state_dict())
+    assert metrics[0]["old_logprobs"] == "engine" and "logprob_mismatch" not in metrics[0]
+    assert metrics[1]["old_logprobs"] == "recompute" and metrics[1]["logprob_mismatch"] < 1e-4
+    assert abs(metrics[2]["tis_weight_mean"] - 1) < 1e-4 and metrics[2]["tis_capped_fraction"] == 0
+    for other in params[1:]:
+        assert all(torch.allclose(params[0][k], other[k], atol=1e-5) for k in other)
+    # a mismatched engine (pi_engine made up 0.5 nats lower) shows in the gap, and TIS caps its weights
+    off = batch._replace(old_logp=batch.old_logp - 0.5 * batch.mask)
+    model, _ = checkpoints.load_policy(sft_dir)
+    cfg = RLConfig(beta=0.0, minibatch_size=16, epochs=1, tis_cap=1.5)
+    m = policy_update.train_on_batch(model, policy_update.make_optimizer(model, cfg), policy_update.TrainerState(),
+                                     off, cfg, 1.0, 16.0, recompute=True)
+    assert m["logprob_mismatch"] == pytest.approx(0.5, abs=1e-3)
+    assert m["tis_weight_mean"] == pytest.approx(1.5, abs=1e-4) and m["tis_capped_fraction"] == 1.0
+
+
+def test_bad_engine_and_pi_old_options(sft_dir, tmp_path):
+    roll = _rollouts(sft_dir, tmp_path / "r.arrow", num=4)
+    out = str(tmp_path / "x.arrow")
+    line = one_error_line(run_cli("rollout", "--policy", str(sft_dir), "--engine", "tpu", "--out", out))
+    assert "--engine 'tpu' is not one of auto, hf, vllm" in line
+    line = one_error_line(run_cli("rollout", "--policy", str(sft_dir), "--engine", "hf", "--tp", "2", "--out", out))
+    assert "vLLM options" in line
+    upd = ["update", "--policy", str(sft_dir), "--in", str(roll), "--out", str(tmp_path / "u"), "--beta", "0"]
+    line = one_error_line(run_cli(*upd, "--old-logprobs", "engine", "--tis-cap", "2"))
+    assert "--tis-cap" in line and "--old-logprobs recompute" in line
+    line = one_error_line(run_cli(*upd, "--old-logprobs", "sometimes"))
+    assert "not one of engine, recompute, auto" in line
+    assert not (tmp_path / "u").exists() and not (tmp_path / "x.arrow").exists()
