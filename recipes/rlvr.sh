@@ -3,7 +3,7 @@
 # Knobs (environment), defaults in brackets:
 #   RUNS [runs/rlvr]  SEED [0]  TASK [arithmetic]  SFT_EXAMPLES [24000]  EVAL_NUM [300]
 #   ROUNDS [3]  PROMPTS [512] prompts per round  N [8] samples per prompt  MAX_NEW_TOKENS [16]
-#   ALGO [grpo]  LR [5e-5]  EPOCHS [1]  MINIBATCH [128]  BETA [0.01]  KL [k3]  TEMPERATURE [1.0]
+#   ALGO [grpo]  LR [5e-5]  EPOCHS [2]  MINIBATCH [128]  BETA [0.01]  KL [k3]  TEMPERATURE [1.0]
 #   DROP_DEGENERATE [0] leave out groups whose rewards are all equal (no signal, ~20% less work)
 # A rerun skips every stage whose output is up to date with its inputs and settings.
 set -euo pipefail
@@ -19,7 +19,7 @@ N=${N:-8}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-16}
 ALGO=${ALGO:-grpo}
 LR=${LR:-5e-5}
-EPOCHS=${EPOCHS:-1}
+EPOCHS=${EPOCHS:-2}
 MINIBATCH=${MINIBATCH:-128}
 BETA=${BETA:-0.01}
 KL=${KL:-k3}
