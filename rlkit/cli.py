@@ -16,8 +16,8 @@ import typer
 
 from rlkit import __version__
 from rlkit.errors import RlkitError
+from rlkit.stages import build_prefs, freeze_ref, inspect, prompts, rollout, score_ref, sft, train_rm, update
 from rlkit.stages import eval as eval_stage
-from rlkit.stages import freeze_ref, inspect, prompts, rollout, score_ref, sft, update
 
 app = typer.Typer(
     name="rlkit",
@@ -30,6 +30,8 @@ app = typer.Typer(
 
 app.command("prompts")(prompts.command)
 app.command("sft")(sft.command)
+app.command("build-prefs")(build_prefs.command)
+app.command("train-rm")(train_rm.command)
 app.command("freeze-ref")(freeze_ref.command)
 app.command("rollout")(rollout.command)
 app.command("score-ref")(score_ref.command)

@@ -34,6 +34,15 @@ class Source:
         return self if n is None or n >= self.table.num_rows else replace(self, table=self.table.slice(0, n))
 
 
+def _quiet_datasets():
+    """`datasets`, without its per-load progress bars and info logs on stderr (stages print one line)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    return datasets
+
+
 def _read_any(source: str) -> tuple[pa.Table | None, str, bool]:
     """(table, fingerprint, is_rlkit_table) for a file path or a datasets spec."""
     p = Path(source)
@@ -55,7 +64,7 @@ def _read_any(source: str) -> tuple[pa.Table | None, str, bool]:
 
             table = pq.read_table(p)
         elif suffix in (".jsonl", ".json"):
-            import datasets
+            datasets = _quiet_datasets()
 
             try:
                 table = datasets.load_dataset("json", data_files=str(p), split="train").data.table
@@ -66,7 +75,7 @@ def _read_any(source: str) -> tuple[pa.Table | None, str, bool]:
         return table, artifacts.fingerprint(p), False
     if source.startswith((".", "/", "~")) or p.suffix.lower() in (".arrow", ".parquet", ".jsonl", ".json"):
         raise RlkitError(f"{source}: no such file")
-    import datasets
+    datasets = _quiet_datasets()
 
     spec, _, split = source.partition("@")
     name, _, config = spec.partition(":")
@@ -101,7 +110,9 @@ def load_source(source: str, kind: str, columns: Mapping[str, str | None]) -> So
     if "prompt_id" not in table.column_names:
         stem = Path(source).stem or "row"
         table = table.append_column("prompt_id", pa.array([f"{stem}-{i}" for i in range(table.num_rows)]))
-    for col in ("answer", "completion", "prompt_id"):
+    if kind == "prefs" and "split" not in table.column_names:
+        table = table.append_column("split", pa.array([""] * table.num_rows, pa.string()))  # assigned by the caller
+    for col in ("answer", "completion", "prompt_id", "chosen", "rejected"):
         if col in table.column_names and not pa.types.is_string(table.schema.field(col).type):
             idx = table.column_names.index(col)
             table = table.set_column(idx, col, pa.array([None if v is None else str(v) for v in table.column(col).to_pylist()], pa.string()))

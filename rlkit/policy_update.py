@@ -65,8 +65,10 @@ def combine_rewards(columns: dict[str, list[float]], weights: dict[str, float] |
     return total.float(), w
 
 
-def build_batch(table, pad_id: int, weights: dict[str, float] | None = None) -> tuple[RLBatch, dict[str, float]]:
-    """Tensors from a rollouts/scored Arrow table."""
+def build_batch(table, pad_id: int, weights: dict[str, float] | None = None,
+                length_penalty: float = 0.0) -> tuple[RLBatch, dict[str, float]]:
+    """Tensors from a rollouts/scored Arrow table. `length_penalty` > 0 adds the component
+    `length_penalty` = -length_penalty * completion tokens (weight 1) to the reward."""
     prompts = table.column("prompt_ids").to_pylist()
     comps = table.column("completion_ids").to_pylist()
     old = table.column("old_logprobs").to_pylist()
@@ -79,6 +81,9 @@ def build_batch(table, pad_id: int, weights: dict[str, float] | None = None) -> 
     if "ref_logprobs" in table.column_names:
         ref = _padded(table.column("ref_logprobs").to_pylist(), C)
     reward_cols = {n.split("/", 1)[1]: table.column(n).to_pylist() for n in table.column_names if n.startswith("reward/")}
+    if length_penalty:
+        reward_cols["length_penalty"] = [-length_penalty * len(c) for c in comps]
+        weights = None if weights is None else {**weights, "length_penalty": 1.0}
     rewards, used = combine_rewards(reward_cols, weights)
     groups = torch.tensor(table.column("group_id").to_pylist(), dtype=torch.long)
     return RLBatch(ids, attn, targets, mask, start, _padded(old, C), ref, rewards, groups), used

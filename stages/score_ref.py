@@ -8,7 +8,10 @@ soon as it is scored, so the stage streams. Log-probs use the rollout's sampling
 pi_old, and are gathered without a second full-vocabulary tensor (`rlkit.logprobs`).
 
 The reference must share the policy's tokenizer (the rollouts record its fingerprint). Reward models
-(RLHF) plug into the same scorer pattern: a forward pass per bucket, one column per model.
+(`--rm NAME=DIR`, repeatable, from `rlkit train-rm`) use the same scorer pattern on the text of
+prompt + completion, re-tokenized with their own tokenizer (which may differ from the policy's), and
+add one `reward/rm:NAME` component each beside `verifier`. Without --ref the output stays a
+'rollouts' table (enough for `update --beta 0`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from rlkit.options import Force, InTable, OutTable, TrustRemoteCode
 
 @dataclass(frozen=True)
 class ScoreRefConfig:
-    ref: Path
+    ref: Path | None = None
+    rm: tuple[str, ...] = ()  # NAME=DIR reward models, each adds a `reward/rm:NAME` column
     inp: str | None = None
     out: Path | None = None
     device: str = "cpu"
@@ -57,53 +61,95 @@ def score_batch(model, batch, pad_id: int, temperature: float, batch_tokens: int
     return out  # type: ignore[return-value]
 
 
+def parse_rms(specs: tuple[str, ...]) -> dict[str, Path]:
+    """`--rm NAME=DIR` (or `--rm DIR`, named after the folder) -> {component name: dir}."""
+    from rlkit.errors import RlkitError
+
+    out: dict[str, Path] = {}
+    for spec in specs:
+        name, eq, d = spec.partition("=")
+        name, path = (name.strip(), Path(d)) if eq else (Path(spec).name, Path(spec))
+        if not name or not str(path):
+            raise RlkitError(f"--rm {spec!r}: expected NAME=DIR or DIR")
+        key = f"rm:{name}"
+        if key in out:
+            raise RlkitError(f"--rm names {name!r} twice; give each reward model its own NAME=DIR")
+        out[key] = path
+    return out
+
+
 def run(cfg: ScoreRefConfig) -> Path | None:
     import pyarrow as pa
 
     from rlkit import artifacts, checkpoints, console
     from rlkit.errors import RlkitError
 
+    rms = parse_rms(cfg.rm)
+    if cfg.ref is None and not rms:
+        raise RlkitError("nothing to score with: pass --ref REF (reference log-probs) and/or --rm NAME=DIR")
     if cfg.dtype not in ("auto", "stored", "fp32"):
         raise RlkitError(f"--dtype {cfg.dtype!r} is not one of auto, stored, fp32")
     out = artifacts.resolve_out(cfg.out)
     artifacts.check_out(out, "table")
-    checkpoints.verify_reference(cfg.ref)
-    # the input opens and streams into memory on a thread while torch imports and the reference loads
-    pending = artifacts.open_table(cfg.inp, ["rollouts"])
-    compute = cfg.dtype if cfg.dtype != "auto" else ("fp32" if cfg.device == "cpu" else "stored")
-    model, tokenizer, _ = checkpoints.load_reference(cfg.ref, cfg.device, cfg.trust_remote_code, compute)
+    if cfg.ref is not None:
+        checkpoints.verify_reference(cfg.ref)
+    for d in rms.values():
+        checkpoints.check_model_dir(d, "reward model")
+    # the input opens and streams into memory on a thread while torch imports and the models load
+    pending = artifacts.open_table(cfg.inp, ["rollouts", "scored"])
+    model = tokenizer = None
+    if cfg.ref is not None:
+        compute = cfg.dtype if cfg.dtype != "auto" else ("fp32" if cfg.device == "cpu" else "stored")
+        model, tokenizer, _ = checkpoints.load_reference(cfg.ref, cfg.device, cfg.trust_remote_code, compute)
+    from rlkit.reward_model import load_reward_model, score_texts
+
+    scorers = {name: load_reward_model(d, cfg.trust_remote_code) for name, d in rms.items()}
     reader = pending.result()
-    inputs = {"in": reader.fingerprint, "ref": artifacts.fingerprint(cfg.ref)}
+    inputs = {"in": reader.fingerprint, **({"ref": artifacts.fingerprint(cfg.ref)} if cfg.ref else {}),
+              **{name: artifacts.fingerprint(d) for name, d in rms.items()}}
     if artifacts.skip_if_current(out, "score-ref", cfg, inputs):
         return out
     upstream = reader.manifest or {}
     want = upstream.get("tokenizer")
-    if want and want != checkpoints.tokenizer_fingerprint(tokenizer):
+    if tokenizer is not None and want and want != checkpoints.tokenizer_fingerprint(tokenizer):
         raise RlkitError(
             f"reference {cfg.ref} has a different tokenizer from the policy that sampled these rollouts "
             f"({checkpoints.tokenizer_fingerprint(tokenizer)} vs {want}); freeze the reference from the same SFT checkpoint"
         )
-    temperature = float((upstream.get("config") or {}).get("temperature", 1.0))
+    clash = [n for n in rms if f"reward/{n}" in reader.schema.names]
+    if clash:
+        raise RlkitError(f"the input already has reward component {clash[0]!r}; name this reward model differently")
+    if reader.kind == "scored" and cfg.ref is not None:
+        raise RlkitError("the input already has reference log-probs; pass only --rm to add reward-model scores")
+    temperature = float(upstream.get("temperature", (upstream.get("config") or {}).get("temperature", 1.0)))
+    out_kind = "scored" if cfg.ref is not None or reader.kind == "scored" else "rollouts"
     extra = [f for f in reader.schema if f.name.startswith("reward/")]
-    manifest = artifacts.make_manifest("scored", "score-ref", cfg, inputs, tokenizer=want,
-                                       rollout=upstream.get("config"), temperature=temperature,
-                                       engine=upstream.get("engine"))
+    extra += [pa.field(f"reward/{n}", pa.float64()) for n in rms]
+    manifest = artifacts.make_manifest(out_kind, "score-ref", cfg, inputs, tokenizer=want,
+                                       rollout=upstream.get("rollout") or upstream.get("config"), temperature=temperature,
+                                       engine=upstream.get("engine"), reward_models={n: str(d) for n, d in rms.items()})
     lp_type = artifacts.kind("scored").schema().field("ref_logprobs").type
-    with artifacts.write_table("scored", out, manifest, extra) as w:
+    with artifacts.write_table(out_kind, out, manifest, extra) as w:
         for batch in reader:
-            ref_lp = score_batch(model, batch, tokenizer.pad_token_id, temperature, cfg.batch_tokens)
             cols = {name: batch.column(name) for name in batch.schema.names}
-            cols["ref_logprobs"] = pa.array(ref_lp, lp_type)
+            if model is not None:
+                ref_lp = score_batch(model, batch, tokenizer.pad_token_id, temperature, cfg.batch_tokens)
+                cols["ref_logprobs"] = pa.array(ref_lp, lp_type)
+            prompts, comps = batch.column("prompt").to_pylist(), batch.column("completion").to_pylist()
+            for name, (rm, rm_tok) in scorers.items():
+                cols[f"reward/{name}"] = pa.array(score_texts(rm, rm_tok, prompts, comps, cfg.batch_tokens), pa.float64())
             w.write(pa.record_batch([cols[f.name] if f.name in cols else pa.nulls(batch.num_rows, f.type)
                                      for f in w.schema], schema=w.schema))
         if reader.rows == 0:
             raise RlkitError(f"{reader.label}: the rollouts table has no rows")
-    console.info(f"score-ref: {reader.rows} rows scored by {cfg.ref}")
+    by = " and ".join([*([str(cfg.ref)] if cfg.ref else []), *(f"{n} ({d})" for n, d in rms.items())])
+    console.info(f"score-ref: {reader.rows} rows scored by {by}")
     return out
 
 
 def command(
-    ref: Annotated[Path, typer.Option("--ref", help="Frozen reference directory (made by `rlkit freeze-ref`).")],
+    ref: Annotated[Path | None, typer.Option("--ref", help="Frozen reference directory (made by `rlkit freeze-ref`).")] = None,
+    rm: Annotated[list[str] | None, typer.Option("--rm", help="Reward model NAME=DIR (repeatable; or DIR, named after it): adds reward/rm:NAME.")] = None,
     inp: InTable = None,
     out: OutTable = None,
     device: Annotated[str, typer.Option(help="Device for the reference: cpu, cuda, cuda:1, ...")] = "cpu",
@@ -112,6 +158,6 @@ def command(
     trust_remote_code: TrustRemoteCode = False,
     force: Force = False,
 ) -> None:
-    """Add the frozen reference's per-token log-probs to a rollouts table (streams)."""
-    run(ScoreRefConfig(ref=ref, inp=inp, out=out, device=device, dtype=dtype, batch_tokens=batch_tokens,
+    """Add the frozen reference's per-token log-probs and reward-model scores to a rollouts table (streams)."""
+    run(ScoreRefConfig(ref=ref, rm=tuple(rm or ()), inp=inp, out=out, device=device, dtype=dtype, batch_tokens=batch_tokens,
                        trust_remote_code=trust_remote_code, force=force))

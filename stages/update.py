@@ -30,6 +30,7 @@ class UpdateConfig:
     inp: str | None = None
     rl: RLConfig = field(default_factory=RLConfig)
     reward: tuple[str, ...] = ()  # NAME=WEIGHT; empty: every component with weight 1
+    length_penalty: float = 0.0  # reward -= length_penalty * completion tokens
     metrics: Path | None = None
     trust_remote_code: bool = False
     force: bool = False
@@ -85,10 +86,10 @@ def run(cfg: UpdateConfig) -> Path:
         raise RlkitError(f"policy {cfg.policy} has a different tokenizer from the one that sampled these rollouts")
     rollout_cfg = upstream.get("rollout") or upstream.get("config") or {}
     temperature = float(upstream.get("temperature", rollout_cfg.get("temperature", 1.0)))
-    batch, used = policy_update.build_batch(table, tokenizer.pad_token_id, weights)
+    batch, used = policy_update.build_batch(table, tokenizer.pad_token_id, weights, cfg.length_penalty)
     length_norm = float(rollout_cfg.get("max_new_tokens") or batch.targets.shape[1])  # Dr. GRPO's constant
-    if weights is None:
-        console.info("update: reward = " + " + ".join(f"1.0*{k}" for k in used) + " (set weights with --reward NAME=W)")
+    console.info("update: reward = " + " + ".join(f"{w:g}*{k}" for k, w in used.items())
+                 + (" (the sum of the components present; weigh them with --reward NAME=W)" if weights is None else ""))
     if any(p != inputs["policy"] for p in set(table.column("policy_fingerprint").to_pylist())):
         console.warn("these rollouts were sampled from another checkpoint than --policy (off-policy); "
                      "the pi_theta/pi_old ratio corrects for it, within the clip range")
@@ -104,6 +105,8 @@ def run(cfg: UpdateConfig) -> Path:
     with console.progress("update", steps) as bar:
         m = policy_update.train_on_batch(model, opt, state, batch, cfg.rl, temperature, length_norm, bar, recompute)
     comps = {n.split("/", 1)[1]: table.column(n).to_pylist() for n in table.column_names if n.startswith("reward/")}
+    if cfg.length_penalty:
+        comps["length_penalty"] = [-cfg.length_penalty * len(c) for c in table.column("completion_ids").to_pylist()]
     rew = batch.rewards
     metrics = {
         "step": checkpoints.policy_step(cfg.policy) + 1,
@@ -158,7 +161,8 @@ def command(
     kl_in: Annotated[str, typer.Option(help="Where the KL goes: loss (a loss term) or reward (a penalty).")] = RLConfig.kl_in,
     loss_agg: Annotated[str | None, typer.Option(help="token-mean, seq-mean-token-mean or seq-mean-token-sum-norm (default: per --algo).")] = None,
     drop_degenerate: Annotated[bool, typer.Option(help="Leave out groups whose rewards are all equal.")] = False,
-    reward: Annotated[list[str] | None, typer.Option(help="Reward component weight NAME=W (repeatable); default: sum of all components.")] = None,
+    reward: Annotated[list[str] | None, typer.Option(help="Reward component weight NAME=W (repeatable), e.g. verifier=1 rm:helpful=0.7; default: sum of all components.")] = None,
+    length_penalty: Annotated[float, typer.Option(min=0.0, help="Subtract this times the completion length in tokens from the reward (a 'length_penalty' component).")] = 0.0,
     grad_clip: Annotated[float, typer.Option(help="Gradient norm clip.")] = RLConfig.grad_clip,
     warmup_steps: Annotated[int, typer.Option(min=0, help="Linear LR warmup over this many optimizer steps (counted across updates).")] = 0,
     seed: Annotated[int, typer.Option(help="Seed of the minibatch order.")] = 0,
@@ -172,5 +176,6 @@ def command(
     rl = RLConfig(algo=algo, lr=lr, epochs=epochs, minibatch_size=minibatch_size, clip_low=clip_low, clip_high=clip_high,
                   beta=beta, kl_estimator=kl_estimator, kl_in=kl_in, loss_agg=loss_agg, drop_degenerate=drop_degenerate,
                   grad_clip=grad_clip, warmup_steps=warmup_steps, seed=seed, old_logprobs=old_logprobs, tis_cap=tis_cap)
-    run(UpdateConfig(policy=policy, out=out, inp=inp, rl=rl, reward=tuple(reward or ()), metrics=metrics,
+    run(UpdateConfig(policy=policy, out=out, inp=inp, rl=rl, reward=tuple(reward or ()), length_penalty=length_penalty,
+                     metrics=metrics,
                      trust_remote_code=trust_remote_code, force=force))

@@ -1,0 +1,165 @@
+"""`rlkit build-prefs`: a preference table (prompt, chosen, rejected) for reward-model training.
+
+Reads a policy and a task (or, with --from, an existing preference set). Samples --n completions per
+train prompt, verifies them, and pairs a correct answer with a wrong one. Unlike a set of (good,
+nonsense) pairs, it adds plausible negatives (a near miss in the same format, a wrong answer in
+polished verbose prose) and balances length, so the reward model must learn the task to separate
+them (`rlkit/prefs.py`). `--bias length` builds the deliberately flawed set in which the longer answer
+always wins, for the reward-hacking experiment. A stable --eval-fraction of prompts is marked
+`split = heldout` for the reward model's pair accuracy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from rlkit.options import Force, OutTable, PromptColumn, Seed, Task, TrustRemoteCode
+
+
+@dataclass(frozen=True)
+class BuildPrefsConfig:
+    out: Path | None = None
+    policy: Path | None = None
+    task: str = "arithmetic"
+    num_prompts: int = 512
+    n: int = 4
+    temperature: float = 1.0
+    max_new_tokens: int = 16
+    eval_fraction: float = 0.1
+    bias: str | None = None  # None | "length"
+    source: str | None = None  # --from: an existing preference set
+    prompt_column: str = "prompt"
+    chosen_column: str = "chosen"
+    rejected_column: str = "rejected"
+    seed: int = 0
+    trust_remote_code: bool = False
+    force: bool = False
+
+
+def run(cfg: BuildPrefsConfig) -> Path | None:
+    from rlkit import artifacts, console
+    from rlkit.errors import RlkitError
+
+    if not 0 < cfg.eval_fraction < 1:
+        raise RlkitError(f"--eval-fraction {cfg.eval_fraction} must be between 0 and 1 (e.g. 0.1)")
+    if cfg.bias not in (None, "length"):
+        raise RlkitError(f"--bias {cfg.bias!r} is not supported; the one deliberate bias is 'length'")
+    if cfg.source is not None and (cfg.policy is not None or cfg.bias):
+        raise RlkitError("--from imports a preference set as it is: leave out --policy and --bias")
+    if cfg.source is None and cfg.policy is None and cfg.bias != "length":
+        raise RlkitError("pass --policy DIR (sample and verify) or --from FILE (import a preference set)")
+    out = artifacts.resolve_out(cfg.out)
+    artifacts.check_out(out, "table")
+    rows, inputs, cfg = _imported(cfg) if cfg.source else _sampled(cfg)
+    if artifacts.skip_if_current(out, "build-prefs", cfg, inputs):
+        return out
+    if not rows["prompt"]:
+        raise RlkitError("no preference pairs came out; sample more prompts (--num-prompts) or check the input")
+    held = rows["split"].count("heldout")
+    manifest = artifacts.make_manifest("prefs", "build-prefs", cfg, inputs)
+    with artifacts.write_table("prefs", out, manifest) as w:
+        w.write(rows)
+    kinds: dict[str, int] = {}
+    for k in rows["negative"]:
+        kinds[k or "imported"] = kinds.get(k or "imported", 0) + 1
+    console.info(f"build-prefs: {len(rows['prompt'])} pairs ({held} held out) "
+                 f"by kind: {', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))}" + (f" -> {out}" if out else ""))
+    return out
+
+
+def _sampled(cfg: BuildPrefsConfig):
+    import random
+
+    from rlkit import artifacts, checkpoints, data, engines, prefs
+    from rlkit.errors import RlkitError
+    from rlkit.tasks import get_task
+
+    task = get_task(cfg.task)
+    cfg = replace(cfg, task=task.spec)
+    inputs = {}
+    if cfg.policy is not None:
+        checkpoints.check_model_dir(cfg.policy, "policy")
+        inputs["policy"] = artifacts.fingerprint(cfg.policy)
+    ex = task.examples("train", cfg.num_prompts, cfg.seed, unique=True)
+    rows: dict[str, list] = {k: [] for k in ("prompt_id", "prompt", "chosen", "rejected", "split", "answer", "negative")}
+    if cfg.bias == "length":
+        samples = [[] for _ in ex]  # the flawed set ignores what the policy says
+    else:
+        if cfg.temperature <= 0:
+            raise RlkitError("--temperature must be > 0")
+        model, tokenizer = checkpoints.load_policy(cfg.policy, "fp32", cfg.trust_remote_code)
+        gen = engines.HFEngine(model, tokenizer).sample(
+            data.encode_prompts(tokenizer, [e.prompt for e in ex], False), n=cfg.n, temperature=cfg.temperature,
+            top_p=1.0, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+        texts = tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
+        samples = [texts[i * cfg.n:(i + 1) * cfg.n] for i in range(len(ex))]
+    for e, s in zip(ex, samples, strict=True):
+        rng = random.Random(f"{cfg.seed}|{e.prompt_id}")
+        pairs = (prefs.length_biased_pairs(e.answer, rng) if cfg.bias == "length"
+                 else prefs.verified_pairs(e.answer, s, [task.reward(t, e.answer) for t in s], rng))
+        for p in pairs:
+            rows["prompt_id"].append(e.prompt_id)
+            rows["prompt"].append(e.prompt)
+            rows["chosen"].append(p.chosen)
+            rows["rejected"].append(p.rejected)
+            rows["split"].append(prefs.split_of(e.prompt_id, cfg.eval_fraction))
+            rows["answer"].append(e.answer)
+            rows["negative"].append(p.negative)
+    return rows, inputs, cfg
+
+
+def _imported(cfg: BuildPrefsConfig):
+    from rlkit import data, prefs
+    from rlkit.errors import RlkitError
+
+    src = data.load_source(cfg.source, "prefs", {"prompt": cfg.prompt_column, "chosen": cfg.chosen_column,
+                                                  "rejected": cfg.rejected_column})
+    t = src.table
+    cols = {c: t.column(c).to_pylist() for c in ("prompt_id", "prompt", "chosen", "rejected")}
+    for name in ("prompt", "chosen", "rejected"):
+        bad = [i for i, v in enumerate(cols[name]) if v is None or not str(v).strip()]
+        if bad:
+            raise RlkitError(f"{src.label}: row {bad[0]} has an empty {name!r} ({len(bad)} such rows); "
+                             "every pair needs a prompt and two non-empty responses")
+    same = [i for i, (c, r) in enumerate(zip(cols["chosen"], cols["rejected"], strict=True)) if c == r]
+    if same:
+        raise RlkitError(f"{src.label}: row {same[0]} has chosen == rejected ({len(same)} such rows); "
+                         "such a pair carries no preference")
+    given = t.column("split").to_pylist() if "split" in t.column_names else [None] * t.num_rows
+    for i, s in enumerate(given):
+        if s not in (None, "", "train", "heldout"):
+            raise RlkitError(f"{src.label}: row {i} has split {s!r}; expected train or heldout")
+    rows = {**cols,
+            "split": [s or prefs.split_of(p, cfg.eval_fraction) for s, p in zip(given, cols["prompt_id"], strict=True)],
+            "answer": t.column("answer").to_pylist() if "answer" in t.column_names else [None] * t.num_rows,
+            "negative": [None] * t.num_rows}
+    return rows, {"from": src.fingerprint}, cfg
+
+
+def command(
+    policy: Annotated[Path | None, typer.Option("--policy", help="Policy to sample from (usually the SFT checkpoint).")] = None,
+    task: Task = "arithmetic",
+    num_prompts: Annotated[int, typer.Option(min=1, help="Train prompts to build pairs for.")] = 512,
+    n: Annotated[int, typer.Option("--n", min=1, help="Samples per prompt to find correct and wrong answers.")] = 4,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 1.0,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Longest sampled answer, in tokens.")] = 16,
+    eval_fraction: Annotated[float, typer.Option(help="Fraction of prompts marked split=heldout (stable per prompt).")] = 0.1,
+    bias: Annotated[str | None, typer.Option(help="'length': the deliberately flawed set where the longer answer always wins.")] = None,
+    source: Annotated[str | None, typer.Option("--from", help="Import a preference set instead (.arrow/.parquet/.jsonl or datasets spec).")] = None,
+    prompt_column: PromptColumn = "prompt",
+    chosen_column: Annotated[str, typer.Option(help="Column of --from holding the preferred response.")] = "chosen",
+    rejected_column: Annotated[str, typer.Option(help="Column of --from holding the other response.")] = "rejected",
+    seed: Seed = 0,
+    out: OutTable = None,
+    trust_remote_code: TrustRemoteCode = False,
+    force: Force = False,
+) -> None:
+    """Build preference pairs (chosen/rejected) from verified samples, or import a preference set."""
+    run(BuildPrefsConfig(out=out, policy=policy, task=task, num_prompts=num_prompts, n=n, temperature=temperature,
+                         max_new_tokens=max_new_tokens, eval_fraction=eval_fraction, bias=bias, source=source,
+                         prompt_column=prompt_column, chosen_column=chosen_column, rejected_column=rejected_column,
+                         seed=seed, trust_remote_code=trust_remote_code, force=force))

@@ -1,0 +1,214 @@
+"""`rlkit train-rm`: a reward model from preference pairs (Bradley-Terry), with a sanity report.
+
+Reads a base checkpoint (usually the SFT policy) and a prefs table (`rlkit build-prefs`). Writes a
+Hugging Face `AutoModelForSequenceClassification` (num_labels=1) directory: a scalar head on the
+hidden state of the last non-pad token of prompt + response, loadable with plain transformers.
+Loss -log sigmoid(s_chosen - s_rejected - margin). The figure to trust is held-out pair accuracy,
+not the loss. Before any RL uses the model, a sanity report asks whether it learned the task or a
+shortcut: correlation of score with response length, short-correct vs long-wrong answers, and the
+score of an empty response; a high length correlation is warned about loudly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from rlkit.options import Force, OutDir, Seed, TrustRemoteCode
+
+LENGTH_CORR_WARN = 0.5
+
+
+@dataclass(frozen=True)
+class TrainRmConfig:
+    base: Path
+    prefs: str
+    out: Path
+    epochs: int = 3
+    lr: float = 5e-4
+    batch_size: int = 32
+    margin: float = 0.0
+    max_length: int = 256
+    seed: int = 0
+    trust_remote_code: bool = False
+    force: bool = False
+
+
+def run(cfg: TrainRmConfig) -> Path:
+    import json
+    import random
+
+    from rlkit import artifacts, checkpoints, console, data
+    from rlkit.errors import RlkitError
+
+    checkpoints.check_model_dir(cfg.base, "base")
+    artifacts.check_out(cfg.out, "model")
+    if cfg.lr <= 0 or cfg.batch_size < 1 or cfg.epochs < 1:
+        raise RlkitError("--lr must be > 0, --batch-size and --epochs >= 1")
+    src = data.load_source(cfg.prefs, "prefs", {})
+    inputs = {"base": artifacts.fingerprint(cfg.base), "prefs": src.fingerprint}
+    if artifacts.skip_if_current(cfg.out, "train-rm", cfg, inputs):
+        return cfg.out
+    t = src.table.to_pydict()
+    for name in ("prompt", "chosen", "rejected"):
+        bad = [i for i, v in enumerate(t[name]) if v is None or (name != "prompt" and not v.strip())]
+        if bad:
+            raise RlkitError(f"{src.label}: row {bad[0]} has an empty {name!r} ({len(bad)} such rows)")
+    same = [i for i, (c, r) in enumerate(zip(t["chosen"], t["rejected"], strict=True)) if c == r]
+    if same:
+        raise RlkitError(f"{src.label}: row {same[0]} has chosen == rejected ({len(same)} such rows); "
+                         "such a pair carries no preference")
+    train = [i for i, s in enumerate(t["split"]) if s != "heldout"]
+    held = [i for i, s in enumerate(t["split"]) if s == "heldout"]
+    if not train or not held:
+        raise RlkitError(f"{src.label}: need pairs in both splits (train {len(train)}, heldout {len(held)}); "
+                         "build-prefs marks --eval-fraction of the prompts as heldout")
+
+    import torch
+
+    from rlkit.preference import bradley_terry_loss, pair_accuracy
+    from rlkit.reward_model import encode_pairs, forward_scores, score_texts
+
+    torch.manual_seed(cfg.seed)
+    model, tok = _load_base(cfg)
+    chosen = encode_pairs(tok, t["prompt"], t["chosen"], cfg.max_length)
+    rejected = encode_pairs(tok, t["prompt"], t["rejected"], cfg.max_length)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "norm" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "norm" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=(0.9, 0.99))
+    steps = cfg.epochs * -(-len(train) // cfg.batch_size)
+    rng = random.Random(cfg.seed)
+    losses, step = [], 0
+    model.train()
+    with console.progress("train-rm", steps) as bar:
+        for _ in range(cfg.epochs):
+            order = train[:]
+            rng.shuffle(order)
+            for s in range(0, len(order), cfg.batch_size):
+                idx = order[s : s + cfg.batch_size]
+                scores = forward_scores(model, [chosen[i] for i in idx] + [rejected[i] for i in idx], tok.pad_token_id)
+                loss = bradley_terry_loss(scores[: len(idx)], scores[len(idx):], cfg.margin).mean()
+                if not torch.isfinite(loss):
+                    raise RlkitError(f"non-finite loss at step {step}; nothing was written (lower --lr, now {cfg.lr})")
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                for g in opt.param_groups:  # linear decay to 10%
+                    g["lr"] = cfg.lr * (1 - 0.9 * step / max(1, steps))
+                opt.step()
+                step += 1
+                losses.append(loss.item())
+                bar.advance(1, loss=losses[-1])
+    model.eval()
+    prompts = [t["prompt"][i] for i in held]
+    sc = score_texts(model, tok, prompts, [t["chosen"][i] for i in held], max_length=cfg.max_length)
+    sr = score_texts(model, tok, prompts, [t["rejected"][i] for i in held], max_length=cfg.max_length)
+    metrics = {
+        "heldout_pairs": len(held), "train_pairs": len(train), "optimizer_steps": step,
+        "heldout_pair_accuracy": pair_accuracy(torch.tensor(sc), torch.tensor(sr)),
+        "heldout_mean_margin": sum(c - r for c, r in zip(sc, sr, strict=True)) / len(held),
+        "final_loss": sum(losses[-10:]) / len(losses[-10:]),
+    }
+    sanity = sanity_report(model, tok, [t["prompt"][i] for i in held], [t["chosen"][i] for i in held],
+                           [t["rejected"][i] for i in held], [t.get("answer", [None] * len(t["prompt"]))[i] for i in held],
+                           sc, sr, cfg.max_length)
+    manifest = artifacts.make_manifest("reward-model", "train-rm", cfg, inputs, metrics=metrics, sanity=sanity)
+    with artifacts.atomic_dir(cfg.out) as tmp:
+        checkpoints.save_model(model, tok, tmp, manifest)
+    _show(metrics, sanity)
+    console.info(f"train-rm: -> {cfg.out}  " + json.dumps({"heldout_pair_accuracy": round(metrics["heldout_pair_accuracy"], 4)}))
+    return cfg.out
+
+
+def _load_base(cfg: TrainRmConfig):
+    import torch
+    from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    from rlkit import checkpoints, console
+
+    checkpoints._quiet_transformers()
+    tok = checkpoints.load_tokenizer(cfg.base, cfg.trust_remote_code)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # "score.weight newly initialized" is the point here
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            str(cfg.base), num_labels=1, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
+            use_safetensors=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if model.config.pad_token_id is None:
+        console.warn(f"{cfg.base} has no pad token; using its eos token ({tok.eos_token!r}) to pad")
+    model.config.pad_token_id = tok.pad_token_id
+    return model, tok
+
+
+def sanity_report(model, tok, prompts, chosen, rejected, answers, sc, sr, max_length: int) -> dict:
+    """Does the model score the task or a shortcut? Figures over the held-out pairs."""
+    import random
+
+    import torch
+
+    from rlkit import prefs
+    from rlkit.reward_model import score_texts
+
+    responses = [*chosen, *rejected]
+    scores = torch.tensor([*sc, *sr], dtype=torch.float64)
+    lengths = torch.tensor([len(r) for r in responses], dtype=torch.float64)
+    corr = float(torch.corrcoef(torch.stack([scores, lengths]))[0, 1]) if lengths.std() > 0 else 0.0
+    report: dict = {"length_correlation": corr, "mean_score_chosen": sum(sc) / len(sc),
+                    "mean_score_rejected": sum(sr) / len(sr)}
+    report["mean_score_empty"] = sum(score_texts(model, tok, prompts, [""] * len(prompts), max_length=max_length)) / len(prompts)
+    gold = [(p, a) for p, a in zip(prompts, answers, strict=True) if a is not None and a.lstrip("-").isdigit()]
+    if gold:
+        rng = random.Random(0)
+        short_right = score_texts(model, tok, [p for p, _ in gold], [a for _, a in gold], max_length=max_length)
+        long_wrong = score_texts(model, tok, [p for p, _ in gold],
+                                 [prefs.verbose(prefs.near_miss(int(a), rng), rng) for _, a in gold], max_length=max_length)
+        report.update(mean_score_short_correct=sum(short_right) / len(gold),
+                      mean_score_long_wrong=sum(long_wrong) / len(gold),
+                      short_correct_beats_long_wrong=sum(a > b for a, b in zip(short_right, long_wrong, strict=True)) / len(gold))
+    report["length_bias_warning"] = abs(corr) > LENGTH_CORR_WARN
+    return report
+
+
+def _show(metrics: dict, sanity: dict) -> None:
+    from rich.table import Table
+
+    from rlkit import console
+
+    t = Table(title="reward model", show_header=False)
+    for k in ("heldout_pair_accuracy", "heldout_mean_margin", "heldout_pairs", "train_pairs", "final_loss"):
+        t.add_row(k, f"{metrics[k]:.4g}" if isinstance(metrics[k], float) else str(metrics[k]))
+    t.add_section()
+    for k in ("length_correlation", "mean_score_chosen", "mean_score_rejected", "mean_score_short_correct",
+              "mean_score_long_wrong", "short_correct_beats_long_wrong", "mean_score_empty"):
+        if k in sanity:
+            t.add_row(k, f"{sanity[k]:.4g}")
+    console.err.print(t)
+    if sanity["length_bias_warning"]:
+        console.warn(f"REWARD MODEL LENGTH BIAS: its scores correlate with response length "
+                     f"(r = {sanity['length_correlation']:+.2f}, warn above {LENGTH_CORR_WARN}). A policy trained on it "
+                     "can raise its reward by writing longer answers; check the preference data (build-prefs --bias?)")
+
+
+def command(
+    base: Annotated[Path, typer.Option("--base", help="Checkpoint to start from (usually the SFT policy).")],
+    prefs: Annotated[str, typer.Option("--prefs", help="Preference table from `rlkit build-prefs` (or .parquet/.jsonl with prompt/chosen/rejected/split).")],
+    out: OutDir,
+    epochs: Annotated[int, typer.Option(min=1, help="Passes over the train pairs.")] = 3,
+    lr: Annotated[float, typer.Option(help="AdamW peak learning rate (linear decay to 10%).")] = 5e-4,
+    batch_size: Annotated[int, typer.Option(min=1, help="Pairs per optimizer step.")] = 32,
+    margin: Annotated[float, typer.Option(help="Bradley-Terry margin: -log sigmoid(s_c - s_r - margin).")] = 0.0,
+    max_length: Annotated[int, typer.Option(min=8, help="Longest prompt + response in tokens (keeps the end).")] = 256,
+    seed: Seed = 0,
+    trust_remote_code: TrustRemoteCode = False,
+    force: Force = False,
+) -> None:
+    """Train a reward model on preference pairs; prints held-out pair accuracy and a sanity report."""
+    run(TrainRmConfig(base=base, prefs=prefs, out=out, epochs=epochs, lr=lr, batch_size=batch_size, margin=margin,
+                      max_length=max_length, seed=seed, trust_remote_code=trust_remote_code, force=force))
