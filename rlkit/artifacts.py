@@ -103,7 +103,9 @@ KINDS: dict[str, TableKind] = {
             "prefs", 1,
             (_f("prompt_id", _STR), _f("prompt", _STR), _f("chosen", _STR), _f("rejected", _STR), _f("split", _STR)),
             "rlkit build-prefs",
-            optional=(_f("answer", _STR, True), _f("negative", _STR, True)),
+            optional=(_f("answer", _STR, True), _f("negative", _STR, True),
+                      # summed reference log-probs of each response, added by `rlkit score-ref --ref` (DPO)
+                      _f("ref_chosen_logp", pa.float64(), True), _f("ref_rejected_logp", pa.float64(), True)),
         ),
         TableKind("rollouts", 1, _ROLLOUT_FIELDS, "rlkit rollout", optional=_ROLLOUT_OPTIONAL, prefixes=_REWARDS),
         TableKind(

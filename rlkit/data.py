@@ -139,6 +139,14 @@ def render_prompts(tokenizer, source: Source, for_sft: bool) -> list[str]:
     return out
 
 
+def encode_responses(tokenizer, prompts: Sequence[str], responses: Sequence[str]) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompt ids with the tokenizer's special tokens, response ids + eos): a finished response as
+    the policy would have generated it."""
+    p_ids = tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
+    r_ids = [x + [tokenizer.eos_token_id] for x in tokenizer(list(responses), add_special_tokens=False)["input_ids"]]
+    return p_ids, r_ids
+
+
 def encode_prompts(tokenizer, prompts: Sequence[str], chat: bool) -> list[list[int]]:
     """Token ids of prompts; a chat template already contains the special tokens it wants."""
     return tokenizer(list(prompts), add_special_tokens=not chat)["input_ids"]

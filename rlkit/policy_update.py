@@ -265,3 +265,114 @@ def train_on_batch(model, opt: torch.optim.Optimizer, state: TrainerState, batch
         tokens_per_s=round(tokens / secs, 1) if secs > 0 else None,
     )
     return metrics
+
+
+class PrefBatch(NamedTuple):
+    """P preference pairs packed as 2P sequences: rows 0..P-1 the chosen responses, P..2P-1 the rejected."""
+
+    input_ids: Tensor  # (2P, L) long, right-padded prompt + response (+ eos)
+    attn: Tensor  # (2P, L)
+    targets: Tensor  # (2P, C) response tokens
+    mask: Tensor  # (2P, C) bool
+    start: Tensor  # (2P,)
+    ref_logp: Tensor  # (2P,) summed reference log-probs of each response
+    heldout: Tensor  # (P,) bool, split == heldout
+
+
+def build_pref_batch(table, tokenizer) -> PrefBatch:
+    """Tensors from a prefs table that `score-ref --ref` has scored."""
+    from rlkit.data import encode_responses
+
+    for col in ("ref_chosen_logp", "ref_rejected_logp"):
+        if col not in table.column_names or table.column(col).null_count:
+            raise RlkitError("--algo dpo needs the reference's log-probs of chosen and rejected: pipe the prefs "
+                             "through `rlkit score-ref --ref REF` first")
+    prompts = table.column("prompt").to_pylist()
+    p_c, r_c = encode_responses(tokenizer, prompts, table.column("chosen").to_pylist())
+    p_r, r_r = encode_responses(tokenizer, prompts, table.column("rejected").to_pylist())
+    ids, attn, targets, mask, start = pack_sequences(p_c + p_r, r_c + r_r, tokenizer.pad_token_id)
+    ref = torch.tensor(table.column("ref_chosen_logp").to_pylist() + table.column("ref_rejected_logp").to_pylist(),
+                       dtype=torch.float32)
+    held = torch.tensor([s == "heldout" for s in table.column("split").to_pylist()], dtype=torch.bool)
+    return PrefBatch(ids, attn, targets, mask, start, ref, held)
+
+
+def _pair_logps(model, b: PrefBatch, pairs: Tensor) -> Tensor:
+    """Summed policy log-probs (2p,) of the chosen then rejected responses of `pairs` (p,)."""
+    P = len(b.heldout)
+    rows = torch.cat([pairs, pairs + P])
+    L = int(b.attn[rows].sum(1).max())
+    C = int(b.mask[rows].sum(1).max())
+    lp, _ = completion_logprobs(model, b.input_ids[rows, :L], b.attn[rows, :L], b.targets[rows, :C], b.start[rows])
+    return (lp * b.mask[rows, :C]).sum(1)
+
+
+def train_dpo(model, opt: torch.optim.Optimizer, state: TrainerState, b: PrefBatch, cfg: RLConfig,
+              ticker=None, label_smoothing: float = 0.0) -> dict[str, Any]:
+    """DPO (Rafailov et al. 2023) on the train pairs for `epochs` passes; figures on both splits after."""
+    from rlkit.preference import dpo_loss
+
+    t0 = time.monotonic()
+    P = len(b.heldout)
+    train = torch.arange(P)[~b.heldout]
+    if len(train) == 0:
+        raise RlkitError("the prefs table has no train pairs (every pair is split=heldout)")
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + state.updates)
+    losses, grad_norms = [], []
+    model.train()
+    for _ in range(cfg.epochs):
+        order = train[torch.randperm(len(train), generator=gen)]
+        for s in range(0, len(order), cfg.minibatch_size):
+            idx = order[s : s + cfg.minibatch_size]
+            pi = _pair_logps(model, b, idx)
+            p = len(idx)
+            loss, _, _ = dpo_loss(pi[:p], pi[p:], b.ref_logp[idx], b.ref_logp[idx + P], cfg.beta, label_smoothing)
+            loss = loss.mean()
+            if not torch.isfinite(loss):
+                raise RlkitError(f"non-finite loss at optimizer step {state.optimizer_step}; nothing was written "
+                                 f"(lower --lr, now {cfg.lr})")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            if not torch.isfinite(gn):
+                raise RlkitError(f"non-finite gradient at optimizer step {state.optimizer_step}; nothing was written")
+            for g in opt.param_groups:
+                g["lr"] = cfg.lr * state.lr_factor(cfg.warmup_steps)
+            opt.step()
+            state.optimizer_step += 1
+            losses.append(loss.item())
+            grad_norms.append(float(gn))
+            if ticker is not None:
+                ticker.advance(1, loss=losses[-1])
+    state.updates += 1
+    # after training: implicit rewards and log-probs on every pair, per split (likelihood displacement:
+    # both chosen and rejected log-probs falling below the reference's)
+    model.eval()
+    with torch.no_grad():
+        pi = _both_sides(model, b, cfg.minibatch_size)
+    metrics: dict[str, Any] = {"loss": sum(losses) / len(losses), "optimizer_steps": len(losses),
+                               "grad_norm": sum(grad_norms) / len(grad_norms), "pairs_trained": len(train)}
+    for name, sel in (("train", ~b.heldout), ("heldout", b.heldout)):
+        if not bool(sel.any()):
+            continue
+        pc, pr = pi[:P][sel], pi[P:][sel]
+        rc, rr = b.ref_logp[:P][sel], b.ref_logp[P:][sel]
+        _, cr, rj = dpo_loss(pc, pr, rc, rr, cfg.beta)
+        metrics.update({
+            f"{name}_reward_margin": float((cr - rj).mean()),
+            f"{name}_reward_accuracy": float((cr > rj).float().mean()),
+            f"{name}_logp_chosen": float(pc.mean()), f"{name}_logp_rejected": float(pr.mean()),
+            f"{name}_logp_chosen_delta": float((pc - rc).mean()), f"{name}_logp_rejected_delta": float((pr - rr).mean()),
+        })
+    secs = time.monotonic() - t0
+    metrics.update(train_seconds=round(secs, 3))
+    return metrics
+
+
+def _both_sides(model, b: PrefBatch, chunk: int) -> Tensor:
+    """Summed policy log-probs (2P,) of every chosen then every rejected response, no grad."""
+    P = len(b.heldout)
+    parts = [_pair_logps(model, b, c) for c in torch.arange(P).split(chunk)]
+    chosen = torch.cat([x[: len(x) // 2] for x in parts])
+    rejected = torch.cat([x[len(x) // 2:] for x in parts])
+    return torch.cat([chosen, rejected])

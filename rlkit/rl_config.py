@@ -7,6 +7,10 @@ from dataclasses import dataclass
 # Loss aggregation each algorithm uses unless --loss-agg says otherwise.
 ALGO_AGG = {"grpo": "token-mean", "dr-grpo": "seq-mean-token-sum-norm", "rloo": "token-mean",
             "reinforce-pp": "token-mean"}
+# Offline preference algorithms: they read a prefs table, not rollouts.
+PREFERENCE_ALGOS = ("dpo",)
+# --beta when not given: the KL coefficient for RL, DPO's temperature for dpo.
+DEFAULT_BETA = {"dpo": 0.1}
 
 
 @dataclass(frozen=True)
@@ -37,8 +41,8 @@ class RLConfig:
         from rlkit.kl import KL_ESTIMATORS
         from rlkit.losses import AGGREGATIONS
 
-        if self.algo not in ADVANTAGES:
-            raise RlkitError(f"--algo {self.algo!r} is not one of {', '.join(ADVANTAGES)}")
+        if self.algo not in ADVANTAGES and self.algo not in PREFERENCE_ALGOS:
+            raise RlkitError(f"--algo {self.algo!r} is not one of {', '.join([*ADVANTAGES, *PREFERENCE_ALGOS])}")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise RlkitError(f"--kl-estimator {self.kl_estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
         if self.kl_in not in ("loss", "reward"):
@@ -56,4 +60,4 @@ class RLConfig:
 
     @property
     def aggregation(self) -> str:
-        return self.loss_agg or ALGO_AGG[self.algo]
+        return self.loss_agg or ALGO_AGG.get(self.algo, "token-mean")

@@ -39,14 +39,19 @@ class ScoreRefConfig:
 
 
 def score_batch(model, batch, pad_id: int, temperature: float, batch_tokens: int) -> list[list[float]]:
-    """Reference log-probs for every row of a record batch, in row order."""
+    """Reference log-probs for every row of a rollouts record batch, in row order."""
+    return score_tokens(model, batch.column("prompt_ids").to_pylist(), batch.column("completion_ids").to_pylist(),
+                        pad_id, temperature, batch_tokens)
+
+
+def score_tokens(model, prompts: list[list[int]], comps: list[list[int]], pad_id: int, temperature: float,
+                 batch_tokens: int) -> list[list[float]]:
+    """Per-token log-probs of each completion given its prompt, in input order (length-bucketed)."""
     import torch
 
     from rlkit.data import token_batches
     from rlkit.logprobs import completion_logprobs, pack_sequences
 
-    prompts = batch.column("prompt_ids").to_pylist()
-    comps = batch.column("completion_ids").to_pylist()
     out: list[list[float] | None] = [None] * len(prompts)
     device = next(model.parameters()).device
     lengths = [len(p) + len(c) for p, c in zip(prompts, comps, strict=True)]
@@ -59,6 +64,35 @@ def score_batch(model, batch, pad_id: int, temperature: float, batch_tokens: int
         for r, i in enumerate(idx):
             out[i] = lp[r, : len(comps[i])].tolist()
     return out  # type: ignore[return-value]
+
+
+def _score_prefs(cfg, reader, model, tokenizer, out, inputs) -> Path | None:
+    """A prefs table in, the same table out with the reference's summed log-prob of each response (DPO)."""
+    import pyarrow as pa
+
+    from rlkit import artifacts, console
+    from rlkit.data import encode_responses
+    from rlkit.errors import RlkitError
+
+    if model is None or cfg.rm:
+        raise RlkitError("a prefs table is scored by the reference only (for DPO): pass --ref REF and no --rm")
+    manifest = artifacts.make_manifest("prefs", "score-ref", cfg, inputs)
+    rows = 0
+    with artifacts.write_table("prefs", out, manifest) as w:
+        for batch in reader:
+            cols = {name: batch.column(name) for name in batch.schema.names}
+            prompts = batch.column("prompt").to_pylist()
+            for side in ("chosen", "rejected"):
+                p_ids, r_ids = encode_responses(tokenizer, prompts, batch.column(side).to_pylist())
+                lps = score_tokens(model, p_ids, r_ids, tokenizer.pad_token_id, 1.0, cfg.batch_tokens)
+                cols[f"ref_{side}_logp"] = pa.array([sum(x) for x in lps], pa.float64())
+            w.write(pa.record_batch([cols[f.name] if f.name in cols else pa.nulls(batch.num_rows, f.type)
+                                     for f in w.schema], schema=w.schema))
+            rows += batch.num_rows
+        if rows == 0:
+            raise RlkitError(f"{reader.label}: the prefs table has no rows")
+    console.info(f"score-ref: {rows} preference pairs scored by {cfg.ref}")
+    return out
 
 
 def parse_rms(specs: tuple[str, ...]) -> dict[str, Path]:
@@ -96,7 +130,7 @@ def run(cfg: ScoreRefConfig) -> Path | None:
     for d in rms.values():
         checkpoints.check_model_dir(d, "reward model")
     # the input opens and streams into memory on a thread while torch imports and the models load
-    pending = artifacts.open_table(cfg.inp, ["rollouts", "scored"])
+    pending = artifacts.open_table(cfg.inp, ["rollouts", "scored", "prefs"])
     model = tokenizer = None
     if cfg.ref is not None:
         compute = cfg.dtype if cfg.dtype != "auto" else ("fp32" if cfg.device == "cpu" else "stored")
@@ -109,6 +143,8 @@ def run(cfg: ScoreRefConfig) -> Path | None:
               **{name: artifacts.fingerprint(d) for name, d in rms.items()}}
     if artifacts.skip_if_current(out, "score-ref", cfg, inputs):
         return out
+    if reader.kind == "prefs":
+        return _score_prefs(cfg, reader, model, tokenizer, out, inputs)
     upstream = reader.manifest or {}
     want = upstream.get("tokenizer")
     if tokenizer is not None and want and want != checkpoints.tokenizer_fingerprint(tokenizer):

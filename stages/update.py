@@ -65,11 +65,16 @@ def run(cfg: UpdateConfig) -> Path:
     # Open the input on a background thread and import torch and load the policy meanwhile: in a pipe
     # all stages then start up at once, and upstream streams into memory instead of a full pipe.
     cfg.rl.check()
-    pending = artifacts.open_table(cfg.inp, ["rollouts", "scored"])
+    from rlkit.rl_config import PREFERENCE_ALGOS
+
+    offline = cfg.rl.algo in PREFERENCE_ALGOS
+    pending = artifacts.open_table(cfg.inp, ["prefs"] if offline else ["rollouts", "scored"])
     from rlkit import policy_update
 
     model, tokenizer = checkpoints.load_policy(cfg.policy, "fp32", cfg.trust_remote_code)
     reader = pending.result()
+    if offline:
+        return _run_dpo(cfg, reader, model, tokenizer)
     if cfg.rl.beta > 0 and reader.kind == "rollouts":
         raise RlkitError("--beta > 0 needs reference log-probs, but the input has none: pipe the rollouts through "
                          "`rlkit score-ref --ref REF` first (or pass --beta 0)")
@@ -129,17 +134,45 @@ def run(cfg: UpdateConfig) -> Path:
     return cfg.out
 
 
-def _show(metrics: dict) -> None:
+def _run_dpo(cfg: UpdateConfig, reader, model, tokenizer) -> Path:
+    """--algo dpo: offline, on a prefs table scored by the reference."""
+    import json
+
+    from rlkit import artifacts, checkpoints, console, policy_update
+
+    inputs = {"policy": artifacts.fingerprint(cfg.policy), "in": reader.fingerprint}
+    if artifacts.skip_if_current(cfg.out, "update", cfg, inputs):
+        return cfg.out
+    table = reader.read_all()
+    batch = policy_update.build_pref_batch(table, tokenizer)
+    opt = policy_update.make_optimizer(model, cfg.rl)
+    state = policy_update.load_trainer(model, opt, cfg.policy / policy_update.TRAINER_DIR)
+    n_train = int((~batch.heldout).sum())
+    with console.progress("update", cfg.rl.epochs * -(-n_train // cfg.rl.minibatch_size)) as bar:
+        m = policy_update.train_dpo(model, opt, state, batch, cfg.rl, bar)
+    metrics = {"step": checkpoints.policy_step(cfg.policy) + 1, "algo": "dpo", "beta": cfg.rl.beta, **m}
+    manifest = artifacts.make_manifest("model", "update", cfg, inputs, step=metrics["step"], metrics=metrics)
+    with artifacts.atomic_dir(cfg.out) as tmp:
+        checkpoints.save_model(model, tokenizer, tmp, manifest)
+        policy_update.save_trainer(model, opt, state, tmp / policy_update.TRAINER_DIR)
+    if cfg.metrics is not None:
+        with open(cfg.metrics, "a") as f:
+            f.write(json.dumps({"stage": "update", "out": str(cfg.out), **metrics}) + "\n")
+    _show(metrics, [k for k in metrics if k.startswith(("train_", "heldout_", "loss", "grad_norm"))])
+    return cfg.out
+
+
+def _show(metrics: dict, keys: list[str] | None = None) -> None:
     from rich.table import Table
 
     from rlkit import console
 
     t = Table(title=f"update step {metrics['step']}", show_header=False)
-    keys = ("reward_mean", "reward_std", "verifier_accuracy", "kl_per_token", "kl_per_seq", "entropy",
+    default = ("reward_mean", "reward_std", "verifier_accuracy", "kl_per_token", "kl_per_seq", "entropy",
             "clip_fraction", "ratio_min", "ratio_mean", "ratio_max", "logprob_mismatch", "logprob_mismatch_max",
             "tis_weight_mean", "tis_capped_fraction", "grad_norm", "mean_response_tokens",
             "degenerate_group_fraction", "optimizer_steps", "tokens_per_s", "train_seconds")
-    for k in (*[k for k in metrics if k.startswith("reward/")], *keys):
+    for k in keys or (*[k for k in metrics if k.startswith("reward/")], *default):
         v = metrics.get(k)
         if v is not None:
             t.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
@@ -150,13 +183,13 @@ def command(
     policy: PolicyDir,
     out: OutDir,
     inp: InTable = None,
-    algo: Annotated[str, typer.Option(help="Advantage estimator: grpo, dr-grpo, rloo or reinforce-pp.")] = "grpo",
+    algo: Annotated[str, typer.Option(help="grpo, dr-grpo, rloo or reinforce-pp (rollouts in); dpo (a prefs table scored by score-ref in).")] = "grpo",
     lr: Annotated[float, typer.Option(help="AdamW learning rate (default suits the tiny model; ~1e-6 for 1B+ models).")] = RLConfig.lr,
     epochs: Annotated[int, typer.Option(min=1, help="Passes over the rollout batch.")] = RLConfig.epochs,
     minibatch_size: Annotated[int, typer.Option(min=1, help="Sequences per optimizer step.")] = RLConfig.minibatch_size,
     clip_low: Annotated[float, typer.Option(help="Ratio clip below 1: 1 - clip_low.")] = RLConfig.clip_low,
     clip_high: Annotated[float, typer.Option(help="Ratio clip above 1: 1 + clip_high.")] = RLConfig.clip_high,
-    beta: Annotated[float, typer.Option(help="KL coefficient to the reference (0: no reference needed).")] = RLConfig.beta,
+    beta: Annotated[float | None, typer.Option(help=f"KL coefficient to the reference (0: no reference needed; default {RLConfig.beta}); for --algo dpo, DPO's beta (default 0.1).")] = None,
     kl_estimator: Annotated[str, typer.Option(help="KL estimator: k1, k2 or k3.")] = RLConfig.kl_estimator,
     kl_in: Annotated[str, typer.Option(help="Where the KL goes: loss (a loss term) or reward (a penalty).")] = RLConfig.kl_in,
     loss_agg: Annotated[str | None, typer.Option(help="token-mean, seq-mean-token-mean or seq-mean-token-sum-norm (default: per --algo).")] = None,
@@ -173,6 +206,9 @@ def command(
     force: Force = False,
 ) -> None:
     """One clipped policy-gradient update (GRPO family) with a KL leash; writes the next checkpoint."""
+    from rlkit.rl_config import DEFAULT_BETA
+
+    beta = beta if beta is not None else DEFAULT_BETA.get(algo, RLConfig.beta)
     rl = RLConfig(algo=algo, lr=lr, epochs=epochs, minibatch_size=minibatch_size, clip_low=clip_low, clip_high=clip_high,
                   beta=beta, kl_estimator=kl_estimator, kl_in=kl_in, loss_agg=loss_agg, drop_degenerate=drop_degenerate,
                   grad_clip=grad_clip, warmup_steps=warmup_steps, seed=seed, old_logprobs=old_logprobs, tis_cap=tis_cap)

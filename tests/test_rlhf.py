@@ -197,3 +197,50 @@ def test_bad_preference_and_scoring_inputs(sft_dir, ref_dir, rm_dir, tmp_path):
     assert "twice" in line
     line = one_error_line(run_cli("score-ref", "--rm", f"a={sft_dir}", "--in", str(roll), "--out", str(tmp_path / "s.arrow")))
     assert "not a reward model" in line and not (tmp_path / "s.arrow").exists()
+
+
+def test_dpo_from_the_users_pipe(sft_dir, ref_dir, prefs, tmp_path):
+    """`rlkit score-ref --ref ref/ --in prefs.arrow | rlkit update --algo dpo --policy sft/ --out dpo/`"""
+    import subprocess
+
+    import torch
+
+    from rlkit import checkpoints
+    from rlkit.data import encode_responses
+    from rlkit.stages.score_ref import score_tokens
+
+    from conftest import rlkit_cmd
+
+    scored = tmp_path / "scored-prefs.arrow"
+    r = run_cli("score-ref", "--ref", str(ref_dir), "--in", str(prefs), "--out", str(scored))
+    assert r.returncode == 0, r.stderr
+    t, reader = artifacts.read_table(scored, ["prefs"])
+    # the columns are the reference's summed log-probs of prompt -> response + eos
+    ref, tok, _ = checkpoints.load_reference(ref_dir, compute_dtype="fp32")
+    rows = t.slice(0, 5).to_pydict()
+    p_ids, r_ids = encode_responses(tok, rows["prompt"], rows["chosen"])
+    want = [sum(x) for x in score_tokens(ref, p_ids, r_ids, tok.pad_token_id, 1.0, 4096)]
+    assert rows["ref_chosen_logp"] == pytest.approx(want, abs=1e-4)
+    assert all(v < 0 for v in t.column("ref_rejected_logp").to_pylist())
+
+    m = tmp_path / "m.jsonl"
+    p1 = subprocess.Popen([*rlkit_cmd(), "score-ref", "--ref", str(ref_dir), "--in", str(prefs)], stdout=subprocess.PIPE)
+    p2 = subprocess.run([*rlkit_cmd(), "update", "--algo", "dpo", "--policy", str(sft_dir), "--out", str(tmp_path / "dpo"),
+                         "--epochs", "1", "--minibatch-size", "32", "--metrics", str(m)], stdin=p1.stdout,
+                        capture_output=True)
+    p1.stdout.close()
+    assert p1.wait() == 0 and p2.returncode == 0, p2.stderr
+    row = json.loads(m.read_text())
+    assert row["algo"] == "dpo" and row["beta"] == 0.1 and row["step"] == 1
+    for split in ("train", "heldout"):
+        for k in ("reward_margin", "reward_accuracy", "logp_chosen", "logp_rejected", "logp_chosen_delta",
+                  "logp_rejected_delta"):
+            assert row[f"{split}_{k}"] is not None
+    assert row["train_reward_margin"] > 0  # it fit the pairs it trained on
+    before = checkpoints.load_policy(sft_dir)[0].state_dict()
+    after = checkpoints.load_policy(tmp_path / "dpo")[0].state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    # DPO without the reference's log-probs points at score-ref
+    line = one_error_line(run_cli("update", "--algo", "dpo", "--policy", str(sft_dir), "--in", str(prefs),
+                                  "--out", str(tmp_path / "x")))
+    assert "score-ref --ref" in line and not (tmp_path / "x").exists()
