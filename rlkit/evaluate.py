@@ -31,4 +31,5 @@ def greedy_eval(model, tokenizer, prompts: Sequence[str], answers: Sequence[str 
             {"prompt": p, "response": t, "answer": a}
             for p, t, a in list(zip(prompts, texts, answers, strict=True))[:samples]
         ],
+        "responses": texts,
     }

@@ -9,6 +9,8 @@ ALGO_AGG = {"grpo": "token-mean", "dr-grpo": "seq-mean-token-sum-norm", "rloo": 
             "reinforce-pp": "token-mean"}
 # Offline preference algorithms: they read a prefs table, not rollouts.
 PREFERENCE_ALGOS = ("dpo",)
+# Algorithms with a learned critic (per-token advantages from GAE) instead of group baselines.
+CRITIC_ALGOS = ("ppo",)
 # --beta when not given: the KL coefficient for RL, DPO's temperature for dpo.
 DEFAULT_BETA = {"dpo": 0.1}
 
@@ -32,6 +34,14 @@ class RLConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 0
     seed: int = 0
+    # PPO (--algo ppo): critic, GAE, clipped value loss, adaptive KL (Ziegler et al. 2019)
+    gamma: float = 1.0
+    lam: float = 0.95
+    vf_clip: float = 0.2
+    critic_lr: float | None = None  # None: 2x --lr
+    critic_init: str = "policy"  # policy | a reward-model directory (first update only)
+    target_kl: float | None = None  # adaptive KL coefficient towards this KL per sequence
+    kl_horizon: int = 10_000
     old_logprobs: str = "auto"  # engine | recompute | auto (recompute unless the HF engine sampled)
     tis_cap: float | None = None  # truncated importance sampling cap C (needs recomputed pi_old)
 
@@ -41,8 +51,13 @@ class RLConfig:
         from rlkit.kl import KL_ESTIMATORS
         from rlkit.losses import AGGREGATIONS
 
-        if self.algo not in ADVANTAGES and self.algo not in PREFERENCE_ALGOS:
-            raise RlkitError(f"--algo {self.algo!r} is not one of {', '.join([*ADVANTAGES, *PREFERENCE_ALGOS])}")
+        algos = [*ADVANTAGES, *CRITIC_ALGOS, *PREFERENCE_ALGOS]
+        if self.algo not in algos:
+            raise RlkitError(f"--algo {self.algo!r} is not one of {', '.join(algos)}")
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1) or self.vf_clip <= 0:
+            raise RlkitError("--gamma and --lam must be in [0, 1] and --vf-clip > 0")
+        if self.target_kl is not None and (self.target_kl <= 0 or self.kl_in != "reward" or self.beta <= 0):
+            raise RlkitError("--target-kl adapts the KL penalty in the reward: it needs > 0, --kl-in reward and --beta > 0")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise RlkitError(f"--kl-estimator {self.kl_estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
         if self.kl_in not in ("loss", "reward"):

@@ -30,6 +30,7 @@ class EvalConfig:
     as_json: bool = False
     metrics: Path | None = None
     label: str | None = None
+    rm: Path | None = None  # also report the mean reward-model score of the same responses
     trust_remote_code: bool = False
 
 
@@ -57,6 +58,13 @@ def run(cfg: EvalConfig) -> dict:
         prompts, answers = [e.prompt for e in held], [e.answer for e in held]
     ev = greedy_eval(model, tokenizer, prompts, answers, task.reward, chat=bool(source and source.chat),
                      max_new_tokens=cfg.max_new_tokens, batch_tokens=cfg.batch_tokens)
+    responses = ev.pop("responses")
+    if cfg.rm is not None:
+        from rlkit.reward_model import load_reward_model, score_texts
+
+        rm, rm_tok = load_reward_model(cfg.rm, cfg.trust_remote_code)
+        scores = score_texts(rm, rm_tok, prompts, responses, cfg.batch_tokens)
+        ev["rm_score_mean"] = sum(scores) / len(scores)
     result = {
         "policy": str(cfg.policy),
         "step": checkpoints.policy_step(cfg.policy),
@@ -79,6 +87,8 @@ def run(cfg: EvalConfig) -> dict:
         summary = Table(title=f"eval {cfg.policy} (step {result['step']})", show_header=False)
         summary.add_row("held-out accuracy", "n/a (no answers)" if acc is None else f"{acc:.1%} of {result['n_scored']}")
         summary.add_row("mean response tokens", f"{result['mean_response_tokens']:.2f}")
+        if "rm_score_mean" in result:
+            summary.add_row("mean reward-model score", f"{result['rm_score_mean']:.4f} ({cfg.rm})")
         summary.add_row("hit max-new-tokens", f"{result['truncated_fraction']:.1%}")
         summary.add_row("prompts", result["prompts"])
         samples = Table(title="samples")
@@ -103,10 +113,11 @@ def command(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON to stdout instead of tables.")] = False,
     metrics: Annotated[Path | None, typer.Option(help="Append the figures as one JSON line to this file.")] = None,
     label: Annotated[str | None, typer.Option(help="A name recorded with the figures (e.g. 'round-3').")] = None,
+    rm: Annotated[Path | None, typer.Option("--rm", help="Reward model DIR: also report the mean score it gives the same responses.")] = None,
     seed: Seed = 0,
     trust_remote_code: TrustRemoteCode = False,
 ) -> None:
     """Greedy held-out accuracy, response length and sample responses of a policy."""
     run(EvalConfig(policy=policy, task=task, prompts=prompts, prompt_column=prompt_column, answer_column=answer_column,
                    num=num, max_new_tokens=max_new_tokens, batch_tokens=batch_tokens, seed=seed, as_json=as_json,
-                   metrics=metrics, label=label, trust_remote_code=trust_remote_code))
+                   metrics=metrics, label=label, rm=rm, trust_remote_code=trust_remote_code))

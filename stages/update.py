@@ -65,7 +65,7 @@ def run(cfg: UpdateConfig) -> Path:
     # Open the input on a background thread and import torch and load the policy meanwhile: in a pipe
     # all stages then start up at once, and upstream streams into memory instead of a full pipe.
     cfg.rl.check()
-    from rlkit.rl_config import PREFERENCE_ALGOS
+    from rlkit.rl_config import CRITIC_ALGOS, PREFERENCE_ALGOS
 
     offline = cfg.rl.algo in PREFERENCE_ALGOS
     pending = artifacts.open_table(cfg.inp, ["prefs"] if offline else ["rollouts", "scored"])
@@ -107,8 +107,19 @@ def run(cfg: UpdateConfig) -> Path:
         console.info(f"update: rollouts sampled by engine {engine or 'unknown'}: recomputing pi_old with the trainer "
                      "(--old-logprobs engine to trust the engine's)")
     steps = cfg.rl.epochs * -(-len(table) // cfg.rl.minibatch_size)
-    with console.progress("update", steps) as bar:
-        m = policy_update.train_on_batch(model, opt, state, batch, cfg.rl, temperature, length_norm, bar, recompute)
+    critic = None
+    if cfg.rl.algo in CRITIC_ALGOS:
+        from rlkit import ppo
+
+        critic, critic_opt, cstate, ctrl, origin = ppo.load_critic(cfg.policy, cfg.rl, tokenizer, cfg.trust_remote_code)
+        console.info(f"update: critic {origin}")
+        with console.progress("update", steps) as bar:
+            m = ppo.train_ppo(model, critic, opt, critic_opt, state, cstate, ctrl, batch, cfg.rl, temperature, bar,
+                              recompute)
+    else:
+        with console.progress("update", steps) as bar:
+            m = policy_update.train_on_batch(model, opt, state, batch, cfg.rl, temperature, length_norm, bar,
+                                             recompute)
     comps = {n.split("/", 1)[1]: table.column(n).to_pylist() for n in table.column_names if n.startswith("reward/")}
     if cfg.length_penalty:
         comps["length_penalty"] = [-cfg.length_penalty * len(c) for c in table.column("completion_ids").to_pylist()]
@@ -127,6 +138,8 @@ def run(cfg: UpdateConfig) -> Path:
     with artifacts.atomic_dir(cfg.out) as tmp:
         checkpoints.save_model(model, tokenizer, tmp, manifest)
         policy_update.save_trainer(model, opt, state, tmp / policy_update.TRAINER_DIR)
+        if critic is not None:
+            ppo.save_critic(critic, critic_opt, cstate, ctrl, tmp / ppo.CRITIC_DIR)
     if cfg.metrics is not None:
         with open(cfg.metrics, "a") as f:
             f.write(json.dumps({"stage": "update", "out": str(cfg.out), **metrics}) + "\n")
@@ -170,7 +183,8 @@ def _show(metrics: dict, keys: list[str] | None = None) -> None:
     t = Table(title=f"update step {metrics['step']}", show_header=False)
     default = ("reward_mean", "reward_std", "verifier_accuracy", "kl_per_token", "kl_per_seq", "entropy",
             "clip_fraction", "ratio_min", "ratio_mean", "ratio_max", "logprob_mismatch", "logprob_mismatch_max",
-            "tis_weight_mean", "tis_capped_fraction", "grad_norm", "mean_response_tokens",
+            "tis_weight_mean", "tis_capped_fraction", "kl_coef", "kl_coef_next", "value_loss", "value_clip_fraction",
+            "explained_variance", "grad_norm", "mean_response_tokens",
             "degenerate_group_fraction", "optimizer_steps", "tokens_per_s", "train_seconds")
     for k in keys or (*[k for k in metrics if k.startswith("reward/")], *default):
         v = metrics.get(k)
@@ -191,7 +205,7 @@ def command(
     clip_high: Annotated[float, typer.Option(help="Ratio clip above 1: 1 + clip_high.")] = RLConfig.clip_high,
     beta: Annotated[float | None, typer.Option(help=f"KL coefficient to the reference (0: no reference needed; default {RLConfig.beta}); for --algo dpo, DPO's beta (default 0.1).")] = None,
     kl_estimator: Annotated[str, typer.Option(help="KL estimator: k1, k2 or k3.")] = RLConfig.kl_estimator,
-    kl_in: Annotated[str, typer.Option(help="Where the KL goes: loss (a loss term) or reward (a penalty).")] = RLConfig.kl_in,
+    kl_in: Annotated[str | None, typer.Option(help="Where the KL goes: loss (a loss term) or reward (a per-token penalty); default reward for ppo, loss otherwise.")] = None,
     loss_agg: Annotated[str | None, typer.Option(help="token-mean, seq-mean-token-mean or seq-mean-token-sum-norm (default: per --algo).")] = None,
     drop_degenerate: Annotated[bool, typer.Option(help="Leave out groups whose rewards are all equal.")] = False,
     reward: Annotated[list[str] | None, typer.Option(help="Reward component weight NAME=W (repeatable), e.g. verifier=1 rm:helpful=0.7; default: sum of all components.")] = None,
@@ -199,6 +213,12 @@ def command(
     grad_clip: Annotated[float, typer.Option(help="Gradient norm clip.")] = RLConfig.grad_clip,
     warmup_steps: Annotated[int, typer.Option(min=0, help="Linear LR warmup over this many optimizer steps (counted across updates).")] = 0,
     seed: Annotated[int, typer.Option(help="Seed of the minibatch order.")] = 0,
+    gamma: Annotated[float, typer.Option(help="ppo: GAE discount.")] = RLConfig.gamma,
+    lam: Annotated[float, typer.Option(help="ppo: GAE lambda.")] = RLConfig.lam,
+    vf_clip: Annotated[float, typer.Option(help="ppo: value clip range around the old values.")] = RLConfig.vf_clip,
+    critic_lr: Annotated[float | None, typer.Option(help="ppo: critic learning rate (default 2x --lr).")] = None,
+    critic_init: Annotated[str, typer.Option(help="ppo, first update: initialise the critic from 'policy' or a reward-model DIR (same tokenizer).")] = RLConfig.critic_init,
+    target_kl: Annotated[float | None, typer.Option(help="ppo: adapt the KL coefficient towards this KL per sequence (Ziegler et al.), starting at --beta.")] = None,
     old_logprobs: Annotated[str, typer.Option(help="pi_old for the ratio: engine (as logged at rollout), recompute (the trainer's own forward pass before the first step) or auto (recompute unless the hf engine sampled).")] = RLConfig.old_logprobs,
     tis_cap: Annotated[float | None, typer.Option(help="Truncated importance sampling: weight each token's loss by min(pi_recomputed / pi_engine, CAP), e.g. 2.0.")] = None,
     metrics: Annotated[Path | None, typer.Option(help="Append this update's metrics as one JSON line to this file.")] = None,
@@ -209,9 +229,12 @@ def command(
     from rlkit.rl_config import DEFAULT_BETA
 
     beta = beta if beta is not None else DEFAULT_BETA.get(algo, RLConfig.beta)
+    kl_in = kl_in or ("reward" if algo == "ppo" else RLConfig.kl_in)
     rl = RLConfig(algo=algo, lr=lr, epochs=epochs, minibatch_size=minibatch_size, clip_low=clip_low, clip_high=clip_high,
                   beta=beta, kl_estimator=kl_estimator, kl_in=kl_in, loss_agg=loss_agg, drop_degenerate=drop_degenerate,
-                  grad_clip=grad_clip, warmup_steps=warmup_steps, seed=seed, old_logprobs=old_logprobs, tis_cap=tis_cap)
+                  grad_clip=grad_clip, warmup_steps=warmup_steps, seed=seed, old_logprobs=old_logprobs, tis_cap=tis_cap,
+                  gamma=gamma, lam=lam, vf_clip=vf_clip, critic_lr=critic_lr, critic_init=critic_init,
+                  target_kl=target_kl)
     run(UpdateConfig(policy=policy, out=out, inp=inp, rl=rl, reward=tuple(reward or ()), length_penalty=length_penalty,
                      metrics=metrics,
                      trust_remote_code=trust_remote_code, force=force))

@@ -244,3 +244,50 @@ def test_dpo_from_the_users_pipe(sft_dir, ref_dir, prefs, tmp_path):
     line = one_error_line(run_cli("update", "--algo", "dpo", "--policy", str(sft_dir), "--in", str(prefs),
                                   "--out", str(tmp_path / "x")))
     assert "score-ref --ref" in line and not (tmp_path / "x").exists()
+
+
+def test_ppo_keeps_a_critic_in_the_checkpoint_and_resumes_it(sft_dir, ref_dir, rm_dir, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    def scored(policy, seed):
+        roll = tmp_path / f"r{seed}.arrow"
+        assert run_cli("rollout", "--policy", str(policy), "--num-prompts", "8", "--n", "4", "--seed", str(seed),
+                       "--out", str(roll)).returncode == 0
+        out = tmp_path / f"s{seed}.arrow"
+        r = run_cli("score-ref", "--ref", str(ref_dir), "--rm", f"rm={rm_dir}", "--in", str(roll), "--out", str(out))
+        assert r.returncode == 0, r.stderr
+        return out
+
+    m = tmp_path / "m.jsonl"
+    flags = ["--algo", "ppo", "--reward", "rm:rm=1", "--beta", "0.05", "--target-kl", "0.5", "--minibatch-size", "16",
+             "--metrics", str(m)]
+    r = run_cli("update", "--policy", str(sft_dir), "--in", str(scored(sft_dir, 1)), "--out", str(tmp_path / "p1"),
+                "--critic-init", str(rm_dir), *flags)
+    assert r.returncode == 0, r.stderr
+    assert f"critic initialised from {rm_dir}" in r.stderr.decode()
+    c1 = tmp_path / "p1" / "critic"
+    assert (c1 / "model.safetensors").is_file() and (c1 / "trainer" / "optimizer.safetensors").is_file()
+    first = json.loads(m.read_text().splitlines()[-1])
+    for k in ("value_loss", "value_clip_fraction", "explained_variance", "kl_per_seq", "clip_fraction", "entropy",
+              "reward/rm:rm"):
+        assert k in first, k
+    assert first["kl_coef"] == 0.05 and first["kl_coef_next"] != 0.05  # the adaptive controller moved it
+    r = run_cli("update", "--policy", str(tmp_path / "p1"), "--in", str(scored(tmp_path / "p1", 2)),
+                "--out", str(tmp_path / "p2"), *flags)
+    assert r.returncode == 0, r.stderr
+    assert "critic resumed" in r.stderr.decode()
+    second = json.loads(m.read_text().splitlines()[-1])
+    assert second["step"] == 2 and second["kl_coef"] == pytest.approx(first["kl_coef_next"])
+    w1, w2 = load_file(str(c1 / "model.safetensors")), load_file(str(tmp_path / "p2" / "critic" / "model.safetensors"))
+    assert any(not torch.equal(w1[k], w2[k]) for k in w1)  # the critic trained again
+    st = json.loads((tmp_path / "p2" / "critic" / "trainer" / "state.json").read_text())
+    assert st["updates"] == 2
+
+
+def test_eval_reports_the_reward_model_score_beside_accuracy(sft_dir, rm_dir):
+    r = run_cli("eval", "--policy", str(sft_dir), "--num", "20", "--rm", str(rm_dir), "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert isinstance(out["rm_score_mean"], float) and out["accuracy"] is not None
+    assert "responses" not in out

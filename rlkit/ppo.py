@@ -1,0 +1,207 @@
+"""PPO with a learned critic on one rollout batch (the InstructGPT recipe), for `update --algo ppo`.
+
+The critic is a value head on its own transformer (a `AutoModelForSequenceClassification` with
+num_labels=1, read at every completion position), initialised from the policy or from a reward
+model on the first update and stored in the checkpoint's `critic/` folder with its optimizer state,
+so the next `update` resumes it. Per-token rewards are -kl_coef * KL(pi_old || pi_ref) on every
+completion token plus the sequence's reward at its last token (`--kl-in reward`, the default for
+ppo; `--kl-in loss` puts the KL in the loss instead); advantages come from GAE over the critic's
+values, whitened over the batch; the value loss is PPO's clipped one. `--target-kl` adapts the KL
+coefficient between updates (Ziegler et al. 2019); its state travels in `critic/kl_controller.json`.
+
+The math is in `rlkit.gae`, `rlkit.losses`, `rlkit.kl`; this module only wires it to the models.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlkit.errors import RlkitError
+from rlkit.gae import AdaptiveKLController, clipped_value_loss, gae, kl_penalised_token_rewards, masked_whiten
+from rlkit.kl import KL_ESTIMATORS
+from rlkit.logprobs import completion_logprobs
+from rlkit.losses import AGGREGATIONS, clipped_surrogate, token_mean, truncated_is_weights
+from rlkit.policy_update import (
+    TRAINER_DIR,
+    RLBatch,
+    TrainerState,
+    load_trainer,
+    make_optimizer,
+    recompute_logprobs,
+    save_trainer,
+)
+from rlkit.rl_config import RLConfig
+
+CRITIC_DIR = "critic"
+KL_STATE = "kl_controller.json"
+
+
+def load_critic(policy: Path, cfg: RLConfig, tokenizer, trust_remote_code: bool = False):
+    """(critic, its optimizer, its TrainerState, KL controller or None, where it came from)."""
+    from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    from rlkit import checkpoints
+
+    d = policy / CRITIC_DIR
+    if d.is_dir():
+        src, kw = d, {}
+    elif cfg.critic_init == "policy":
+        src, kw = policy, {"num_labels": 1}
+    else:
+        src, kw = Path(cfg.critic_init), {}
+        checkpoints.check_model_dir(src, "critic init")
+        rm_tok = checkpoints.load_tokenizer(src, trust_remote_code)
+        if checkpoints.tokenizer_fingerprint(rm_tok) != checkpoints.tokenizer_fingerprint(tokenizer):
+            raise RlkitError(f"--critic-init {src}: its tokenizer differs from the policy's, so its values cannot "
+                             "be read at the policy's tokens; use --critic-init policy")
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # a fresh value head is "newly initialized" on purpose
+    try:
+        critic = AutoModelForSequenceClassification.from_pretrained(
+            str(src), dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True, **kw)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if critic.config.num_labels != 1:
+        raise RlkitError(f"{src} has {critic.config.num_labels} labels; a critic needs one")
+    critic.config.pad_token_id = tokenizer.pad_token_id
+    ccfg = RLConfig(lr=cfg.critic_lr or 2 * cfg.lr, weight_decay=cfg.weight_decay)
+    opt = make_optimizer(critic, ccfg)
+    cstate = load_trainer(critic, opt, d / TRAINER_DIR) if d.is_dir() else TrainerState()
+    ctrl = None
+    if cfg.target_kl is not None:
+        ctrl = (AdaptiveKLController.from_state(json.loads((d / KL_STATE).read_text())) if (d / KL_STATE).is_file()
+                else AdaptiveKLController(cfg.beta, cfg.target_kl, cfg.kl_horizon))
+    return critic, opt, cstate, ctrl, "resumed" if src == d else f"initialised from {src}"
+
+
+def save_critic(critic, opt, cstate: TrainerState, ctrl: AdaptiveKLController | None, d: Path) -> None:
+    critic.save_pretrained(d, safe_serialization=True)
+    save_trainer(critic, opt, cstate, d / TRAINER_DIR)
+    if ctrl is not None:
+        (d / KL_STATE).write_text(json.dumps(ctrl.state_dict()) + "\n")
+
+
+def critic_values(critic, input_ids: Tensor, attn: Tensor, start: Tensor, C: int) -> Tensor:
+    """V(state before completion token t) for t < C: the value head at position start + t. -> (B, C)."""
+    hidden = critic.base_model(input_ids=input_ids, attention_mask=attn).last_hidden_state  # (B, L, H)
+    idx = (start.unsqueeze(1) + torch.arange(C).unsqueeze(0)).clamp(max=input_ids.shape[1] - 1)
+    h = hidden.gather(1, idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # (B, C, H)
+    return critic.score(h).squeeze(-1).float()
+
+
+def _values(critic, batch: RLBatch, chunk: int) -> Tensor:
+    out = torch.zeros_like(batch.old_logp)
+    with torch.no_grad():
+        for s in range(0, len(out), chunk):
+            idx = torch.arange(s, min(len(out), s + chunk))
+            L, C = int(batch.attn[idx].sum(1).max()), int(batch.mask[idx].sum(1).max())
+            out[idx, :C] = critic_values(critic, batch.input_ids[idx, :L], batch.attn[idx, :L], batch.start[idx], C)
+    return out * batch.mask
+
+
+def train_ppo(model, critic, opt, critic_opt, state: TrainerState, cstate: TrainerState,
+              ctrl: AdaptiveKLController | None, batch: RLBatch, cfg: RLConfig, temperature: float = 1.0,
+              ticker=None, recompute: bool = False) -> dict[str, Any]:
+    """GAE advantages from the critic, then `epochs` passes of minibatches updating policy and critic."""
+    t0 = time.monotonic()
+    mask = batch.mask
+    kl_fn, agg = KL_ESTIMATORS[cfg.kl_estimator], AGGREGATIONS[cfg.aggregation]
+    if cfg.beta > 0 and batch.ref_logp is None:
+        raise RlkitError("--beta > 0 needs reference log-probs: pipe the rollouts through `rlkit score-ref --ref REF` "
+                         "(or pass --beta 0)")
+    metrics: dict[str, Any] = {"old_logprobs": "recompute" if recompute else "engine"}
+    model.train()
+    critic.train()
+    old_logp = batch.old_logp
+    if recompute:
+        old_logp = recompute_logprobs(model, batch, temperature, cfg.minibatch_size)
+        gap = (old_logp - batch.old_logp).abs()[mask]
+        metrics.update(logprob_mismatch=float(gap.mean()), logprob_mismatch_max=float(gap.max()))
+    elif cfg.tis_cap is not None:
+        raise RlkitError("--tis-cap needs the recomputed pi_old (--old-logprobs recompute)")
+    tis = truncated_is_weights(old_logp, batch.old_logp, cfg.tis_cap) if cfg.tis_cap is not None else None
+    kl_coef = ctrl.value if ctrl is not None else cfg.beta
+    kl_tok = kl_fn(old_logp, batch.ref_logp) * mask if batch.ref_logp is not None else torch.zeros_like(old_logp)
+    in_reward = cfg.kl_in == "reward" and kl_coef > 0
+    token_rewards = kl_penalised_token_rewards(batch.rewards, kl_tok, mask, kl_coef if in_reward else 0.0)
+    old_values = _values(critic, batch, cfg.minibatch_size)
+    adv, returns = gae(token_rewards, old_values, mask, cfg.gamma, cfg.lam)
+    adv = masked_whiten(adv, mask)
+    ret_m, val_m = returns[mask], old_values[mask]
+    explained = 1 - float((ret_m - val_m).var() / ret_m.var()) if ret_m.numel() > 1 and ret_m.var() > 0 else math.nan
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + state.updates)
+    losses, vlosses, grad_norms = [], [], []
+    clip_n = vclip_n = tok_n = 0
+    ent_sum = ent_n = 0.0
+    for epoch in range(cfg.epochs):
+        order = torch.randperm(len(adv), generator=gen)
+        for s in range(0, len(order), cfg.minibatch_size):
+            idx = order[s : s + cfg.minibatch_size]
+            L, C = int(batch.attn[idx].sum(1).max()), int(batch.mask[idx].sum(1).max())
+            m = mask[idx, :C]
+            ids, att = batch.input_ids[idx, :L], batch.attn[idx, :L]
+            logp, ent = completion_logprobs(model, ids, att, batch.targets[idx, :C], batch.start[idx],
+                                            temperature=temperature, with_entropy=epoch == 0)
+            pg, clipped, _ = clipped_surrogate(logp, old_logp[idx, :C], adv[idx, :C], cfg.clip_low, cfg.clip_high)
+            per_tok = pg if tis is None else pg * tis[idx, :C]
+            if cfg.kl_in == "loss" and kl_coef > 0:
+                per_tok = per_tok + kl_coef * kl_fn(logp, batch.ref_logp[idx, :C])
+            loss = agg(per_tok, m)
+            v = critic_values(critic, ids, att, batch.start[idx], C)
+            vl_tok = clipped_value_loss(v, old_values[idx, :C], returns[idx, :C], cfg.vf_clip)
+            vloss = token_mean(vl_tok, m)
+            if not (torch.isfinite(loss) and torch.isfinite(vloss)):
+                raise RlkitError(f"non-finite loss at optimizer step {state.optimizer_step}; nothing was written "
+                                 f"(lower --lr, now {cfg.lr})")
+            opt.zero_grad(set_to_none=True)
+            critic_opt.zero_grad(set_to_none=True)
+            (loss + vloss).backward()  # separate models: each gets only its own gradient
+            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.grad_clip)
+            if not torch.isfinite(gn):
+                raise RlkitError(f"non-finite gradient at optimizer step {state.optimizer_step}; nothing was written")
+            for g in opt.param_groups:
+                g["lr"] = cfg.lr * state.lr_factor(cfg.warmup_steps)
+            opt.step()
+            critic_opt.step()
+            state.optimizer_step += 1
+            cstate.optimizer_step += 1
+            with torch.no_grad():
+                clip_n += int(clipped[m].sum())
+                unclipped_v = (v - returns[idx, :C]) ** 2
+                vclip_n += int(((0.5 * unclipped_v < vl_tok - 1e-12) & m).sum())
+                tok_n += int(m.sum())
+                if ent is not None:
+                    ent_sum += float(ent[m].sum())
+                    ent_n += int(m.sum())
+            losses.append(loss.item())
+            vlosses.append(vloss.item())
+            grad_norms.append(float(gn))
+            if ticker is not None:
+                ticker.advance(1, loss=losses[-1])
+    state.updates += 1
+    cstate.updates += 1
+    kl_seq = float(kl_tok.sum(1).mean())
+    if batch.ref_logp is not None:
+        metrics.update(kl_per_token=float(kl_tok.sum() / mask.sum().clamp(min=1)), kl_per_seq=kl_seq)
+    metrics["kl_coef"] = kl_coef
+    if ctrl is not None:
+        metrics["kl_coef_next"] = ctrl.update(kl_seq, len(adv))
+    metrics.update(
+        loss=sum(losses) / len(losses), value_loss=sum(vlosses) / len(vlosses), optimizer_steps=len(losses),
+        clip_fraction=clip_n / max(1, tok_n), value_clip_fraction=vclip_n / max(1, tok_n),
+        entropy=ent_sum / ent_n if ent_n else None, grad_norm=sum(grad_norms) / len(grad_norms),
+        values_mean=float(val_m.mean()), returns_mean=float(ret_m.mean()),
+        explained_variance=None if math.isnan(explained) else explained,
+        sequences=len(adv), sequences_trained=len(adv), mean_response_tokens=float(mask.sum(1).float().mean()),
+        train_seconds=round(time.monotonic() - t0, 3),
+    )
+    return metrics
