@@ -5,9 +5,9 @@
 # accuracy before and after shows whether optimising the learned reward helped or hurt the task.
 # Knobs (environment), defaults in brackets:
 #   RUNS [runs/rlhf]  SEED [0]  TASK [arithmetic]  SFT_EXAMPLES [24000]  EVAL_NUM [300]
-#   PREF_PROMPTS [PROMPTS, at least 64] prompts for preference pairs  PREF_N [4]  RM_EPOCHS [3]
+#   PREF_PROMPTS [6 x PROMPTS, at least 64] prompts for preference pairs (~4.7 pairs each)  PREF_N [4]  RM_EPOCHS [2]
 #   ROUNDS [3]  PROMPTS [512] prompts per round  N [4] samples per prompt  MAX_NEW_TOKENS [16]
-#   LR [5e-5]  EPOCHS [2]  MINIBATCH [128]  BETA [0.05] KL coefficient (in the reward)  TARGET_KL [] adaptive
+#   LR [5e-5]  EPOCHS [1]  MINIBATCH [128]  BETA [0.05] KL coefficient (in the reward)  TARGET_KL [] adaptive
 #   REWARD [rm:rm=1] update --reward weights (e.g. "rm:rm=1 verifier=1")
 # A rerun skips every stage and round that is up to date with its inputs and settings.
 set -euo pipefail
@@ -20,12 +20,12 @@ EVAL_NUM=${EVAL_NUM:-300}
 ROUNDS=${ROUNDS:-3}
 PROMPTS=${PROMPTS:-512}
 N=${N:-4}
-PREF_PROMPTS=${PREF_PROMPTS:-$(( PROMPTS < 64 ? 64 : PROMPTS ))}
+PREF_PROMPTS=${PREF_PROMPTS:-$(( PROMPTS * 6 < 64 ? 64 : PROMPTS * 6 ))}
 PREF_N=${PREF_N:-4}
-RM_EPOCHS=${RM_EPOCHS:-3}
+RM_EPOCHS=${RM_EPOCHS:-2}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-16}
 LR=${LR:-5e-5}
-EPOCHS=${EPOCHS:-2}
+EPOCHS=${EPOCHS:-1}
 MINIBATCH=${MINIBATCH:-128}
 BETA=${BETA:-0.05}
 TARGET_KL=${TARGET_KL:-}

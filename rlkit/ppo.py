@@ -71,6 +71,10 @@ def load_critic(policy: Path, cfg: RLConfig, tokenizer, trust_remote_code: bool 
         hf_logging.set_verbosity(verbosity)
     if critic.config.num_labels != 1:
         raise RlkitError(f"{src} has {critic.config.num_labels} labels; a critic needs one")
+    if src == policy:  # a fresh value head: zero, so V starts at 0 everywhere and every process agrees
+        with torch.no_grad():
+            for p in critic.score.parameters():
+                p.zero_()
     critic.config.pad_token_id = tokenizer.pad_token_id
     ccfg = RLConfig(lr=cfg.critic_lr or 2 * cfg.lr, weight_decay=cfg.weight_decay)
     opt = make_optimizer(critic, ccfg)
