@@ -144,6 +144,24 @@ def load_trainer(model, opt: torch.optim.Optimizer, d: Path) -> TrainerState:
     return TrainerState(optimizer_step=s["optimizer_step"], updates=s["updates"])
 
 
+def optimizer_step(model, opt: torch.optim.Optimizer, state: TrainerState, cfg: RLConfig, loss: Tensor) -> Tensor:
+    """Backward, clip, step with the scheduled LR; a NaN/inf loss or gradient aborts before any write.
+    Returns the gradient norm before clipping."""
+    if not torch.isfinite(loss):
+        raise RlkitError(f"non-finite loss at optimizer step {state.optimizer_step}; nothing was written "
+                         f"(lower --lr, now {cfg.lr})")
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    if not torch.isfinite(gn):
+        raise RlkitError(f"non-finite gradient at optimizer step {state.optimizer_step}; nothing was written")
+    for g in opt.param_groups:
+        g["lr"] = cfg.lr * state.lr_factor(cfg.warmup_steps)
+    opt.step()
+    state.optimizer_step += 1
+    return gn
+
+
 def recompute_logprobs(model, batch: RLBatch, temperature: float, minibatch_size: int) -> Tensor:
     """The trainer's own log-probs of the sampled tokens under `model`, no grad: (N, C), 0 off the mask."""
     out = torch.zeros_like(batch.old_logp)
@@ -222,18 +240,7 @@ def train_on_batch(model, opt: torch.optim.Optimizer, state: TrainerState, batch
             if cfg.beta > 0 and cfg.kl_in == "loss":
                 per_tok = per_tok + cfg.beta * kl_fn(logp, batch.ref_logp[idx, :C])
             loss = agg(per_tok, m, length_norm)
-            if not torch.isfinite(loss):
-                raise RlkitError(f"non-finite loss at optimizer step {state.optimizer_step}; nothing was written "
-                                 f"(lower --lr, now {cfg.lr})")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            if not torch.isfinite(gn):
-                raise RlkitError(f"non-finite gradient at optimizer step {state.optimizer_step}; nothing was written")
-            for g in opt.param_groups:
-                g["lr"] = cfg.lr * state.lr_factor(cfg.warmup_steps)
-            opt.step()
-            state.optimizer_step += 1
+            gn = optimizer_step(model, opt, state, cfg, loss)
             with torch.no_grad():
                 r = ratio[m]
                 clip_n += int(clipped[m].sum())
@@ -328,18 +335,7 @@ def train_dpo(model, opt: torch.optim.Optimizer, state: TrainerState, b: PrefBat
             p = len(idx)
             loss, _, _ = dpo_loss(pi[:p], pi[p:], b.ref_logp[idx], b.ref_logp[idx + P], cfg.beta, label_smoothing)
             loss = loss.mean()
-            if not torch.isfinite(loss):
-                raise RlkitError(f"non-finite loss at optimizer step {state.optimizer_step}; nothing was written "
-                                 f"(lower --lr, now {cfg.lr})")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            if not torch.isfinite(gn):
-                raise RlkitError(f"non-finite gradient at optimizer step {state.optimizer_step}; nothing was written")
-            for g in opt.param_groups:
-                g["lr"] = cfg.lr * state.lr_factor(cfg.warmup_steps)
-            opt.step()
-            state.optimizer_step += 1
+            gn = optimizer_step(model, opt, state, cfg, loss)
             losses.append(loss.item())
             grad_norms.append(float(gn))
             if ticker is not None:
