@@ -25,6 +25,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rlkit.errors import RlkitError
+
 VERBOSE = (
     "The total is {}.",
     "Adding the terms one by one gives {}.",
@@ -84,3 +86,17 @@ def split_of(prompt_id: str, eval_fraction: float) -> str:
     """'heldout' for a stable `eval_fraction` of prompt ids (salted apart from the task's own split)."""
     h = int.from_bytes(hashlib.blake2b(f"prefs|{prompt_id}".encode(), digest_size=8).digest(), "big")
     return "heldout" if (h % 10_000) < eval_fraction * 10_000 else "train"
+
+
+def check_pairs(label: str, prompts: Sequence, chosen: Sequence, rejected: Sequence) -> None:
+    """One line naming the first bad row: a missing prompt, an empty response, or chosen == rejected."""
+    cols = {"prompt": prompts, "chosen": chosen, "rejected": rejected}
+    for name, vals in cols.items():
+        bad = [i for i, v in enumerate(vals) if v is None or (name != "prompt" and not str(v).strip())]
+        if bad:
+            raise RlkitError(f"{label}: row {bad[0]} has an empty {name!r} ({len(bad)} such rows); "
+                             "every pair needs a prompt and two non-empty responses")
+    same = [i for i, (c, r) in enumerate(zip(chosen, rejected, strict=True)) if c == r]
+    if same:
+        raise RlkitError(f"{label}: row {same[0]} has chosen == rejected ({len(same)} such rows); "
+                         "such a pair carries no preference")

@@ -120,15 +120,7 @@ def _imported(cfg: BuildPrefsConfig):
                                                   "rejected": cfg.rejected_column})
     t = src.table
     cols = {c: t.column(c).to_pylist() for c in ("prompt_id", "prompt", "chosen", "rejected")}
-    for name in ("prompt", "chosen", "rejected"):
-        bad = [i for i, v in enumerate(cols[name]) if v is None or not str(v).strip()]
-        if bad:
-            raise RlkitError(f"{src.label}: row {bad[0]} has an empty {name!r} ({len(bad)} such rows); "
-                             "every pair needs a prompt and two non-empty responses")
-    same = [i for i, (c, r) in enumerate(zip(cols["chosen"], cols["rejected"], strict=True)) if c == r]
-    if same:
-        raise RlkitError(f"{src.label}: row {same[0]} has chosen == rejected ({len(same)} such rows); "
-                         "such a pair carries no preference")
+    prefs.check_pairs(src.label, cols["prompt"], cols["chosen"], cols["rejected"])
     given = t.column("split").to_pylist() if "split" in t.column_names else [None] * t.num_rows
     for i, s in enumerate(given):
         if s not in (None, "", "train", "heldout"):

@@ -41,7 +41,7 @@ def run(cfg: TrainRmConfig) -> Path:
     import json
     import random
 
-    from rlkit import artifacts, checkpoints, console, data
+    from rlkit import artifacts, checkpoints, console, data, prefs
     from rlkit.errors import RlkitError
 
     checkpoints.check_model_dir(cfg.base, "base")
@@ -53,14 +53,7 @@ def run(cfg: TrainRmConfig) -> Path:
     if artifacts.skip_if_current(cfg.out, "train-rm", cfg, inputs):
         return cfg.out
     t = src.table.to_pydict()
-    for name in ("prompt", "chosen", "rejected"):
-        bad = [i for i, v in enumerate(t[name]) if v is None or (name != "prompt" and not v.strip())]
-        if bad:
-            raise RlkitError(f"{src.label}: row {bad[0]} has an empty {name!r} ({len(bad)} such rows)")
-    same = [i for i, (c, r) in enumerate(zip(t["chosen"], t["rejected"], strict=True)) if c == r]
-    if same:
-        raise RlkitError(f"{src.label}: row {same[0]} has chosen == rejected ({len(same)} such rows); "
-                         "such a pair carries no preference")
+    prefs.check_pairs(src.label, t["prompt"], t["chosen"], t["rejected"])
     train = [i for i, s in enumerate(t["split"]) if s != "heldout"]
     held = [i for i, s in enumerate(t["split"]) if s == "heldout"]
     if not train or not held:
