@@ -311,6 +311,19 @@ def atomic_dir(out: Path) -> Iterator[Path]:
     _swap_into_place(tmp, out)
 
 
+@contextmanager
+def atomic_file(out: Path) -> Iterator[Path]:
+    """Yield a temporary sibling path to write; it replaces `out` only if the block finishes."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_sibling(out, "tmp")
+    try:
+        yield tmp
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _swap_into_place(tmp, out)
+
+
 # ---------------------------------------------------------------------------------------------
 # Writing tables
 

@@ -16,7 +16,18 @@ import typer
 
 from rlkit import __version__
 from rlkit.errors import RlkitError
-from rlkit.stages import build_prefs, freeze_ref, inspect, prompts, rollout, score_ref, sft, train_rm, update
+from rlkit.stages import (
+    build_prefs,
+    freeze_ref,
+    inspect,
+    prompts,
+    report,
+    rollout,
+    score_ref,
+    sft,
+    train_rm,
+    update,
+)
 from rlkit.stages import eval as eval_stage
 
 app = typer.Typer(
@@ -38,6 +49,7 @@ app.command("score-ref")(score_ref.command)
 app.command("update")(update.command)
 app.command("eval")(eval_stage.command)
 app.command("inspect")(inspect.command)
+app.command("report")(report.command)
 
 
 def _version(value: bool) -> None:

@@ -16,6 +16,14 @@ def info(msg: str) -> None:
     err.print(msg, soft_wrap=True)  # one log line stays one line, whatever the width
 
 
+def print_wide(renderable, min_width: int = 132) -> None:
+    """Print a wide table whole: a log file or CI pane is not limited to the 80 columns rich assumes."""
+    if err.is_terminal:
+        err.print(renderable)
+    else:
+        Console(stderr=True, highlight=False, width=max(err.width, min_width)).print(renderable)
+
+
 def warn(msg: str) -> None:
     err.print(f"[bold yellow]warning:[/] {msg}", soft_wrap=True)
 

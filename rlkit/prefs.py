@@ -26,13 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rlkit.errors import RlkitError
-
-VERBOSE = (
-    "The total is {}.",
-    "Adding the terms one by one gives {}.",
-    "Let me add them up carefully: the sum is {}.",
-    "Working left to right, the result is {}.",
-)
+from rlkit.tasks import VERBOSE
 
 
 @dataclass(frozen=True)

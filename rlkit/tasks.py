@@ -20,6 +20,12 @@ from dataclasses import dataclass, field
 from rlkit.errors import RlkitError
 
 SPLITS = ("train", "heldout")
+VERBOSE = (  # the prose forms of an answer: SFT targets under `prose=F`, and build-prefs' verbose negatives
+    "The total is {}.",
+    "Adding the terms one by one gives {}.",
+    "Let me add them up carefully: the sum is {}.",
+    "Working left to right, the result is {}.",
+)
 _INT = re.compile(r"-?\d+")
 
 
@@ -52,13 +58,16 @@ def _heldout(prompt: str, fraction: float) -> bool:
 class Arithmetic:
     """Sums like `<3+4+5>=` whose answer is the integer total.
 
-    Knobs: `terms` (range of the number of terms, e.g. 2-4) and `max` (largest operand, 0..max).
+    Knobs: `terms` (range of the number of terms, e.g. 2-4), `max` (largest operand, 0..max), `heldout`
+    (fraction of the problem space held out) and `prose` (fraction of SFT targets written as a sentence,
+    "The total is 12.", instead of the bare number; the prompts are the same whatever `prose` is).
     """
 
     min_terms: int = 2
     max_terms: int = 4
     max_operand: int = 19
     heldout_fraction: float = 0.1
+    prose: float = 0.0
     name: str = field(default="arithmetic", init=False)
     verifier: str = field(default="last-integer", init=False)
 
@@ -73,15 +82,24 @@ class Arithmetic:
                 kw["max_operand"] = int(v)
             elif k == "heldout":
                 kw["heldout_fraction"] = float(v)
+            elif k == "prose":
+                kw["prose"] = float(v)
             else:
-                raise RlkitError(f"unknown option {k!r} for task arithmetic; expected terms=LO-HI, max=N, heldout=F")
+                raise RlkitError(f"unknown option {k!r} for task arithmetic; expected terms=LO-HI, max=N, heldout=F, "
+                                 "prose=F")
         t = cls(**kw)
-        if not (1 <= t.min_terms <= t.max_terms) or t.max_operand < 1 or not (0 < t.heldout_fraction < 1):
-            raise RlkitError(f"bad arithmetic options {opts}: need 1 <= terms, low <= high, max >= 1, 0 < heldout < 1")
+        if (not (1 <= t.min_terms <= t.max_terms) or t.max_operand < 1 or not (0 < t.heldout_fraction < 1)
+                or not (0 <= t.prose <= 1)):
+            raise RlkitError(f"bad arithmetic options {opts}: need 1 <= terms, low <= high, max >= 1, 0 < heldout < 1, "
+                             "0 <= prose <= 1")
         return t
 
     @property
     def spec(self) -> str:
+        return self._problems_spec + (f",prose={self.prose}" if self.prose else "")
+
+    @property
+    def _problems_spec(self) -> str:  # what decides the prompts (not `prose`, which only shapes SFT targets)
         return f"arithmetic:terms={self.min_terms}-{self.max_terms},max={self.max_operand},heldout={self.heldout_fraction}"
 
     def _problem(self, rng: random.Random) -> tuple[str, str]:
@@ -97,7 +115,7 @@ class Arithmetic:
             raise RlkitError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
         unique = unique or split == "heldout"
         want_heldout = split == "heldout"
-        rng = random.Random(f"{self.spec}|{split}|{seed}")
+        rng = random.Random(f"{self._problems_spec}|{split}|{seed}")
         seen: set[str] = set()
         misses, i = 0, 0
         while True:
@@ -118,8 +136,12 @@ class Arithmetic:
         return list(itertools.islice(self.iter_examples(split, seed, unique), n))
 
     def completion(self, ex: Example) -> str:
-        """The SFT target for an example (the eos token is appended by the tokenization step)."""
-        return ex.answer
+        """The SFT target for an example (the eos token is appended by the tokenization step): the bare
+        answer, or with probability `prose` (fixed per prompt) one of the VERBOSE sentences around it."""
+        if not self.prose:
+            return ex.answer
+        rng = random.Random(f"prose|{ex.prompt}")
+        return rng.choice(VERBOSE).format(ex.answer) if rng.random() < self.prose else ex.answer
 
     def reward(self, response: str, answer: str) -> float:
         return VERIFIERS[self.verifier](response, answer)

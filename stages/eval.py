@@ -2,7 +2,8 @@
 
 Reads a policy and either a task's held-out split or a prompts file (scored by the task's verifier
 against its answer column). Prints accuracy, mean response length and sample responses as a table, or
-JSON with --json; --metrics appends the figures as one JSON line (for per-round curves).
+JSON with --json; --metrics appends the figures as one JSON line to the file `update --metrics` writes
+(held-out accuracy beside reward, KL and length, per round), --tensorboard logs them as scalars.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class EvalConfig:
     seed: int = 0
     as_json: bool = False
     metrics: Path | None = None
+    tensorboard: Path | None = None
     label: str | None = None
     rm: Path | None = None  # also report the mean reward-model score of the same responses
     trust_remote_code: bool = False
@@ -38,11 +40,12 @@ def run(cfg: EvalConfig) -> dict:
     import json
     import sys
 
-    from rlkit import checkpoints, console, data
+    from rlkit import checkpoints, console, data, metrics_log
     from rlkit.evaluate import greedy_eval
     from rlkit.tasks import get_task
 
     task = get_task(cfg.task)
+    metrics_log.check_tensorboard(cfg.tensorboard)
     checkpoints.check_model_dir(cfg.policy, "policy")
     source = None
     if cfg.prompts:
@@ -74,10 +77,8 @@ def run(cfg: EvalConfig) -> dict:
     }
     if cfg.label:
         result["label"] = cfg.label
-    if cfg.metrics is not None:
-        row = {"stage": "eval", **{k: v for k, v in result.items() if k != "samples"}}
-        with open(cfg.metrics, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    metrics_log.write({"stage": "eval", **{k: v for k, v in result.items() if k != "samples"}}, cfg.metrics,
+                      cfg.tensorboard)
     if cfg.as_json:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
     else:
@@ -112,6 +113,7 @@ def command(
     batch_tokens: Annotated[int, typer.Option(min=16, help="Token budget per generation batch.")] = EvalConfig.batch_tokens,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON to stdout instead of tables.")] = False,
     metrics: Annotated[Path | None, typer.Option(help="Append the figures as one JSON line to this file.")] = None,
+    tensorboard: Annotated[Path | None, typer.Option(help="Also log the figures as TensorBoard scalars under this directory (needs the tensorboard extra).")] = None,
     label: Annotated[str | None, typer.Option(help="A name recorded with the figures (e.g. 'round-3').")] = None,
     rm: Annotated[Path | None, typer.Option("--rm", help="Reward model DIR: also report the mean score it gives the same responses.")] = None,
     seed: Seed = 0,
@@ -120,4 +122,4 @@ def command(
     """Greedy held-out accuracy, response length and sample responses of a policy."""
     run(EvalConfig(policy=policy, task=task, prompts=prompts, prompt_column=prompt_column, answer_column=answer_column,
                    num=num, max_new_tokens=max_new_tokens, batch_tokens=batch_tokens, seed=seed, as_json=as_json,
-                   metrics=metrics, label=label, rm=rm, trust_remote_code=trust_remote_code))
+                   metrics=metrics, tensorboard=tensorboard, label=label, rm=rm, trust_remote_code=trust_remote_code))

@@ -163,7 +163,8 @@ def run(cfg: ScoreRefConfig) -> Path | None:
     extra += [pa.field(f"reward/{n}", pa.float64()) for n in rms]
     manifest = artifacts.make_manifest(out_kind, "score-ref", cfg, inputs, tokenizer=want,
                                        rollout=upstream.get("rollout") or upstream.get("config"), temperature=temperature,
-                                       engine=upstream.get("engine"), reward_models={n: str(d) for n, d in rms.items()})
+                                       engine=upstream.get("engine"), reward_models={n: str(d) for n, d in rms.items()},
+                                       reference=str(cfg.ref) if cfg.ref else upstream.get("reference"))
     lp_type = artifacts.kind("scored").schema().field("ref_logprobs").type
     with artifacts.write_table(out_kind, out, manifest, extra) as w:
         for batch in reader:

@@ -79,10 +79,8 @@ def run(cfg: TrainRmConfig) -> Path:
     model.train()
     with console.progress("train-rm", steps) as bar:
         for _ in range(cfg.epochs):
-            order = train[:]
-            rng.shuffle(order)
-            for s in range(0, len(order), cfg.batch_size):
-                idx = order[s : s + cfg.batch_size]
+            for idx in length_grouped_batches(train, [max(len(chosen[i]), len(rejected[i])) for i in train],
+                                              cfg.batch_size, rng):
                 scores = forward_scores(model, [chosen[i] for i in idx] + [rejected[i] for i in idx], tok.pad_token_id)
                 loss = bradley_terry_loss(scores[: len(idx)], scores[len(idx):], cfg.margin).mean()
                 if not torch.isfinite(loss):
@@ -115,6 +113,21 @@ def run(cfg: TrainRmConfig) -> Path:
     _show(metrics, sanity)
     console.info(f"train-rm: -> {cfg.out}  " + json.dumps({"heldout_pair_accuracy": round(metrics["heldout_pair_accuracy"], 4)}))
     return cfg.out
+
+
+def length_grouped_batches(items: list[int], lengths: list[int], batch_size: int, rng) -> list[list[int]]:
+    """Shuffled batches of similar-length items (HF Trainer's group_by_length): shuffle, sort each run of
+    50 batches by length, cut into batches, shuffle the batches. Short and long answers then rarely share
+    a padded batch, which on the verbose-vs-terse pairs of build-prefs halves the padded tokens."""
+    order = list(range(len(items)))
+    rng.shuffle(order)
+    mega = 50 * batch_size
+    batches = []
+    for s in range(0, len(order), mega):
+        chunk = sorted(order[s : s + mega], key=lambda j: lengths[j])
+        batches += [[items[j] for j in chunk[b : b + batch_size]] for b in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches
 
 
 def _load_base(cfg: TrainRmConfig):

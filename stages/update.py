@@ -22,6 +22,8 @@ import typer
 from rlkit.options import Force, InTable, OutDir, PolicyDir, TrustRemoteCode
 from rlkit.rl_config import RLConfig
 
+DEFAULT_MAX_DRIFT = 0.05  # relative weight-space distance from the reference; see rlkit.drift
+
 
 @dataclass(frozen=True)
 class UpdateConfig:
@@ -32,6 +34,9 @@ class UpdateConfig:
     reward: tuple[str, ...] = ()  # NAME=WEIGHT; empty: every component with weight 1
     length_penalty: float = 0.0  # reward -= length_penalty * completion tokens
     metrics: Path | None = None
+    tensorboard: Path | None = None
+    ref: Path | None = None  # for the drift figure; default: the reference score-ref used
+    max_drift: float = DEFAULT_MAX_DRIFT
     trust_remote_code: bool = False
     force: bool = False
 
@@ -54,9 +59,7 @@ def parse_weights(specs: tuple[str, ...]) -> dict[str, float] | None:
 
 
 def run(cfg: UpdateConfig) -> Path:
-    import json
-
-    from rlkit import artifacts, checkpoints, console
+    from rlkit import artifacts, checkpoints, console, metrics_log
     from rlkit.errors import RlkitError
 
     weights = parse_weights(cfg.reward)
@@ -65,6 +68,9 @@ def run(cfg: UpdateConfig) -> Path:
     # Open the input on a background thread and import torch and load the policy meanwhile: in a pipe
     # all stages then start up at once, and upstream streams into memory instead of a full pipe.
     cfg.rl.check()
+    metrics_log.check_tensorboard(cfg.tensorboard)
+    if cfg.ref is not None:
+        checkpoints.verify_reference(cfg.ref)
     from rlkit.rl_config import CRITIC_ALGOS, PREFERENCE_ALGOS
 
     offline = cfg.rl.algo in PREFERENCE_ALGOS
@@ -133,6 +139,7 @@ def run(cfg: UpdateConfig) -> Path:
            if "verifier" in comps else {}),
         **m,
     }
+    metrics.update(_drift(cfg, model, upstream.get("reference")))
     manifest = artifacts.make_manifest("model", "update", cfg, inputs, step=metrics["step"], metrics=metrics,
                                        reward_weights=used)
     with artifacts.atomic_dir(cfg.out) as tmp:
@@ -140,18 +147,32 @@ def run(cfg: UpdateConfig) -> Path:
         policy_update.save_trainer(model, opt, state, tmp / policy_update.TRAINER_DIR)
         if critic is not None:
             ppo.save_critic(critic, critic_opt, cstate, ctrl, tmp / ppo.CRITIC_DIR)
-    if cfg.metrics is not None:
-        with open(cfg.metrics, "a") as f:
-            f.write(json.dumps({"stage": "update", "out": str(cfg.out), **metrics}) + "\n")
+    metrics_log.write({"stage": "update", "out": str(cfg.out), **metrics}, cfg.metrics, cfg.tensorboard)
     _show(metrics)
     return cfg.out
 
 
+def _drift(cfg: UpdateConfig, model, upstream_ref: str | None) -> dict:
+    """{'drift': ...} from --ref or the reference score-ref used; warns above --max-drift."""
+    from rlkit import console
+    from rlkit.drift import model_drift
+
+    ref = cfg.ref or (Path(upstream_ref) if upstream_ref else None)
+    if ref is None:
+        return {}
+    if cfg.ref is None and not ref.is_dir():
+        console.warn(f"update: no drift figure: the reference score-ref used ({ref}) is not there any more; pass --ref")
+        return {}
+    d = model_drift(model, ref)
+    if d > cfg.max_drift:
+        console.warn(f"POLICY DRIFT: the weights are {d:.4f} (relative L2) away from the reference {ref}, above "
+                     f"--max-drift {cfg.max_drift:g}; check KL, held-out accuracy and response length for reward hacking")
+    return {"drift": d}
+
+
 def _run_dpo(cfg: UpdateConfig, reader, model, tokenizer) -> Path:
     """--algo dpo: offline, on a prefs table scored by the reference."""
-    import json
-
-    from rlkit import artifacts, checkpoints, console, policy_update
+    from rlkit import artifacts, checkpoints, console, metrics_log, policy_update
 
     inputs = {"policy": artifacts.fingerprint(cfg.policy), "in": reader.fingerprint}
     if artifacts.skip_if_current(cfg.out, "update", cfg, inputs):
@@ -164,14 +185,13 @@ def _run_dpo(cfg: UpdateConfig, reader, model, tokenizer) -> Path:
     with console.progress("update", cfg.rl.epochs * -(-n_train // cfg.rl.minibatch_size)) as bar:
         m = policy_update.train_dpo(model, opt, state, batch, cfg.rl, bar)
     metrics = {"step": checkpoints.policy_step(cfg.policy) + 1, "algo": "dpo", "beta": cfg.rl.beta, **m}
+    metrics.update(_drift(cfg, model, (reader.manifest or {}).get("reference")))
     manifest = artifacts.make_manifest("model", "update", cfg, inputs, step=metrics["step"], metrics=metrics)
     with artifacts.atomic_dir(cfg.out) as tmp:
         checkpoints.save_model(model, tokenizer, tmp, manifest)
         policy_update.save_trainer(model, opt, state, tmp / policy_update.TRAINER_DIR)
-    if cfg.metrics is not None:
-        with open(cfg.metrics, "a") as f:
-            f.write(json.dumps({"stage": "update", "out": str(cfg.out), **metrics}) + "\n")
-    _show(metrics, [k for k in metrics if k.startswith(("train_", "heldout_", "loss", "grad_norm"))])
+    metrics_log.write({"stage": "update", "out": str(cfg.out), **metrics}, cfg.metrics, cfg.tensorboard)
+    _show(metrics, [k for k in metrics if k.startswith(("train_", "heldout_", "loss", "grad_norm", "drift"))])
     return cfg.out
 
 
@@ -184,7 +204,7 @@ def _show(metrics: dict, keys: list[str] | None = None) -> None:
     default = ("reward_mean", "reward_std", "verifier_accuracy", "kl_per_token", "kl_per_seq", "entropy",
             "clip_fraction", "ratio_min", "ratio_mean", "ratio_max", "logprob_mismatch", "logprob_mismatch_max",
             "tis_weight_mean", "tis_capped_fraction", "kl_coef", "kl_coef_next", "value_loss", "value_clip_fraction",
-            "explained_variance", "grad_norm", "mean_response_tokens",
+            "explained_variance", "grad_norm", "mean_response_tokens", "drift",
             "degenerate_group_fraction", "optimizer_steps", "tokens_per_s", "train_seconds")
     for k in keys or (*[k for k in metrics if k.startswith("reward/")], *default):
         v = metrics.get(k)
@@ -222,6 +242,9 @@ def command(
     old_logprobs: Annotated[str, typer.Option(help="pi_old for the ratio: engine (as logged at rollout), recompute (the trainer's own forward pass before the first step) or auto (recompute unless the hf engine sampled).")] = RLConfig.old_logprobs,
     tis_cap: Annotated[float | None, typer.Option(help="Truncated importance sampling: weight each token's loss by min(pi_recomputed / pi_engine, CAP), e.g. 2.0.")] = None,
     metrics: Annotated[Path | None, typer.Option(help="Append this update's metrics as one JSON line to this file.")] = None,
+    tensorboard: Annotated[Path | None, typer.Option(help="Also log the metrics as TensorBoard scalars under this directory (needs the tensorboard extra).")] = None,
+    ref: Annotated[Path | None, typer.Option(help="Frozen reference for the drift figure (default: the one score-ref used).")] = None,
+    max_drift: Annotated[float, typer.Option(min=0.0, help="Warn when the policy's relative weight distance from the reference exceeds this.")] = DEFAULT_MAX_DRIFT,
     trust_remote_code: TrustRemoteCode = False,
     force: Force = False,
 ) -> None:
@@ -236,5 +259,5 @@ def command(
                   gamma=gamma, lam=lam, vf_clip=vf_clip, critic_lr=critic_lr, critic_init=critic_init,
                   target_kl=target_kl)
     run(UpdateConfig(policy=policy, out=out, inp=inp, rl=rl, reward=tuple(reward or ()), length_penalty=length_penalty,
-                     metrics=metrics,
+                     metrics=metrics, tensorboard=tensorboard, ref=ref, max_drift=max_drift,
                      trust_remote_code=trust_remote_code, force=force))

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The reward-hacking experiment: why RLHF keeps a KL leash to the reference.
+#   sft -> build-prefs --bias length (longer answer preferred, right or wrong) -> train-rm (its sanity report
+#   flags the length bias) -> freeze-ref -> for each BETA: ROUNDS x (rollout | score-ref --ref --rm | update,
+#   the biased reward model as the only reward) with held-out accuracy every round -> one report.
+# Same SFT checkpoint, same seeds, same everything per run except beta. The recipe does not assert an outcome
+# (it is an experiment): look at $RUNS/report.png. What one usually sees: proxy reward climbs in every run,
+# held-out accuracy falls, KL climbs faster as beta shrinks, responses get longer.
+# Knobs (environment), defaults in brackets:
+#   RUNS [runs/reward-hacking]  SEED [0]  TASK [arithmetic]  SFT_EXAMPLES [24000]  EVAL_NUM [300]
+#   PREF_PROMPTS [512]  PREF_N [4]  RM_EPOCHS [1]  BETAS ["0.05 0.005 0"]
+#   ROUNDS [4]  PROMPTS [256] prompts per round  N [8] samples per prompt  MAX_NEW_TOKENS [32]
+#   ALGO [grpo]  LR [1e-4]  EPOCHS [2]  MINIBATCH [128]
+# A rerun skips every stage and round that is up to date with its inputs and settings.
+set -euo pipefail
+
+RUNS=${RUNS:-runs/reward-hacking}
+SEED=${SEED:-0}
+TASK=${TASK:-arithmetic}
+SFT_EXAMPLES=${SFT_EXAMPLES:-24000}
+EVAL_NUM=${EVAL_NUM:-300}
+PREF_PROMPTS=${PREF_PROMPTS:-512}
+PREF_N=${PREF_N:-4}
+RM_EPOCHS=${RM_EPOCHS:-1}
+BETAS=${BETAS:-0.05 0.005 0}
+ROUNDS=${ROUNDS:-4}
+PROMPTS=${PROMPTS:-256}
+N=${N:-8}
+MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-32}
+ALGO=${ALGO:-grpo}
+LR=${LR:-1e-4}
+EPOCHS=${EPOCHS:-2}
+MINIBATCH=${MINIBATCH:-128}
+
+mkdir -p "$RUNS"
+rlkit sft --task "$TASK" --num-examples "$SFT_EXAMPLES" --eval-num "$EVAL_NUM" --seed "$SEED" --out "$RUNS/sft"
+rlkit build-prefs --policy "$RUNS/sft" --task "$TASK" --num-prompts "$PREF_PROMPTS" --n "$PREF_N" --bias length \
+  --seed "$SEED" --out "$RUNS/prefs-length-biased.arrow"
+rlkit train-rm --base "$RUNS/sft" --prefs "$RUNS/prefs-length-biased.arrow" --epochs "$RM_EPOCHS" --seed "$SEED" \
+  --out "$RUNS/rm-length-biased"
+rlkit freeze-ref --policy "$RUNS/sft" --out "$RUNS/ref" --dtype bf16
+
+report_args=()
+for beta in $BETAS; do
+  run="$RUNS/beta-$beta"
+  metrics="$run/metrics.jsonl"
+  mkdir -p "$run"
+  knobs="task=$TASK prompts=$PROMPTS n=$N max_new=$MAX_NEW_TOKENS algo=$ALGO lr=$LR epochs=$EPOCHS mb=$MINIBATCH beta=$beta seed=$SEED"
+  if [ "$(cat "$run/knobs" 2>/dev/null)" != "$knobs" ]; then
+    rm -f "$metrics"  # a different experiment: start its curves afresh
+    echo "$knobs" > "$run/knobs"
+  fi
+  [ -s "$metrics" ] || rlkit eval --policy "$RUNS/sft" --task "$TASK" --num "$EVAL_NUM" --rm "$RUNS/rm-length-biased" \
+    --label sft --metrics "$metrics" --json > /dev/null
+  policy="$RUNS/sft"
+  for i in $(seq 1 "$ROUNDS"); do
+    out="$run/round-$i"
+    if [ "$(cat "$out.knobs" 2>/dev/null)" = "$knobs" ] && rlkit inspect "$out" --check 2>/dev/null; then
+      echo "beta $beta round $i: $out is up to date; skipping" >&2
+    else
+      rm -f "$out.knobs"
+      rlkit rollout --policy "$policy" --task "$TASK" --num-prompts "$PROMPTS" --n "$N" --max-new-tokens "$MAX_NEW_TOKENS" \
+          --seed "$((SEED * 1000 + i))" \
+        | rlkit score-ref --ref "$RUNS/ref" --rm "lenbias=$RUNS/rm-length-biased" \
+        | rlkit update --algo "$ALGO" --policy "$policy" --out "$out" --lr "$LR" --epochs "$EPOCHS" \
+            --minibatch-size "$MINIBATCH" --beta "$beta" --reward rm:lenbias=1 --seed "$SEED" --metrics "$metrics"
+      rlkit eval --policy "$out" --task "$TASK" --num "$EVAL_NUM" --rm "$RUNS/rm-length-biased" --label "round-$i" \
+        --metrics "$metrics" --json > /dev/null
+      echo "$knobs" > "$out.knobs"
+    fi
+    policy="$out"
+  done
+  report_args+=("beta-$beta=$metrics")
+done
+
+rlkit report "${report_args[@]}" --title "reward hacking: length-biased reward model, beta sweep" --out "$RUNS/report.png"
+rlkit report "${report_args[@]}" --title "reward hacking: length-biased reward model, beta sweep" --out "$RUNS/report.html"
+echo "report: $RUNS/report.png and $RUNS/report.html" >&2

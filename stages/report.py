@@ -1,0 +1,259 @@
+"""`rlkit report`: pictures of one or more runs' metrics files, and a summary table on the terminal.
+
+Reads the JSON-lines files that `update --metrics` and `eval --metrics` append to (one row per
+update or evaluation, keyed by the policy step) and draws one panel per figure against the step:
+reward (every component), held-out accuracy, KL to the reference, mean response length, entropy,
+clip fraction and weight drift. Several files are overlaid, one colour per run, for sweeps (name
+them `NAME=FILE`). A panel whose figure no file holds is left out; the rest still render. Writes a
+PNG/SVG/PDF, or an HTML page with the picture and the table embedded; matplotlib draws headless.
+A rerun that appended rows for steps already in the file replaces them: the last row per
+(stage, step) counts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+FORMATS = (".png", ".svg", ".pdf", ".html")
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    stage: str  # which rows hold the figure: update or eval
+    keys: tuple[str, ...]  # figures drawn in this panel; "reward/*" means every reward component
+    ylabel: str = ""
+
+
+PANELS = (
+    Panel("reward (each component)", "update", ("reward_mean", "reward/*"), "mean reward"),
+    Panel("held-out accuracy", "eval", ("accuracy",), "greedy accuracy"),
+    Panel("KL to the reference", "update", ("kl_per_seq",), "nats per sequence"),
+    Panel("mean response length", "update", ("mean_response_tokens",), "tokens (sampled)"),
+    Panel("entropy", "update", ("entropy",), "nats per token"),
+    Panel("clip fraction", "update", ("clip_fraction",), "fraction of tokens"),
+    Panel("weight drift from the reference", "update", ("drift",), "relative L2"),
+)
+
+
+@dataclass(frozen=True)
+class ReportConfig:
+    metrics: tuple[str, ...]  # FILE or NAME=FILE
+    out: Path
+    title: str | None = None
+
+
+@dataclass
+class Run:
+    name: str
+    path: Path
+    rows: dict[str, dict[int, dict]]  # stage -> step -> last row
+
+    def series(self, stage: str, key: str) -> tuple[list[int], list[float]]:
+        pts = [(s, r[key]) for s, r in sorted(self.rows.get(stage, {}).items())
+               if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+        return [p[0] for p in pts], [float(p[1]) for p in pts]
+
+    def keys(self, stage: str) -> set[str]:
+        return {k for r in self.rows.get(stage, {}).values() for k in r}
+
+
+def parse_runs(specs: tuple[str, ...]) -> list[tuple[str, Path]]:
+    """NAME=FILE or FILE -> (name, path); unnamed files are named by their stem, or their folder when stems clash."""
+    from rlkit.errors import RlkitError
+
+    pairs = []
+    for s in specs:
+        name, eq, path = s.partition("=")
+        pairs.append((name, Path(path)) if eq and name and path else (None, Path(s)))
+    stems = [p.stem for n, p in pairs if n is None]
+    out = []
+    for n, p in pairs:
+        if n is None:
+            n = p.stem if stems.count(p.stem) == 1 else f"{p.parent.name}/{p.stem}"
+        out.append((n, p))
+    names = [n for n, _ in out]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup:
+        raise RlkitError(f"two runs are both named {dup!r}; name them NAME=FILE")
+    return out
+
+
+def load_run(name: str, path: Path) -> Run:
+    from rlkit.errors import RlkitError
+
+    if not path.is_file():
+        raise RlkitError(f"metrics file {path} does not exist; expected the JSON-lines file written by "
+                         "`rlkit update --metrics` / `rlkit eval --metrics`")
+    rows: dict[str, dict[int, dict]] = {}
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise RlkitError(f"{path} line {i}: not JSON ({e.msg}); expected one JSON object per line") from None
+            if not isinstance(row, dict):
+                raise RlkitError(f"{path} line {i}: expected a JSON object, got {type(row).__name__}")
+            step = row.get("step")
+            if not isinstance(step, int) or isinstance(step, bool):
+                raise RlkitError(f"{path} line {i}: no integer 'step'; every metrics row carries the policy step")
+            rows.setdefault(str(row.get("stage", "update")), {})[step] = row
+    if not rows:
+        raise RlkitError(f"metrics file {path} has no rows")
+    return Run(name, path, rows)
+
+
+def panel_lines(panel: Panel, run: Run) -> list[tuple[str, list[int], list[float]]]:
+    """(label, steps, values) for every figure of the panel this run has."""
+    keys = []
+    for k in panel.keys:
+        keys += sorted(x for x in run.keys(panel.stage) if x.startswith("reward/")) if k == "reward/*" else [k]
+    out = []
+    for k in keys:
+        xs, ys = run.series(panel.stage, k)
+        if xs:
+            out.append((k, xs, ys))
+    return out
+
+
+def summary(runs: list[Run]) -> list[dict]:
+    """One row per run: first -> last of the figures that tell reward hacking apart from learning."""
+
+    def first_last(run: Run, stage: str, key: str):
+        xs, ys = run.series(stage, key)
+        return (ys[0], ys[-1]) if ys else None
+
+    out = []
+    for r in runs:
+        steps = sorted({s for st in r.rows.values() for s in st})
+        out.append({
+            "run": r.name, "steps": f"{steps[0]}-{steps[-1]}",
+            "reward": first_last(r, "update", "reward_mean"),
+            "accuracy": first_last(r, "eval", "accuracy"),
+            "best_accuracy": max(r.series("eval", "accuracy")[1], default=None),
+            "kl_per_seq": first_last(r, "update", "kl_per_seq"),
+            "length": first_last(r, "update", "mean_response_tokens"),
+            "drift": first_last(r, "update", "drift"),
+        })
+    return out
+
+
+def _fmt(v, pct: bool = False) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, tuple):
+        return f"{_fmt(v[0], pct)} → {_fmt(v[1], pct)}"
+    return f"{v:.1%}" if pct else f"{v:.3g}"
+
+
+SUMMARY_COLUMNS = (("run", "run", False), ("steps", "steps", False), ("reward", "reward", False),
+                   ("held-out accuracy", "accuracy", True), ("best accuracy", "best_accuracy", True),
+                   ("KL / seq", "kl_per_seq", False), ("tokens", "length", False), ("drift", "drift", False))
+
+
+def draw(runs: list[Run], title: str | None):
+    """A matplotlib Figure with one panel per figure some run has; None when no run has any."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    panels = [(p, [(r, panel_lines(p, r)) for r in runs]) for p in PANELS]
+    panels = [(p, lines) for p, lines in panels if any(ls for _, ls in lines)]
+    if not panels:
+        return None
+    cols = 2 if len(panels) > 1 else 1
+    nrows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(6.4 * cols, 3.4 * nrows), squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = ("-", "--", ":", "-.")
+    for ax, (panel, lines) in zip(axes.flat, panels, strict=False):
+        for ri, (run, ls) in enumerate(lines):
+            for ki, (key, xs, ys) in enumerate(ls):
+                label = run.name if len(ls) == 1 else f"{run.name}: {key}"
+                ax.plot(xs, ys, styles[ki % len(styles)], marker="o", markersize=3, color=colours[ri % len(colours)],
+                        label=label)
+        ax.set_title(panel.title)
+        ax.set_xlabel("policy step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel(panel.ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def _html(png: bytes, rows: list[dict], runs: list[Run], title: str) -> str:
+    import base64
+    import html
+
+    head = "".join(f"<th>{html.escape(h)}</th>" for h, _, _ in SUMMARY_COLUMNS)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(r[k], pct) if k not in ('run', 'steps') else r[k])}</td>"
+                                    for _, k, pct in SUMMARY_COLUMNS) + "</tr>" for r in rows)
+    files = "".join(f"<li>{html.escape(r.name)}: <code>{html.escape(str(r.path))}</code></li>" for r in runs)
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+            "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}</style></head><body>"
+            f"<h1>{html.escape(title)}</h1><table><tr>{head}</tr>{body}</table><ul>{files}</ul>"
+            f"<img alt='metrics panels' src='data:image/png;base64,{base64.b64encode(png).decode()}'></body></html>\n")
+
+
+def run(cfg: ReportConfig) -> Path:
+    import io
+
+    from rich.table import Table
+
+    from rlkit import artifacts, console
+    from rlkit.errors import RlkitError
+
+    if cfg.out.suffix.lower() not in FORMATS:
+        raise RlkitError(f"--out {cfg.out}: unknown format {cfg.out.suffix or '(none)'!r}; expected one of "
+                         + ", ".join(FORMATS))
+    if cfg.out.is_dir():
+        raise RlkitError(f"--out {cfg.out} is a directory; expected a file path ending in one of " + ", ".join(FORMATS))
+    if not cfg.metrics:
+        raise RlkitError("no metrics files given; expected METRICS.jsonl [MORE.jsonl ...]")
+    runs = [load_run(n, p) for n, p in parse_runs(cfg.metrics)]
+    title = cfg.title or "rlkit report: " + ", ".join(r.name for r in runs)
+    fig = draw(runs, cfg.title)
+    if fig is None:
+        raise RlkitError("none of the metrics files has a figure to plot (reward_mean, accuracy, kl_per_seq, "
+                         "mean_response_tokens, entropy, clip_fraction or drift)")
+    rows = summary(runs)
+    buf = io.BytesIO()
+    fmt = "png" if cfg.out.suffix.lower() == ".html" else cfg.out.suffix.lower()[1:]
+    fig.savefig(buf, format=fmt, dpi=110)
+    data = buf.getvalue()
+    if cfg.out.suffix.lower() == ".html":
+        data = _html(data, rows, runs, title).encode()
+    with artifacts.atomic_file(cfg.out) as tmp:
+        tmp.write_bytes(data)
+    t = Table(title=title)
+    for h, _, _ in SUMMARY_COLUMNS:
+        t.add_column(h, justify="left" if h == "run" else "right")
+    for r in rows:
+        t.add_row(*(r[k] if k in ("run", "steps") else _fmt(r[k], pct) for _, k, pct in SUMMARY_COLUMNS))
+    console.print_wide(t)
+    console.info(f"report: {len(runs)} run(s) -> {cfg.out}")
+    return cfg.out
+
+
+def command(
+    metrics: Annotated[list[str], typer.Argument(help="Metrics files (JSON lines from update/eval --metrics), each FILE or NAME=FILE.", show_default=False)],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Picture to write: .png, .svg, .pdf, or .html (picture and summary table in one page).")],
+    title: Annotated[str | None, typer.Option(help="Title over the panels.")] = None,
+) -> None:
+    """Plot reward, held-out accuracy, KL, length, entropy, clip fraction and drift per step; runs overlaid."""
+    run(ReportConfig(metrics=tuple(metrics), out=out, title=title))
