@@ -8,8 +8,10 @@
 # held-out accuracy falls, KL climbs faster as beta shrinks, responses get longer.
 # Knobs (environment), defaults in brackets:
 #   RUNS [runs/reward-hacking]  SEED [0]  TASK [arithmetic]  SFT_EXAMPLES [24000]  EVAL_NUM [300]
+#   PROSE [0.25] fraction of SFT answers written as a sentence ("The total is 12."), so that the policy can
+#     write longer answers at all (a policy that only ever saw bare numbers has no longer answer to find)
 #   PREF_PROMPTS [512]  PREF_N [4]  RM_EPOCHS [1]  BETAS ["0.05 0.005 0"]
-#   ROUNDS [4]  PROMPTS [256] prompts per round  N [8] samples per prompt  MAX_NEW_TOKENS [32]
+#   ROUNDS [4]  PROMPTS [256] prompts per round  N [8] samples per prompt  MAX_NEW_TOKENS [64]
 #   ALGO [grpo]  LR [1e-4]  EPOCHS [2]  MINIBATCH [128]
 # A rerun skips every stage and round that is up to date with its inputs and settings.
 set -euo pipefail
@@ -26,15 +28,18 @@ BETAS=${BETAS:-0.05 0.005 0}
 ROUNDS=${ROUNDS:-4}
 PROMPTS=${PROMPTS:-256}
 N=${N:-8}
-MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-32}
+MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-64}
+PROSE=${PROSE:-0.25}
+case "$TASK" in *:*) SFT_TASK="$TASK,prose=$PROSE" ;; *) SFT_TASK="$TASK:prose=$PROSE" ;; esac
 ALGO=${ALGO:-grpo}
 LR=${LR:-1e-4}
 EPOCHS=${EPOCHS:-2}
 MINIBATCH=${MINIBATCH:-128}
 
 mkdir -p "$RUNS"
-rlkit sft --task "$TASK" --num-examples "$SFT_EXAMPLES" --eval-num "$EVAL_NUM" --seed "$SEED" --out "$RUNS/sft"
+rlkit sft --task "$SFT_TASK" --num-examples "$SFT_EXAMPLES" --eval-num "$EVAL_NUM" --seed "$SEED" --out "$RUNS/sft"
 rlkit build-prefs --policy "$RUNS/sft" --task "$TASK" --num-prompts "$PREF_PROMPTS" --n "$PREF_N" --bias length \
+  --max-new-tokens "$MAX_NEW_TOKENS" \
   --seed "$SEED" --out "$RUNS/prefs-length-biased.arrow"
 rlkit train-rm --base "$RUNS/sft" --prefs "$RUNS/prefs-length-biased.arrow" --epochs "$RM_EPOCHS" --seed "$SEED" \
   --out "$RUNS/rm-length-biased"
@@ -50,7 +55,7 @@ for beta in $BETAS; do
     rm -f "$metrics"  # a different experiment: start its curves afresh
     echo "$knobs" > "$run/knobs"
   fi
-  [ -s "$metrics" ] || rlkit eval --policy "$RUNS/sft" --task "$TASK" --num "$EVAL_NUM" --rm "$RUNS/rm-length-biased" \
+  [ -s "$metrics" ] || rlkit eval --policy "$RUNS/sft" --task "$TASK" --num "$EVAL_NUM" --max-new-tokens "$MAX_NEW_TOKENS" --rm "$RUNS/rm-length-biased" \
     --label sft --metrics "$metrics" --json > /dev/null
   policy="$RUNS/sft"
   for i in $(seq 1 "$ROUNDS"); do
@@ -64,7 +69,7 @@ for beta in $BETAS; do
         | rlkit score-ref --ref "$RUNS/ref" --rm "lenbias=$RUNS/rm-length-biased" \
         | rlkit update --algo "$ALGO" --policy "$policy" --out "$out" --lr "$LR" --epochs "$EPOCHS" \
             --minibatch-size "$MINIBATCH" --beta "$beta" --reward rm:lenbias=1 --seed "$SEED" --metrics "$metrics"
-      rlkit eval --policy "$out" --task "$TASK" --num "$EVAL_NUM" --rm "$RUNS/rm-length-biased" --label "round-$i" \
+      rlkit eval --policy "$out" --task "$TASK" --num "$EVAL_NUM" --max-new-tokens "$MAX_NEW_TOKENS" --rm "$RUNS/rm-length-biased" --label "round-$i" \
         --metrics "$metrics" --json > /dev/null
       echo "$knobs" > "$out.knobs"
     fi

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # RLHF on the embedded tiny model: sft -> build-prefs -> train-rm -> freeze-ref
-#   -> ROUNDS x (rollout | score-ref --ref --rm | update --algo ppo) -> eval.
+#   -> ROUNDS x (rollout | score-ref --ref --rm | update --algo ppo; eval) -> report.
+# $RUNS/rlhf-metrics.jsonl gets every update's and every held-out eval's figures; $RUNS/report.png plots them.
 # The reward is the reward model's score alone (REWARD), the task's verifier only measures: held-out
 # accuracy before and after shows whether optimising the learned reward helped or hurt the task.
 # Knobs (environment), defaults in brackets:
@@ -60,12 +61,18 @@ for i in $(seq 1 "$ROUNDS"); do
       | rlkit update --algo ppo --policy "$policy" --out "$out" --lr "$LR" --epochs "$EPOCHS" \
           --minibatch-size "$MINIBATCH" --beta "$BETA" "${kl_flags[@]}" "${reward_flags[@]}" --seed "$SEED" \
           --metrics "$METRICS"
+    rm -f "$RUNS/rlhf-eval-round-$i.json"
     echo "$knobs" > "$out.knobs"
   fi
   policy="$out"
+  if [ ! -s "$RUNS/rlhf-eval-round-$i.json" ]; then  # held-out accuracy and RM score after every round
+    rlkit eval --policy "$out" --task "$TASK" --num "$EVAL_NUM" --rm "$RUNS/rm" --label "ppo-round-$i" --json \
+      --metrics "$METRICS" > "$RUNS/rlhf-eval-round-$i.json.tmp"
+    mv "$RUNS/rlhf-eval-round-$i.json.tmp" "$RUNS/rlhf-eval-round-$i.json"
+  fi
 done
-rlkit eval --policy "$policy" --task "$TASK" --num "$EVAL_NUM" --rm "$RUNS/rm" --label "ppo-round-$ROUNDS" --json \
-  --metrics "$METRICS" > "$RUNS/rlhf-eval-final.json"
+cp "$RUNS/rlhf-eval-round-$ROUNDS.json" "$RUNS/rlhf-eval-final.json"
+rlkit report "$METRICS" --title "RLHF: PPO on a learned reward ($TASK)" --out "$RUNS/report.png"
 
 python3 - "$RUNS" "$ROUNDS" <<'PY'
 import json, sys

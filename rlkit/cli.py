@@ -18,6 +18,7 @@ from rlkit import __version__
 from rlkit.errors import RlkitError
 from rlkit.stages import (
     build_prefs,
+    cat,
     freeze_ref,
     inspect,
     prompts,
@@ -50,6 +51,7 @@ app.command("update")(update.command)
 app.command("eval")(eval_stage.command)
 app.command("inspect")(inspect.command)
 app.command("report")(report.command)
+app.command("cat")(cat.command)
 
 
 def _version(value: bool) -> None:

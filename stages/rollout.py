@@ -41,6 +41,7 @@ class RolloutConfig:
     max_model_len: int | None = None
     enforce_eager: bool = False
     chunk_prompts: int = 64
+    shard: str | None = None  # "i/N": this job's share of the prompts (whole chunks), see rlkit.shards
     trust_remote_code: bool = False
     force: bool = False
 
@@ -48,7 +49,7 @@ class RolloutConfig:
 def run(cfg: RolloutConfig) -> Path | None:
     import pyarrow as pa
 
-    from rlkit import artifacts, checkpoints, console, data, engines
+    from rlkit import artifacts, checkpoints, console, data, engines, shards
     from rlkit.errors import RlkitError
     from rlkit.tasks import get_task
 
@@ -77,6 +78,9 @@ def run(cfg: RolloutConfig) -> Path | None:
         cfg = replace(cfg, num_prompts=cfg.num_prompts or 64)
         ex = task.examples("train", cfg.num_prompts, cfg.seed)
         ids, answers = [e.prompt_id for e in ex], [e.answer for e in ex]
+    span = range(len(ids))
+    if cfg.shard:
+        span = shards.prompt_span(shards.parse(cfg.shard), len(ids), cfg.chunk_prompts)
     if artifacts.skip_if_current(out, "rollout", cfg, inputs):
         return out
 
@@ -100,12 +104,16 @@ def run(cfg: RolloutConfig) -> Path | None:
     extra = [pa.field("reward/verifier", pa.float64())] if scored else []
     fp, step = inputs["policy"], checkpoints.policy_step(cfg.policy)
     manifest = artifacts.make_manifest("rollouts", "rollout", cfg, inputs,
-                                       tokenizer=checkpoints.tokenizer_fingerprint(tokenizer), engine=engine.name)
+                                       tokenizer=checkpoints.tokenizer_fingerprint(tokenizer), engine=engine.name,
+                                       **shards.manifest_entry(cfg.shard, span, len(ids), artifacts.jsonable(cfg),
+                                                               inputs))
     n = cfg.n
     with artifacts.write_table("rollouts", out, manifest, extra) as w, \
-            console.progress("rollout", len(ids) * n) as bar:
-        for c0 in range(0, len(ids), cfg.chunk_prompts):
-            c1 = min(len(ids), c0 + cfg.chunk_prompts)
+            console.progress("rollout", len(span) * n) as bar:
+        # chunks keep their global position and seed whatever the shard, so shards concatenate into the
+        # table one job gives
+        for c0 in range(span.start, span.stop, cfg.chunk_prompts):
+            c1 = min(span.stop, c0 + cfg.chunk_prompts)
             gen = engine.sample(prompt_ids[c0:c1], n=n, temperature=cfg.temperature, top_p=cfg.top_p,
                                 max_new_tokens=cfg.max_new_tokens, seed=cfg.seed * 1_000_003 + c0)
             comps = tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
@@ -151,6 +159,7 @@ def command(
     dtype: Annotated[str, typer.Option(help="vLLM weights/compute dtype: auto (the checkpoint's), float32, bfloat16, float16.")] = "auto",
     max_model_len: Annotated[int | None, typer.Option(min=16, help="vLLM context length (default: the model's).")] = None,
     enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="vLLM: no CUDA graphs (faster start-up).")] = False,
+    shard: Annotated[str | None, typer.Option(help="I/N: sample only this job's share of the prompts (0 <= I < N); `rlkit cat` joins the N shards into the table one job gives.")] = None,
     seed: Seed = 0,
     out: OutTable = None,
     trust_remote_code: TrustRemoteCode = False,
@@ -161,5 +170,5 @@ def command(
                       answer_column=answer_column, num_prompts=num_prompts, n=n, temperature=temperature,
                       top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, engine=engine,
                       batch_tokens=batch_tokens, tp=tp, gpu_memory_utilization=gpu_memory_utilization, dtype=dtype,
-                      max_model_len=max_model_len, enforce_eager=enforce_eager,
+                      max_model_len=max_model_len, enforce_eager=enforce_eager, shard=shard,
                       trust_remote_code=trust_remote_code, force=force))

@@ -34,6 +34,7 @@ class ScoreRefConfig:
     device: str = "cpu"
     dtype: str = "auto"  # compute dtype: auto (fp32 on CPU, stored on GPU), stored, fp32
     batch_tokens: int = 16384
+    shard: str | None = None  # "i/N" of an input file, cut between groups; see rlkit.shards
     trust_remote_code: bool = False
     force: bool = False
 
@@ -115,10 +116,15 @@ def parse_rms(specs: tuple[str, ...]) -> dict[str, Path]:
 def run(cfg: ScoreRefConfig) -> Path | None:
     import pyarrow as pa
 
-    from rlkit import artifacts, checkpoints, console
+    from rlkit import artifacts, checkpoints, console, shards
     from rlkit.errors import RlkitError
 
     rms = parse_rms(cfg.rm)
+    if cfg.shard:
+        shards.parse(cfg.shard)
+        if cfg.inp is None or cfg.inp == "-":
+            raise RlkitError("--shard cuts an input file between groups: pass --in FILE (a piped-in shard of "
+                             "`rollout --shard` needs no --shard here)")
     if cfg.ref is None and not rms:
         raise RlkitError("nothing to score with: pass --ref REF (reference log-probs) and/or --rm NAME=DIR")
     if cfg.dtype not in ("auto", "stored", "fp32"):
@@ -144,6 +150,8 @@ def run(cfg: ScoreRefConfig) -> Path | None:
     if artifacts.skip_if_current(out, "score-ref", cfg, inputs):
         return out
     if reader.kind == "prefs":
+        if cfg.shard:
+            raise RlkitError("--shard cuts rollouts tables; score a prefs table whole")
         return _score_prefs(cfg, reader, model, tokenizer, out, inputs)
     upstream = reader.manifest or {}
     want = upstream.get("tokenizer")
@@ -158,16 +166,25 @@ def run(cfg: ScoreRefConfig) -> Path | None:
     if reader.kind == "scored" and cfg.ref is not None:
         raise RlkitError("the input already has reference log-probs; pass only --rm to add reward-model scores")
     temperature = float(upstream.get("temperature", (upstream.get("config") or {}).get("temperature", 1.0)))
+    batches, shard = reader, {"shard": upstream["shard"]} if upstream.get("shard") else {}
+    if cfg.shard:
+        if shard:
+            raise RlkitError(f"{reader.label} is already shard {shard['shard']['index']}/{shard['shard']['count']} "
+                             "of a rollout; score it whole (leave out --shard)")
+        table = reader.read_all()
+        span = shards.group_span(shards.parse(cfg.shard), table.column("group_id").to_pylist())
+        batches = table.slice(span.start, len(span)).to_batches(max_chunksize=4096)
+        shard = shards.manifest_entry(cfg.shard, span, table.num_rows, artifacts.jsonable(cfg), inputs)
     out_kind = "scored" if cfg.ref is not None or reader.kind == "scored" else "rollouts"
     extra = [f for f in reader.schema if f.name.startswith("reward/")]
     extra += [pa.field(f"reward/{n}", pa.float64()) for n in rms]
     manifest = artifacts.make_manifest(out_kind, "score-ref", cfg, inputs, tokenizer=want,
                                        rollout=upstream.get("rollout") or upstream.get("config"), temperature=temperature,
                                        engine=upstream.get("engine"), reward_models={n: str(d) for n, d in rms.items()},
-                                       reference=str(cfg.ref) if cfg.ref else upstream.get("reference"))
+                                       reference=str(cfg.ref) if cfg.ref else upstream.get("reference"), **shard)
     lp_type = artifacts.kind("scored").schema().field("ref_logprobs").type
     with artifacts.write_table(out_kind, out, manifest, extra) as w:
-        for batch in reader:
+        for batch in batches:
             cols = {name: batch.column(name) for name in batch.schema.names}
             if model is not None:
                 ref_lp = score_batch(model, batch, tokenizer.pad_token_id, temperature, cfg.batch_tokens)
@@ -177,10 +194,11 @@ def run(cfg: ScoreRefConfig) -> Path | None:
                 cols[f"reward/{name}"] = pa.array(score_texts(rm, rm_tok, prompts, comps, cfg.batch_tokens), pa.float64())
             w.write(pa.record_batch([cols[f.name] if f.name in cols else pa.nulls(batch.num_rows, f.type)
                                      for f in w.schema], schema=w.schema))
-        if reader.rows == 0:
+        if reader.rows == 0 and not shard:
             raise RlkitError(f"{reader.label}: the rollouts table has no rows")
     by = " and ".join([*([str(cfg.ref)] if cfg.ref else []), *(f"{n} ({d})" for n, d in rms.items())])
-    console.info(f"score-ref: {reader.rows} rows scored by {by}")
+    console.info(f"score-ref: {w.rows} rows scored by {by}"
+                 + (f" (shard {cfg.shard}: rows {span.start}-{span.stop} of {table.num_rows})" if cfg.shard else ""))
     return out
 
 
@@ -192,9 +210,10 @@ def command(
     device: Annotated[str, typer.Option(help="Device for the reference: cpu, cuda, cuda:1, ...")] = "cpu",
     dtype: Annotated[str, typer.Option(help="Compute dtype: auto (fp32 on CPU, the frozen dtype on GPU), stored or fp32.")] = "auto",
     batch_tokens: Annotated[int, typer.Option(min=16, help="Token budget per forward batch.")] = 16384,
+    shard: Annotated[str | None, typer.Option(help="I/N: score only this job's share of --in FILE, cut between groups; `rlkit cat` joins the N outputs.")] = None,
     trust_remote_code: TrustRemoteCode = False,
     force: Force = False,
 ) -> None:
     """Add the frozen reference's per-token log-probs and reward-model scores to a rollouts table (streams)."""
     run(ScoreRefConfig(ref=ref, rm=tuple(rm or ()), inp=inp, out=out, device=device, dtype=dtype, batch_tokens=batch_tokens,
-                       trust_remote_code=trust_remote_code, force=force))
+                       shard=shard, trust_remote_code=trust_remote_code, force=force))
