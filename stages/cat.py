@@ -65,7 +65,10 @@ def run(cfg: CatConfig) -> Path | None:
             if _settings(manifests[i]) != first:
                 raise RlkitError(f"{readers[i].label} was made with other settings or inputs than "
                                  f"{readers[order[0]].label}; join the shards of one run only")
-    head = manifests[order[0]]
+    head = dict(manifests[order[0]])
+    if head.get("command") == "rollout":  # downstream reads the sampling settings from here
+        head.setdefault("rollout", head.get("config"))
+        head.setdefault("temperature", (head.get("config") or {}).get("temperature"))
     kind = readers[0].kind
     base = {f.name for f in artifacts.kind(kind).schema()}
     extra = [f for f in readers[order[0]].schema if f.name not in base]

@@ -28,7 +28,7 @@ class TrainRmConfig:
     prefs: str
     out: Path
     epochs: int = 3
-    lr: float = 5e-4
+    lr: float = 5e-5  # fine-tuning a pretrained policy: 5e-4 wrecked what SFT taught it (README, RLHF)
     batch_size: int = 32
     margin: float = 0.0
     max_length: int = 256
@@ -207,7 +207,7 @@ def command(
     prefs: Annotated[str, typer.Option("--prefs", help="Preference table from `rlkit build-prefs` (or .parquet/.jsonl with prompt/chosen/rejected/split).")],
     out: OutDir,
     epochs: Annotated[int, typer.Option(min=1, help="Passes over the train pairs.")] = 3,
-    lr: Annotated[float, typer.Option(help="AdamW peak learning rate (linear decay to 10%).")] = 5e-4,
+    lr: Annotated[float, typer.Option(help="AdamW peak learning rate (linear decay to 10%).")] = TrainRmConfig.lr,
     batch_size: Annotated[int, typer.Option(min=1, help="Pairs per optimizer step.")] = 32,
     margin: Annotated[float, typer.Option(help="Bradley-Terry margin: -log sigmoid(s_c - s_r - margin).")] = 0.0,
     max_length: Annotated[int, typer.Option(min=8, help="Longest prompt + response in tokens (keeps the end).")] = 256,
