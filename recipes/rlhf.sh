@@ -10,6 +10,7 @@
 #   ROUNDS [3]  PROMPTS [512] prompts per round  N [4] samples per prompt  MAX_NEW_TOKENS [16]
 #   LR [5e-5]  EPOCHS [1]  MINIBATCH [128]  BETA [0.05] KL coefficient (in the reward)  TARGET_KL [] adaptive
 #   REWARD [rm:rm=1] update --reward weights (e.g. "rm:rm=1 verifier=1")
+#   CRITIC_INIT [rm] the value model starts as the reward model (InstructGPT), or "policy" (a zero value head)
 # A rerun skips every stage and round that is up to date with its inputs and settings.
 set -euo pipefail
 
@@ -31,6 +32,9 @@ MINIBATCH=${MINIBATCH:-128}
 BETA=${BETA:-0.05}
 TARGET_KL=${TARGET_KL:-}
 REWARD=${REWARD:-rm:rm=1}
+CRITIC_INIT=${CRITIC_INIT:-rm}
+critic_init=$CRITIC_INIT
+[ "$CRITIC_INIT" = rm ] && critic_init="$RUNS/rm"
 reward_flags=()
 for w in $REWARD; do reward_flags+=(--reward "$w"); done
 kl_flags=()
@@ -47,7 +51,7 @@ rlkit freeze-ref --policy "$RUNS/sft" --out "$RUNS/ref" --dtype bf16
 rlkit eval --policy "$RUNS/sft" --task "$TASK" --num "$EVAL_NUM" --rm "$RUNS/rm" --label sft --json \
   --metrics "$METRICS" > "$RUNS/rlhf-eval-sft.json"
 
-knobs="task=$TASK prompts=$PROMPTS n=$N max_new=$MAX_NEW_TOKENS lr=$LR epochs=$EPOCHS mb=$MINIBATCH beta=$BETA target_kl=$TARGET_KL reward=$REWARD seed=$SEED"
+knobs="task=$TASK prompts=$PROMPTS n=$N max_new=$MAX_NEW_TOKENS lr=$LR epochs=$EPOCHS mb=$MINIBATCH beta=$BETA target_kl=$TARGET_KL reward=$REWARD critic=$CRITIC_INIT seed=$SEED"
 policy="$RUNS/sft"
 for i in $(seq 1 "$ROUNDS"); do
   out="$RUNS/ppo-round-$i"
@@ -60,6 +64,7 @@ for i in $(seq 1 "$ROUNDS"); do
       | rlkit score-ref --ref "$RUNS/ref" --rm "rm=$RUNS/rm" \
       | rlkit update --algo ppo --policy "$policy" --out "$out" --lr "$LR" --epochs "$EPOCHS" \
           --minibatch-size "$MINIBATCH" --beta "$BETA" "${kl_flags[@]}" "${reward_flags[@]}" --seed "$SEED" \
+          --critic-init "$critic_init" \
           --metrics "$METRICS"
     rm -f "$RUNS/rlhf-eval-round-$i.json"
     echo "$knobs" > "$out.knobs"

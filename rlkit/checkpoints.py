@@ -69,10 +69,11 @@ def safetensors_summary(d: Path) -> dict[str, Any]:
     return {"parameters": params, "bytes": nbytes, "dtypes": sorted(dtypes)}
 
 
-def save_model(model, tokenizer, tmp: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-    """Save into `tmp` (an `atomic_dir`), hash the weights and write the manifest; returns it."""
+def save_model(model, tokenizer, tmp: Path, manifest: dict[str, Any], state_dict: dict | None = None) -> dict[str, Any]:
+    """Save into `tmp` (an `atomic_dir`), hash the weights and write the manifest; returns it.
+    `state_dict`: the gathered full weights of a sharded (FSDP) model."""
     _quiet_transformers()
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": state_dict} if state_dict is not None else {}))
     tokenizer.save_pretrained(tmp)
     per_file, digest = hash_weights(tmp)
     manifest = {**manifest, "weights_sha256": per_file, "weights_digest": digest}

@@ -16,6 +16,12 @@ def info(msg: str) -> None:
     err.print(msg, soft_wrap=True)  # one log line stays one line, whatever the width
 
 
+def silence() -> None:
+    """No terminal output from this process (data-parallel ranks other than 0; errors still print)."""
+    global err
+    err = Console(stderr=True, quiet=True)
+
+
 def print_wide(renderable, min_width: int = 132) -> None:
     """Print a wide table whole: a log file or CI pane is not limited to the 80 columns rich assumes."""
     if err.is_terminal:

@@ -69,6 +69,14 @@ def completion_logprobs(model, input_ids: Tensor, attn: Tensor, targets: Tensor,
     Only completion positions reach the output head: (B, C, V) logits, never (B, L, V); without
     grad (scoring) the head runs on 32 positions at a time, so peak memory is (B, 32, V).
     """
+    root = getattr(model, "_rlkit_fsdp_root", None)
+    if root is not None:  # FSDP2: go through the root unit's forward, whose hooks gather and reduce its weights
+        return root(input_ids, attn, targets, start, temperature, with_entropy)
+    return _completion_logprobs(model, input_ids, attn, targets, start, temperature, with_entropy)
+
+
+def _completion_logprobs(model, input_ids: Tensor, attn: Tensor, targets: Tensor, start: Tensor,
+                         temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
     C = targets.shape[1]
     hidden = model.base_model(input_ids=input_ids, attention_mask=attn).last_hidden_state  # (B, L, H)
     idx = (start.unsqueeze(1) + torch.arange(C, device=start.device).unsqueeze(0)).clamp(max=input_ids.shape[1] - 1)

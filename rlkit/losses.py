@@ -58,3 +58,11 @@ AGGREGATIONS: dict[str, Callable[..., Tensor]] = {
     "seq-mean-token-mean": seq_mean_token_mean,
     "seq-mean-token-sum-norm": seq_mean_token_sum_norm,
 }
+
+# What each aggregation averages over in a minibatch: a data-parallel rank weighs its part of the loss by
+# its share of this, so the ranks' losses sum to the one-process loss. mask (B, T) -> ().
+AGG_WEIGHTS: dict[str, Callable[[Tensor], Tensor]] = {
+    "token-mean": lambda mask: mask.sum(),
+    "seq-mean-token-mean": lambda mask: torch.tensor(mask.shape[0]),
+    "seq-mean-token-sum-norm": lambda mask: torch.tensor(mask.shape[0]),
+}

@@ -18,10 +18,11 @@ import torch
 from torch import Tensor
 
 from rlkit.advantages import ADVANTAGES, degenerate_groups
+from rlkit.distributed import DataParallel, all_max, all_sum
 from rlkit.errors import RlkitError
 from rlkit.kl import KL_ESTIMATORS
 from rlkit.logprobs import completion_logprobs, pack_sequences
-from rlkit.losses import AGGREGATIONS, clipped_surrogate, truncated_is_weights
+from rlkit.losses import AGG_WEIGHTS, AGGREGATIONS, clipped_surrogate, truncated_is_weights
 from rlkit.rl_config import RLConfig
 
 TRAINER_DIR = "trainer"
@@ -111,48 +112,73 @@ class TrainerState:
         return min(1.0, (self.optimizer_step + 1) / warmup) if warmup > 0 else 1.0
 
 
-def save_trainer(model, opt: torch.optim.Optimizer, state: TrainerState, d: Path) -> None:
-    """AdamW moments and step per parameter name, the step counter and the torch RNG: safetensors + JSON."""
+def trainer_tensors(model, opt: torch.optim.Optimizer, dp: DataParallel | None = None) -> dict[str, Tensor]:
+    """AdamW moments and step per parameter name plus the torch RNG, unsharded (a collective under `dp`)."""
+    tensors = {"rng/torch": torch.get_rng_state()}
+    if dp is not None:
+        from rlkit.distributed import full_optimizer_state
+
+        per_name = full_optimizer_state(model, opt)
+    else:
+        per_name = {name: opt.state[p] for name, p in model.named_parameters() if opt.state.get(p)}
+    for name, st in per_name.items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            tensors[f"{name}/{k}"] = st[k].detach().contiguous()
+        tensors[f"{name}/step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1)
+    return tensors
+
+
+def save_trainer(model, opt: torch.optim.Optimizer | None, state: TrainerState, d: Path,
+                 tensors: dict[str, Tensor] | None = None) -> None:
+    """safetensors + JSON: the same layout whatever the world size, so any world size resumes it."""
     from safetensors.torch import save_file
 
     d.mkdir(parents=True, exist_ok=True)
-    tensors = {"rng/torch": torch.get_rng_state()}
-    for name, p in model.named_parameters():
-        st = opt.state.get(p)
-        if st:
-            for k in ("exp_avg", "exp_avg_sq"):
-                tensors[f"{name}/{k}"] = st[k].detach().contiguous()
-            tensors[f"{name}/step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1)
-    save_file(tensors, str(d / "optimizer.safetensors"))
+    save_file(tensors if tensors is not None else trainer_tensors(model, opt), str(d / "optimizer.safetensors"))
     (d / "state.json").write_text(json.dumps({"optimizer_step": state.optimizer_step, "updates": state.updates}) + "\n")
 
 
-def load_trainer(model, opt: torch.optim.Optimizer, d: Path) -> TrainerState:
-    """Restore what `save_trainer` wrote; a checkpoint without it (an SFT model) starts fresh."""
+def load_trainer(model, opt: torch.optim.Optimizer, d: Path, dp: DataParallel | None = None) -> TrainerState:
+    """Restore what `save_trainer` wrote; a checkpoint without it (an SFT model) starts fresh. Under `dp`
+    the full state is sharded onto this rank's FSDP parameters."""
     from safetensors.torch import load_file
 
     if not (d / "optimizer.safetensors").is_file():
         return TrainerState()
     tensors = load_file(str(d / "optimizer.safetensors"))
-    for name, p in model.named_parameters():
-        if f"{name}/exp_avg" in tensors:
-            opt.state[p] = {"step": tensors[f"{name}/step"].reshape(()).clone(),
-                            "exp_avg": tensors[f"{name}/exp_avg"].to(p.dtype),
-                            "exp_avg_sq": tensors[f"{name}/exp_avg_sq"].to(p.dtype)}
+    names = [name for name, _ in model.named_parameters()]
+    per_name = {name: {"step": tensors[f"{name}/step"].reshape(()).clone(),
+                       "exp_avg": tensors[f"{name}/exp_avg"].float(),
+                       "exp_avg_sq": tensors[f"{name}/exp_avg_sq"].float()}
+                for name in names if f"{name}/exp_avg" in tensors}
+    if dp is not None:
+        from rlkit.distributed import load_full_optimizer_state
+
+        load_full_optimizer_state(model, opt, per_name)
+    else:
+        for name, p in model.named_parameters():
+            if name in per_name:
+                st = per_name[name]
+                opt.state[p] = {"step": st["step"], "exp_avg": st["exp_avg"].to(p.dtype),
+                                "exp_avg_sq": st["exp_avg_sq"].to(p.dtype)}
     torch.set_rng_state(tensors["rng/torch"])
     s = json.loads((d / "state.json").read_text())
     return TrainerState(optimizer_step=s["optimizer_step"], updates=s["updates"])
 
 
-def optimizer_step(model, opt: torch.optim.Optimizer, state: TrainerState, cfg: RLConfig, loss: Tensor) -> Tensor:
+def optimizer_step(model, opt: torch.optim.Optimizer, state: TrainerState, cfg: RLConfig, loss: Tensor,
+                   global_loss: float | None = None) -> Tensor:
     """Backward, clip, step with the scheduled LR; a NaN/inf loss or gradient aborts before any write.
-    Returns the gradient norm before clipping."""
-    if not torch.isfinite(loss):
+    Returns the gradient norm before clipping. Data-parallel: `global_loss` (the same on every rank)
+    decides, so all ranks stop together; FSDP's gradient norm is already global."""
+    if not math.isfinite(float(loss) if global_loss is None else global_loss):
         raise RlkitError(f"non-finite loss at optimizer step {state.optimizer_step}; nothing was written "
                          f"(lower --lr, now {cfg.lr})")
     opt.zero_grad(set_to_none=True)
     loss.backward()
     gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    if hasattr(gn, "full_tensor"):  # a DTensor under FSDP2
+        gn = gn.full_tensor()
     if not torch.isfinite(gn):
         raise RlkitError(f"non-finite gradient at optimizer step {state.optimizer_step}; nothing was written")
     for g in opt.param_groups:
@@ -178,8 +204,12 @@ def recompute_logprobs(model, batch: RLBatch, temperature: float, minibatch_size
 
 def train_on_batch(model, opt: torch.optim.Optimizer, state: TrainerState, batch: RLBatch, cfg: RLConfig,
                    temperature: float = 1.0, length_norm: float | None = None, ticker=None,
-                   recompute: bool = False) -> dict[str, Any]:
+                   recompute: bool = False, dp: DataParallel | None = None) -> dict[str, Any]:
     """Advantages, then `epochs` passes of shuffled minibatches of the clipped surrogate (+ KL term).
+
+    Data-parallel (`dp`): every rank holds the whole batch and the same minibatch order and trains on
+    rows rank::world of each minibatch; its loss is its share of the minibatch loss (see
+    `losses.AGG_WEIGHTS`) times world, which FSDP's gradient averaging turns into the one-process sum.
 
     `recompute`: pi_old is the trainer's own forward pass before the first step rather than the
     engine's logged log-probs (their gap is logged as `logprob_mismatch`); with `cfg.tis_cap` the
@@ -230,32 +260,47 @@ def train_on_batch(model, opt: torch.optim.Optimizer, state: TrainerState, batch
         order = keep[torch.randperm(len(keep), generator=gen)]
         for s in range(0, len(order), cfg.minibatch_size):
             idx = order[s : s + cfg.minibatch_size]
+            share = 1.0
+            if dp is not None:
+                mine = idx[dp.rank :: dp.world]
+                # a rank with no rows still runs forward and backward (FSDP's collectives), on a zero-weight row
+                w_local = float(AGG_WEIGHTS[cfg.aggregation](batch.mask[mine])) if len(mine) else 0.0
+                share = w_local / all_sum([w_local], dp)[0] * dp.world
+                idx = mine if len(mine) else idx[:1]
             L = int(batch.attn[idx].sum(1).max())
             C = int(batch.mask[idx].sum(1).max())
             m = batch.mask[idx, :C]
+            if share == 0.0:
+                m = torch.zeros_like(m)
             logp, ent = completion_logprobs(model, batch.input_ids[idx, :L], batch.attn[idx, :L], batch.targets[idx, :C],
                                             batch.start[idx], temperature=temperature, with_entropy=epoch == 0)
             pg, clipped, ratio = clipped_surrogate(logp, old_logp[idx, :C], adv[idx], cfg.clip_low, cfg.clip_high)
             per_tok = pg if tis is None else pg * tis[idx, :C]
             if cfg.beta > 0 and cfg.kl_in == "loss":
                 per_tok = per_tok + cfg.beta * kl_fn(logp, batch.ref_logp[idx, :C])
-            loss = agg(per_tok, m, length_norm)
-            gn = optimizer_step(model, opt, state, cfg, loss)
+            loss = agg(per_tok, m, length_norm) * share
+            global_loss = all_sum([float(loss) / dp.world], dp)[0] if dp is not None else None
+            gn = optimizer_step(model, opt, state, cfg, loss, global_loss)
             with torch.no_grad():
                 r = ratio[m]
                 clip_n += int(clipped[m].sum())
                 tok_n += int(m.sum())
-                ratio_min, ratio_max = min(ratio_min, float(r.min())), max(ratio_max, float(r.max()))
+                if r.numel():
+                    ratio_min, ratio_max = min(ratio_min, float(r.min())), max(ratio_max, float(r.max()))
                 ratio_sum += float(r.sum())
                 if ent is not None:
                     ent_sum += float(ent[m].sum())
                     ent_n += int(m.sum())
-            tokens += int(batch.attn[idx, :L].sum())
+            tokens += int(batch.attn[idx, :L].sum()) if share else 0
             grad_norms.append(float(gn))
-            losses.append(loss.item())
+            losses.append(loss.item() if global_loss is None else global_loss)
             if ticker is not None:
                 ticker.advance(1, loss=losses[-1])
     state.updates += 1
+    if dp is not None:
+        clip_n, tok_n, ratio_sum, ent_sum, ent_n, tokens = all_sum([clip_n, tok_n, ratio_sum, ent_sum, ent_n, tokens], dp)
+        ratio_max, neg_min = all_max([ratio_max, -ratio_min], dp)
+        ratio_min = -neg_min
     secs = time.monotonic() - t0
     lengths = mask.sum(1).float()
     metrics.update(

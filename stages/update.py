@@ -58,6 +58,12 @@ def parse_weights(specs: tuple[str, ...]) -> dict[str, float] | None:
     return out
 
 
+def distributed_launch() -> bool:
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def run(cfg: UpdateConfig) -> Path:
     from rlkit import artifacts, checkpoints, console, metrics_log
     from rlkit.errors import RlkitError
@@ -74,11 +80,22 @@ def run(cfg: UpdateConfig) -> Path:
     from rlkit.rl_config import CRITIC_ALGOS, PREFERENCE_ALGOS
 
     offline = cfg.rl.algo in PREFERENCE_ALGOS
-    pending = artifacts.open_table(cfg.inp, ["prefs"] if offline else ["rollouts", "scored"])
-    from rlkit import policy_update
+    dp = None
+    if distributed_launch():
+        if offline or cfg.rl.algo in CRITIC_ALGOS:
+            raise RlkitError(f"--algo {cfg.rl.algo} does not run data-parallel yet (the GRPO family does); "
+                             "run it as one process, without torchrun")
+        from rlkit import distributed
+
+        dp = distributed.init()
+        if not dp.main:
+            console.silence()
+    pending = (artifacts.open_table(cfg.inp, ["prefs"] if offline else ["rollouts", "scored"])
+               if dp is None or dp.main else None)
+    from rlkit import distributed, policy_update
 
     model, tokenizer = checkpoints.load_policy(cfg.policy, "fp32", cfg.trust_remote_code)
-    reader = pending.result()
+    reader = pending.result() if dp is None else distributed.share_table(pending, dp)
     if offline:
         return _run_dpo(cfg, reader, model, tokenizer)
     if cfg.rl.beta > 0 and reader.kind == "rollouts":
@@ -105,8 +122,11 @@ def run(cfg: UpdateConfig) -> Path:
         console.warn("these rollouts were sampled from another checkpoint than --policy (off-policy); "
                      "the pi_theta/pi_old ratio corrects for it, within the clip range")
 
+    if dp is not None:
+        model = distributed.shard_model(model, dp)
+        console.info(f"update: data-parallel over {dp.world} processes ({dp.device.type}, FSDP2)")
     opt = policy_update.make_optimizer(model, cfg.rl)
-    state = policy_update.load_trainer(model, opt, cfg.policy / policy_update.TRAINER_DIR)
+    state = policy_update.load_trainer(model, opt, cfg.policy / policy_update.TRAINER_DIR, dp)
     engine = upstream.get("engine")
     recompute = cfg.rl.old_logprobs == "recompute" or (cfg.rl.old_logprobs == "auto" and engine != "hf")
     if cfg.rl.old_logprobs == "auto" and recompute:
@@ -125,7 +145,7 @@ def run(cfg: UpdateConfig) -> Path:
     else:
         with console.progress("update", steps) as bar:
             m = policy_update.train_on_batch(model, opt, state, batch, cfg.rl, temperature, length_norm, bar,
-                                             recompute)
+                                             recompute, dp)
     comps = {n.split("/", 1)[1]: table.column(n).to_pylist() for n in table.column_names if n.startswith("reward/")}
     if cfg.length_penalty:
         comps["length_penalty"] = [-cfg.length_penalty * len(c) for c in table.column("completion_ids").to_pylist()]
@@ -139,23 +159,33 @@ def run(cfg: UpdateConfig) -> Path:
            if "verifier" in comps else {}),
         **m,
     }
-    metrics.update(_drift(cfg, model, upstream.get("reference")))
+    # gathered on every rank (collectives) under data parallelism; rank 0 alone writes
+    full = distributed.full_model_state(model) if dp is not None else None
+    opt_tensors = policy_update.trainer_tensors(model, opt, dp)
+    if dp is not None and not dp.main:
+        distributed.barrier(dp)
+        return cfg.out
+    metrics.update(_drift(cfg, full if full is not None else dict(model.state_dict()), upstream.get("reference")))
+    if dp is not None:
+        metrics["world_size"] = dp.world
     manifest = artifacts.make_manifest("model", "update", cfg, inputs, step=metrics["step"], metrics=metrics,
                                        reward_weights=used)
     with artifacts.atomic_dir(cfg.out) as tmp:
-        checkpoints.save_model(model, tokenizer, tmp, manifest)
-        policy_update.save_trainer(model, opt, state, tmp / policy_update.TRAINER_DIR)
+        checkpoints.save_model(model, tokenizer, tmp, manifest, state_dict=full)
+        policy_update.save_trainer(model, opt, state, tmp / policy_update.TRAINER_DIR, opt_tensors)
         if critic is not None:
             ppo.save_critic(critic, critic_opt, cstate, ctrl, tmp / ppo.CRITIC_DIR)
     metrics_log.write({"stage": "update", "out": str(cfg.out), **metrics}, cfg.metrics, cfg.tensorboard)
     _show(metrics)
+    distributed.barrier(dp)
     return cfg.out
 
 
-def _drift(cfg: UpdateConfig, model, upstream_ref: str | None) -> dict:
-    """{'drift': ...} from --ref or the reference score-ref used; warns above --max-drift."""
+def _drift(cfg: UpdateConfig, params: dict, upstream_ref: str | None) -> dict:
+    """{'drift': ...} of the policy's weights from --ref or the reference score-ref used; warns above --max-drift."""
     from rlkit import console
-    from rlkit.drift import model_drift
+    from rlkit.checkpoints import verify_reference
+    from rlkit.drift import load_weights, relative_drift
 
     ref = cfg.ref or (Path(upstream_ref) if upstream_ref else None)
     if ref is None:
@@ -163,7 +193,8 @@ def _drift(cfg: UpdateConfig, model, upstream_ref: str | None) -> dict:
     if cfg.ref is None and not ref.is_dir():
         console.warn(f"update: no drift figure: the reference score-ref used ({ref}) is not there any more; pass --ref")
         return {}
-    d = model_drift(model, ref)
+    verify_reference(ref)
+    d = relative_drift(params, load_weights(ref))
     if d > cfg.max_drift:
         console.warn(f"POLICY DRIFT: the weights are {d:.4f} (relative L2) away from the reference {ref}, above "
                      f"--max-drift {cfg.max_drift:g}; check KL, held-out accuracy and response length for reward hacking")
@@ -185,7 +216,7 @@ def _run_dpo(cfg: UpdateConfig, reader, model, tokenizer) -> Path:
     with console.progress("update", cfg.rl.epochs * -(-n_train // cfg.rl.minibatch_size)) as bar:
         m = policy_update.train_dpo(model, opt, state, batch, cfg.rl, bar)
     metrics = {"step": checkpoints.policy_step(cfg.policy) + 1, "algo": "dpo", "beta": cfg.rl.beta, **m}
-    metrics.update(_drift(cfg, model, (reader.manifest or {}).get("reference")))
+    metrics.update(_drift(cfg, dict(model.state_dict()), (reader.manifest or {}).get("reference")))
     manifest = artifacts.make_manifest("model", "update", cfg, inputs, step=metrics["step"], metrics=metrics)
     with artifacts.atomic_dir(cfg.out) as tmp:
         checkpoints.save_model(model, tokenizer, tmp, manifest)

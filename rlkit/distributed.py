@@ -1,0 +1,232 @@
+"""Data parallelism for the training stages on torch.distributed, with FSDP2 (`fully_shard`).
+
+A stage started by `torchrun --nproc-per-node N -m rlkit <stage> ...` finds the launcher's
+environment (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR), joins the process group (NCCL on CUDA,
+gloo on CPU) and shards the model over all ranks, one FSDP unit per decoder layer plus the root.
+Nothing else about the command changes:
+
+- Rank 0 reads the input table (a file or stdin) and broadcasts its Arrow IPC bytes; the other
+  ranks never touch stdin.
+- Every rank computes the same advantages over the whole batch, then takes rows `rank::world` of
+  each global minibatch. Each rank's loss is its share of the global minibatch's loss (its part of
+  the numerator over the global denominator), so the summed gradient is the one-process gradient
+  and results match one process up to float summation order.
+- Checkpoints are gathered: rank 0 alone writes an ordinary full Hugging Face directory and the
+  full optimizer state in the same per-parameter safetensors layout as one process, so a later
+  `update` resumes with the same or any other world size. The other ranks wait at a barrier.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rlkit.errors import RlkitError
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def launched() -> bool:
+    """True under torchrun (or any launcher that sets WORLD_SIZE > 1)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def init() -> DataParallel | None:
+    """Join the process group the launcher describes; None when not launched distributed."""
+    if not launched():
+        return None
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    return DataParallel(dist.get_rank(), dist.get_world_size(), device)
+
+
+def shutdown() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+ROOT_PREFIX = "policy."
+
+
+class _LogprobRoot(torch.nn.Module):
+    """The FSDP root: its forward is rlkit's completion log-probs (base model, then the output head on
+    completion positions only), so the root unit's hooks gather the embeddings/norm/head for both
+    calls and reduce their gradients."""
+
+    def __init__(self, policy) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, input_ids, attn, targets, start, temperature, with_entropy):
+        from rlkit.logprobs import _completion_logprobs
+
+        return _completion_logprobs(self.policy, input_ids, attn, targets, start, temperature, with_entropy)
+
+
+def shard_model(model, dp: DataParallel):
+    """FSDP2: one unit per decoder layer, then a root unit (embeddings, norm, head) around the policy.
+    Returns the policy, whose log-prob calls now route through the root (`rlkit.logprobs`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(dp.device.type, (dp.world,))
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise RlkitError(f"{type(model).__name__}: no .model.layers to shard; rlkit shards decoder-only "
+                         "causal LMs (Llama, Qwen2, Mistral, ...)")
+    model.to(dp.device)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    root = fully_shard(_LogprobRoot(model), mesh=mesh)
+    object.__setattr__(model, "_rlkit_fsdp_root", root)  # not a submodule: no cycle in the module tree
+    return model
+
+
+def _root(model):
+    return model._rlkit_fsdp_root
+
+
+def _strip(d: dict) -> dict:
+    return {k.removeprefix(ROOT_PREFIX): v for k, v in d.items()}
+
+
+def broadcast_bytes(data: bytes | None, dp: DataParallel) -> bytes:
+    """Rank 0's bytes on every rank (a uint8 tensor; no pickle)."""
+    import torch.distributed as dist
+
+    n = torch.tensor([len(data) if dp.main and data is not None else 0], dtype=torch.long)
+    dist.broadcast(n, 0)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if dp.main else torch.empty(int(n), dtype=torch.uint8)
+    dist.broadcast(buf, 0)
+    return bytes(buf.numpy().tobytes())
+
+
+def all_sum(values: list[float], dp: DataParallel | None) -> list[float]:
+    """Element-wise sum over ranks (float64)."""
+    if dp is None:
+        return values
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_max(values: list[float], dp: DataParallel | None) -> list[float]:
+    if dp is None:
+        return values
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def barrier(dp: DataParallel | None) -> None:
+    if dp is not None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def full_model_state(model) -> dict[str, Tensor]:
+    """Every parameter and buffer, unsharded, on CPU: on all ranks (collective; rank 0 saves it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = _strip(get_model_state_dict(_root(model), options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
+    if getattr(model.config, "tie_word_embeddings", False):  # saved once, as one process saves it
+        for k in getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or {}:
+            sd.pop(k, None)
+    return sd
+
+
+def full_optimizer_state(model, opt) -> dict[str, dict[str, Tensor]]:
+    """{param FQN: {exp_avg, exp_avg_sq, step}} unsharded on CPU (collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    osd = get_optimizer_state_dict(_root(model), opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return _strip(osd.get("state", {}))  # rank 0 only; the others get nothing
+
+
+def load_full_optimizer_state(model, opt, state: dict[str, dict[str, Tensor]]) -> None:
+    """Shard a full per-FQN AdamW state (as `full_optimizer_state` gives) into `opt` on every rank."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    if not state:
+        return
+    root = _root(model)
+    groups = get_optimizer_state_dict(root, opt, options=StateDictOptions(full_state_dict=True))["param_groups"]
+    set_optimizer_state_dict(root, opt, {"state": {ROOT_PREFIX + k: v for k, v in state.items()}, "param_groups": groups},
+                             options=StateDictOptions(full_state_dict=True))
+
+
+@dataclass
+class SharedTable:
+    """An input table every rank holds (what `TableReader` gives one process, read whole)."""
+
+    kind: str
+    manifest: dict | None
+    fingerprint: str
+    label: str
+    table: object  # pa.Table
+
+    def read_all(self, require_rows: bool = True):
+        if require_rows and self.table.num_rows == 0:
+            raise RlkitError(f"{self.label}: the table has no rows")
+        return self.table
+
+
+def share_table(pending, dp: DataParallel) -> SharedTable:
+    """Rank 0 reads the input (file or stdin) whole and broadcasts it as Arrow IPC bytes; a read error on
+    rank 0 is broadcast too, so every rank stops with the same one-line error instead of hanging."""
+    import io
+    import json
+
+    import pyarrow as pa
+
+    header, body, err = {}, b"", None
+    if dp.main:
+        try:
+            reader = pending.result()
+            table = reader.read_all(require_rows=False)
+            sink = io.BytesIO()
+            with pa.ipc.new_stream(sink, table.schema) as w:
+                w.write_table(table)
+            header = {"kind": reader.kind, "manifest": reader.manifest, "fingerprint": reader.fingerprint,
+                      "label": reader.label}
+            body = sink.getvalue()
+        except RlkitError as e:
+            err = e
+            header = {"error": str(e)}
+    header = json.loads(broadcast_bytes(json.dumps(header).encode(), dp))
+    if "error" in header:
+        if err is not None:
+            raise err
+        raise RlkitError(header["error"])
+    table = pa.ipc.open_stream(broadcast_bytes(body, dp)).read_all()
+    return SharedTable(header["kind"], header["manifest"], header["fingerprint"], header["label"], table)
