@@ -1,0 +1,86 @@
+"""`update` under torchrun: 2 processes on CPU (gloo, FSDP2) against 1 process on the same batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import one_error_line, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def torchrun(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "rlkit", *args]
+    return subprocess.run(cmd, input=stdin if stdin is not None else b"", capture_output=True, timeout=600,
+                          env={**os.environ, "RLKIT_DEBUG": "0", "OMP_NUM_THREADS": "1"})
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b)
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def test_two_processes_match_one_and_resume_across_world_sizes(sft_dir, tmp_path):
+    rolls = []
+    for seed in (1, 2):
+        r = run_cli("rollout", "--policy", str(sft_dir), "--num-prompts", "24", "--n", "4", "--seed", str(seed),
+                    "--out", str(tmp_path / f"r{seed}.arrow"))
+        assert r.returncode == 0, r.stderr
+        rolls.append(tmp_path / f"r{seed}.arrow")
+    # the session SFT model is weak (rewards mostly 0): a length penalty gives every group a signal
+    flags = ["--beta", "0", "--lr", "1e-3", "--minibatch-size", "32", "--epochs", "2", "--seed", "3",
+             "--length-penalty", "0.05"]
+
+    one = tmp_path / "one"
+    assert run_cli("update", "--policy", str(sft_dir), "--in", str(rolls[0]), "--out", str(one), *flags).returncode == 0
+    two = tmp_path / "two"  # the batch on stdin: rank 0 reads it and broadcasts it
+    r = torchrun("update", "--policy", str(sft_dir), "--out", str(two), *flags, stdin=rolls[0].read_bytes())
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    assert r.stderr.decode().count("data-parallel over 2 processes") == 1  # rank 0 alone talks
+
+    w1, w2, w0 = (load_file(str(d / "model.safetensors")) for d in (one, two, sft_dir))
+    moved = _max_diff(w1, w0)
+    assert moved > 1e-3 and _max_diff(w1, w2) < 0.02 * moved  # same update up to float summation order
+    o1, o2 = (load_file(str(d / "trainer" / "optimizer.safetensors")) for d in (one, two))
+    o1.pop("rng/torch"), o2.pop("rng/torch")
+    assert _max_diff(o1, o2) < 1e-3
+    m1, m2 = (json.loads((d / "rlkit.json").read_text()) for d in (one, two))
+    assert m2["metrics"]["world_size"] == 2 and m2["step"] == m1["step"] == 1
+    for k in ("sequences", "optimizer_steps", "clip_fraction", "reward_mean"):
+        assert m2["metrics"][k] == pytest.approx(m1["metrics"][k], rel=1e-6, abs=1e-9), k
+    assert m2["metrics"]["loss"] == pytest.approx(m1["metrics"]["loss"], abs=1e-4)
+    assert json.loads((two / "trainer" / "state.json").read_text()) == json.loads((one / "trainer" / "state.json").read_text())
+    # an ordinary Hugging Face checkpoint: loads without rlkit
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(str(two))
+
+    # resume with another world size: 1 process -> 2 processes equals 1 -> 1
+    a, b = tmp_path / "one-one", tmp_path / "one-two"
+    assert run_cli("update", "--policy", str(one), "--in", str(rolls[1]), "--out", str(a), *flags).returncode == 0
+    r = torchrun("update", "--policy", str(one), "--in", str(rolls[1]), "--out", str(b), *flags)
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert _max_diff(wa, wb) < 0.02 * _max_diff(wa, w1)
+    assert json.loads((b / "rlkit.json").read_text())["step"] == 2
+
+
+def test_what_does_not_run_data_parallel_says_so(sft_dir, tmp_path):
+    r = torchrun("update", "--algo", "ppo", "--policy", str(sft_dir), "--in", str(tmp_path / "x.arrow"),
+                 "--out", str(tmp_path / "u"))
+    assert r.returncode != 0 and b"does not run data-parallel yet" in r.stderr
+    # each rank says it in one line (torchrun then reports the failed workers in its own words)
+    assert r.stderr.count(b"rlkit: error:") >= 1 and b"[rank0]: Traceback" not in r.stderr  # torchrun may stop rank 1 first
+    assert not (tmp_path / "u").exists()
+    # and a plain one-process error stays one line
+    line = one_error_line(run_cli("update", "--policy", str(sft_dir), "--in", str(tmp_path / "x.arrow"),
+                                  "--out", str(tmp_path / "u")))
+    assert "no such file" in line
+    assert torch.distributed.is_available()
