@@ -66,45 +66,48 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-ROOT_PREFIX = "policy."
+ROOT_PREFIX = "policy."  # parameter names under an _FnRoot
 
 
-class _LogprobRoot(torch.nn.Module):
-    """The FSDP root: its forward is rlkit's completion log-probs (base model, then the output head on
-    completion positions only), so the root unit's hooks gather the embeddings/norm/head for both
-    calls and reduce their gradients."""
+class _FnRoot(torch.nn.Module):
+    """An FSDP root whose forward is `fn(model, *args)`: rlkit's stages call parts of a model (the base
+    model, then the output head on a few positions), and only a root unit's forward hooks gather the
+    root weights (embeddings, norm, head) for such calls and reduce their gradients."""
 
-    def __init__(self, policy) -> None:
+    def __init__(self, policy, fn) -> None:
         super().__init__()
         self.policy = policy
+        self.fn = fn
 
-    def forward(self, input_ids, attn, targets, start, temperature, with_entropy):
-        from rlkit.logprobs import _completion_logprobs
-
-        return _completion_logprobs(self.policy, input_ids, attn, targets, start, temperature, with_entropy)
+    def forward(self, *args):
+        return self.fn(self.policy, *args)
 
 
-def shard_model(model, dp: DataParallel):
-    """FSDP2: one unit per decoder layer, then a root unit (embeddings, norm, head) around the policy.
-    Returns the policy, whose log-prob calls now route through the root (`rlkit.logprobs`)."""
+def shard_model(model, dp: DataParallel, fn=None):
+    """FSDP2: one unit per decoder layer, then a root unit: the model itself (callers use its forward),
+    or, with `fn`, a wrapper whose forward is fn(model, *args); `model._rlkit_fsdp_root` is then what
+    rlkit's forward helpers (`logprobs.completion_logprobs`, `reward_model.forward_scores`) call."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(dp.device.type, (dp.world,))
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    base = getattr(model, "base_model", model)
+    layers = getattr(base, "layers", None)
     if layers is None:
-        raise RlkitError(f"{type(model).__name__}: no .model.layers to shard; rlkit shards decoder-only "
-                         "causal LMs (Llama, Qwen2, Mistral, ...)")
+        raise RlkitError(f"{type(model).__name__}: no decoder layers (.layers) to shard; rlkit shards decoder-only "
+                         "transformers (Llama, Qwen2, Mistral, ...)")
     model.to(dp.device)
     for layer in layers:
         fully_shard(layer, mesh=mesh)
-    root = fully_shard(_LogprobRoot(model), mesh=mesh)
-    object.__setattr__(model, "_rlkit_fsdp_root", root)  # not a submodule: no cycle in the module tree
+    if fn is None:
+        fully_shard(model, mesh=mesh)
+    else:
+        object.__setattr__(model, "_rlkit_fsdp_root", fully_shard(_FnRoot(model, fn), mesh=mesh))  # no module cycle
     return model
 
 
 def _root(model):
-    return model._rlkit_fsdp_root
+    return getattr(model, "_rlkit_fsdp_root", model)
 
 
 def _strip(d: dict) -> dict:
@@ -230,3 +233,17 @@ def share_table(pending, dp: DataParallel) -> SharedTable:
         raise RlkitError(header["error"])
     table = pa.ipc.open_stream(broadcast_bytes(body, dp)).read_all()
     return SharedTable(header["kind"], header["manifest"], header["fingerprint"], header["label"], table)
+
+
+def split_rows(rows, dp: DataParallel, weight) -> tuple[object, float]:
+    """This rank's rows of a global minibatch, rows[rank::world], and its loss factor.
+
+    `weight(rows)` is what the loss averages over (tokens, sequences, pairs). The factor is
+    local weight / global weight * world: the ranks' scaled losses sum to world x the one-process loss,
+    and FSDP's mean of their gradients is the one-process gradient. A rank left without rows gets
+    (rows[:1], 0.0): it still runs forward and backward, which FSDP's collectives need.
+    """
+    mine = rows[dp.rank :: dp.world]
+    w = float(weight(mine)) if len(mine) else 0.0
+    total = all_sum([w], dp)[0]
+    return (mine, w / total * dp.world) if len(mine) and total > 0 else (rows[:1], 0.0)

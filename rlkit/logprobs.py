@@ -71,7 +71,7 @@ def completion_logprobs(model, input_ids: Tensor, attn: Tensor, targets: Tensor,
     """
     root = getattr(model, "_rlkit_fsdp_root", None)
     if root is not None:  # FSDP2: go through the root unit's forward, whose hooks gather and reduce its weights
-        return root(input_ids, attn, targets, start, temperature, with_entropy)
+        return root(input_ids, attn, targets, start, temperature, with_entropy)  # fn = _completion_logprobs
     return _completion_logprobs(model, input_ids, attn, targets, start, temperature, with_entropy)
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from rlkit.advantages import ADVANTAGES, degenerate_groups
-from rlkit.distributed import DataParallel, all_max, all_sum
+from rlkit.distributed import DataParallel, all_max, all_sum, split_rows
 from rlkit.errors import RlkitError
 from rlkit.kl import KL_ESTIMATORS
 from rlkit.logprobs import completion_logprobs, pack_sequences
@@ -262,11 +262,7 @@ def train_on_batch(model, opt: torch.optim.Optimizer, state: TrainerState, batch
             idx = order[s : s + cfg.minibatch_size]
             share = 1.0
             if dp is not None:
-                mine = idx[dp.rank :: dp.world]
-                # a rank with no rows still runs forward and backward (FSDP's collectives), on a zero-weight row
-                w_local = float(AGG_WEIGHTS[cfg.aggregation](batch.mask[mine])) if len(mine) else 0.0
-                share = w_local / all_sum([w_local], dp)[0] * dp.world
-                idx = mine if len(mine) else idx[:1]
+                idx, share = split_rows(idx, dp, lambda rows: AGG_WEIGHTS[cfg.aggregation](batch.mask[rows]))
             L = int(batch.attn[idx].sum(1).max())
             C = int(batch.mask[idx].sum(1).max())
             m = batch.mask[idx, :C]

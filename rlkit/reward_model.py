@@ -45,6 +45,13 @@ def encode_pairs(tokenizer, prompts: Sequence[str], responses: Sequence[str], ma
 
 def forward_scores(model, ids: Sequence[Sequence[int]], pad_id: int):
     """Scores (B,) float32 for a batch of token-id lists, right-padded; keeps the autograd graph."""
+    root = getattr(model, "_rlkit_fsdp_root", None)
+    if root is not None:  # FSDP2 (train-rm under torchrun): through the root unit, fn = _forward_scores
+        return root(ids, pad_id)
+    return _forward_scores(model, ids, pad_id)
+
+
+def _forward_scores(model, ids: Sequence[Sequence[int]], pad_id: int):
     import torch
 
     L = max(len(x) for x in ids)

@@ -62,6 +62,7 @@ def _lr_lambda(total: int, warmup: int, min_ratio: float):
 
 def run(cfg: SftConfig) -> Path:
     import json
+    import math
     import random
     import time
 
@@ -90,6 +91,11 @@ def run(cfg: SftConfig) -> Path:
     if artifacts.skip_if_current(cfg.out, "sft", cfg, inputs):
         return cfg.out
 
+    from rlkit import distributed
+
+    dp = distributed.init()  # None unless started by torchrun
+    if dp is not None and not dp.main:
+        console.silence()
     torch.manual_seed(cfg.seed)
     if cfg.model == checkpoints.TINY:
         tokenizer = tiny.build_tokenizer()
@@ -117,6 +123,9 @@ def run(cfg: SftConfig) -> Path:
     lengths = [len(s) for s in ids]
     epochs = [data.token_batches(lengths, cfg.batch_tokens, rng) for _ in range(cfg.epochs)]
     total = sum(len(e) for e in epochs)
+    if dp is not None:
+        model = distributed.shard_model(model, dp)
+        console.info(f"sft: data-parallel over {dp.world} processes ({dp.device.type}, FSDP2)")
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
@@ -130,20 +139,26 @@ def run(cfg: SftConfig) -> Path:
     with console.progress("sft", total) as bar:
         for batches in epochs:
             for batch in batches:
+                share = 1.0
+                if dp is not None:  # this rank's rows; the loss is a mean over predicted tokens
+                    batch, share = distributed.split_rows(batch, dp, lambda rows: sum(len(ids[i]) - plens[i] for i in rows))
                 input_ids, mask, labels = data.collate_sft([ids[i] for i in batch], [plens[i] for i in batch],
                                                            tokenizer.pad_token_id)
-                loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
-                if not torch.isfinite(loss):
+                loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss * share
+                value = loss.item() if dp is None else distributed.all_sum([loss.item() / dp.world], dp)[0]
+                if not math.isfinite(value):
                     raise RlkitError(f"non-finite SFT loss at step {sched.last_epoch}; lower --lr (now {cfg.lr})")
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                 opt.step()
                 sched.step()
-                tokens += int(mask.sum())
-                ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+                tokens += int(mask.sum()) if share else 0
+                ema = value if ema is None else 0.95 * ema + 0.05 * value
                 bar.advance(1, loss=ema, **{"tok/s": int(tokens / (time.monotonic() - t0))})
     train_s = time.monotonic() - t0
+    if dp is not None:
+        tokens = int(distributed.all_sum([tokens], dp)[0])
     metrics = {"train_loss": ema, "steps": total, "examples": len(ids), "tokens": tokens,
                "train_seconds": round(train_s, 2), "tokens_per_s": round(tokens / train_s, 1)}
     if task is not None:
@@ -153,9 +168,15 @@ def run(cfg: SftConfig) -> Path:
         metrics.update(heldout_accuracy=ev["accuracy"], heldout_n=ev["n"],
                        mean_response_tokens=ev["mean_response_tokens"])
     model.generation_config.pad_token_id = tokenizer.pad_token_id
+    full = distributed.full_model_state(model) if dp is not None else None  # gathered: a collective
+    if dp is not None:
+        metrics["world_size"] = dp.world
+        if not dp.main:
+            distributed.barrier(dp)
+            return cfg.out
     manifest = artifacts.make_manifest("model", "sft", cfg, inputs, step=0, metrics=metrics)
     with artifacts.atomic_dir(cfg.out) as tmp:
-        checkpoints.save_model(model, tokenizer, tmp, manifest)
+        checkpoints.save_model(model, tokenizer, tmp, manifest, state_dict=full)
     if cfg.metrics is not None:
         with open(cfg.metrics, "a") as f:
             f.write(json.dumps({"stage": "sft", "out": str(cfg.out), **metrics}) + "\n")
@@ -165,6 +186,7 @@ def run(cfg: SftConfig) -> Path:
         f"final loss {ema:.4f}" + (f", held-out accuracy {acc:.1%} (n={metrics['heldout_n']})" if acc is not None else "")
         + f" -> {cfg.out}"
     )
+    distributed.barrier(dp)
     return cfg.out
 
 

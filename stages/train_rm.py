@@ -39,6 +39,7 @@ class TrainRmConfig:
 
 def run(cfg: TrainRmConfig) -> Path:
     import json
+    import math
     import random
 
     from rlkit import artifacts, checkpoints, console, data, prefs
@@ -62,11 +63,18 @@ def run(cfg: TrainRmConfig) -> Path:
 
     import torch
 
+    from rlkit import distributed
     from rlkit.preference import bradley_terry_loss, pair_accuracy
-    from rlkit.reward_model import encode_pairs, forward_scores, score_texts
+    from rlkit.reward_model import _forward_scores, encode_pairs, forward_scores, score_texts
 
+    dp = distributed.init()  # None unless started by torchrun
+    if dp is not None and not dp.main:
+        console.silence()
     torch.manual_seed(cfg.seed)
     model, tok = _load_base(cfg)
+    if dp is not None:
+        model = distributed.shard_model(model, dp, _forward_scores)
+        console.info(f"train-rm: data-parallel over {dp.world} processes ({dp.device.type}, FSDP2)")
     chosen = encode_pairs(tok, t["prompt"], t["chosen"], cfg.max_length)
     rejected = encode_pairs(tok, t["prompt"], t["rejected"], cfg.max_length)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "norm" not in n]
@@ -81,9 +89,13 @@ def run(cfg: TrainRmConfig) -> Path:
         for _ in range(cfg.epochs):
             for idx in length_grouped_batches(train, [max(len(chosen[i]), len(rejected[i])) for i in train],
                                               cfg.batch_size, rng):
+                share = 1.0
+                if dp is not None:  # this rank's pairs; the loss is a mean over pairs
+                    idx, share = distributed.split_rows(idx, dp, len)
                 scores = forward_scores(model, [chosen[i] for i in idx] + [rejected[i] for i in idx], tok.pad_token_id)
-                loss = bradley_terry_loss(scores[: len(idx)], scores[len(idx):], cfg.margin).mean()
-                if not torch.isfinite(loss):
+                loss = bradley_terry_loss(scores[: len(idx)], scores[len(idx):], cfg.margin).mean() * share
+                value = loss.item() if dp is None else distributed.all_sum([loss.item() / dp.world], dp)[0]
+                if not math.isfinite(value):
                     raise RlkitError(f"non-finite loss at step {step}; nothing was written (lower --lr, now {cfg.lr})")
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -92,7 +104,7 @@ def run(cfg: TrainRmConfig) -> Path:
                     g["lr"] = cfg.lr * (1 - 0.9 * step / max(1, steps))
                 opt.step()
                 step += 1
-                losses.append(loss.item())
+                losses.append(value)
                 bar.advance(1, loss=losses[-1])
     model.eval()
     prompts = [t["prompt"][i] for i in held]
@@ -107,11 +119,18 @@ def run(cfg: TrainRmConfig) -> Path:
     sanity = sanity_report(model, tok, [t["prompt"][i] for i in held], [t["chosen"][i] for i in held],
                            [t["rejected"][i] for i in held], [t.get("answer", [None] * len(t["prompt"]))[i] for i in held],
                            sc, sr, cfg.max_length)
+    full = distributed.full_model_state(model) if dp is not None else None  # gathered: a collective
+    if dp is not None:
+        metrics["world_size"] = dp.world
+        if not dp.main:
+            distributed.barrier(dp)
+            return cfg.out
     manifest = artifacts.make_manifest("reward-model", "train-rm", cfg, inputs, metrics=metrics, sanity=sanity)
     with artifacts.atomic_dir(cfg.out) as tmp:
-        checkpoints.save_model(model, tok, tmp, manifest)
+        checkpoints.save_model(model, tok, tmp, manifest, state_dict=full)
     _show(metrics, sanity)
     console.info(f"train-rm: -> {cfg.out}  " + json.dumps({"heldout_pair_accuracy": round(metrics["heldout_pair_accuracy"], 4)}))
+    distributed.barrier(dp)
     return cfg.out
 
 

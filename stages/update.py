@@ -123,7 +123,9 @@ def run(cfg: UpdateConfig) -> Path:
                      "the pi_theta/pi_old ratio corrects for it, within the clip range")
 
     if dp is not None:
-        model = distributed.shard_model(model, dp)
+        from rlkit.logprobs import _completion_logprobs
+
+        model = distributed.shard_model(model, dp, _completion_logprobs)
         console.info(f"update: data-parallel over {dp.world} processes ({dp.device.type}, FSDP2)")
     opt = policy_update.make_optimizer(model, cfg.rl)
     state = policy_update.load_trainer(model, opt, cfg.policy / policy_update.TRAINER_DIR, dp)
