@@ -111,7 +111,7 @@ def test_report_renders_the_panels_it_has(tmp_path):
     panels = {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
     assert len(panels) == 7
     labels = [ln.get_label() for ln in panels["reward (each component)"].get_lines()]
-    assert labels == ["a: reward_mean", "a: reward/rm:lenbias", "a: reward/verifier", "b"]
+    assert labels == ["a: reward = rm:lenbias", "a: reward/verifier", "b"]  # reward_mean == its one component
     acc = panels["held-out accuracy"].get_lines()
     assert len(acc) == 1 and list(acc[0].get_xdata()) == [0, 1, 2, 3]
 
