@@ -121,8 +121,8 @@ def panel_lines(panel: Panel, run: Run) -> list[tuple[str, list[int], list[float
         if xs:
             out.append((k, xs, ys))
     if panel.keys[0] == "reward_mean" and out and out[0][0] == "reward_mean":
-        # the optimised reward is one component (weight 1): one line, named after it
-        same = [c for c in out[1:] if c[1] == out[0][1] and all(abs(a - b) < 1e-9 for a, b in zip(c[2], out[0][2], strict=True))]
+        # the optimised reward is one component (weight 1; float32 vs float64 means): one line, named after it
+        same = [c for c in out[1:] if c[1] == out[0][1] and all(abs(a - b) <= 1e-6 * max(1.0, abs(b)) for a, b in zip(c[2], out[0][2], strict=True))]
         if same:
             out = [(f"reward = {same[0][0].removeprefix('reward/')}", out[0][1], out[0][2])] + \
                   [c for c in out[1:] if c is not same[0]]
