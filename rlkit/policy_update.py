@@ -356,8 +356,9 @@ def _pair_logps(model, b: PrefBatch, pairs: Tensor) -> Tensor:
 
 
 def train_dpo(model, opt: torch.optim.Optimizer, state: TrainerState, b: PrefBatch, cfg: RLConfig,
-              ticker=None, label_smoothing: float = 0.0) -> dict[str, Any]:
-    """DPO (Rafailov et al. 2023) on the train pairs for `epochs` passes; figures on both splits after."""
+              ticker=None, label_smoothing: float = 0.0, dp: DataParallel | None = None) -> dict[str, Any]:
+    """DPO (Rafailov et al. 2023) on the train pairs for `epochs` passes; figures on both splits after.
+    Data-parallel (`dp`): pairs rank::world of each minibatch, loss shares as in `train_on_batch`."""
     from rlkit.preference import dpo_loss
 
     t0 = time.monotonic()
@@ -372,12 +373,16 @@ def train_dpo(model, opt: torch.optim.Optimizer, state: TrainerState, b: PrefBat
         order = train[torch.randperm(len(train), generator=gen)]
         for s in range(0, len(order), cfg.minibatch_size):
             idx = order[s : s + cfg.minibatch_size]
+            share = 1.0
+            if dp is not None:
+                idx, share = split_rows(idx, dp, len)
             pi = _pair_logps(model, b, idx)
             p = len(idx)
             loss, _, _ = dpo_loss(pi[:p], pi[p:], b.ref_logp[idx], b.ref_logp[idx + P], cfg.beta, label_smoothing)
-            loss = loss.mean()
-            gn = optimizer_step(model, opt, state, cfg, loss)
-            losses.append(loss.item())
+            loss = loss.mean() * share
+            global_loss = all_sum([float(loss) / dp.world], dp)[0] if dp is not None else None
+            gn = optimizer_step(model, opt, state, cfg, loss, global_loss)
+            losses.append(loss.item() if global_loss is None else global_loss)
             grad_norms.append(float(gn))
             if ticker is not None:
                 ticker.advance(1, loss=losses[-1])

@@ -23,11 +23,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlkit.distributed import DataParallel, all_sum, split_rows
 from rlkit.errors import RlkitError
 from rlkit.gae import AdaptiveKLController, clipped_value_loss, gae, kl_penalised_token_rewards, masked_whiten
 from rlkit.kl import KL_ESTIMATORS
 from rlkit.logprobs import completion_logprobs
-from rlkit.losses import AGGREGATIONS, clipped_surrogate, token_mean, truncated_is_weights
+from rlkit.losses import AGG_WEIGHTS, AGGREGATIONS, clipped_surrogate, token_mean, truncated_is_weights
 from rlkit.policy_update import (
     TRAINER_DIR,
     RLBatch,
@@ -43,8 +44,9 @@ CRITIC_DIR = "critic"
 KL_STATE = "kl_controller.json"
 
 
-def load_critic(policy: Path, cfg: RLConfig, tokenizer, trust_remote_code: bool = False):
-    """(critic, its optimizer, its TrainerState, KL controller or None, where it came from)."""
+def load_critic(policy: Path, cfg: RLConfig, tokenizer, trust_remote_code: bool = False, dp: DataParallel | None = None):
+    """(critic, its optimizer, its TrainerState, KL controller or None, where it came from); under `dp`
+    the critic is sharded like the policy (FSDP2) before its optimizer state is loaded."""
     from transformers import AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
@@ -76,9 +78,13 @@ def load_critic(policy: Path, cfg: RLConfig, tokenizer, trust_remote_code: bool 
             for p in critic.score.parameters():
                 p.zero_()
     critic.config.pad_token_id = tokenizer.pad_token_id
+    if dp is not None:
+        from rlkit.distributed import shard_model
+
+        critic = shard_model(critic, dp, _critic_values)
     ccfg = RLConfig(lr=cfg.critic_lr or 2 * cfg.lr, weight_decay=cfg.weight_decay)
     opt = make_optimizer(critic, ccfg)
-    cstate = load_trainer(critic, opt, d / TRAINER_DIR) if d.is_dir() else TrainerState()
+    cstate = load_trainer(critic, opt, d / TRAINER_DIR, dp) if d.is_dir() else TrainerState()
     ctrl = None
     if cfg.target_kl is not None:
         ctrl = (AdaptiveKLController.from_state(json.loads((d / KL_STATE).read_text())) if (d / KL_STATE).is_file()
@@ -86,15 +92,32 @@ def load_critic(policy: Path, cfg: RLConfig, tokenizer, trust_remote_code: bool 
     return critic, opt, cstate, ctrl, "resumed" if src == d else f"initialised from {src}"
 
 
-def save_critic(critic, opt, cstate: TrainerState, ctrl: AdaptiveKLController | None, d: Path) -> None:
-    critic.save_pretrained(d, safe_serialization=True)
-    save_trainer(critic, opt, cstate, d / TRAINER_DIR)
+def gather_critic(critic, opt, dp: DataParallel | None) -> tuple[dict | None, dict]:
+    """(full weights or None, full optimizer tensors): collectives under `dp`, on every rank."""
+    from rlkit.distributed import full_model_state
+    from rlkit.policy_update import trainer_tensors
+
+    return (full_model_state(critic) if dp is not None else None), trainer_tensors(critic, opt, dp)
+
+
+def save_critic(critic, opt, cstate: TrainerState, ctrl: AdaptiveKLController | None, d: Path,
+                gathered: tuple[dict | None, dict] | None = None) -> None:
+    full, tensors = gathered if gathered is not None else (None, None)
+    critic.save_pretrained(d, safe_serialization=True, **({"state_dict": full} if full is not None else {}))
+    save_trainer(critic, opt, cstate, d / TRAINER_DIR, tensors)
     if ctrl is not None:
         (d / KL_STATE).write_text(json.dumps(ctrl.state_dict()) + "\n")
 
 
 def critic_values(critic, input_ids: Tensor, attn: Tensor, start: Tensor, C: int) -> Tensor:
     """V(state before completion token t) for t < C: the value head at position start + t. -> (B, C)."""
+    root = getattr(critic, "_rlkit_fsdp_root", None)
+    if root is not None:  # FSDP2: through the root unit, fn = _critic_values
+        return root(input_ids, attn, start, C)
+    return _critic_values(critic, input_ids, attn, start, C)
+
+
+def _critic_values(critic, input_ids: Tensor, attn: Tensor, start: Tensor, C: int) -> Tensor:
     hidden = critic.base_model(input_ids=input_ids, attention_mask=attn).last_hidden_state  # (B, L, H)
     idx = (start.unsqueeze(1) + torch.arange(C).unsqueeze(0)).clamp(max=input_ids.shape[1] - 1)
     h = hidden.gather(1, idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # (B, C, H)
@@ -113,8 +136,10 @@ def _values(critic, batch: RLBatch, chunk: int) -> Tensor:
 
 def train_ppo(model, critic, opt, critic_opt, state: TrainerState, cstate: TrainerState,
               ctrl: AdaptiveKLController | None, batch: RLBatch, cfg: RLConfig, temperature: float = 1.0,
-              ticker=None, recompute: bool = False) -> dict[str, Any]:
-    """GAE advantages from the critic, then `epochs` passes of minibatches updating policy and critic."""
+              ticker=None, recompute: bool = False, dp: DataParallel | None = None) -> dict[str, Any]:
+    """GAE advantages from the critic, then `epochs` passes of minibatches updating policy and critic.
+    Data-parallel (`dp`): rows rank::world of each minibatch; the policy and value losses each get this
+    rank's share of their global denominators (see `rlkit.distributed.split_rows`)."""
     t0 = time.monotonic()
     mask = batch.mask
     kl_fn, agg = KL_ESTIMATORS[cfg.kl_estimator], AGGREGATIONS[cfg.aggregation]
@@ -149,8 +174,14 @@ def train_ppo(model, critic, opt, critic_opt, state: TrainerState, cstate: Train
         order = torch.randperm(len(adv), generator=gen)
         for s in range(0, len(order), cfg.minibatch_size):
             idx = order[s : s + cfg.minibatch_size]
+            share = vshare = 1.0
+            if dp is not None:
+                glob = idx
+                idx, share = split_rows(glob, dp, lambda rows: AGG_WEIGHTS[cfg.aggregation](mask[rows]))
+                mine = float(mask[idx].sum()) if share else 0.0
+                vshare = mine / all_sum([mine], dp)[0] * dp.world if share else 0.0
             L, C = int(batch.attn[idx].sum(1).max()), int(batch.mask[idx].sum(1).max())
-            m = mask[idx, :C]
+            m = mask[idx, :C] if share else torch.zeros_like(mask[idx, :C])
             ids, att = batch.input_ids[idx, :L], batch.attn[idx, :L]
             logp, ent = completion_logprobs(model, ids, att, batch.targets[idx, :C], batch.start[idx],
                                             temperature=temperature, with_entropy=epoch == 0)
@@ -158,11 +189,14 @@ def train_ppo(model, critic, opt, critic_opt, state: TrainerState, cstate: Train
             per_tok = pg if tis is None else pg * tis[idx, :C]
             if cfg.kl_in == "loss" and kl_coef > 0:
                 per_tok = per_tok + kl_coef * kl_fn(logp, batch.ref_logp[idx, :C])
-            loss = agg(per_tok, m)
+            loss = agg(per_tok, m) * share
             v = critic_values(critic, ids, att, batch.start[idx], C)
             vl_tok = clipped_value_loss(v, old_values[idx, :C], returns[idx, :C], cfg.vf_clip)
-            vloss = token_mean(vl_tok, m)
-            if not (torch.isfinite(loss) and torch.isfinite(vloss)):
+            vloss = token_mean(vl_tok, m) * vshare
+            lv = [float(loss), float(vloss)]
+            if dp is not None:
+                lv = [x / dp.world for x in all_sum(lv, dp)]
+            if not all(math.isfinite(x) for x in lv):
                 raise RlkitError(f"non-finite loss at optimizer step {state.optimizer_step}; nothing was written "
                                  f"(lower --lr, now {cfg.lr})")
             opt.zero_grad(set_to_none=True)
@@ -170,6 +204,7 @@ def train_ppo(model, critic, opt, critic_opt, state: TrainerState, cstate: Train
             (loss + vloss).backward()  # separate models: each gets only its own gradient
             gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.grad_clip)
+            gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn  # a DTensor under FSDP2
             if not torch.isfinite(gn):
                 raise RlkitError(f"non-finite gradient at optimizer step {state.optimizer_step}; nothing was written")
             for g in opt.param_groups:
@@ -186,13 +221,15 @@ def train_ppo(model, critic, opt, critic_opt, state: TrainerState, cstate: Train
                 if ent is not None:
                     ent_sum += float(ent[m].sum())
                     ent_n += int(m.sum())
-            losses.append(loss.item())
-            vlosses.append(vloss.item())
+            losses.append(lv[0])
+            vlosses.append(lv[1])
             grad_norms.append(float(gn))
             if ticker is not None:
                 ticker.advance(1, loss=losses[-1])
     state.updates += 1
     cstate.updates += 1
+    if dp is not None:
+        clip_n, vclip_n, tok_n, ent_sum, ent_n = all_sum([clip_n, vclip_n, tok_n, ent_sum, ent_n], dp)
     kl_seq = float(kl_tok.sum(1).mean())
     if batch.ref_logp is not None:
         metrics.update(kl_per_token=float(kl_tok.sum() / mask.sum().clamp(min=1)), kl_per_seq=kl_seq)

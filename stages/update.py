@@ -82,9 +82,6 @@ def run(cfg: UpdateConfig) -> Path:
     offline = cfg.rl.algo in PREFERENCE_ALGOS
     dp = None
     if distributed_launch():
-        if offline or cfg.rl.algo in CRITIC_ALGOS:
-            raise RlkitError(f"--algo {cfg.rl.algo} does not run data-parallel yet (the GRPO family does); "
-                             "run it as one process, without torchrun")
         from rlkit import distributed
 
         dp = distributed.init()
@@ -97,7 +94,7 @@ def run(cfg: UpdateConfig) -> Path:
     model, tokenizer = checkpoints.load_policy(cfg.policy, "fp32", cfg.trust_remote_code)
     reader = pending.result() if dp is None else distributed.share_table(pending, dp)
     if offline:
-        return _run_dpo(cfg, reader, model, tokenizer)
+        return _run_dpo(cfg, reader, model, tokenizer, dp)
     if cfg.rl.beta > 0 and reader.kind == "rollouts":
         raise RlkitError("--beta > 0 needs reference log-probs, but the input has none: pipe the rollouts through "
                          "`rlkit score-ref --ref REF` first (or pass --beta 0)")
@@ -139,11 +136,12 @@ def run(cfg: UpdateConfig) -> Path:
     if cfg.rl.algo in CRITIC_ALGOS:
         from rlkit import ppo
 
-        critic, critic_opt, cstate, ctrl, origin = ppo.load_critic(cfg.policy, cfg.rl, tokenizer, cfg.trust_remote_code)
+        critic, critic_opt, cstate, ctrl, origin = ppo.load_critic(cfg.policy, cfg.rl, tokenizer, cfg.trust_remote_code,
+                                                                   dp)
         console.info(f"update: critic {origin}")
         with console.progress("update", steps) as bar:
             m = ppo.train_ppo(model, critic, opt, critic_opt, state, cstate, ctrl, batch, cfg.rl, temperature, bar,
-                              recompute)
+                              recompute, dp)
     else:
         with console.progress("update", steps) as bar:
             m = policy_update.train_on_batch(model, opt, state, batch, cfg.rl, temperature, length_norm, bar,
@@ -164,6 +162,7 @@ def run(cfg: UpdateConfig) -> Path:
     # gathered on every rank (collectives) under data parallelism; rank 0 alone writes
     full = distributed.full_model_state(model) if dp is not None else None
     opt_tensors = policy_update.trainer_tensors(model, opt, dp)
+    critic_gathered = ppo.gather_critic(critic, critic_opt, dp) if critic is not None else None
     if dp is not None and not dp.main:
         distributed.barrier(dp)
         return cfg.out
@@ -176,7 +175,7 @@ def run(cfg: UpdateConfig) -> Path:
         checkpoints.save_model(model, tokenizer, tmp, manifest, state_dict=full)
         policy_update.save_trainer(model, opt, state, tmp / policy_update.TRAINER_DIR, opt_tensors)
         if critic is not None:
-            ppo.save_critic(critic, critic_opt, cstate, ctrl, tmp / ppo.CRITIC_DIR)
+            ppo.save_critic(critic, critic_opt, cstate, ctrl, tmp / ppo.CRITIC_DIR, critic_gathered)
     metrics_log.write({"stage": "update", "out": str(cfg.out), **metrics}, cfg.metrics, cfg.tensorboard)
     _show(metrics)
     distributed.barrier(dp)
@@ -203,28 +202,42 @@ def _drift(cfg: UpdateConfig, params: dict, upstream_ref: str | None) -> dict:
     return {"drift": d}
 
 
-def _run_dpo(cfg: UpdateConfig, reader, model, tokenizer) -> Path:
+def _run_dpo(cfg: UpdateConfig, reader, model, tokenizer, dp=None) -> Path:
     """--algo dpo: offline, on a prefs table scored by the reference."""
-    from rlkit import artifacts, checkpoints, console, metrics_log, policy_update
+    from rlkit import artifacts, checkpoints, console, distributed, metrics_log, policy_update
 
     inputs = {"policy": artifacts.fingerprint(cfg.policy), "in": reader.fingerprint}
     if artifacts.skip_if_current(cfg.out, "update", cfg, inputs):
         return cfg.out
     table = reader.read_all()
     batch = policy_update.build_pref_batch(table, tokenizer)
+    if dp is not None:
+        from rlkit.logprobs import _completion_logprobs
+
+        model = distributed.shard_model(model, dp, _completion_logprobs)
+        console.info(f"update: data-parallel over {dp.world} processes ({dp.device.type}, FSDP2)")
     opt = policy_update.make_optimizer(model, cfg.rl)
-    state = policy_update.load_trainer(model, opt, cfg.policy / policy_update.TRAINER_DIR)
+    state = policy_update.load_trainer(model, opt, cfg.policy / policy_update.TRAINER_DIR, dp)
     n_train = int((~batch.heldout).sum())
     with console.progress("update", cfg.rl.epochs * -(-n_train // cfg.rl.minibatch_size)) as bar:
-        m = policy_update.train_dpo(model, opt, state, batch, cfg.rl, bar)
+        m = policy_update.train_dpo(model, opt, state, batch, cfg.rl, bar, dp=dp)
     metrics = {"step": checkpoints.policy_step(cfg.policy) + 1, "algo": "dpo", "beta": cfg.rl.beta, **m}
-    metrics.update(_drift(cfg, dict(model.state_dict()), (reader.manifest or {}).get("reference")))
+    full = distributed.full_model_state(model) if dp is not None else None
+    opt_tensors = policy_update.trainer_tensors(model, opt, dp)
+    if dp is not None:
+        metrics["world_size"] = dp.world
+        if not dp.main:
+            distributed.barrier(dp)
+            return cfg.out
+    metrics.update(_drift(cfg, full if full is not None else dict(model.state_dict()),
+                          (reader.manifest or {}).get("reference")))
     manifest = artifacts.make_manifest("model", "update", cfg, inputs, step=metrics["step"], metrics=metrics)
     with artifacts.atomic_dir(cfg.out) as tmp:
-        checkpoints.save_model(model, tokenizer, tmp, manifest)
-        policy_update.save_trainer(model, opt, state, tmp / policy_update.TRAINER_DIR)
+        checkpoints.save_model(model, tokenizer, tmp, manifest, state_dict=full)
+        policy_update.save_trainer(model, opt, state, tmp / policy_update.TRAINER_DIR, opt_tensors)
     metrics_log.write({"stage": "update", "out": str(cfg.out), **metrics}, cfg.metrics, cfg.tensorboard)
     _show(metrics, [k for k in metrics if k.startswith(("train_", "heldout_", "loss", "grad_norm", "drift"))])
+    distributed.barrier(dp)
     return cfg.out
 
 

@@ -8,10 +8,9 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
-from conftest import one_error_line, run_cli
+from conftest import run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -72,18 +71,35 @@ def test_two_processes_match_one_and_resume_across_world_sizes(sft_dir, tmp_path
     assert json.loads((b / "rlkit.json").read_text())["step"] == 2
 
 
-def test_what_does_not_run_data_parallel_says_so(sft_dir, tmp_path):
-    r = torchrun("update", "--algo", "ppo", "--policy", str(sft_dir), "--in", str(tmp_path / "x.arrow"),
-                 "--out", str(tmp_path / "u"))
-    assert r.returncode != 0 and b"does not run data-parallel yet" in r.stderr
-    # each rank says it in one line (torchrun then reports the failed workers in its own words)
-    assert r.stderr.count(b"rlkit: error:") >= 1 and b"[rank0]: Traceback" not in r.stderr  # torchrun may stop rank 1 first
-    assert not (tmp_path / "u").exists()
-    # and a plain one-process error stays one line
-    line = one_error_line(run_cli("update", "--policy", str(sft_dir), "--in", str(tmp_path / "x.arrow"),
-                                  "--out", str(tmp_path / "u")))
-    assert "no such file" in line
-    assert torch.distributed.is_available()
+def test_ppo_with_its_critic_and_dpo_under_torchrun_match_one_process(sft_dir, ref_dir, tmp_path):
+    roll = tmp_path / "r.arrow"
+    assert run_cli("rollout", "--policy", str(sft_dir), "--num-prompts", "16", "--n", "4", "--out",
+                   str(roll)).returncode == 0
+    flags = ["--algo", "ppo", "--beta", "0", "--lr", "1e-3", "--minibatch-size", "32", "--length-penalty", "0.05"]
+    one, two = tmp_path / "ppo1", tmp_path / "ppo2"
+    assert run_cli("update", "--policy", str(sft_dir), "--in", str(roll), "--out", str(one), *flags).returncode == 0
+    r = torchrun("update", "--policy", str(sft_dir), "--in", str(roll), "--out", str(two), *flags)
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    w0 = load_file(str(sft_dir / "model.safetensors"))
+    for sub in ("", "critic/"):  # the policy and its critic, both gathered into ordinary HF directories
+        a, b = load_file(str(one / sub / "model.safetensors")), load_file(str(two / sub / "model.safetensors"))
+        moved = max(float((a[k] - w0[k]).abs().max()) for k in w0 if k in a)
+        assert moved > 1e-3 and _max_diff(a, b) < 0.02 * moved, sub
+    assert (two / "critic" / "trainer" / "optimizer.safetensors").is_file()
+
+    prefs, scored = tmp_path / "p.arrow", tmp_path / "sp.arrow"
+    assert run_cli("build-prefs", "--policy", str(sft_dir), "--num-prompts", "32", "--n", "2", "--out",
+                   str(prefs)).returncode == 0
+    assert run_cli("score-ref", "--ref", str(ref_dir), "--in", str(prefs), "--out", str(scored)).returncode == 0
+    flags = ["--algo", "dpo", "--lr", "1e-3", "--minibatch-size", "16", "--in", str(scored)]
+    d1, d2 = tmp_path / "dpo1", tmp_path / "dpo2"
+    assert run_cli("update", "--policy", str(sft_dir), "--out", str(d1), *flags).returncode == 0
+    r = torchrun("update", "--policy", str(sft_dir), "--out", str(d2), *flags)
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    a, b = load_file(str(d1 / "model.safetensors")), load_file(str(d2 / "model.safetensors"))
+    assert _max_diff(a, b) < 0.02 * _max_diff(a, w0)
+    m1, m2 = (json.loads((d / "rlkit.json").read_text())["metrics"] for d in (d1, d2))
+    assert m2["heldout_reward_accuracy"] == m1["heldout_reward_accuracy"]
 
 
 def test_sft_and_train_rm_under_torchrun_match_one_process(sft_dir, tmp_path):
