@@ -6,7 +6,8 @@ with `rlkit.json` (config, input fingerprints, weights sha256, metrics).
 
 Loss is on completion tokens only (prompt and padding masked); batches are packed by a token budget,
 not a fixed row count; AdamW with linear warmup and cosine decay. Ends with a greedy held-out
-evaluation when a task is known.
+evaluation when a task is known. Under torchrun it trains data-parallel (FSDP2, `rlkit.distributed`):
+each rank takes rows rank::N of every batch; rank 0 writes the gathered checkpoint.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ hidden state of the last non-pad token of prompt + response, loadable with plain
 Loss -log sigmoid(s_chosen - s_rejected - margin). The figure to trust is held-out pair accuracy,
 not the loss. Before any RL uses the model, a sanity report asks whether it learned the task or a
 shortcut: correlation of score with response length, short-correct vs long-wrong answers, and the
-score of an empty response; a high length correlation is warned about loudly.
+score of an empty response; a high length correlation is warned about loudly. Under torchrun it
+trains data-parallel (FSDP2, `rlkit.distributed`); rank 0 writes the gathered model.
 """
 
 from __future__ import annotations

@@ -8,7 +8,10 @@ and `trainer/` (AdamW moments and step counter as safetensors, state as JSON), w
 Advantages come from a registry (grpo, dr-grpo, rloo, reinforce-pp); the loss is PPO's clipped
 surrogate on pi_theta / pi_old with asymmetric clipping, run for --epochs passes of --minibatch-size
 sequences, so one rollout batch feeds many optimizer steps. The KL leash to pi_ref (never pi_old) is
-a loss term or a reward penalty. Metrics go to the screen, the manifest and --metrics FILE.
+a loss term or a reward penalty. Metrics go to the screen, the manifest, --metrics FILE and
+--tensorboard DIR; among them `drift`, the policy's relative weight distance from the reference
+(`rlkit.drift`), with a warning above --max-drift. Under torchrun the update is data-parallel
+(FSDP2, `rlkit.distributed`): same result as one process, rank 0 writes.
 """
 
 from __future__ import annotations
