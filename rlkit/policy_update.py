@@ -171,7 +171,7 @@ def optimizer_step(model, opt: torch.optim.Optimizer, state: TrainerState, cfg: 
     """Backward, clip, step with the scheduled LR; a NaN/inf loss or gradient aborts before any write.
     Returns the gradient norm before clipping. Data-parallel: `global_loss` (the same on every rank)
     decides, so all ranks stop together; FSDP's gradient norm is already global."""
-    if not math.isfinite(float(loss) if global_loss is None else global_loss):
+    if not math.isfinite(loss.item() if global_loss is None else global_loss):
         raise RlkitError(f"non-finite loss at optimizer step {state.optimizer_step}; nothing was written "
                          f"(lower --lr, now {cfg.lr})")
     opt.zero_grad(set_to_none=True)
@@ -275,7 +275,7 @@ def train_on_batch(model, opt: torch.optim.Optimizer, state: TrainerState, batch
             if cfg.beta > 0 and cfg.kl_in == "loss":
                 per_tok = per_tok + cfg.beta * kl_fn(logp, batch.ref_logp[idx, :C])
             loss = agg(per_tok, m, length_norm) * share
-            global_loss = all_sum([float(loss) / dp.world], dp)[0] if dp is not None else None
+            global_loss = all_sum([loss.item() / dp.world], dp)[0] if dp is not None else None
             gn = optimizer_step(model, opt, state, cfg, loss, global_loss)
             with torch.no_grad():
                 r = ratio[m]
@@ -380,7 +380,7 @@ def train_dpo(model, opt: torch.optim.Optimizer, state: TrainerState, b: PrefBat
             p = len(idx)
             loss, _, _ = dpo_loss(pi[:p], pi[p:], b.ref_logp[idx], b.ref_logp[idx + P], cfg.beta, label_smoothing)
             loss = loss.mean() * share
-            global_loss = all_sum([float(loss) / dp.world], dp)[0] if dp is not None else None
+            global_loss = all_sum([loss.item() / dp.world], dp)[0] if dp is not None else None
             gn = optimizer_step(model, opt, state, cfg, loss, global_loss)
             losses.append(loss.item() if global_loss is None else global_loss)
             grad_norms.append(float(gn))

@@ -193,7 +193,7 @@ def train_ppo(model, critic, opt, critic_opt, state: TrainerState, cstate: Train
             v = critic_values(critic, ids, att, batch.start[idx], C)
             vl_tok = clipped_value_loss(v, old_values[idx, :C], returns[idx, :C], cfg.vf_clip)
             vloss = token_mean(vl_tok, m) * vshare
-            lv = [float(loss), float(vloss)]
+            lv = [loss.item(), vloss.item()]
             if dp is not None:
                 lv = [x / dp.world for x in all_sum(lv, dp)]
             if not all(math.isfinite(x) for x in lv):

@@ -78,7 +78,7 @@ def test_every_recipe_runs_scaled_down(tmp_path):
 
     recipes = sorted((REPO / "recipes").glob("*.sh"))
     assert recipes
-    env = {**os.environ, "SFT_EXAMPLES": "3000", "EVAL_NUM": "40",
+    env = {**os.environ, "SFT_EXAMPLES": "3000", "EVAL_NUM": "20",
            "ROUNDS": "2", "PROMPTS": "16", "N": "4", "PREF_PROMPTS": "64", "MAX_NEW_TOKENS": "16",
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     for recipe in recipes:  # each in its own RUNS, as a user would run them
