@@ -50,3 +50,12 @@ def ref_dir(sft_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ref") / "ref"
     run(FreezeRefConfig(policy=sft_dir, out=out, dtype="bf16"))
     return out
+
+
+# The longest files first: with two pytest-xdist workers (by file) they then run beside the short ones
+# instead of alone at the end.
+_FIRST = ("test_e2e.py", "test_vllm.py", "test_distributed.py")
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: ARG001
+    items.sort(key=lambda it: _FIRST.index(it.path.name) if it.path.name in _FIRST else len(_FIRST))

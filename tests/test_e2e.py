@@ -82,8 +82,10 @@ def test_every_recipe_runs_scaled_down(tmp_path):
            "ROUNDS": "2", "PROMPTS": "16", "N": "4", "PREF_PROMPTS": "64", "MAX_NEW_TOKENS": "16",
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     for recipe in recipes:  # each in its own RUNS, as a user would run them
-        r = subprocess.run(["bash", str(recipe)], capture_output=True, env={**env, "RUNS": str(tmp_path / recipe.stem)},
-                           timeout=600, cwd=tmp_path)
+        knobs = {"RUNS": str(tmp_path / recipe.stem)}
+        if recipe.stem == "reward-hacking":  # three runs: one round each is enough to check the plumbing
+            knobs["ROUNDS"] = "1"
+        r = subprocess.run(["bash", str(recipe)], capture_output=True, env={**env, **knobs}, timeout=600, cwd=tmp_path)
         assert r.returncode == 0, f"{recipe.name}: {r.stderr.decode()[-2000:]}"
         assert Path(tmp_path / recipe.stem).exists()
     # every recipe leaves one metrics file with held-out accuracy after every round, and its report
@@ -97,8 +99,8 @@ def test_every_recipe_runs_scaled_down(tmp_path):
     for beta in ("0.05", "0.005", "0"):
         rows = [json.loads(x) for x in (rh / f"beta-{beta}" / "metrics.jsonl").read_text().splitlines()]
         upd = [r for r in rows if r["stage"] == "update"]
-        assert [r["step"] for r in upd] == [1, 2] and all("reward/rm:lenbias" in r and "drift" in r for r in upd)
-        assert [r["step"] for r in rows if r["stage"] == "eval"] == [0, 1, 2]
+        assert [r["step"] for r in upd] == [1] and all("reward/rm:lenbias" in r and "drift" in r for r in upd)
+        assert [r["step"] for r in rows if r["stage"] == "eval"] == [0, 1]
     assert (rh / "report.png").stat().st_size > 50_000 and b"<img" in (rh / "report.html").read_bytes()
     rm = json.loads((rh / "rm-length-biased" / "rlkit.json").read_text())
     assert rm["sanity"]["length_bias_warning"] is True  # the sanity report flags the flawed reward model
