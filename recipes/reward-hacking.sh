@@ -11,7 +11,7 @@
 #   PROSE [0.25] fraction of SFT answers written as a sentence ("The total is 12."), so that the policy can
 #     write longer answers at all (a policy that only ever saw bare numbers has no longer answer to find)
 #   PREF_PROMPTS [512]  PREF_N [4]  RM_EPOCHS [1]  BETAS ["0.05 0.005 0"]
-#   ROUNDS [4]  PROMPTS [256] prompts per round  N [8] samples per prompt  MAX_NEW_TOKENS [64]
+#   ROUNDS [3]  PROMPTS [192] prompts per round  N [8] samples per prompt  MAX_NEW_TOKENS [64]
 #   ALGO [grpo]  LR [1e-4]  EPOCHS [2]  MINIBATCH [128]
 # A rerun skips every stage and round that is up to date with its inputs and settings.
 set -euo pipefail
@@ -25,8 +25,8 @@ PREF_PROMPTS=${PREF_PROMPTS:-512}
 PREF_N=${PREF_N:-4}
 RM_EPOCHS=${RM_EPOCHS:-1}
 BETAS=${BETAS:-0.05 0.005 0}
-ROUNDS=${ROUNDS:-4}
-PROMPTS=${PROMPTS:-256}
+ROUNDS=${ROUNDS:-3}
+PROMPTS=${PROMPTS:-192}
 N=${N:-8}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-64}
 PROSE=${PROSE:-0.25}
