@@ -41,11 +41,11 @@ lint-docker: setup
 
 # pytest exits 5 when it collects no tests: say so loudly and fail, a suite that runs nothing proves nothing.
 # Two pytest workers (pytest-xdist): most of the suite waits on rlkit subprocesses starting up, which two
-# cores overlap well (a file stays on one worker: module fixtures such as the vLLM engine start once);
+# cores overlap well (the vLLM tests share one worker, xdist_group, so their engine fixture starts once);
 # PYTEST_WORKERS=0 runs in one process.
 PYTEST_WORKERS ?= 2
 test: setup lint $(if $(filter 1,$(VLLM)),setup-vllm)
-	@rc=0; PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS) || rc=$$?; \
+	@rc=0; PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5): treating as failure"; exit 1; fi; exit $$rc
 
 test-fast: setup

@@ -58,4 +58,8 @@ _FIRST = ("test_e2e.py", "test_vllm.py", "test_distributed.py")
 
 
 def pytest_collection_modifyitems(config, items):  # noqa: ARG001
-    items.sort(key=lambda it: _FIRST.index(it.path.name) if it.path.name in _FIRST else len(_FIRST))
+    def rank(it) -> tuple[int, int]:
+        return (0 if it.name.startswith("test_every_recipe_runs") else 1,
+                _FIRST.index(it.path.name) if it.path.name in _FIRST else len(_FIRST))
+
+    items.sort(key=rank)

@@ -72,45 +72,51 @@ def test_sft_from_a_data_file_with_mapped_columns(tmp_path):
     assert json.loads((out / "rlkit.json").read_text())["metrics"]["examples"] == 50
 
 
-def test_every_recipe_runs_scaled_down(tmp_path):
-    """Users run recipes in their own CI; ours runs each one end to end with its small-size knobs."""
+RECIPES = sorted(p.name for p in (REPO / "recipes").glob("*.sh"))
+
+
+def _run_recipe(name: str, runs: Path, **knobs: str):
     import subprocess
 
-    recipes = sorted((REPO / "recipes").glob("*.sh"))
-    assert recipes
-    env = {**os.environ, "SFT_EXAMPLES": "3000", "EVAL_NUM": "20",
-           "ROUNDS": "2", "PROMPTS": "16", "N": "4", "PREF_PROMPTS": "64", "MAX_NEW_TOKENS": "16",
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    for recipe in recipes:  # each in its own RUNS, as a user would run them
-        knobs = {"RUNS": str(tmp_path / recipe.stem)}
-        if recipe.stem == "reward-hacking":  # three runs: one round each is enough to check the plumbing
-            knobs["ROUNDS"] = "1"
-        r = subprocess.run(["bash", str(recipe)], capture_output=True, env={**env, **knobs}, timeout=600, cwd=tmp_path)
-        assert r.returncode == 0, f"{recipe.name}: {r.stderr.decode()[-2000:]}"
-        assert Path(tmp_path / recipe.stem).exists()
-    # every recipe leaves one metrics file with held-out accuracy after every round, and its report
-    for metrics, report in ((tmp_path / "rlvr" / "metrics.jsonl", tmp_path / "rlvr" / "report.png"),
-                            (tmp_path / "rlhf" / "rlhf-metrics.jsonl", tmp_path / "rlhf" / "report.png")):
-        rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    env = {**os.environ, "SFT_EXAMPLES": "3000", "EVAL_NUM": "20", "ROUNDS": "2", "PROMPTS": "16", "N": "4",
+           "PREF_PROMPTS": "64", "MAX_NEW_TOKENS": "16", "RUNS": str(runs),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", **knobs}
+    return subprocess.run(["bash", str(REPO / "recipes" / name)], capture_output=True, env=env, timeout=600,
+                          cwd=runs.parent)
+
+
+def test_every_recipe_is_tested():
+    assert set(RECIPES) == {"quickstart.sh", "rlvr.sh", "rlhf.sh", "reward-hacking.sh"}, "a new recipe needs a test here"
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_runs_scaled_down(recipe, tmp_path):
+    """Users run recipes in their own CI; ours runs each one end to end with its small-size knobs, in its own RUNS."""
+    runs = tmp_path / "runs"
+    # reward-hacking: three runs, one round each is enough to check the plumbing
+    r = _run_recipe(recipe, runs, **({"ROUNDS": "1"} if recipe == "reward-hacking.sh" else {}))
+    assert r.returncode == 0, f"{recipe}: {r.stderr.decode()[-2000:]}"
+    # every RL recipe leaves one metrics file with held-out accuracy after every round, and its report
+    metrics = {"rlvr.sh": "metrics.jsonl", "rlhf.sh": "rlhf-metrics.jsonl"}.get(recipe)
+    if metrics:
+        rows = [json.loads(x) for x in (runs / metrics).read_text().splitlines()]
         assert [r["step"] for r in rows if r["stage"] == "eval"][-3:] == [0, 1, 2]
-        assert report.read_bytes()[:4] == b"\x89PNG"
-    # the reward-hacking experiment: three beta runs from one SFT checkpoint, one report of all three
-    rh = tmp_path / "reward-hacking"
-    for beta in ("0.05", "0.005", "0"):
-        rows = [json.loads(x) for x in (rh / f"beta-{beta}" / "metrics.jsonl").read_text().splitlines()]
-        upd = [r for r in rows if r["stage"] == "update"]
-        assert [r["step"] for r in upd] == [1] and all("reward/rm:lenbias" in r and "drift" in r for r in upd)
-        assert [r["step"] for r in rows if r["stage"] == "eval"] == [0, 1]
-    assert (rh / "report.png").stat().st_size > 50_000 and b"<img" in (rh / "report.html").read_bytes()
-    rm = json.loads((rh / "rm-length-biased" / "rlkit.json").read_text())
-    assert rm["sanity"]["length_bias_warning"] is True  # the sanity report flags the flawed reward model
-    # a rerun of the RLVR recipe with nothing changed skips every stage and every round
-    r = subprocess.run(["bash", str(REPO / "recipes" / "rlvr.sh")], capture_output=True,
-                       env={**env, "RUNS": str(tmp_path / "rlvr")}, timeout=600)
-    assert r.returncode == 0, r.stderr.decode()[-2000:]
-    err = r.stderr.decode()
-    assert err.count("is up to date") >= 2 and "round 1: " in err and "round 2: " in err
-    assert "after RL (2 rounds)" in r.stdout.decode()
+        assert (runs / "report.png").read_bytes()[:4] == b"\x89PNG"
+    if recipe == "reward-hacking.sh":  # three beta runs from one SFT checkpoint, one report of all three
+        for beta in ("0.05", "0.005", "0"):
+            rows = [json.loads(x) for x in (runs / f"beta-{beta}" / "metrics.jsonl").read_text().splitlines()]
+            upd = [r for r in rows if r["stage"] == "update"]
+            assert [r["step"] for r in upd] == [1] and all("reward/rm:lenbias" in r and "drift" in r for r in upd)
+            assert [r["step"] for r in rows if r["stage"] == "eval"] == [0, 1]
+        assert (runs / "report.png").stat().st_size > 50_000 and b"<img" in (runs / "report.html").read_bytes()
+        rm = json.loads((runs / "rm-length-biased" / "rlkit.json").read_text())
+        assert rm["sanity"]["length_bias_warning"] is True  # the sanity report flags the flawed reward model
+    if recipe == "rlvr.sh":  # a rerun with nothing changed skips every stage and every round
+        r = _run_recipe(recipe, runs)
+        assert r.returncode == 0, r.stderr.decode()[-2000:]
+        err = r.stderr.decode()
+        assert err.count("is up to date") >= 2 and "round 1: " in err and "round 2: " in err
+        assert "after RL (2 rounds)" in r.stdout.decode()
 
 
 def test_a_local_hugging_face_model_with_chat_data(tmp_path):

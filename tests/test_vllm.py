@@ -17,7 +17,7 @@ import pytest
 
 from conftest import rlkit_cmd
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.xdist_group("vllm")]  # one engine per module
 
 SEED = 11
 ROLLOUT = ["rollout", "--engine", "vllm", "--num-prompts", "24", "--n", "4", "--max-new-tokens", "8",
