@@ -56,7 +56,12 @@ def init() -> DataParallel | None:
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    return DataParallel(dist.get_rank(), dist.get_world_size(), device)
+    dp = DataParallel(dist.get_rank(), dist.get_world_size(), device)
+    if not dp.main:  # rank 0 alone talks; errors still print on every rank
+        from rlkit import console
+
+        console.silence()
+    return dp
 
 
 def shutdown() -> None:
@@ -144,6 +149,18 @@ def all_max(values: list[float], dp: DataParallel | None) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
+
+
+def stand_down(dp: DataParallel | None, metrics: dict) -> bool:
+    """After the last gather: True on a rank that does not write (it waits at the barrier for rank 0,
+    which then writes and meets it there); records the world size in rank 0's metrics."""
+    if dp is None:
+        return False
+    metrics["world_size"] = dp.world
+    if not dp.main:
+        barrier(dp)
+        return True
+    return False
 
 
 def barrier(dp: DataParallel | None) -> None:

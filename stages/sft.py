@@ -95,8 +95,6 @@ def run(cfg: SftConfig) -> Path:
     from rlkit import distributed
 
     dp = distributed.init()  # None unless started by torchrun
-    if dp is not None and not dp.main:
-        console.silence()
     torch.manual_seed(cfg.seed)
     if cfg.model == checkpoints.TINY:
         tokenizer = tiny.build_tokenizer()
@@ -170,11 +168,8 @@ def run(cfg: SftConfig) -> Path:
                        mean_response_tokens=ev["mean_response_tokens"])
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     full = distributed.full_model_state(model) if dp is not None else None  # gathered: a collective
-    if dp is not None:
-        metrics["world_size"] = dp.world
-        if not dp.main:
-            distributed.barrier(dp)
-            return cfg.out
+    if distributed.stand_down(dp, metrics):
+        return cfg.out
     manifest = artifacts.make_manifest("model", "sft", cfg, inputs, step=0, metrics=metrics)
     with artifacts.atomic_dir(cfg.out) as tmp:
         checkpoints.save_model(model, tokenizer, tmp, manifest, state_dict=full)

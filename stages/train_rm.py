@@ -69,8 +69,6 @@ def run(cfg: TrainRmConfig) -> Path:
     from rlkit.reward_model import _forward_scores, encode_pairs, forward_scores, score_texts
 
     dp = distributed.init()  # None unless started by torchrun
-    if dp is not None and not dp.main:
-        console.silence()
     torch.manual_seed(cfg.seed)
     model, tok = _load_base(cfg)
     if dp is not None:
@@ -121,11 +119,8 @@ def run(cfg: TrainRmConfig) -> Path:
                            [t["rejected"][i] for i in held], [t.get("answer", [None] * len(t["prompt"]))[i] for i in held],
                            sc, sr, cfg.max_length)
     full = distributed.full_model_state(model) if dp is not None else None  # gathered: a collective
-    if dp is not None:
-        metrics["world_size"] = dp.world
-        if not dp.main:
-            distributed.barrier(dp)
-            return cfg.out
+    if distributed.stand_down(dp, metrics):
+        return cfg.out
     manifest = artifacts.make_manifest("reward-model", "train-rm", cfg, inputs, metrics=metrics, sanity=sanity)
     with artifacts.atomic_dir(cfg.out) as tmp:
         checkpoints.save_model(model, tok, tmp, manifest, state_dict=full)

@@ -88,8 +88,6 @@ def run(cfg: UpdateConfig) -> Path:
         from rlkit import distributed
 
         dp = distributed.init()
-        if not dp.main:
-            console.silence()
     pending = (artifacts.open_table(cfg.inp, ["prefs"] if offline else ["rollouts", "scored"])
                if dp is None or dp.main else None)
     from rlkit import distributed, policy_update
@@ -166,12 +164,9 @@ def run(cfg: UpdateConfig) -> Path:
     full = distributed.full_model_state(model) if dp is not None else None
     opt_tensors = policy_update.trainer_tensors(model, opt, dp)
     critic_gathered = ppo.gather_critic(critic, critic_opt, dp) if critic is not None else None
-    if dp is not None and not dp.main:
-        distributed.barrier(dp)
+    if distributed.stand_down(dp, metrics):
         return cfg.out
     metrics.update(_drift(cfg, full if full is not None else dict(model.state_dict()), upstream.get("reference")))
-    if dp is not None:
-        metrics["world_size"] = dp.world
     manifest = artifacts.make_manifest("model", "update", cfg, inputs, step=metrics["step"], metrics=metrics,
                                        reward_weights=used)
     with artifacts.atomic_dir(cfg.out) as tmp:
@@ -227,11 +222,8 @@ def _run_dpo(cfg: UpdateConfig, reader, model, tokenizer, dp=None) -> Path:
     metrics = {"step": checkpoints.policy_step(cfg.policy) + 1, "algo": "dpo", "beta": cfg.rl.beta, **m}
     full = distributed.full_model_state(model) if dp is not None else None
     opt_tensors = policy_update.trainer_tensors(model, opt, dp)
-    if dp is not None:
-        metrics["world_size"] = dp.world
-        if not dp.main:
-            distributed.barrier(dp)
-            return cfg.out
+    if distributed.stand_down(dp, metrics):
+        return cfg.out
     metrics.update(_drift(cfg, full if full is not None else dict(model.state_dict()),
                           (reader.manifest or {}).get("reference")))
     manifest = artifacts.make_manifest("model", "update", cfg, inputs, step=metrics["step"], metrics=metrics)
