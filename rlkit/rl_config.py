@@ -13,6 +13,10 @@ PREFERENCE_ALGOS = ("dpo",)
 CRITIC_ALGOS = ("ppo",)
 # --beta when not given: the KL coefficient for RL, DPO's temperature for dpo.
 DEFAULT_BETA = {"dpo": 0.1}
+# --kl-estimator when not given, by --kl-in. In the reward the penalty is a per-token return, and only
+# k1 = log(pi/pi_ref) makes its policy gradient the gradient of KL (k3 there is ~k1^2/2: near the
+# reference it pulls back at second order only); in the loss k3 is the low-variance unbiased choice.
+DEFAULT_KL_ESTIMATOR = {"reward": "k1", "loss": "k3"}
 
 
 @dataclass(frozen=True)

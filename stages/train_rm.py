@@ -115,6 +115,11 @@ def run(cfg: TrainRmConfig) -> Path:
         "heldout_mean_margin": sum(c - r for c, r in zip(sc, sr, strict=True)) / len(held),
         "final_loss": sum(losses[-10:]) / len(losses[-10:]),
     }
+    if "negative" in t:  # build-prefs says how each pair was made: one overall figure can hide a kind at chance
+        kinds: dict[str, list[bool]] = {}
+        for i, c, r in zip(held, sc, sr, strict=True):
+            kinds.setdefault(t["negative"][i], []).append(c > r)
+        metrics["heldout_pair_accuracy_by_kind"] = {k: sum(v) / len(v) for k, v in sorted(kinds.items())}
     sanity = sanity_report(model, tok, [t["prompt"][i] for i in held], [t["chosen"][i] for i in held],
                            [t["rejected"][i] for i in held], [t.get("answer", [None] * len(t["prompt"]))[i] for i in held],
                            sc, sr, cfg.max_length)
@@ -205,6 +210,8 @@ def _show(metrics: dict, sanity: dict) -> None:
     t = Table(title="reward model", show_header=False)
     for k in ("heldout_pair_accuracy", "heldout_mean_margin", "heldout_pairs", "train_pairs", "final_loss"):
         t.add_row(k, f"{metrics[k]:.4g}" if isinstance(metrics[k], float) else str(metrics[k]))
+    for kind, acc in metrics.get("heldout_pair_accuracy_by_kind", {}).items():
+        t.add_row(f"  {kind}", f"{acc:.4g}")
     t.add_section()
     for k in ("length_correlation", "mean_score_chosen", "mean_score_rejected", "mean_score_short_correct",
               "mean_score_long_wrong", "short_correct_beats_long_wrong", "mean_score_empty"):

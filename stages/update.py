@@ -265,7 +265,7 @@ def command(
     clip_low: Annotated[float, typer.Option(help="Ratio clip below 1: 1 - clip_low.")] = RLConfig.clip_low,
     clip_high: Annotated[float, typer.Option(help="Ratio clip above 1: 1 + clip_high.")] = RLConfig.clip_high,
     beta: Annotated[float | None, typer.Option(help=f"KL coefficient to the reference (0: no reference needed; default {RLConfig.beta}); for --algo dpo, DPO's beta (default 0.1).")] = None,
-    kl_estimator: Annotated[str, typer.Option(help="KL estimator: k1, k2 or k3.")] = RLConfig.kl_estimator,
+    kl_estimator: Annotated[str | None, typer.Option(help="KL estimator: k1, k2 or k3; default k1 in the reward (the log-ratio penalty of InstructGPT), k3 in the loss.")] = None,
     kl_in: Annotated[str | None, typer.Option(help="Where the KL goes: loss (a loss term) or reward (a per-token penalty); default reward for ppo, loss otherwise.")] = None,
     loss_agg: Annotated[str | None, typer.Option(help="token-mean, seq-mean-token-mean or seq-mean-token-sum-norm (default: per --algo).")] = None,
     drop_degenerate: Annotated[bool, typer.Option(help="Leave out groups whose rewards are all equal.")] = False,
@@ -290,10 +290,11 @@ def command(
     force: Force = False,
 ) -> None:
     """One clipped policy-gradient update (GRPO family) with a KL leash; writes the next checkpoint."""
-    from rlkit.rl_config import DEFAULT_BETA
+    from rlkit.rl_config import DEFAULT_BETA, DEFAULT_KL_ESTIMATOR
 
     beta = beta if beta is not None else DEFAULT_BETA.get(algo, RLConfig.beta)
     kl_in = kl_in or ("reward" if algo == "ppo" else RLConfig.kl_in)
+    kl_estimator = kl_estimator or DEFAULT_KL_ESTIMATOR.get(kl_in, RLConfig.kl_estimator)
     rl = RLConfig(algo=algo, lr=lr, epochs=epochs, minibatch_size=minibatch_size, clip_low=clip_low, clip_high=clip_high,
                   beta=beta, kl_estimator=kl_estimator, kl_in=kl_in, loss_agg=loss_agg, drop_degenerate=drop_degenerate,
                   grad_clip=grad_clip, warmup_steps=warmup_steps, seed=seed, old_logprobs=old_logprobs, tis_cap=tis_cap,

@@ -80,6 +80,11 @@ def test_train_rm_saves_a_plain_sequence_classifier_with_a_sanity_report(rm_dir,
     m = json.loads((rm_dir / "rlkit.json").read_text())
     assert m["kind"] == "reward-model" and m["command"] == "train-rm"
     assert 0 <= m["metrics"]["heldout_pair_accuracy"] <= 1 and m["metrics"]["heldout_pairs"] > 0
+    # per kind of negative, and the kinds add up to the overall figure
+    held = [r["negative"] for r in artifacts.read_table(prefs, ["prefs"])[0].to_pylist() if r["split"] == "heldout"]
+    by_kind = m["metrics"]["heldout_pair_accuracy_by_kind"]
+    assert set(by_kind) == set(held)
+    assert sum(by_kind[k] * held.count(k) for k in by_kind) / len(held) == pytest.approx(m["metrics"]["heldout_pair_accuracy"])
     for k in ("length_correlation", "mean_score_short_correct", "mean_score_long_wrong", "mean_score_empty",
               "short_correct_beats_long_wrong", "length_bias_warning"):
         assert k in m["sanity"], k
@@ -273,6 +278,8 @@ def test_ppo_keeps_a_critic_in_the_checkpoint_and_resumes_it(sft_dir, ref_dir, r
               "reward/rm:rm"):
         assert k in first, k
     assert first["kl_coef"] == 0.05 and first["kl_coef_next"] != 0.05  # the adaptive controller moved it
+    rl = json.loads((tmp_path / "p1" / "rlkit.json").read_text())["config"]["rl"]
+    assert (rl["kl_in"], rl["kl_estimator"]) == ("reward", "k1")  # InstructGPT's log-ratio penalty in the reward
     r = run_cli("update", "--policy", str(tmp_path / "p1"), "--in", str(scored(tmp_path / "p1", 2)),
                 "--out", str(tmp_path / "p2"), *flags)
     assert r.returncode == 0, r.stderr
