@@ -178,8 +178,7 @@ def train_ppo(model, critic, opt, critic_opt, state: TrainerState, cstate: Train
             if dp is not None:
                 glob = idx
                 idx, share = split_rows(glob, dp, lambda rows: AGG_WEIGHTS[cfg.aggregation](mask[rows]))
-                mine = float(mask[idx].sum()) if share else 0.0
-                vshare = mine / all_sum([mine], dp)[0] * dp.world if share else 0.0
+                _, vshare = split_rows(glob, dp, lambda rows: mask[rows].sum())  # the value loss is a token mean
             L, C = int(batch.attn[idx].sum(1).max()), int(batch.mask[idx].sum(1).max())
             m = mask[idx, :C] if share else torch.zeros_like(mask[idx, :C])
             ids, att = batch.input_ids[idx, :L], batch.attn[idx, :L]
