@@ -1,13 +1,27 @@
 """Advantage estimators for outcome rewards, chosen by name from `ADVANTAGES`.
 
-Each takes per-sequence rewards (N,) and group ids (N,) (the samples of one prompt share a group)
-and returns per-sequence advantages (N,), broadcast over tokens by the loss. A group whose rewards
-are all equal carries no signal and gets advantage 0 from every group-based estimator.
+Each takes per-sequence rewards (N,), group ids (N,) (the samples of one prompt share a group) and
+optionally the number of completion tokens per sequence `lengths` (N,), and returns per-sequence
+advantages (N,), broadcast over tokens by the loss.
+
+Edge cases, decided:
+- A group whose rewards are all equal carries no signal and gets advantage 0 from every group-based
+  estimator (grpo, dr-grpo, rloo).
+- A group of one sample has no baseline to compare with and also gets advantage 0 from every
+  group-based estimator. verl hands it its raw reward instead (mean 0, std 1), which pushes every
+  singleton up or down by the reward's own scale (a reward model's score of -1.7 becomes a strong
+  push down whatever the answer), on another scale than its neighbours' normalised advantages. rlkit
+  counts singleton groups (`degenerate_groups`) and `update` warns when a batch has them; sample
+  `--n` >= 2 or use reinforce-pp, whose baseline is the whole batch.
+- reinforce-pp whitens over *tokens*: each sequence weighs as many times as it has completion tokens,
+  as in REINFORCE++'s own code (OpenRLHF) and verl, so the advantage is centred under the same
+  token weights its default `token-mean` loss uses. Without `lengths` every sequence weighs once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -26,19 +40,23 @@ def _group_stats(rewards: Tensor, groups: Tensor) -> tuple[Tensor, Tensor, Tenso
     return mean[inv], std[inv], size[inv], total[inv]
 
 
-def grpo(rewards: Tensor, groups: Tensor, eps: float = 1e-6) -> Tensor:
-    """(r - group mean) / (group std + eps)  (DeepSeekMath GRPO). (N,), (N,) -> (N,)."""
+def grpo(rewards: Tensor, groups: Tensor, lengths: Tensor | None = None, eps: float = 1e-6) -> Tensor:  # noqa: ARG001
+    """(r - group mean) / (group std + eps)  (DeepSeekMath GRPO). (N,), (N,) -> (N,).
+
+    A group of one gets 0 (its r - mean is 0): no baseline, no signal."""
     mean, std, _, _ = _group_stats(rewards, groups)
     return ((rewards.double() - mean) / (std + eps)).float()
 
 
-def dr_grpo(rewards: Tensor, groups: Tensor, eps: float = 1e-6) -> Tensor:  # noqa: ARG001
-    """r - group mean: no std division (Dr. GRPO, "Understanding R1-Zero-like training"). (N,) -> (N,)."""
+def dr_grpo(rewards: Tensor, groups: Tensor, lengths: Tensor | None = None, eps: float = 1e-6) -> Tensor:  # noqa: ARG001
+    """r - group mean: no std division (Dr. GRPO, "Understanding R1-Zero-like training"). (N,) -> (N,).
+
+    A group of one gets 0."""
     mean, _, _, _ = _group_stats(rewards, groups)
     return (rewards.double() - mean).float()
 
 
-def rloo(rewards: Tensor, groups: Tensor, eps: float = 1e-6) -> Tensor:  # noqa: ARG001
+def rloo(rewards: Tensor, groups: Tensor, lengths: Tensor | None = None, eps: float = 1e-6) -> Tensor:  # noqa: ARG001
     """r - mean of the *other* samples of the group (REINFORCE leave-one-out). (N,) -> (N,).
 
     A group of one has no baseline; its advantage is 0.
@@ -49,22 +67,42 @@ def rloo(rewards: Tensor, groups: Tensor, eps: float = 1e-6) -> Tensor:  # noqa:
     return torch.where(size > 1, r - base, torch.zeros_like(r)).float()
 
 
-def reinforce_pp(rewards: Tensor, groups: Tensor, eps: float = 1e-6) -> Tensor:  # noqa: ARG001
-    """(r - batch mean) / (batch std + eps): REINFORCE++'s global batch normalisation. (N,) -> (N,)."""
+def reinforce_pp(rewards: Tensor, groups: Tensor, lengths: Tensor | None = None, eps: float = 1e-6) -> Tensor:  # noqa: ARG001
+    """REINFORCE++'s global batch normalisation, over tokens: (r - mean) / (std + eps) where the mean
+    and the unbiased std are taken over every completion token of the batch, each carrying its
+    sequence's reward (so a sequence weighs `lengths` times; REINFORCE++'s code and verl do this).
+    lengths None: every sequence weighs once. Rows of length 0 get an advantage but weigh nothing.
+    (N,), (N,), (N,) -> (N,).
+    """
     r = rewards.double()
-    std = r.std() if r.numel() > 1 else torch.zeros((), dtype=torch.float64)
-    return ((r - r.mean()) / (std + eps)).float()
+    w = torch.ones_like(r) if lengths is None else lengths.double()
+    n = w.sum()
+    if n <= 0:
+        return torch.zeros_like(rewards, dtype=torch.float32)
+    mean = (w * r).sum() / n
+    var = (w * (r - mean) ** 2).sum() / (n - 1) if n > 1 else torch.zeros((), dtype=torch.float64)
+    return ((r - mean) / (var.sqrt() + eps)).float()
 
 
 ADVANTAGES: dict[str, Callable[..., Tensor]] = {
     "grpo": grpo, "dr-grpo": dr_grpo, "rloo": rloo, "reinforce-pp": reinforce_pp,
 }
+# Estimators whose baseline is the sample's own group (a group of one gets advantage 0).
+GROUP_BASELINE = ("grpo", "dr-grpo", "rloo")
 
 
-def degenerate_groups(rewards: Tensor, groups: Tensor) -> tuple[Tensor, int, int]:
-    """(per-sequence mask of rows in all-equal groups (N,) bool, degenerate group count, group count)."""
-    _, std, _, _ = _group_stats(rewards, groups)
+class GroupCounts(NamedTuple):
+    degenerate_mask: Tensor  # (N,) bool: rows in all-equal groups (groups of one included)
+    degenerate: int  # all-equal groups, groups of one included
+    singletons: int  # groups of one sample
+    groups: int
+
+
+def degenerate_groups(rewards: Tensor, groups: Tensor) -> GroupCounts:
+    """Rows in all-equal groups (N,) bool, and the counts of degenerate groups, groups of one, groups."""
+    _, std, size, _ = _group_stats(rewards, groups)
     mask = std == 0
     uniq, inv = torch.unique(groups, return_inverse=True)
     per_group = torch.zeros(len(uniq), dtype=torch.bool).index_put_((inv,), mask)
-    return mask, int(per_group.sum()), len(uniq)
+    single = torch.zeros(len(uniq), dtype=torch.bool).index_put_((inv,), size == 1)
+    return GroupCounts(mask, int(per_group.sum()), int(single.sum()), len(uniq))

@@ -20,9 +20,9 @@ from torch import Tensor
 from rlkit.advantages import ADVANTAGES, degenerate_groups
 from rlkit.distributed import DataParallel, all_max, all_sum, split_rows
 from rlkit.errors import RlkitError
-from rlkit.kl import KL_ESTIMATORS
+from rlkit.kl import kl_per_token
 from rlkit.logprobs import completion_logprobs, pack_sequences
-from rlkit.losses import AGG_WEIGHTS, AGGREGATIONS, clipped_surrogate, truncated_is_weights
+from rlkit.losses import AGG_WEIGHTS, AGGREGATIONS, policy_token_loss, truncated_is_weights
 from rlkit.rl_config import RLConfig
 
 TRAINER_DIR = "trainer"
@@ -216,7 +216,7 @@ def train_on_batch(model, opt: torch.optim.Optimizer, state: TrainerState, batch
     per-token loss is also weighted by min(pi_old / pi_engine, cap).
     """
     t0 = time.monotonic()
-    kl_fn, agg = KL_ESTIMATORS[cfg.kl_estimator], AGGREGATIONS[cfg.aggregation]
+    agg = AGGREGATIONS[cfg.aggregation]
     mask = batch.mask
     if cfg.beta > 0 and batch.ref_logp is None:
         raise RlkitError("--beta > 0 needs reference log-probs: pipe the rollouts through `rlkit score-ref --ref REF` "
@@ -237,20 +237,20 @@ def train_on_batch(model, opt: torch.optim.Optimizer, state: TrainerState, batch
             metrics.update(tis_weight_mean=float(tis[mask].mean()),
                            tis_capped_fraction=float((tis[mask] >= cfg.tis_cap).float().mean()))
     if batch.ref_logp is not None:
-        kl_tok = kl_fn(old_logp, batch.ref_logp) * mask
+        kl_tok = kl_per_token(cfg.kl_estimator, old_logp, batch.ref_logp, mask)
         metrics["kl_per_token"] = float(kl_tok.sum() / mask.sum().clamp(min=1))
         metrics["kl_per_seq"] = float(kl_tok.sum(1).mean())
         if cfg.kl_in == "reward" and cfg.beta > 0:
             rewards = rewards - cfg.beta * kl_tok.sum(1)
-    adv = ADVANTAGES[cfg.algo](rewards, batch.groups)
-    degen, n_degen, n_groups = degenerate_groups(batch.rewards, batch.groups)
+    adv = ADVANTAGES[cfg.algo](rewards, batch.groups, lengths=mask.sum(1))
+    counts = degenerate_groups(batch.rewards, batch.groups)
     keep = torch.arange(len(adv))
     if cfg.drop_degenerate:
-        keep = keep[~degen]
-    metrics.update(degenerate_group_fraction=n_degen / max(1, n_groups), sequences=len(adv),
-                   sequences_trained=len(keep))
+        keep = keep[~counts.degenerate_mask]
+    metrics.update(degenerate_group_fraction=counts.degenerate / max(1, counts.groups),
+                   singleton_groups=counts.singletons, sequences=len(adv), sequences_trained=len(keep))
     gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + state.updates)
-    clip_n = tok_n = 0
+    clip_n = dual_n = tok_n = 0
     ratio_min, ratio_max, ratio_sum = math.inf, -math.inf, 0.0
     ent_sum = ent_n = 0.0
     grad_norms, losses = [], []
@@ -270,16 +270,19 @@ def train_on_batch(model, opt: torch.optim.Optimizer, state: TrainerState, batch
                 m = torch.zeros_like(m)
             logp, ent = completion_logprobs(model, batch.input_ids[idx, :L], batch.attn[idx, :L], batch.targets[idx, :C],
                                             batch.start[idx], temperature=temperature, with_entropy=epoch == 0)
-            pg, clipped, ratio = clipped_surrogate(logp, old_logp[idx, :C], adv[idx], cfg.clip_low, cfg.clip_high)
-            per_tok = pg if tis is None else pg * tis[idx, :C]
-            if cfg.beta > 0 and cfg.kl_in == "loss":
-                per_tok = per_tok + cfg.beta * kl_fn(logp, batch.ref_logp[idx, :C])
-            loss = agg(per_tok, m, length_norm) * share
+            in_loss = cfg.beta > 0 and cfg.kl_in == "loss"
+            tl = policy_token_loss(logp, old_logp[idx, :C], adv[idx], m, clip_low=cfg.clip_low,
+                                   clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
+                                   tis=None if tis is None else tis[idx, :C],
+                                   ref_logp=batch.ref_logp[idx, :C] if in_loss else None,
+                                   kl_estimator=cfg.kl_estimator, kl_coef=cfg.beta if in_loss else 0.0)
+            loss = agg(tl.loss, m, length_norm) * share
             global_loss = all_sum([loss.item() / dp.world], dp)[0] if dp is not None else None
             gn = optimizer_step(model, opt, state, cfg, loss, global_loss)
             with torch.no_grad():
-                r = ratio[m]
-                clip_n += int(clipped[m].sum())
+                r = tl.ratio[m]
+                clip_n += int(tl.clipped.sum())
+                dual_n += int(tl.dual_clipped.sum())
                 tok_n += int(m.sum())
                 if r.numel():
                     ratio_min, ratio_max = min(ratio_min, float(r.min())), max(ratio_max, float(r.max()))
@@ -294,7 +297,8 @@ def train_on_batch(model, opt: torch.optim.Optimizer, state: TrainerState, batch
                 ticker.advance(1, loss=losses[-1])
     state.updates += 1
     if dp is not None:
-        clip_n, tok_n, ratio_sum, ent_sum, ent_n, tokens = all_sum([clip_n, tok_n, ratio_sum, ent_sum, ent_n, tokens], dp)
+        clip_n, dual_n, tok_n, ratio_sum, ent_sum, ent_n, tokens = all_sum(
+            [clip_n, dual_n, tok_n, ratio_sum, ent_sum, ent_n, tokens], dp)
         ratio_max, neg_min = all_max([ratio_max, -ratio_min], dp)
         ratio_min = -neg_min
     secs = time.monotonic() - t0
@@ -303,6 +307,7 @@ def train_on_batch(model, opt: torch.optim.Optimizer, state: TrainerState, batch
         loss=sum(losses) / max(1, len(losses)),
         optimizer_steps=len(losses),
         clip_fraction=clip_n / max(1, tok_n),
+        dual_clip_fraction=dual_n / max(1, tok_n),
         ratio_min=ratio_min if tok_n else None, ratio_max=ratio_max if tok_n else None,
         ratio_mean=ratio_sum / max(1, tok_n),
         entropy=ent_sum / ent_n if ent_n else None,

@@ -26,9 +26,9 @@ from torch import Tensor
 from rlkit.distributed import DataParallel, all_sum, split_rows
 from rlkit.errors import RlkitError
 from rlkit.gae import AdaptiveKLController, clipped_value_loss, gae, kl_penalised_token_rewards, masked_whiten
-from rlkit.kl import KL_ESTIMATORS
+from rlkit.kl import kl_per_token
 from rlkit.logprobs import completion_logprobs
-from rlkit.losses import AGG_WEIGHTS, AGGREGATIONS, clipped_surrogate, token_mean, truncated_is_weights
+from rlkit.losses import AGG_WEIGHTS, AGGREGATIONS, policy_token_loss, token_mean, truncated_is_weights
 from rlkit.policy_update import (
     TRAINER_DIR,
     RLBatch,
@@ -136,13 +136,15 @@ def _values(critic, batch: RLBatch, chunk: int) -> Tensor:
 
 def train_ppo(model, critic, opt, critic_opt, state: TrainerState, cstate: TrainerState,
               ctrl: AdaptiveKLController | None, batch: RLBatch, cfg: RLConfig, temperature: float = 1.0,
-              ticker=None, recompute: bool = False, dp: DataParallel | None = None) -> dict[str, Any]:
+              ticker=None, recompute: bool = False, dp: DataParallel | None = None,
+              length_norm: float | None = None) -> dict[str, Any]:
     """GAE advantages from the critic, then `epochs` passes of minibatches updating policy and critic.
     Data-parallel (`dp`): rows rank::world of each minibatch; the policy and value losses each get this
-    rank's share of their global denominators (see `rlkit.distributed.split_rows`)."""
+    rank's share of their global denominators (see `rlkit.distributed.split_rows`). `length_norm` is
+    the constant of `seq-mean-token-sum-norm` (the rollout's max_new_tokens), as in `train_on_batch`."""
     t0 = time.monotonic()
     mask = batch.mask
-    kl_fn, agg = KL_ESTIMATORS[cfg.kl_estimator], AGGREGATIONS[cfg.aggregation]
+    agg = AGGREGATIONS[cfg.aggregation]
     if cfg.beta > 0 and batch.ref_logp is None:
         raise RlkitError("--beta > 0 needs reference log-probs: pipe the rollouts through `rlkit score-ref --ref REF` "
                          "(or pass --beta 0)")
@@ -158,7 +160,8 @@ def train_ppo(model, critic, opt, critic_opt, state: TrainerState, cstate: Train
         raise RlkitError("--tis-cap needs the recomputed pi_old (--old-logprobs recompute)")
     tis = truncated_is_weights(old_logp, batch.old_logp, cfg.tis_cap) if cfg.tis_cap is not None else None
     kl_coef = ctrl.value if ctrl is not None else cfg.beta
-    kl_tok = kl_fn(old_logp, batch.ref_logp) * mask if batch.ref_logp is not None else torch.zeros_like(old_logp)
+    kl_tok = (kl_per_token(cfg.kl_estimator, old_logp, batch.ref_logp, mask) if batch.ref_logp is not None
+              else torch.zeros_like(old_logp))
     in_reward = cfg.kl_in == "reward" and kl_coef > 0
     token_rewards = kl_penalised_token_rewards(batch.rewards, kl_tok, mask, kl_coef if in_reward else 0.0)
     old_values = _values(critic, batch, cfg.minibatch_size)
@@ -168,7 +171,7 @@ def train_ppo(model, critic, opt, critic_opt, state: TrainerState, cstate: Train
     explained = 1 - float((ret_m - val_m).var() / ret_m.var()) if ret_m.numel() > 1 and ret_m.var() > 0 else math.nan
     gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + state.updates)
     losses, vlosses, grad_norms = [], [], []
-    clip_n = vclip_n = tok_n = 0
+    clip_n = dual_n = vclip_n = tok_n = 0
     ent_sum = ent_n = 0.0
     for epoch in range(cfg.epochs):
         order = torch.randperm(len(adv), generator=gen)
@@ -184,11 +187,13 @@ def train_ppo(model, critic, opt, critic_opt, state: TrainerState, cstate: Train
             ids, att = batch.input_ids[idx, :L], batch.attn[idx, :L]
             logp, ent = completion_logprobs(model, ids, att, batch.targets[idx, :C], batch.start[idx],
                                             temperature=temperature, with_entropy=epoch == 0)
-            pg, clipped, _ = clipped_surrogate(logp, old_logp[idx, :C], adv[idx, :C], cfg.clip_low, cfg.clip_high)
-            per_tok = pg if tis is None else pg * tis[idx, :C]
-            if cfg.kl_in == "loss" and kl_coef > 0:
-                per_tok = per_tok + kl_coef * kl_fn(logp, batch.ref_logp[idx, :C])
-            loss = agg(per_tok, m) * share
+            in_loss = cfg.kl_in == "loss" and kl_coef > 0
+            tl = policy_token_loss(logp, old_logp[idx, :C], adv[idx, :C], m, clip_low=cfg.clip_low,
+                                   clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
+                                   tis=None if tis is None else tis[idx, :C],
+                                   ref_logp=batch.ref_logp[idx, :C] if in_loss else None,
+                                   kl_estimator=cfg.kl_estimator, kl_coef=kl_coef if in_loss else 0.0)
+            loss = agg(tl.loss, m, length_norm) * share
             v = critic_values(critic, ids, att, batch.start[idx], C)
             vl_tok = clipped_value_loss(v, old_values[idx, :C], returns[idx, :C], cfg.vf_clip)
             vloss = token_mean(vl_tok, m) * vshare
@@ -213,7 +218,8 @@ def train_ppo(model, critic, opt, critic_opt, state: TrainerState, cstate: Train
             state.optimizer_step += 1
             cstate.optimizer_step += 1
             with torch.no_grad():
-                clip_n += int(clipped[m].sum())
+                clip_n += int(tl.clipped.sum())
+                dual_n += int(tl.dual_clipped.sum())
                 unclipped_v = (v - returns[idx, :C]) ** 2
                 vclip_n += int(((0.5 * unclipped_v < vl_tok - 1e-12) & m).sum())
                 tok_n += int(m.sum())
@@ -228,7 +234,7 @@ def train_ppo(model, critic, opt, critic_opt, state: TrainerState, cstate: Train
     state.updates += 1
     cstate.updates += 1
     if dp is not None:
-        clip_n, vclip_n, tok_n, ent_sum, ent_n = all_sum([clip_n, vclip_n, tok_n, ent_sum, ent_n], dp)
+        clip_n, dual_n, vclip_n, tok_n, ent_sum, ent_n = all_sum([clip_n, dual_n, vclip_n, tok_n, ent_sum, ent_n], dp)
     kl_seq = float(kl_tok.sum(1).mean())
     if batch.ref_logp is not None:
         metrics.update(kl_per_token=float(kl_tok.sum() / mask.sum().clamp(min=1)), kl_per_seq=kl_seq)
@@ -237,7 +243,7 @@ def train_ppo(model, critic, opt, critic_opt, state: TrainerState, cstate: Train
         metrics["kl_coef_next"] = ctrl.update(kl_seq, len(adv))
     metrics.update(
         loss=sum(losses) / len(losses), value_loss=sum(vlosses) / len(vlosses), optimizer_steps=len(losses),
-        clip_fraction=clip_n / max(1, tok_n), value_clip_fraction=vclip_n / max(1, tok_n),
+        clip_fraction=clip_n / max(1, tok_n), dual_clip_fraction=dual_n / max(1, tok_n), value_clip_fraction=vclip_n / max(1, tok_n),
         entropy=ent_sum / ent_n if ent_n else None, grad_norm=sum(grad_norms) / len(grad_norms),
         values_mean=float(val_m.mean()), returns_mean=float(ret_m.mean()),
         explained_variance=None if math.isnan(explained) else explained,

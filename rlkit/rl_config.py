@@ -13,10 +13,15 @@ PREFERENCE_ALGOS = ("dpo",)
 CRITIC_ALGOS = ("ppo",)
 # --beta when not given: the KL coefficient for RL, DPO's temperature for dpo.
 DEFAULT_BETA = {"dpo": 0.1}
-# --kl-estimator when not given, by --kl-in. In the reward the penalty is a per-token return, and only
-# k1 = log(pi/pi_ref) makes its policy gradient the gradient of KL (k3 there is ~k1^2/2: near the
-# reference it pulls back at second order only); in the loss k3 is the low-variance unbiased choice.
-DEFAULT_KL_ESTIMATOR = {"reward": "k1", "loss": "k3"}
+# --kl-estimator when not given, by --kl-in (see `rlkit.kl` for the table). In the reward the penalty is
+# a per-token return, and only k1 = log(pi/pi_ref) makes its policy gradient the gradient of
+# KL(pi || pi_ref) (k3 there is ~k1^2/2: near the reference it pulls back at second order only). In the
+# loss the estimator is differentiated: k3+ reports k3's unbiased low-variance value and descends the
+# forward KL with k2's gradient; plain k3 there would descend the reverse KL(pi_ref || pi), and k1 there
+# has zero expected gradient (refused).
+DEFAULT_KL_ESTIMATOR = {"reward": "k1", "loss": "k3+"}
+# verl's clip_ratio_c: for A < 0 the clipped surrogate is capped at -DUAL_CLIP * A.
+DEFAULT_DUAL_CLIP = 3.0
 
 
 @dataclass(frozen=True)
@@ -29,8 +34,9 @@ class RLConfig:
     minibatch_size: int = 128
     clip_low: float = 0.2
     clip_high: float = 0.28
+    dual_clip: float | None = DEFAULT_DUAL_CLIP  # None: no cap for negative advantages
     beta: float = 0.01
-    kl_estimator: str = "k3"
+    kl_estimator: str = "k3+"
     kl_in: str = "loss"
     loss_agg: str | None = None  # None: the algorithm's default (ALGO_AGG)
     drop_degenerate: bool = False
@@ -52,7 +58,7 @@ class RLConfig:
     def check(self) -> None:
         from rlkit.advantages import ADVANTAGES
         from rlkit.errors import RlkitError
-        from rlkit.kl import KL_ESTIMATORS
+        from rlkit.kl import KL_ESTIMATORS, KL_HELP
         from rlkit.losses import AGGREGATIONS
 
         algos = [*ADVANTAGES, *CRITIC_ALGOS, *PREFERENCE_ALGOS]
@@ -63,9 +69,14 @@ class RLConfig:
         if self.target_kl is not None and (self.target_kl <= 0 or self.kl_in != "reward" or self.beta <= 0):
             raise RlkitError("--target-kl adapts the KL penalty in the reward: it needs > 0, --kl-in reward and --beta > 0")
         if self.kl_estimator not in KL_ESTIMATORS:
-            raise RlkitError(f"--kl-estimator {self.kl_estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
+            raise RlkitError(f"--kl-estimator {self.kl_estimator!r} is not one of {KL_HELP}")
         if self.kl_in not in ("loss", "reward"):
             raise RlkitError(f"--kl-in {self.kl_in!r} is not one of loss, reward")
+        if self.kl_in == "loss" and self.kl_estimator == "k1" and self.beta > 0 and self.algo not in PREFERENCE_ALGOS:
+            raise RlkitError("--kl-estimator k1 in the loss has zero expected gradient (E_pi[grad log pi] = 0), so it "
+                             "would regularise nothing: use k3+ or k2 with --kl-in loss, or k1 with --kl-in reward")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise RlkitError(f"--dual-clip {self.dual_clip:g} must be > 1 (verl's default is 3), or 0 to turn it off")
         if self.loss_agg is not None and self.loss_agg not in AGGREGATIONS:
             raise RlkitError(f"--loss-agg {self.loss_agg!r} is not one of {', '.join(AGGREGATIONS)}")
         if self.old_logprobs not in ("auto", "engine", "recompute"):

@@ -23,7 +23,7 @@ from typing import Annotated
 import typer
 
 from rlkit.options import Force, InTable, OutDir, PolicyDir, TrustRemoteCode
-from rlkit.rl_config import RLConfig
+from rlkit.rl_config import DEFAULT_DUAL_CLIP, RLConfig
 
 DEFAULT_MAX_DRIFT = 0.05  # relative weight-space distance from the reference; see rlkit.drift
 
@@ -142,11 +142,16 @@ def run(cfg: UpdateConfig) -> Path:
         console.info(f"update: critic {origin}")
         with console.progress("update", steps) as bar:
             m = ppo.train_ppo(model, critic, opt, critic_opt, state, cstate, ctrl, batch, cfg.rl, temperature, bar,
-                              recompute, dp)
+                              recompute, dp, length_norm)
     else:
         with console.progress("update", steps) as bar:
             m = policy_update.train_on_batch(model, opt, state, batch, cfg.rl, temperature, length_norm, bar,
                                              recompute, dp)
+    from rlkit.advantages import GROUP_BASELINE
+
+    if m.get("singleton_groups") and cfg.rl.algo in GROUP_BASELINE:
+        console.warn(f"update: {m['singleton_groups']} groups have one sample and get advantage 0 under --algo "
+                     f"{cfg.rl.algo} (no group baseline); sample --n >= 2 or use --algo reinforce-pp")
     comps = {n.split("/", 1)[1]: table.column(n).to_pylist() for n in table.column_names if n.startswith("reward/")}
     if cfg.length_penalty:
         comps["length_penalty"] = [-cfg.length_penalty * len(c) for c in table.column("completion_ids").to_pylist()]
@@ -243,7 +248,7 @@ def _show(metrics: dict, keys: list[str] | None = None) -> None:
 
     t = Table(title=f"update step {metrics['step']}", show_header=False)
     default = ("reward_mean", "reward_std", "verifier_accuracy", "kl_per_token", "kl_per_seq", "entropy",
-            "clip_fraction", "ratio_min", "ratio_mean", "ratio_max", "logprob_mismatch", "logprob_mismatch_max",
+            "clip_fraction", "dual_clip_fraction", "ratio_min", "ratio_mean", "ratio_max", "logprob_mismatch", "logprob_mismatch_max",
             "tis_weight_mean", "tis_capped_fraction", "kl_coef", "kl_coef_next", "value_loss", "value_clip_fraction",
             "explained_variance", "grad_norm", "mean_response_tokens", "drift",
             "degenerate_group_fraction", "optimizer_steps", "tokens_per_s", "train_seconds")
@@ -258,16 +263,17 @@ def command(
     policy: PolicyDir,
     out: OutDir,
     inp: InTable = None,
-    algo: Annotated[str, typer.Option(help="grpo, dr-grpo, rloo or reinforce-pp (rollouts in); dpo (a prefs table scored by score-ref in).")] = "grpo",
+    algo: Annotated[str, typer.Option(help="grpo, dr-grpo, rloo or reinforce-pp (rollouts in; a group of one sample gets advantage 0 from the group-based ones, reinforce-pp whitens over all completion tokens of the batch); ppo (a critic); dpo (a prefs table scored by score-ref in).")] = "grpo",
     lr: Annotated[float, typer.Option(help="AdamW learning rate (default suits the tiny model; ~1e-6 for 1B+ models).")] = RLConfig.lr,
     epochs: Annotated[int, typer.Option(min=1, help="Passes over the rollout batch.")] = RLConfig.epochs,
     minibatch_size: Annotated[int, typer.Option(min=1, help="Sequences per optimizer step.")] = RLConfig.minibatch_size,
     clip_low: Annotated[float, typer.Option(help="Ratio clip below 1: 1 - clip_low.")] = RLConfig.clip_low,
     clip_high: Annotated[float, typer.Option(help="Ratio clip above 1: 1 + clip_high.")] = RLConfig.clip_high,
+    dual_clip: Annotated[float, typer.Option(help="Dual clip C (verl's clip_ratio_c): for a negative advantage the clipped loss is capped at -C*A, so a ratio far above 1 cannot blow it up; must be > 1; 0 turns it off.")] = DEFAULT_DUAL_CLIP,
     beta: Annotated[float | None, typer.Option(help=f"KL coefficient to the reference (0: no reference needed; default {RLConfig.beta}); for --algo dpo, DPO's beta (default 0.1).")] = None,
-    kl_estimator: Annotated[str | None, typer.Option(help="KL estimator: k1, k2 or k3; default k1 in the reward (the log-ratio penalty of InstructGPT), k3 in the loss.")] = None,
+    kl_estimator: Annotated[str | None, typer.Option(help="KL estimator: k1, k2, k3 or k3+. In the reward use k1 (its default): only the log-ratio makes the penalised reward's policy gradient the gradient of KL(pi||pi_ref). In the loss use k3+ (its default: k3's unbiased low-variance value, k2's gradient, which in expectation is the gradient of KL(pi||pi_ref)) or k2; k3 in the loss descends the reverse KL(pi_ref||pi) instead, and k1 in the loss has zero expected gradient (refused).")] = None,
     kl_in: Annotated[str | None, typer.Option(help="Where the KL goes: loss (a loss term) or reward (a per-token penalty); default reward for ppo, loss otherwise.")] = None,
-    loss_agg: Annotated[str | None, typer.Option(help="token-mean, seq-mean-token-mean or seq-mean-token-sum-norm (default: per --algo).")] = None,
+    loss_agg: Annotated[str | None, typer.Option(help="token-mean, seq-mean-token-mean (mean over non-empty responses of their token means) or seq-mean-token-sum-norm (token sums / (responses x the rollout's max_new_tokens)); default: per --algo.")] = None,
     drop_degenerate: Annotated[bool, typer.Option(help="Leave out groups whose rewards are all equal.")] = False,
     reward: Annotated[list[str] | None, typer.Option(help="Reward component weight NAME=W (repeatable), e.g. verifier=1 rm:helpful=0.7; default: sum of all components.")] = None,
     length_penalty: Annotated[float, typer.Option(min=0.0, help="Subtract this times the completion length in tokens from the reward (a 'length_penalty' component).")] = 0.0,
@@ -279,7 +285,7 @@ def command(
     vf_clip: Annotated[float, typer.Option(help="ppo: value clip range around the old values.")] = RLConfig.vf_clip,
     critic_lr: Annotated[float | None, typer.Option(help="ppo: critic learning rate (default 2x --lr).")] = None,
     critic_init: Annotated[str, typer.Option(help="ppo, first update: initialise the critic from 'policy' or a reward-model DIR (same tokenizer).")] = RLConfig.critic_init,
-    target_kl: Annotated[float | None, typer.Option(help="ppo: adapt the KL coefficient towards this KL per sequence (Ziegler et al.), starting at --beta.")] = None,
+    target_kl: Annotated[float | None, typer.Option(help="ppo: adapt the KL coefficient towards this KL (Ziegler et al.), starting at --beta. Unit: nats per sequence, i.e. the --kl-estimator's per-token KL of pi_old vs pi_ref summed over each response and averaged over the batch (TRL's convention; the kl_per_seq metric).")] = None,
     old_logprobs: Annotated[str, typer.Option(help="pi_old for the ratio: engine (as logged at rollout), recompute (the trainer's own forward pass before the first step) or auto (recompute unless the hf engine sampled).")] = RLConfig.old_logprobs,
     tis_cap: Annotated[float | None, typer.Option(help="Truncated importance sampling: weight each token's loss by min(pi_recomputed / pi_engine, CAP), e.g. 2.0.")] = None,
     metrics: Annotated[Path | None, typer.Option(help="Append this update's metrics as one JSON line to this file.")] = None,
@@ -292,10 +298,17 @@ def command(
     """One clipped policy-gradient update (GRPO family) with a KL leash; writes the next checkpoint."""
     from rlkit.rl_config import DEFAULT_BETA, DEFAULT_KL_ESTIMATOR
 
+    if kl_estimator == "k3" and (kl_in or ("reward" if algo == "ppo" else RLConfig.kl_in)) == "loss":
+        from rlkit import console
+
+        console.info("update: k3 in the loss descends the reverse KL(pi_ref || pi), not KL(pi || pi_ref); "
+                     "k3+ reports the same value with the forward KL's gradient")
+
     beta = beta if beta is not None else DEFAULT_BETA.get(algo, RLConfig.beta)
     kl_in = kl_in or ("reward" if algo == "ppo" else RLConfig.kl_in)
     kl_estimator = kl_estimator or DEFAULT_KL_ESTIMATOR.get(kl_in, RLConfig.kl_estimator)
     rl = RLConfig(algo=algo, lr=lr, epochs=epochs, minibatch_size=minibatch_size, clip_low=clip_low, clip_high=clip_high,
+                  dual_clip=dual_clip or None,
                   beta=beta, kl_estimator=kl_estimator, kl_in=kl_in, loss_agg=loss_agg, drop_degenerate=drop_degenerate,
                   grad_clip=grad_clip, warmup_steps=warmup_steps, seed=seed, old_logprobs=old_logprobs, tis_cap=tis_cap,
                   gamma=gamma, lam=lam, vf_clip=vf_clip, critic_lr=critic_lr, critic_init=critic_init,

@@ -49,6 +49,24 @@ def test_freeze_ref_and_eval_flags(monkeypatch, tmp_path):
     assert seen[0].num == 7 and seen[0].as_json and seen[0].task == "arithmetic:terms=2-2"
 
 
+def test_update_flags_map_into_the_rl_config(monkeypatch, tmp_path):
+    from rlkit.stages import update
+
+    seen = _capture(monkeypatch, update)
+    base = ["update", "--policy", "p", "--out", str(tmp_path / "o")]
+    assert runner.invoke(app, base).exit_code == 0
+    rl = seen[-1].rl
+    assert (rl.kl_in, rl.kl_estimator, rl.dual_clip) == ("loss", "k3+", 3.0)  # the forward KL's gradient in the loss
+    assert runner.invoke(app, [*base, "--algo", "ppo"]).exit_code == 0
+    assert (seen[-1].rl.kl_in, seen[-1].rl.kl_estimator) == ("reward", "k1")
+    assert runner.invoke(app, [*base, "--dual-clip", "0", "--kl-estimator", "k2"]).exit_code == 0
+    assert (seen[-1].rl.dual_clip, seen[-1].rl.kl_estimator) == (None, "k2")
+    assert runner.invoke(app, [*base, "--dual-clip", "2.5"]).exit_code == 0
+    assert seen[-1].rl.dual_clip == 2.5
+    r = runner.invoke(app, ["update", "--help"], env={"COLUMNS": "400"})
+    assert "k3+" in r.output and "nats per sequence" in r.output
+
+
 def test_unknown_task(tmp_path):
     line = one_error_line(run_cli("prompts", "--task", "chess", "--out", str(tmp_path / "p.arrow")))
     assert "unknown task 'chess'" in line and "arithmetic" in line

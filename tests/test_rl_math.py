@@ -66,8 +66,11 @@ def test_dr_grpo_rloo_reinforce_pp_by_hand():
 
 
 def test_degenerate_groups_are_counted():
-    mask, n_degen, n_groups = advantages.degenerate_groups(R, G)
-    assert mask.tolist() == [False] * 4 + [True] * 4 and (n_degen, n_groups) == (2, 3)
+    mask, n_degen, n_single, n_groups = advantages.degenerate_groups(R, G)
+    assert mask.tolist() == [False] * 4 + [True] * 4 and (n_degen, n_single, n_groups) == (2, 0, 3)
+    # a group of one is degenerate (nothing to compare with) and counted as a singleton
+    c = advantages.degenerate_groups(torch.tensor([1.0, 0.0, 2.0]), torch.tensor([0, 0, 7]))
+    assert c.degenerate_mask.tolist() == [False, False, True] and (c.degenerate, c.singletons, c.groups) == (1, 1, 2)
 
 
 def test_clipped_surrogate_by_hand():
@@ -75,14 +78,14 @@ def test_clipped_surrogate_by_hand():
     # ratio = e^-0.5 = 0.6065 < 0.8 with A = -1: clipped to 0.8 -> loss max(0.6065, 0.8) = 0.8
     logp = torch.tensor([[0.5, -0.5]])
     old = torch.zeros(1, 2)
-    loss, clipped, ratio = losses.clipped_surrogate(logp, old, torch.tensor([[1.0, -1.0]]), 0.2, 0.28)
+    loss, clipped, ratio, _ = losses.clipped_surrogate(logp, old, torch.tensor([[1.0, -1.0]]), 0.2, 0.28)
     assert loss.tolist()[0] == pytest.approx([-1.28, 0.8])
     assert clipped.tolist() == [[True, True]]
     # inside the range nothing is clipped: loss = -A * ratio
-    loss, clipped, _ = losses.clipped_surrogate(torch.tensor([[0.1]]), torch.zeros(1, 1), torch.tensor([2.0]))
+    loss, clipped, _, _ = losses.clipped_surrogate(torch.tensor([[0.1]]), torch.zeros(1, 1), torch.tensor([2.0]))
     assert loss.item() == pytest.approx(-2 * math.exp(0.1)) and not clipped.any()
     # A > 0 with ratio below 1 - clip_low is not clipped (pessimistic bound keeps the gradient)
-    loss, clipped, _ = losses.clipped_surrogate(torch.tensor([[-1.0]]), torch.zeros(1, 1), torch.tensor([1.0]))
+    loss, clipped, _, _ = losses.clipped_surrogate(torch.tensor([[-1.0]]), torch.zeros(1, 1), torch.tensor([1.0]))
     assert loss.item() == pytest.approx(-math.exp(-1)) and not clipped.any()
 
 
@@ -105,7 +108,7 @@ def test_vectorised_grpo_loss_matches_a_naive_per_sequence_loop():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0])
     groups = torch.tensor([0, 0, 0, 1, 1, 1])
     adv = advantages.grpo(rewards, groups)
-    loss_mat, _, _ = losses.clipped_surrogate(logp, old, adv)
+    loss_mat, _, _, _ = losses.clipped_surrogate(logp, old, adv)
     vec = losses.seq_mean_token_mean(loss_mat, mask)
     # naive: per group mean/std, per sequence per token PPO clip, mean over tokens then sequences
     naive_seq = []

@@ -83,7 +83,8 @@ def test_the_pipe_from_the_users_card(sft_dir, ref_dir, tmp_path):
     assert m["step"] == 1 and m["command"] == "update"
     row = json.loads(metrics.read_text())
     for key in ("reward_mean", "reward/verifier", "verifier_accuracy", "kl_per_token", "kl_per_seq", "entropy",
-                "clip_fraction", "ratio_min", "ratio_mean", "ratio_max", "grad_norm", "mean_response_tokens",
+                "clip_fraction", "dual_clip_fraction", "ratio_min", "ratio_mean", "ratio_max", "grad_norm",
+                "mean_response_tokens", "singleton_groups",
                 "degenerate_group_fraction", "tokens_per_s", "train_seconds"):
         assert row[key] is not None, key
     assert row["sequences"] == 256 and row["kl_per_token"] >= 0
@@ -185,6 +186,31 @@ def test_bad_inputs_to_the_loop(sft_dir, ref_dir, tmp_path):
     assert run_cli("prompts", "--num", "3", "--out", str(p)).returncode == 0
     line = one_error_line(run_cli("update", "--policy", str(sft_dir), "--in", str(p), "--out", str(tmp_path / "u")))
     assert "is a 'prompts' table, expected a 'rollouts' or 'scored' table" in line
+    # k1 in the loss has zero expected gradient: refused before anything is read or written
+    scored = tmp_path / "scored.arrow"
+    assert run_cli("score-ref", "--ref", str(ref_dir), "--in", str(roll), "--out", str(scored)).returncode == 0
+    line = one_error_line(run_cli("update", "--policy", str(sft_dir), "--in", str(scored), "--out", str(tmp_path / "u"),
+                                   "--kl-estimator", "k1", "--kl-in", "loss"))
+    assert "zero expected gradient" in line and "k3+" in line and not (tmp_path / "u").exists()
+    line = one_error_line(run_cli("update", "--policy", str(sft_dir), "--in", str(scored), "--out", str(tmp_path / "u"),
+                                   "--dual-clip", "1"))
+    assert "--dual-clip 1 must be > 1" in line and not (tmp_path / "u").exists()
+
+
+def test_groups_of_one_are_warned_about_and_get_no_push(sft_dir, tmp_path):
+    """--n 1 under a group baseline: every advantage is 0 (no baseline), the update says so on stderr.
+    A length penalty makes the rewards differ from row to row, so only the missing baseline zeroes them."""
+    roll = _rollouts(sft_dir, tmp_path / "r.arrow", num=8, n=1)
+    r = run_cli("update", "--policy", str(sft_dir), "--in", str(roll), "--out", str(tmp_path / "u"), "--beta", "0",
+                "--length-penalty", "0.1", "--metrics", str(tmp_path / "m.jsonl"))
+    assert r.returncode == 0, r.stderr
+    assert "8 groups have one sample and get advantage 0 under --algo grpo" in r.stderr.decode()
+    m = json.loads((tmp_path / "m.jsonl").read_text())
+    assert m["singleton_groups"] == 8 and m["advantage_abs_mean"] == 0.0
+    r = run_cli("update", "--policy", str(sft_dir), "--in", str(roll), "--out", str(tmp_path / "u2"), "--beta", "0",
+                "--length-penalty", "0.1", "--algo", "reinforce-pp", "--metrics", str(tmp_path / "m2.jsonl"))
+    assert r.returncode == 0 and "one sample" not in r.stderr.decode()
+    assert json.loads((tmp_path / "m2.jsonl").read_text())["advantage_abs_mean"] > 0
 
 
 def test_engine_choice_and_recomputed_pi_old(sft_dir, tmp_path):
