@@ -4,7 +4,7 @@
 # Knobs (environment), defaults in brackets:
 #   RUNS [runs/rlvr]  SEED [0]  TASK [arithmetic]  SFT_EXAMPLES [24000]  EVAL_NUM [300]
 #   ROUNDS [3]  PROMPTS [512] prompts per round  N [8] samples per prompt  MAX_NEW_TOKENS [16]
-#   ALGO [grpo]  LR [5e-5]  EPOCHS [2]  MINIBATCH [128]  BETA [0.01]  KL [k3]  TEMPERATURE [1.0]
+#   ALGO [grpo]  LR [5e-5]  EPOCHS [2]  MINIBATCH [128]  BETA [0.01]  KL [k3+] (in the loss; see README)  TEMPERATURE [1.0]
 #   DROP_DEGENERATE [0] leave out groups whose rewards are all equal (no signal, ~20% less work)
 # A rerun skips every stage whose output is up to date with its inputs and settings.
 set -euo pipefail
@@ -23,7 +23,7 @@ LR=${LR:-5e-5}
 EPOCHS=${EPOCHS:-2}
 MINIBATCH=${MINIBATCH:-128}
 BETA=${BETA:-0.01}
-KL=${KL:-k3}
+KL=${KL:-k3+}
 TEMPERATURE=${TEMPERATURE:-1.0}
 DROP_DEGENERATE=${DROP_DEGENERATE:-0}
 drop_flag=()

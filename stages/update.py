@@ -6,9 +6,10 @@ and `trainer/` (AdamW moments and step counter as safetensors, state as JSON), w
 `update` resumes, so N sequential processes equal one process doing N updates.
 
 Advantages come from a registry (grpo, dr-grpo, rloo, reinforce-pp); the loss is PPO's clipped
-surrogate on pi_theta / pi_old with asymmetric clipping, run for --epochs passes of --minibatch-size
-sequences, so one rollout batch feeds many optimizer steps. The KL leash to pi_ref (never pi_old) is
-a loss term or a reward penalty. Metrics go to the screen, the manifest, --metrics FILE and
+surrogate on pi_theta / pi_old with asymmetric clipping and a dual clip for negative advantages, run
+for --epochs passes of --minibatch-size sequences, so one rollout batch feeds many optimizer steps.
+The KL leash to pi_ref (never pi_old) is a loss term (k3+ by default: k3's value, the forward KL's
+gradient) or a reward penalty (k1 by default); `rlkit.kl` says which estimator belongs where. Metrics go to the screen, the manifest, --metrics FILE and
 --tensorboard DIR; among them `drift`, the policy's relative weight distance from the reference
 (`rlkit.drift`), with a warning above --max-drift. Under torchrun the update is data-parallel
 (FSDP2, `rlkit.distributed`): same result as one process, rank 0 writes.
