@@ -6,6 +6,7 @@
 #   ROUNDS [3]  PROMPTS [512] prompts per round  N [8] samples per prompt  MAX_NEW_TOKENS [16]
 #   ALGO [grpo]  LR [5e-5]  EPOCHS [2]  MINIBATCH [128]  BETA [0.01]  KL [k3+] (in the loss; see README)  TEMPERATURE [1.0]
 #   DROP_DEGENERATE [0] leave out groups whose rewards are all equal (no signal, ~20% less work)
+#   DUAL_CLIP [3] cap on the loss of negative-advantage tokens (-C*A; 0: off)
 # A rerun skips every stage whose output is up to date with its inputs and settings.
 set -euo pipefail
 
@@ -26,6 +27,7 @@ BETA=${BETA:-0.01}
 KL=${KL:-k3+}
 TEMPERATURE=${TEMPERATURE:-1.0}
 DROP_DEGENERATE=${DROP_DEGENERATE:-0}
+DUAL_CLIP=${DUAL_CLIP:-3}
 drop_flag=()
 [ "$DROP_DEGENERATE" = 1 ] && drop_flag=(--drop-degenerate)
 
@@ -48,7 +50,7 @@ timed freeze-ref rlkit freeze-ref --policy "$RUNS/sft" --out "$RUNS/ref" --dtype
 timed eval-sft rlkit eval --policy "$RUNS/sft" --task "$TASK" --num "$EVAL_NUM" --label sft --json \
   --metrics "$RUNS/metrics.jsonl" > "$RUNS/eval-sft.json"
 
-knobs="task=$TASK prompts=$PROMPTS n=$N max_new=$MAX_NEW_TOKENS algo=$ALGO lr=$LR epochs=$EPOCHS mb=$MINIBATCH beta=$BETA kl=$KL temp=$TEMPERATURE drop=$DROP_DEGENERATE seed=$SEED"
+knobs="task=$TASK prompts=$PROMPTS n=$N max_new=$MAX_NEW_TOKENS algo=$ALGO lr=$LR epochs=$EPOCHS mb=$MINIBATCH beta=$BETA kl=$KL temp=$TEMPERATURE drop=$DROP_DEGENERATE dual=$DUAL_CLIP seed=$SEED"
 policy="$RUNS/sft"
 rl_start=$(now)
 for i in $(seq 1 "$ROUNDS"); do
@@ -62,7 +64,7 @@ for i in $(seq 1 "$ROUNDS"); do
         --max-new-tokens "$MAX_NEW_TOKENS" --temperature "$TEMPERATURE" --seed "$((SEED * 1000 + i))" \
       | timed "round-$i:score-ref" rlkit score-ref --ref "$RUNS/ref" \
       | timed "round-$i:update" rlkit update --policy "$policy" --out "$out" --algo "$ALGO" --lr "$LR" \
-          --epochs "$EPOCHS" --minibatch-size "$MINIBATCH" --beta "$BETA" --kl-estimator "$KL" \
+          --epochs "$EPOCHS" --minibatch-size "$MINIBATCH" --beta "$BETA" --kl-estimator "$KL" --dual-clip "$DUAL_CLIP" \
           --seed "$SEED" "${drop_flag[@]}" --metrics "$RUNS/metrics.jsonl"
     printf 'round-%s\t%s\n' "$i" "$(awk -v a="$t0" -v b="$(now)" 'BEGIN{printf "%.2f", b-a}')" >> "$TIMES"
     rm -f "$RUNS/eval-round-$i.json"
