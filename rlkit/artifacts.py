@@ -21,7 +21,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.ipc
 
 from rlkit import __version__
-from rlkit.errors import RlkitError, TruncatedStream
+from rlkit.errors import DownstreamClosed, RlkitError, TruncatedStream
 
 SCHEMA_KEY = b"rlkit"
 END_KEY = "rlkit.end"
@@ -358,6 +358,27 @@ def stdout_sink() -> BinaryIO:
     return _STDOUT
 
 
+def downstream_closed() -> bool:
+    """True once the stage reading our stdout pipe has exited (the pipe's read end is closed); False
+    while it runs, and always when stdout is not claimed for a table or is not a pipe."""
+    import select
+
+    if _STDOUT is None:
+        return False
+    p = select.poll()
+    p.register(_STDOUT.fileno(), 0)  # POLLERR / POLLHUP are reported whatever is asked for
+    return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in p.poll(0))
+
+
+def drop_stdout_sink() -> None:
+    """Point the claimed stdout at /dev/null: its reader is gone, and whatever is still buffered must
+    not fail again (or print Python's 'Exception ignored' lines) at exit."""
+    if _STDOUT is not None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, _STDOUT.fileno())
+        os.close(devnull)
+
+
 class TableWriter:
     """Writes record batches of one kind as they are produced, flushing each to the sink.
 
@@ -554,6 +575,25 @@ class TableReader:
 
             threading.Thread(target=drain, name="rlkit-prefetch", daemon=True).start()
         return self
+
+    def batches(self, idle: Callable[[], bool], every: float = 0.2) -> Iterator[pa.RecordBatch]:
+        """Like iterating, but while no batch comes for `every` seconds `idle()` is asked, and
+        DownstreamClosed raised when it says True (a `--follow` stage whose reader has gone)."""
+        if self._queue is None:
+            self.prefetch()
+        assert self._queue is not None
+        while True:
+            try:
+                item = self._queue.get(timeout=every)
+            except queue.Empty:
+                if idle():
+                    raise DownstreamClosed(self.label) from None
+                continue
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
 
     def __iter__(self) -> Iterator[pa.RecordBatch]:
         if self._queue is None:

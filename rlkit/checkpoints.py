@@ -69,15 +69,18 @@ def safetensors_summary(d: Path) -> dict[str, Any]:
     return {"parameters": params, "bytes": nbytes, "dtypes": sorted(dtypes)}
 
 
-def save_model(model, tokenizer, tmp: Path, manifest: dict[str, Any], state_dict: dict | None = None) -> dict[str, Any]:
+def save_model(model, tokenizer, tmp: Path, manifest: dict[str, Any], state_dict: dict | None = None,
+               write_manifest: bool = True) -> dict[str, Any]:
     """Save into `tmp` (an `atomic_dir`), hash the weights and write the manifest; returns it.
-    `state_dict`: the gathered full weights of a sharded (FSDP) model."""
+    `state_dict`: the gathered full weights of a sharded (FSDP) model. `write_manifest=False` leaves
+    writing it to the caller (`rlkit.follow.publish` writes it last)."""
     _quiet_transformers()
     model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": state_dict} if state_dict is not None else {}))
     tokenizer.save_pretrained(tmp)
     per_file, digest = hash_weights(tmp)
     manifest = {**manifest, "weights_sha256": per_file, "weights_digest": digest}
-    (tmp / MODEL_MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    if write_manifest:
+        (tmp / MODEL_MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
 
 
@@ -116,6 +119,22 @@ def load_policy(src: str | Path, dtype: str = "fp32", trust_remote_code: bool = 
     except OSError as e:
         raise RlkitError(f"cannot load model {src}: {str(e).splitlines()[0]}") from e
     return model, load_tokenizer(src, trust_remote_code)
+
+
+def load_weights_into(model, d: Path) -> None:
+    """Copy checkpoint `d`'s safetensors into a live model of the same architecture, in place (tied
+    weights stay tied: a tensor the checkpoint leaves out must share storage with one it holds)."""
+    from rlkit.drift import load_weights
+
+    sd = load_weights(d)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if unexpected:
+        raise RlkitError(f"{d} holds weights this model does not have ({', '.join(sorted(unexpected)[:3])}); "
+                         "is it the same architecture?")
+    loaded = {p.data_ptr() for n, p in model.state_dict().items() if n in sd}
+    untied = [n for n in missing if model.state_dict()[n].data_ptr() not in loaded]
+    if untied:
+        raise RlkitError(f"{d} lacks weights {', '.join(sorted(untied)[:3])}; is it the same architecture?")
 
 
 def policy_step(src: str | Path) -> int:

@@ -15,7 +15,7 @@ import click
 import typer
 
 from rlkit import __version__
-from rlkit.errors import RlkitError
+from rlkit.errors import DownstreamClosed, RlkitError
 from rlkit.stages import (
     build_prefs,
     cat,
@@ -73,6 +73,35 @@ def _on_sigterm(signum, frame):  # noqa: ARG001
 
 
 def main(argv: list[str] | None = None) -> int:
+    rc = _main(argv)
+    _exit_if_reader_blocked(rc)
+    return rc
+
+
+def _exit_if_reader_blocked(rc: int) -> None:
+    """A `--follow` stage can finish while its input is still open (update reached --max-steps, the
+    downstream stage ended): its reader thread then sits in a blocking read of stdin, and interpreter
+    shutdown would abort on it. Flush what we wrote and leave at once instead."""
+    import threading
+
+    if not any(t.name in ("rlkit-open", "rlkit-prefetch") and t.is_alive() for t in threading.enumerate()):
+        return
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):
+            pass
+    from rlkit import artifacts
+
+    if artifacts._STDOUT is not None:
+        try:
+            artifacts._STDOUT.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(rc)
+
+
+def _main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get("RLKIT_DEBUG", "") not in ("", "0") or "--debug" in args
     args = [a for a in args if a != "--debug"]
@@ -96,6 +125,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print("rlkit: interrupted; nothing was written to --out", file=err)
         return 130
+    except DownstreamClosed:
+        # a --follow stage whose reader ended (e.g. `update --follow --max-steps`): the run's normal end
+        from rlkit.artifacts import drop_stdout_sink
+
+        drop_stdout_sink()
+        print("rlkit: the downstream stage ended; stopping", file=err)
+        return 0
     except BrokenPipeError:
         # The downstream stage exited: stop quietly, non-zero, and keep Python from complaining at exit.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

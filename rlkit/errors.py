@@ -13,3 +13,7 @@ class TruncatedStream(RlkitError):
     """An Arrow stream ended before its producer wrote the end marker (upstream died)."""
 
     exit_code = 3
+
+
+class DownstreamClosed(Exception):  # noqa: N818 (a signal, not a failure)
+    """The stage reading our output has ended: in a `--follow` pipe the normal way for a run to end."""

@@ -54,6 +54,18 @@ def truncated_is_weights(old_logp: Tensor, engine_logp: Tensor, cap: float) -> T
     return torch.exp((old_logp - engine_logp).clamp(max=LOG_RATIO_CLAMP)).clamp(max=cap).detach()
 
 
+def importance_ess(old_logp: Tensor, engine_logp: Tensor, mask: Tensor) -> float:
+    """Normalised effective sample size of the per-token importance weights w = pi_old / pi_engine
+    (uncapped): (sum w)^2 / (n * sum w^2) over the n masked tokens, in (0, 1]. 1 when the behaviour
+    policy that sampled equals the proximal one the loss clips against; it falls as they drift apart
+    (policy lag, engine mismatch), and 1/ESS is roughly the variance inflation of the weighted loss.
+    (B, T), (B, T), (B, T) bool -> float (1.0 for no tokens)."""
+    w = torch.exp((old_logp - engine_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))[mask].double()
+    if w.numel() == 0:
+        return 1.0
+    return float(w.sum() ** 2 / (w.numel() * (w * w).sum()))
+
+
 class TokenLoss(NamedTuple):
     """`policy_token_loss`'s result; every (B, T) tensor is zero / False off the mask."""
 

@@ -22,7 +22,7 @@ from rlkit.distributed import DataParallel, all_max, all_sum, split_rows
 from rlkit.errors import RlkitError
 from rlkit.kl import kl_per_token
 from rlkit.logprobs import completion_logprobs, pack_sequences
-from rlkit.losses import AGG_WEIGHTS, AGGREGATIONS, policy_token_loss, truncated_is_weights
+from rlkit.losses import AGG_WEIGHTS, AGGREGATIONS, importance_ess, policy_token_loss, truncated_is_weights
 from rlkit.rl_config import RLConfig
 
 TRAINER_DIR = "trainer"
@@ -202,9 +202,25 @@ def recompute_logprobs(model, batch: RLBatch, temperature: float, minibatch_size
     return out
 
 
+def mismatch_metrics(old_logp: Tensor, engine_logp: Tensor, mask: Tensor, lags: Tensor | None = None) -> dict[str, Any]:
+    """How far the recomputed pi_old (the proximal policy) is from the behaviour policy's logged
+    log-probs: mean/max |difference| per token, the importance weights' normalised ESS and, given each
+    row's policy lag (N,), the mismatch on the rows sampled by this very policy (the engine's alone)."""
+    gap = (old_logp - engine_logp).abs()[mask]
+    out: dict[str, Any] = {"logprob_mismatch": float(gap.mean()) if gap.numel() else 0.0,
+                           "logprob_mismatch_max": float(gap.max()) if gap.numel() else 0.0,
+                           "is_ess": importance_ess(old_logp, engine_logp, mask)}
+    if lags is not None:
+        fresh = mask & (lags == 0).unsqueeze(1)
+        g = (old_logp - engine_logp).abs()[fresh]
+        out["logprob_mismatch_fresh"] = float(g.mean()) if g.numel() else None
+    return out
+
+
 def train_on_batch(model, opt: torch.optim.Optimizer, state: TrainerState, batch: RLBatch, cfg: RLConfig,
                    temperature: float = 1.0, length_norm: float | None = None, ticker=None,
-                   recompute: bool = False, dp: DataParallel | None = None) -> dict[str, Any]:
+                   recompute: bool = False, dp: DataParallel | None = None,
+                   lags: Tensor | None = None) -> dict[str, Any]:
     """Advantages, then `epochs` passes of shuffled minibatches of the clipped surrogate (+ KL term).
 
     Data-parallel (`dp`): every rank holds the whole batch and the same minibatch order and trains on
@@ -213,7 +229,8 @@ def train_on_batch(model, opt: torch.optim.Optimizer, state: TrainerState, batch
 
     `recompute`: pi_old is the trainer's own forward pass before the first step rather than the
     engine's logged log-probs (their gap is logged as `logprob_mismatch`); with `cfg.tis_cap` the
-    per-token loss is also weighted by min(pi_old / pi_engine, cap).
+    per-token loss is also weighted by min(pi_old / pi_engine, cap). `lags` (N,): each row's policy
+    lag (`update --follow`), for the mismatch metrics.
     """
     t0 = time.monotonic()
     agg = AGGREGATIONS[cfg.aggregation]
@@ -229,9 +246,7 @@ def train_on_batch(model, opt: torch.optim.Optimizer, state: TrainerState, batch
     if recompute:
         model.train()
         old_logp = recompute_logprobs(model, batch, temperature, cfg.minibatch_size)
-        gap = (old_logp - batch.old_logp).abs()[mask]
-        metrics.update(logprob_mismatch=float(gap.mean()) if gap.numel() else 0.0,
-                       logprob_mismatch_max=float(gap.max()) if gap.numel() else 0.0)
+        metrics.update(mismatch_metrics(old_logp, batch.old_logp, mask, lags))
         if cfg.tis_cap is not None:
             tis = truncated_is_weights(old_logp, batch.old_logp, cfg.tis_cap)
             metrics.update(tis_weight_mean=float(tis[mask].mean()),

@@ -35,6 +35,7 @@ from rlkit.policy_update import (
     TrainerState,
     load_trainer,
     make_optimizer,
+    mismatch_metrics,
     recompute_logprobs,
     save_trainer,
 )
@@ -154,8 +155,7 @@ def train_ppo(model, critic, opt, critic_opt, state: TrainerState, cstate: Train
     old_logp = batch.old_logp
     if recompute:
         old_logp = recompute_logprobs(model, batch, temperature, cfg.minibatch_size)
-        gap = (old_logp - batch.old_logp).abs()[mask]
-        metrics.update(logprob_mismatch=float(gap.mean()), logprob_mismatch_max=float(gap.max()))
+        metrics.update(mismatch_metrics(old_logp, batch.old_logp, mask))
     elif cfg.tis_cap is not None:
         raise RlkitError("--tis-cap needs the recomputed pi_old (--old-logprobs recompute)")
     tis = truncated_is_weights(old_logp, batch.old_logp, cfg.tis_cap) if cfg.tis_cap is not None else None

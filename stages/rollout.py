@@ -42,6 +42,12 @@ class RolloutConfig:
     enforce_eager: bool = False
     chunk_prompts: int = 64
     shard: str | None = None  # "i/N": this job's share of the prompts (whole chunks), see rlkit.shards
+    # --follow DIR: stream batches of `batch_prompts` prompts forever, switching to DIR's newest step
+    # between batches (see rlkit.follow and `update --follow`)
+    follow: Path | None = None
+    batch_prompts: int | None = None  # default 64
+    max_lag: int = 1  # batch b starts once DIR's newest step is >= (start step) + b - max_lag
+    max_steps: int | None = None  # stop after the batch that trains step (--policy's step) + max_steps
     trust_remote_code: bool = False
     force: bool = False
 
@@ -65,6 +71,10 @@ def run(cfg: RolloutConfig) -> Path | None:
     out = artifacts.resolve_out(cfg.out)
     artifacts.check_out(out, "table")
     cfg = replace(cfg, task=task.spec)
+    if cfg.follow is not None:
+        return _run_follow(cfg, task, out)
+    if cfg.batch_prompts is not None or cfg.max_steps is not None:
+        raise RlkitError("--batch-prompts and --max-steps are --follow options (without it: --num-prompts)")
     inputs = {"policy": artifacts.fingerprint(cfg.policy)}
     if cfg.prompts:
         source = data.load_source(cfg.prompts, "prompts", {"prompt": cfg.prompt_column, "answer": cfg.answer_column})
@@ -84,18 +94,7 @@ def run(cfg: RolloutConfig) -> Path | None:
     if artifacts.skip_if_current(out, "rollout", cfg, inputs):
         return out
 
-    chosen, why = engines.choose(cfg.engine)
-    console.info(f"rollout: engine {chosen} ({why})")
-    if chosen == "vllm":
-        tokenizer = checkpoints.load_tokenizer(cfg.policy, cfg.trust_remote_code)
-        opts = engines.VLLMOptions(tp=cfg.tp, gpu_memory_utilization=cfg.gpu_memory_utilization, dtype=cfg.dtype,
-                                   max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager)
-        engine = engines.VLLMEngine(cfg.policy, tokenizer, opts, cfg.seed, cfg.trust_remote_code)
-    else:
-        if cfg.dtype not in ("auto", "fp32"):
-            raise RlkitError(f"--dtype {cfg.dtype}: the hf engine samples in fp32 (pass --engine vllm for other dtypes)")
-        model, tokenizer = checkpoints.load_policy(cfg.policy, "fp32", cfg.trust_remote_code)
-        engine = engines.HFEngine(model, tokenizer, cfg.batch_tokens)
+    engine, tokenizer = _start_engine(cfg, cfg.policy)
     texts = data.render_prompts(tokenizer, source, for_sft=False) if source else [e.prompt for e in ex]
     prompt_ids = data.encode_prompts(tokenizer, texts, bool(source and source.chat))
     scored = all(a is not None for a in answers)
@@ -107,38 +106,193 @@ def run(cfg: RolloutConfig) -> Path | None:
                                        tokenizer=checkpoints.tokenizer_fingerprint(tokenizer), engine=engine.name,
                                        **shards.manifest_entry(cfg.shard, span, len(ids), artifacts.jsonable(cfg),
                                                                inputs))
-    n = cfg.n
     with artifacts.write_table("rollouts", out, manifest, extra) as w, \
-            console.progress("rollout", len(span) * n) as bar:
+            console.progress("rollout", len(span) * cfg.n) as bar:
         # chunks keep their global position and seed whatever the shard, so shards concatenate into the
         # table one job gives
-        for c0 in range(span.start, span.stop, cfg.chunk_prompts):
-            c1 = min(span.stop, c0 + cfg.chunk_prompts)
-            gen = engine.sample(prompt_ids[c0:c1], n=n, temperature=cfg.temperature, top_p=cfg.top_p,
-                                max_new_tokens=cfg.max_new_tokens, seed=cfg.seed * 1_000_003 + c0)
-            comps = tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
-            rows = [(c0 + k // n, k % n) for k in range(len(comps))]
-            cols = {
-                "prompt_id": [ids[p] for p, _ in rows],
-                "group_id": [p for p, _ in rows],
-                "sample_idx": [j for _, j in rows],
-                "prompt": [texts[p] for p, _ in rows],
-                "completion": comps,
-                "prompt_ids": [prompt_ids[p] for p, _ in rows],
-                "completion_ids": gen.completion_ids,
-                "old_logprobs": gen.logprobs,
-                "finish_reason": gen.finish_reasons,
-                "policy_fingerprint": [fp] * len(rows),
-                "policy_step": [step] * len(rows),
-                "answer": [answers[p] for p, _ in rows],
-            }
-            if scored:
-                cols["reward/verifier"] = [task.reward(c, answers[p]) for c, (p, _) in zip(comps, rows, strict=True)]
-            w.write(cols)
-            bar.advance(len(rows), **({"reward": sum(cols["reward/verifier"]) / len(rows)} if scored else {}))
+        _sample(cfg, engine, tokenizer, task, w, bar, span, ids, answers, texts, prompt_ids, cfg.seed, 0, fp, step,
+                scored)
     if isinstance(engine, engines.VLLMEngine):
         engine.close()
     return out
+
+
+def _run_follow(cfg: RolloutConfig, task, out: Path | None) -> Path | None:
+    """`rollout --follow DIR`: batch after batch of --batch-prompts prompts, each sampled by DIR's newest
+    complete step (reloaded into the live engine), batch b waiting until that step is >= start + b - K."""
+    import time
+
+    import pyarrow as pa
+
+    from rlkit import artifacts, checkpoints, console, data, engines, follow
+    from rlkit.errors import DownstreamClosed, RlkitError
+
+    if cfg.shard or cfg.num_prompts is not None:
+        raise RlkitError("--follow streams batches of --batch-prompts prompts without end; --num-prompts and --shard "
+                         "are for one finite table")
+    if cfg.max_lag < 0:
+        raise RlkitError(f"--max-lag {cfg.max_lag} must be >= 0 (0: synchronous)")
+    P = cfg.batch_prompts or 64
+    cfg = replace(cfg, batch_prompts=P)
+    root = cfg.follow
+    follow.check_root(root)
+    base_step = checkpoints.policy_step(cfg.policy)
+    base_tok = checkpoints.tokenizer_fingerprint(checkpoints.load_tokenizer(cfg.policy, cfg.trust_remote_code))
+    newest = follow.newest(root)
+    start = newest.path if newest else cfg.policy
+    if newest:
+        follow.verify_step(start)
+        _same_tokenizer(checkpoints.tokenizer_fingerprint(checkpoints.load_tokenizer(start, cfg.trust_remote_code)),
+                        base_tok, start, cfg.policy)
+    step = checkpoints.policy_step(start)
+    b = step - base_step  # batches already trained: batch b trains step base_step + b + 1
+    if cfg.max_steps is not None and b >= cfg.max_steps:
+        console.info(f"rollout: {root} already has --max-steps {cfg.max_steps} steps; nothing to sample")
+    inputs = {"policy": artifacts.fingerprint(cfg.policy)}
+    source = None
+    if cfg.prompts:
+        source = data.load_source(cfg.prompts, "prompts", {"prompt": cfg.prompt_column, "answer": cfg.answer_column})
+        inputs["prompts"] = source.fingerprint
+    t0 = time.monotonic()
+    engine, tokenizer = _start_engine(cfg, start)
+    start_secs = time.monotonic() - t0
+    console.info(f"rollout: following {root} from {start} (step {step}); engine up in {start_secs:.1f}s")
+    if source is not None:
+        t = source.table
+        f_ids = t.column("prompt_id").to_pylist()
+        f_answers = t.column("answer").to_pylist() if "answer" in t.column_names else [None] * t.num_rows
+        f_texts = data.render_prompts(tokenizer, source, for_sft=False)
+        f_prompt_ids = data.encode_prompts(tokenizer, f_texts, source.chat)
+        scored = all(a is not None for a in f_answers)
+    else:
+        scored = True
+    if not scored:
+        console.warn("some prompts have no gold answer: no verifier reward column is written")
+    extra = [pa.field("reward/verifier", pa.float64())] if scored else []
+    manifest = artifacts.make_manifest("rollouts", "rollout", cfg, inputs, tokenizer=base_tok, engine=engine.name,
+                                       follow={"dir": str(root), "start_step": step, "base_step": base_step})
+    fp = artifacts.fingerprint(start)
+    reloads: list[float] = []
+    try:
+        with artifacts.write_table("rollouts", out, manifest, extra) as w:
+            while cfg.max_steps is None or b < cfg.max_steps:
+                need = base_step + b - cfg.max_lag
+                s = follow.newest(root)
+                if step < need and (s is None or s.step < need):
+                    s = follow.wait_for(root, need, stop=artifacts.downstream_closed)
+                    if s is None:
+                        raise DownstreamClosed("rollout")
+                if s is not None and s.step > step:
+                    s, secs = _switch(engine, s, root, base_tok, cfg.policy)
+                    step, fp = s.step, artifacts.fingerprint(s.path)
+                    reloads.append(secs)
+                    console.info(f"rollout: batch {b}: sampling with {s.path.name} (weights reloaded in {secs:.3f}s)")
+                seed = cfg.seed + b + 1  # batch b samples as `rollout --seed SEED+b+1 --num-prompts P` would
+                if source is None:
+                    ex = task.examples("train", P, seed)
+                    ids, answers = [e.prompt_id for e in ex], [e.answer for e in ex]
+                    texts = [e.prompt for e in ex]
+                    prompt_ids = data.encode_prompts(tokenizer, texts, False)
+                else:
+                    rows = [(b * P + i) % len(f_ids) for i in range(P)]
+                    ids, answers = [f_ids[r] for r in rows], [f_answers[r] for r in rows]
+                    texts, prompt_ids = [f_texts[r] for r in rows], [f_prompt_ids[r] for r in rows]
+                with console.progress(f"rollout batch {b}", P * cfg.n) as bar:
+                    _sample(cfg, engine, tokenizer, task, w, bar, range(P), ids, answers, texts, prompt_ids, seed,
+                            b * P, fp, step, scored)
+                b += 1
+            console.info(f"rollout: --max-steps {cfg.max_steps}: sampled the last batch")
+    except (BrokenPipeError, DownstreamClosed):
+        artifacts.drop_stdout_sink()
+        console.info(f"rollout: the downstream stage ended; stopping after {b} batches")
+    finally:
+        if reloads:
+            reloads.sort()
+            console.info(f"rollout: {len(reloads)} weight reloads, median {reloads[len(reloads) // 2]:.3f}s, max "
+                         f"{reloads[-1]:.3f}s; one engine start ({start_secs:.1f}s)")
+        if isinstance(engine, engines.VLLMEngine):
+            engine.close()
+    return out
+
+
+def _same_tokenizer(got: str, want: str, where: Path, policy: Path) -> None:
+    from rlkit.errors import RlkitError
+
+    if got != want:
+        raise RlkitError(f"{where} has a different tokenizer from --policy {policy} ({got} vs {want}); a follow "
+                         "directory's steps must all come from that policy")
+
+
+def _switch(engine, s, root: Path, base_tok: str, policy: Path, tries: int = 5):
+    """Verify step `s` (hash, tokenizer) and load it into the live engine; a step pruned meanwhile
+    is replaced by the then newest. -> (the step loaded, seconds the reload took)."""
+    import time
+
+    from rlkit import checkpoints, follow
+    from rlkit.errors import RlkitError
+
+    for attempt in range(tries):
+        try:
+            follow.verify_step(s.path)
+            tok = checkpoints.load_tokenizer(s.path)
+            _same_tokenizer(checkpoints.tokenizer_fingerprint(tok), base_tok, s.path, policy)
+            t0 = time.monotonic()
+            engine.reload(s.path)
+            return s, time.monotonic() - t0
+        except (OSError, RlkitError):
+            if s.path.exists() or attempt == tries - 1:
+                raise
+            s = follow.newest(root) or s  # pruned between the scan and the load: take the newest now
+    raise AssertionError("unreachable")
+
+
+def _start_engine(cfg: RolloutConfig, policy: Path):
+    """(engine, tokenizer) on checkpoint `policy`."""
+    from rlkit import checkpoints, console, engines
+    from rlkit.errors import RlkitError
+
+    chosen, why = engines.choose(cfg.engine)
+    console.info(f"rollout: engine {chosen} ({why})")
+    if chosen == "vllm":
+        tokenizer = checkpoints.load_tokenizer(policy, cfg.trust_remote_code)
+        opts = engines.VLLMOptions(tp=cfg.tp, gpu_memory_utilization=cfg.gpu_memory_utilization, dtype=cfg.dtype,
+                                   max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager)
+        return engines.VLLMEngine(policy, tokenizer, opts, cfg.seed, cfg.trust_remote_code), tokenizer
+    if cfg.dtype not in ("auto", "fp32"):
+        raise RlkitError(f"--dtype {cfg.dtype}: the hf engine samples in fp32 (pass --engine vllm for other dtypes)")
+    model, tokenizer = checkpoints.load_policy(policy, "fp32", cfg.trust_remote_code)
+    return engines.HFEngine(model, tokenizer, cfg.batch_tokens), tokenizer
+
+
+def _sample(cfg: RolloutConfig, engine, tokenizer, task, w, bar, span: range, ids, answers, texts, prompt_ids,
+            seed: int, group0: int, fp: str, step: int, scored: bool) -> None:
+    """Sample prompts `span` in chunks of --chunk-prompts and write each chunk's rows to `w`. A chunk
+    starting at prompt c0 is seeded `seed * 1_000_003 + c0`; prompt p becomes group `group0 + p`."""
+    n = cfg.n
+    for c0 in range(span.start, span.stop, cfg.chunk_prompts):
+        c1 = min(span.stop, c0 + cfg.chunk_prompts)
+        gen = engine.sample(prompt_ids[c0:c1], n=n, temperature=cfg.temperature, top_p=cfg.top_p,
+                            max_new_tokens=cfg.max_new_tokens, seed=seed * 1_000_003 + c0)
+        comps = tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
+        rows = [(c0 + k // n, k % n) for k in range(len(comps))]
+        cols = {
+            "prompt_id": [ids[p] for p, _ in rows],
+            "group_id": [group0 + p for p, _ in rows],
+            "sample_idx": [j for _, j in rows],
+            "prompt": [texts[p] for p, _ in rows],
+            "completion": comps,
+            "prompt_ids": [prompt_ids[p] for p, _ in rows],
+            "completion_ids": gen.completion_ids,
+            "old_logprobs": gen.logprobs,
+            "finish_reason": gen.finish_reasons,
+            "policy_fingerprint": [fp] * len(rows),
+            "policy_step": [step] * len(rows),
+            "answer": [answers[p] for p, _ in rows],
+        }
+        if scored:
+            cols["reward/verifier"] = [task.reward(c, answers[p]) for c, (p, _) in zip(comps, rows, strict=True)]
+        w.write(cols)
+        bar.advance(len(rows), **({"reward": sum(cols["reward/verifier"]) / len(rows)} if scored else {}))
 
 
 def command(
@@ -160,6 +314,10 @@ def command(
     max_model_len: Annotated[int | None, typer.Option(min=16, help="vLLM context length (default: the model's).")] = None,
     enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="vLLM: no CUDA graphs (faster start-up).")] = False,
     shard: Annotated[str | None, typer.Option(help="I/N: sample only this job's share of the prompts (0 <= I < N); `rlkit cat` joins the N shards into the table one job gives.")] = None,
+    follow: Annotated[Path | None, typer.Option("--follow", help="Persistent: stream batches of --batch-prompts prompts without end, each sampled by the newest complete step-NNNNNN/ in this directory (written by `update --follow`), loaded into the live engine between batches. See README 'Persistent stages'.")] = None,
+    batch_prompts: Annotated[int | None, typer.Option(min=1, help="--follow: prompts per batch (default 64); batch b samples the prompts of `--seed SEED+b+1` (a --prompts file: its rows in turn).")] = None,
+    max_lag: Annotated[int, typer.Option(min=0, help="--follow: batch b waits until the newest step is at least (start step) + b - K, so rows are at most K steps older than the policy they train; 0 is synchronous (the per-round pipeline's result).")] = 1,
+    max_steps: Annotated[int | None, typer.Option(min=1, help="--follow: stop after the batch that trains step (--policy's step) + N.")] = None,
     seed: Seed = 0,
     out: OutTable = None,
     trust_remote_code: TrustRemoteCode = False,
@@ -170,5 +328,6 @@ def command(
                       answer_column=answer_column, num_prompts=num_prompts, n=n, temperature=temperature,
                       top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, engine=engine,
                       batch_tokens=batch_tokens, tp=tp, gpu_memory_utilization=gpu_memory_utilization, dtype=dtype,
-                      max_model_len=max_model_len, enforce_eager=enforce_eager, shard=shard,
+                      max_model_len=max_model_len, enforce_eager=enforce_eager, shard=shard, follow=follow,
+                      batch_prompts=batch_prompts, max_lag=max_lag, max_steps=max_steps,
                       trust_remote_code=trust_remote_code, force=force))

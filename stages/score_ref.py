@@ -117,7 +117,7 @@ def run(cfg: ScoreRefConfig) -> Path | None:
     import pyarrow as pa
 
     from rlkit import artifacts, checkpoints, console, shards
-    from rlkit.errors import RlkitError
+    from rlkit.errors import DownstreamClosed, RlkitError
 
     rms = parse_rms(cfg.rm)
     if cfg.shard:
@@ -141,7 +141,7 @@ def run(cfg: ScoreRefConfig) -> Path | None:
     if cfg.ref is not None:
         compute = cfg.dtype if cfg.dtype != "auto" else ("fp32" if cfg.device == "cpu" else "stored")
         model, tokenizer, _ = checkpoints.load_reference(cfg.ref, cfg.device, cfg.trust_remote_code, compute)
-    from rlkit.reward_model import load_reward_model, score_texts
+    from rlkit.reward_model import load_reward_model
 
     scorers = {name: load_reward_model(d, cfg.trust_remote_code) for name, d in rms.items()}
     reader = pending.result()
@@ -183,7 +183,34 @@ def run(cfg: ScoreRefConfig) -> Path | None:
                                        engine=upstream.get("engine"), reward_models={n: str(d) for n, d in rms.items()},
                                        reference=str(cfg.ref) if cfg.ref else upstream.get("reference"), **shard)
     lp_type = artifacts.kind("scored").schema().field("ref_logprobs").type
-    with artifacts.write_table(out_kind, out, manifest, extra) as w:
+    following = bool((upstream.get("rollout") or upstream.get("config") or {}).get("follow"))
+    if following and not cfg.shard:
+        # an unbounded `rollout --follow` stream: batch by batch as it comes, and the end of the run is
+        # the downstream stage ending (`update --follow --max-steps`), noticed even while no input comes
+        batches = reader.batches(idle=artifacts.downstream_closed)
+    try:
+        rows = _score_stream(cfg, batches, w_args=(out_kind, out, manifest, extra), model=model, tokenizer=tokenizer,
+                      temperature=temperature, scorers=scorers, lp_type=lp_type, reader=reader, shard=shard)
+    except BrokenPipeError:
+        if not following:
+            raise
+        raise DownstreamClosed("score-ref") from None
+    by = " and ".join([*([str(cfg.ref)] if cfg.ref else []), *(f"{n} ({d})" for n, d in rms.items())])
+    console.info(f"score-ref: {rows} rows scored by {by}"
+                 + (f" (shard {cfg.shard}: rows {span.start}-{span.stop} of {table.num_rows})" if cfg.shard else ""))
+    return out
+
+
+def _score_stream(cfg: ScoreRefConfig, batches, w_args, model, tokenizer, temperature, scorers, lp_type, reader,
+                  shard) -> int:
+    """Score `batches` one by one, writing each as soon as it is scored; -> rows written."""
+    import pyarrow as pa
+
+    from rlkit import artifacts
+    from rlkit.errors import RlkitError
+    from rlkit.reward_model import score_texts
+
+    with artifacts.write_table(*w_args) as w:
         for batch in batches:
             cols = {name: batch.column(name) for name in batch.schema.names}
             if model is not None:
@@ -196,10 +223,7 @@ def run(cfg: ScoreRefConfig) -> Path | None:
                                      for f in w.schema], schema=w.schema))
         if reader.rows == 0 and not shard:
             raise RlkitError(f"{reader.label}: the rollouts table has no rows")
-    by = " and ".join([*([str(cfg.ref)] if cfg.ref else []), *(f"{n} ({d})" for n, d in rms.items())])
-    console.info(f"score-ref: {w.rows} rows scored by {by}"
-                 + (f" (shard {cfg.shard}: rows {span.start}-{span.stop} of {table.num_rows})" if cfg.shard else ""))
-    return out
+    return w.rows
 
 
 def command(

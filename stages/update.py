@@ -27,6 +27,10 @@ from rlkit.options import Force, InTable, OutDir, PolicyDir, TrustRemoteCode
 from rlkit.rl_config import DEFAULT_DUAL_CLIP, RLConfig
 
 DEFAULT_MAX_DRIFT = 0.05  # relative weight-space distance from the reference; see rlkit.drift
+DEFAULT_MAX_LAG = 1  # --follow: steps a row's sampling policy may lag behind the policy it trains
+# --follow: --tis-cap when not given, applied whenever pi_old is recomputed (lagged rows, a non-HF engine):
+# decoupled PPO clips against the proximal policy and weighs by proximal / behaviour, capped
+DEFAULT_FOLLOW_TIS_CAP = 2.0
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,13 @@ class UpdateConfig:
     tensorboard: Path | None = None
     ref: Path | None = None  # for the drift figure; default: the reference score-ref used
     max_drift: float = DEFAULT_MAX_DRIFT
+    # --follow: --out is a directory of step-NNNNNN/ checkpoints, one per --batch-prompts prompts of an
+    # unbounded input stream (see rlkit.follow)
+    follow: bool = False
+    batch_prompts: int | None = None  # None: the upstream `rollout --follow`'s
+    max_steps: int | None = None  # steps after --policy's at which the run ends
+    keep: int | None = None  # prune all but the newest K steps (never fewer than the lag bound needs)
+    max_lag: int = DEFAULT_MAX_LAG
     trust_remote_code: bool = False
     force: bool = False
 
@@ -74,7 +85,10 @@ def run(cfg: UpdateConfig) -> Path:
 
     weights = parse_weights(cfg.reward)
     checkpoints.check_model_dir(cfg.policy, "policy")
-    artifacts.check_out(cfg.out, "model")
+    if cfg.follow:
+        _check_follow(cfg)
+    else:
+        artifacts.check_out(cfg.out, "model")
     # Open the input on a background thread and import torch and load the policy meanwhile: in a pipe
     # all stages then start up at once, and upstream streams into memory instead of a full pipe.
     cfg.rl.check()
@@ -91,32 +105,22 @@ def run(cfg: UpdateConfig) -> Path:
         dp = distributed.init()
     pending = (artifacts.open_table(cfg.inp, ["prefs"] if offline else ["rollouts", "scored"])
                if dp is None or dp.main else None)
-    from rlkit import distributed, policy_update
+    if cfg.follow:
+        return _run_follow(cfg, pending, weights)
+    from rlkit import distributed
 
     model, tokenizer = checkpoints.load_policy(cfg.policy, "fp32", cfg.trust_remote_code)
     reader = pending.result() if dp is None else distributed.share_table(pending, dp)
     if offline:
         return _run_dpo(cfg, reader, model, tokenizer, dp)
     if cfg.rl.beta > 0 and reader.kind == "rollouts":
-        raise RlkitError("--beta > 0 needs reference log-probs, but the input has none: pipe the rollouts through "
-                         "`rlkit score-ref --ref REF` first (or pass --beta 0)")
+        raise RlkitError(_NO_REF)
     inputs = {"policy": artifacts.fingerprint(cfg.policy), "in": reader.fingerprint}
     if artifacts.skip_if_current(cfg.out, "update", cfg, inputs):
         return cfg.out
     table = reader.read_all()
-    for col in ("prompt_ids", "completion_ids", "old_logprobs"):
-        if table.column(col).null_count:
-            raise RlkitError(f"{reader.label}: column '{col}' has missing values; rollouts need token ids and log-probs")
     upstream = reader.manifest or {}
-    want = upstream.get("tokenizer")
-    if want and want != checkpoints.tokenizer_fingerprint(tokenizer):
-        raise RlkitError(f"policy {cfg.policy} has a different tokenizer from the one that sampled these rollouts")
-    rollout_cfg = upstream.get("rollout") or upstream.get("config") or {}
-    temperature = float(upstream.get("temperature", rollout_cfg.get("temperature", 1.0)))
-    batch, used = policy_update.build_batch(table, tokenizer.pad_token_id, weights, cfg.length_penalty)
-    length_norm = float(rollout_cfg.get("max_new_tokens") or batch.targets.shape[1])  # Dr. GRPO's constant
-    console.info("update: reward = " + " + ".join(f"{w:g}*{k}" for k, w in used.items())
-                 + (" (the sum of the components present; weigh them with --reward NAME=W)" if weights is None else ""))
+    _check_upstream(cfg, upstream, tokenizer)
     if any(p != inputs["policy"] for p in set(table.column("policy_fingerprint").to_pylist())):
         console.warn("these rollouts were sampled from another checkpoint than --policy (off-policy); "
                      "the pi_theta/pi_old ratio corrects for it, within the clip range")
@@ -126,68 +130,308 @@ def run(cfg: UpdateConfig) -> Path:
 
         model = distributed.shard_model(model, dp, _completion_logprobs)
         console.info(f"update: data-parallel over {dp.world} processes ({dp.device.type}, FSDP2)")
-    opt = policy_update.make_optimizer(model, cfg.rl)
-    state = policy_update.load_trainer(model, opt, cfg.policy / policy_update.TRAINER_DIR, dp)
+    t = _Trainer(cfg, model, tokenizer, dp, weights, step=checkpoints.policy_step(cfg.policy))
+    t.load_state(cfg.policy, CRITIC_ALGOS)
     engine = upstream.get("engine")
     recompute = cfg.rl.old_logprobs == "recompute" or (cfg.rl.old_logprobs == "auto" and engine != "hf")
     if cfg.rl.old_logprobs == "auto" and recompute:
         console.info(f"update: rollouts sampled by engine {engine or 'unknown'}: recomputing pi_old with the trainer "
                      "(--old-logprobs engine to trust the engine's)")
-    steps = cfg.rl.epochs * -(-len(table) // cfg.rl.minibatch_size)
-    critic = None
-    if cfg.rl.algo in CRITIC_ALGOS:
-        from rlkit import ppo
-
-        critic, critic_opt, cstate, ctrl, origin = ppo.load_critic(cfg.policy, cfg.rl, tokenizer, cfg.trust_remote_code,
-                                                                   dp)
-        console.info(f"update: critic {origin}")
-        with console.progress("update", steps) as bar:
-            m = ppo.train_ppo(model, critic, opt, critic_opt, state, cstate, ctrl, batch, cfg.rl, temperature, bar,
-                              recompute, dp, length_norm)
-    else:
-        with console.progress("update", steps) as bar:
-            m = policy_update.train_on_batch(model, opt, state, batch, cfg.rl, temperature, length_norm, bar,
-                                             recompute, dp)
-    from rlkit.advantages import GROUP_BASELINE
-
-    if m.get("singleton_groups") and cfg.rl.algo in GROUP_BASELINE:
-        console.warn(f"update: {m['singleton_groups']} groups have one sample and get advantage 0 under --algo "
-                     f"{cfg.rl.algo} (no group baseline); sample --n >= 2 or use --algo reinforce-pp")
-    comps = {n.split("/", 1)[1]: table.column(n).to_pylist() for n in table.column_names if n.startswith("reward/")}
-    if cfg.length_penalty:
-        comps["length_penalty"] = [-cfg.length_penalty * len(c) for c in table.column("completion_ids").to_pylist()]
-    rew = batch.rewards
-    metrics = {
-        "step": checkpoints.policy_step(cfg.policy) + 1,
-        "reward_mean": float(rew.mean()),
-        "reward_std": float(rew.std()) if len(rew) > 1 else 0.0,
-        **{f"reward/{k}": sum(v) / len(v) for k, v in comps.items()},
-        **({"verifier_accuracy": sum(v == 1.0 for v in comps["verifier"]) / len(comps["verifier"])}
-           if "verifier" in comps else {}),
-        **m,
-    }
+    metrics, used = t.train(table, upstream, cfg.rl, recompute, label=reader.label)
     # gathered on every rank (collectives) under data parallelism; rank 0 alone writes
-    full = distributed.full_model_state(model) if dp is not None else None
-    opt_tensors = policy_update.trainer_tensors(model, opt, dp)
-    critic_gathered = ppo.gather_critic(critic, critic_opt, dp) if critic is not None else None
+    gathered = t.gather()
     if distributed.stand_down(dp, metrics):
         return cfg.out
-    metrics.update(_drift(cfg, full if full is not None else dict(model.state_dict()), upstream.get("reference")))
+    metrics.update(_drift(cfg, gathered[0] if gathered[0] is not None else dict(t.model.state_dict()),
+                          upstream.get("reference")))
     manifest = artifacts.make_manifest("model", "update", cfg, inputs, step=metrics["step"], metrics=metrics,
                                        reward_weights=used)
     with artifacts.atomic_dir(cfg.out) as tmp:
-        checkpoints.save_model(model, tokenizer, tmp, manifest, state_dict=full)
-        policy_update.save_trainer(model, opt, state, tmp / policy_update.TRAINER_DIR, opt_tensors)
-        if critic is not None:
-            ppo.save_critic(critic, critic_opt, cstate, ctrl, tmp / ppo.CRITIC_DIR, critic_gathered)
+        t.save(tmp, manifest, gathered)
     metrics_log.write({"stage": "update", "out": str(cfg.out), **metrics}, cfg.metrics, cfg.tensorboard)
     _show(metrics)
     distributed.barrier(dp)
     return cfg.out
 
 
-def _drift(cfg: UpdateConfig, params: dict, upstream_ref: str | None) -> dict:
-    """{'drift': ...} of the policy's weights from --ref or the reference score-ref used; warns above --max-drift."""
+_NO_REF = ("--beta > 0 needs reference log-probs, but the input has none: pipe the rollouts through "
+           "`rlkit score-ref --ref REF` first (or pass --beta 0)")
+
+
+def _check_upstream(cfg: UpdateConfig, upstream: dict, tokenizer) -> None:
+    from rlkit import checkpoints
+    from rlkit.errors import RlkitError
+
+    want = upstream.get("tokenizer")
+    if want and want != checkpoints.tokenizer_fingerprint(tokenizer):
+        raise RlkitError(f"policy {cfg.policy} has a different tokenizer from the one that sampled these rollouts")
+
+
+class _Trainer:
+    """The policy (and PPO's critic) with their optimizers and counters, kept in memory across the
+    updates of one process: one update without --follow, one per batch of prompts with it."""
+
+    def __init__(self, cfg: UpdateConfig, model, tokenizer, dp, weights: dict[str, float] | None, step: int) -> None:
+        self.cfg, self.model, self.tokenizer, self.dp, self.weights, self.step = cfg, model, tokenizer, dp, weights, step
+        self.critic = self.critic_opt = self.cstate = self.ctrl = None
+        self.said_reward = False
+
+    def load_state(self, src: Path, critic_algos) -> None:
+        """Optimizer, counters and RNG (and the critic) from checkpoint `src`; fresh when it has none."""
+        from rlkit import console, policy_update
+
+        self.opt = policy_update.make_optimizer(self.model, self.cfg.rl)
+        self.state = policy_update.load_trainer(self.model, self.opt, src / policy_update.TRAINER_DIR, self.dp)
+        if self.cfg.rl.algo in critic_algos:
+            from rlkit import ppo
+
+            self.critic, self.critic_opt, self.cstate, self.ctrl, origin = ppo.load_critic(
+                src, self.cfg.rl, self.tokenizer, self.cfg.trust_remote_code, self.dp)
+            console.info(f"update: critic {origin}")
+
+    def train(self, table, upstream: dict, rl, recompute: bool, lags=None, label: str = "the input") -> tuple[dict, dict]:
+        """One update on `table` (whole groups) -> (metrics, reward weights used); self.step advances."""
+        from rlkit import console, policy_update
+        from rlkit.advantages import GROUP_BASELINE
+        from rlkit.errors import RlkitError
+
+        cfg = self.cfg
+        for col in ("prompt_ids", "completion_ids", "old_logprobs"):
+            if table.column(col).null_count:
+                raise RlkitError(f"{label}: column '{col}' has missing values; rollouts need token ids and log-probs")
+        rollout_cfg = upstream.get("rollout") or upstream.get("config") or {}
+        temperature = float(upstream.get("temperature", rollout_cfg.get("temperature", 1.0)))
+        batch, used = policy_update.build_batch(table, self.tokenizer.pad_token_id, self.weights, cfg.length_penalty)
+        length_norm = float(rollout_cfg.get("max_new_tokens") or batch.targets.shape[1])  # Dr. GRPO's constant
+        if not self.said_reward:
+            console.info("update: reward = " + " + ".join(f"{w:g}*{k}" for k, w in used.items())
+                         + (" (the sum of the components present; weigh them with --reward NAME=W)"
+                            if self.weights is None else ""))
+            self.said_reward = True
+        steps = rl.epochs * -(-len(table) // rl.minibatch_size)
+        with console.progress(f"update step {self.step + 1}" if cfg.follow else "update", steps) as bar:
+            if self.critic is not None:
+                from rlkit import ppo
+
+                m = ppo.train_ppo(self.model, self.critic, self.opt, self.critic_opt, self.state, self.cstate,
+                                  self.ctrl, batch, rl, temperature, bar, recompute, self.dp, length_norm)
+            else:
+                m = policy_update.train_on_batch(self.model, self.opt, self.state, batch, rl, temperature,
+                                                 length_norm, bar, recompute, self.dp, lags=lags)
+        if m.get("singleton_groups") and rl.algo in GROUP_BASELINE:
+            console.warn(f"update: {m['singleton_groups']} groups have one sample and get advantage 0 under --algo "
+                         f"{rl.algo} (no group baseline); sample --n >= 2 or use --algo reinforce-pp")
+        comps = {n.split("/", 1)[1]: table.column(n).to_pylist() for n in table.column_names
+                 if n.startswith("reward/")}
+        if cfg.length_penalty:
+            comps["length_penalty"] = [-cfg.length_penalty * len(c) for c in table.column("completion_ids").to_pylist()]
+        rew = batch.rewards
+        self.step += 1
+        metrics = {
+            "step": self.step,
+            "reward_mean": float(rew.mean()),
+            "reward_std": float(rew.std()) if len(rew) > 1 else 0.0,
+            **{f"reward/{k}": sum(v) / len(v) for k, v in comps.items()},
+            **({"verifier_accuracy": sum(v == 1.0 for v in comps["verifier"]) / len(comps["verifier"])}
+               if "verifier" in comps else {}),
+            **m,
+        }
+        return metrics, used
+
+    def gather(self) -> tuple:
+        """(full policy weights or None, optimizer tensors, critic's): collectives under data parallelism."""
+        from rlkit import distributed, policy_update
+
+        full = distributed.full_model_state(self.model) if self.dp is not None else None
+        opt_tensors = policy_update.trainer_tensors(self.model, self.opt, self.dp)
+        critic = None
+        if self.critic is not None:
+            from rlkit import ppo
+
+            critic = ppo.gather_critic(self.critic, self.critic_opt, self.dp)
+        return full, opt_tensors, critic
+
+    def save(self, tmp: Path, manifest: dict, gathered: tuple, write_manifest: bool = True) -> dict:
+        from rlkit import checkpoints, policy_update
+
+        full, opt_tensors, critic = gathered
+        manifest = checkpoints.save_model(self.model, self.tokenizer, tmp, manifest, state_dict=full,
+                                          write_manifest=write_manifest)
+        policy_update.save_trainer(self.model, self.opt, self.state, tmp / policy_update.TRAINER_DIR, opt_tensors)
+        if self.critic is not None:
+            from rlkit import ppo
+
+            ppo.save_critic(self.critic, self.critic_opt, self.cstate, self.ctrl, tmp / ppo.CRITIC_DIR, critic)
+        return manifest
+
+
+def _check_follow(cfg: UpdateConfig) -> None:
+    from rlkit import follow
+    from rlkit.errors import RlkitError
+    from rlkit.rl_config import PREFERENCE_ALGOS
+
+    if cfg.rl.algo in PREFERENCE_ALGOS:
+        raise RlkitError("--follow trains on a stream of rollouts; --algo dpo is offline (run it without --follow)")
+    if distributed_launch():
+        raise RlkitError("--follow runs in one process for now: launch it without torchrun (or run per-round "
+                         "updates under torchrun)")
+    if cfg.max_lag < 0 or (cfg.keep is not None and cfg.keep < 1) or (cfg.max_steps is not None and cfg.max_steps < 1):
+        raise RlkitError("--max-lag must be >= 0, --keep >= 1 and --max-steps >= 1")
+    follow.check_root(cfg.out)
+
+
+def _run_follow(cfg: UpdateConfig, pending, weights: dict[str, float] | None) -> Path:
+    """`update --follow`: one step per --batch-prompts prompts of the stream, published into --out."""
+    from dataclasses import replace
+
+    from rlkit import artifacts, checkpoints, console, follow, metrics_log
+    from rlkit.errors import RlkitError
+    from rlkit.rl_config import CRITIC_ALGOS
+
+    root = cfg.out
+    base_fp = artifacts.fingerprint(cfg.policy)
+    base_step = checkpoints.policy_step(cfg.policy)
+    with follow.writer_lock(root):
+        stale = follow.clean_stale(root)
+        if stale:
+            console.info(f"update: removed {len(stale)} unfinished step(s) a killed writer left in {root}")
+        steps, partial = follow.scan(root)
+        if partial:
+            raise RlkitError(f"{partial[0]} has no {artifacts.MODEL_MANIFEST}: an incomplete step directory that "
+                             "`rlkit update --follow` did not write; remove it")
+        start = steps[-1].path if steps else cfg.policy
+        if steps:
+            m = follow.verify_step(start)
+            began = (m.get("follow") or {}).get("base_fingerprint")
+            if began != base_fp:
+                raise RlkitError(f"{root} holds a run started from another --policy than {cfg.policy} (or one changed "
+                                 "since); pass that --policy or a new --out")
+        model, tokenizer = checkpoints.load_policy(start, "fp32", cfg.trust_remote_code)
+        base_tok = checkpoints.load_tokenizer(cfg.policy, cfg.trust_remote_code)
+        if checkpoints.tokenizer_fingerprint(tokenizer) != checkpoints.tokenizer_fingerprint(base_tok):
+            raise RlkitError(f"{start} has a different tokenizer from --policy {cfg.policy}")
+        t = _Trainer(cfg, model, tokenizer, None, weights, step=checkpoints.policy_step(start))
+        t.load_state(start, CRITIC_ALGOS)
+        done = t.step - base_step
+        if steps:
+            console.info(f"update: resuming {root} from {start.name} (step {t.step}; {done} steps after --policy)")
+        if cfg.max_steps is not None and done >= cfg.max_steps:
+            console.info(f"update: {root} already has --max-steps {cfg.max_steps} steps after --policy; nothing to do")
+            return root
+        reader = pending.result()
+        upstream = reader.manifest or {}
+        if cfg.rl.beta > 0 and reader.kind == "rollouts":
+            raise RlkitError(_NO_REF)
+        _check_upstream(cfg, upstream, tokenizer)
+        rollout_cfg = upstream.get("rollout") or upstream.get("config") or {}
+        P = cfg.batch_prompts or rollout_cfg.get("batch_prompts")
+        if P is None:
+            raise RlkitError("update --follow needs --batch-prompts P (prompts per step): the input is not from "
+                             "`rlkit rollout --follow`, which would say")
+        if rollout_cfg.get("follow") and rollout_cfg.get("batch_prompts") not in (None, P):
+            raise RlkitError(f"--batch-prompts {P} differs from the upstream rollout's {rollout_cfg['batch_prompts']}; "
+                             "the two would wait on each other forever (leave it out here)")
+        n = rollout_cfg.get("n") if rollout_cfg.get("follow") else None
+        engine = upstream.get("engine")
+        cap = cfg.rl.tis_cap if cfg.rl.tis_cap is not None else DEFAULT_FOLLOW_TIS_CAP
+        keep = None if cfg.keep is None else max(cfg.keep, cfg.max_lag + 2)
+        if cfg.keep is not None and keep != cfg.keep:
+            console.info(f"update: --keep {cfg.keep} raised to {keep}: rollout may still be loading any of the newest "
+                         f"--max-lag + 2 steps")
+        inputs = {"policy": base_fp, "in": reader.fingerprint}
+        ref_cache: dict = {}
+        dropped = 0
+        batches = _Batcher(reader, P, n, cfg.max_lag)
+        while cfg.max_steps is None or t.step - base_step < cfg.max_steps:
+            got = batches.next(t.step)
+            if got is None:
+                console.info(f"update: the input ended; last step {t.step}" + (
+                    f" ({batches.leftover} rows of an unfinished batch left untrained)" if batches.leftover else ""))
+                return root
+            table, lags, drop = got
+            dropped += drop
+            lag_max = int(lags.max())
+            recompute = cfg.rl.old_logprobs == "recompute" or (
+                cfg.rl.old_logprobs == "auto" and (engine != "hf" or lag_max > 0))
+            rl = replace(cfg.rl, tis_cap=(cap or None) if recompute else None)
+            metrics, used = t.train(table, upstream, rl, recompute, lags=lags, label=reader.label)
+            metrics.update(lag_mean=float(lags.float().mean()), lag_max=lag_max, rows_dropped=drop,
+                           rows_dropped_total=dropped, prompts=P)
+            metrics.update(_drift(cfg, dict(t.model.state_dict()), upstream.get("reference"), ref_cache))
+            manifest = artifacts.make_manifest(
+                "model", "update", cfg, inputs, step=t.step, metrics=metrics, reward_weights=used,
+                follow={"base": str(cfg.policy), "base_fingerprint": base_fp, "base_step": base_step})
+            path = follow.publish(root, t.step, lambda tmp, m=manifest: t.save(tmp, m, t.gather(), write_manifest=False))
+            pruned = follow.prune(root, keep) if keep is not None else []
+            metrics_log.write({"stage": "update", "out": str(path), **metrics}, cfg.metrics, cfg.tensorboard)
+            _show(metrics)
+            console.info(f"update: wrote {path} (lag mean {metrics['lag_mean']:.2f}, max {lag_max}; "
+                         f"{drop} rows dropped)" + (f"; pruned steps {pruned}" if pruned else ""))
+        console.info(f"update: --max-steps {cfg.max_steps} reached (step {t.step}); stopping")
+        return root
+
+
+class _Batcher:
+    """Cuts a stream of rollout record batches into tables of P whole prompt groups (rows of a group
+    are contiguous, as `rollout` writes them), dropping the rows whose lag behind the current step
+    (step - policy_step) exceeds `max_lag`. With `n` (the group size) a batch is cut as soon as its
+    P-th group is complete, so a paced upstream is never waited on for rows it will not send yet."""
+
+    def __init__(self, reader, P: int, n: int | None, max_lag: int) -> None:
+        self.reader, self.it, self.P, self.n, self.max_lag = reader, iter(reader), P, n, max_lag
+        self.buf = None
+        self.ended = False
+        self.leftover = 0
+
+    def _cut(self) -> int:
+        import numpy as np
+
+        g = self.buf.column("group_id").to_numpy()
+        starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
+        if len(starts) > self.P:
+            return int(starts[self.P])
+        if len(starts) == self.P and (self.ended or (self.n and len(g) - starts[-1] >= self.n)):
+            return len(g)
+        return 0
+
+    def next(self, step: int):
+        """(table, lags (rows,) long tensor, rows dropped since the last batch), or None at the end."""
+        import numpy as np
+        import pyarrow as pa
+        import torch
+
+        from rlkit.errors import RlkitError
+
+        dropped = 0
+        while True:
+            if self.buf is not None and self.buf.num_rows:
+                lag = step - self.buf.column("policy_step").to_numpy()
+                if (lag < 0).any():
+                    raise RlkitError(f"{self.reader.label}: rows sampled by step {int(step - lag.min())}, newer than "
+                                     f"this update's step {step}: the rollout follows another directory than --out")
+                stale = lag > self.max_lag
+                if stale.any():
+                    self.buf = self.buf.filter(pa.array(~stale))
+                    dropped += int(stale.sum())
+                    continue
+                cut = self._cut()
+                if cut:
+                    out, self.buf = self.buf.slice(0, cut), self.buf.slice(cut)
+                    return out, torch.from_numpy(np.ascontiguousarray(lag[:cut])).long(), dropped
+            if self.ended:
+                self.leftover = self.buf.num_rows if self.buf is not None else 0
+                return None
+            batch = next(self.it, None)
+            if batch is None:
+                self.ended = True
+                continue
+            t = pa.Table.from_batches([batch])
+            self.buf = t if self.buf is None else pa.concat_tables([self.buf, t])
+
+
+def _drift(cfg: UpdateConfig, params: dict, upstream_ref: str | None, cache: dict | None = None) -> dict:
+    """{'drift': ...} of the policy's weights from --ref or the reference score-ref used; warns above --max-drift.
+    `cache` (kept by the caller across steps) holds the hash-checked reference weights after the first call."""
     from rlkit import console
     from rlkit.checkpoints import verify_reference
     from rlkit.drift import load_weights, relative_drift
@@ -195,11 +439,18 @@ def _drift(cfg: UpdateConfig, params: dict, upstream_ref: str | None) -> dict:
     ref = cfg.ref or (Path(upstream_ref) if upstream_ref else None)
     if ref is None:
         return {}
-    if cfg.ref is None and not ref.is_dir():
-        console.warn(f"update: no drift figure: the reference score-ref used ({ref}) is not there any more; pass --ref")
-        return {}
-    verify_reference(ref)
-    d = relative_drift(params, load_weights(ref))
+    if cache is None or ref not in cache:
+        if cfg.ref is None and not ref.is_dir():
+            console.warn(f"update: no drift figure: the reference score-ref used ({ref}) is not there any more; "
+                         "pass --ref")
+            return {}
+        verify_reference(ref)
+        weights = load_weights(ref)
+        if cache is not None:
+            cache[ref] = weights
+    else:
+        weights = cache[ref]
+    d = relative_drift(params, weights)
     if d > cfg.max_drift:
         console.warn(f"POLICY DRIFT: the weights are {d:.4f} (relative L2) away from the reference {ref}, above "
                      f"--max-drift {cfg.max_drift:g}; check KL, held-out accuracy and response length for reward hacking")
@@ -250,7 +501,7 @@ def _show(metrics: dict, keys: list[str] | None = None) -> None:
     t = Table(title=f"update step {metrics['step']}", show_header=False)
     default = ("reward_mean", "reward_std", "verifier_accuracy", "kl_per_token", "kl_per_seq", "entropy",
             "clip_fraction", "dual_clip_fraction", "ratio_min", "ratio_mean", "ratio_max", "logprob_mismatch", "logprob_mismatch_max",
-            "tis_weight_mean", "tis_capped_fraction", "kl_coef", "kl_coef_next", "value_loss", "value_clip_fraction",
+            "tis_weight_mean", "tis_capped_fraction", "is_ess", "lag_mean", "lag_max", "rows_dropped", "kl_coef", "kl_coef_next", "value_loss", "value_clip_fraction",
             "explained_variance", "grad_norm", "mean_response_tokens", "drift",
             "degenerate_group_fraction", "optimizer_steps", "tokens_per_s", "train_seconds")
     for k in keys or (*[k for k in metrics if k.startswith("reward/")], *default):
@@ -293,6 +544,11 @@ def command(
     tensorboard: Annotated[Path | None, typer.Option(help="Also log the metrics as TensorBoard scalars under this directory (needs the tensorboard extra).")] = None,
     ref: Annotated[Path | None, typer.Option(help="Frozen reference for the drift figure (default: the one score-ref used).")] = None,
     max_drift: Annotated[float, typer.Option(min=0.0, help="Warn when the policy's relative weight distance from the reference exceeds this.")] = DEFAULT_MAX_DRIFT,
+    follow: Annotated[bool, typer.Option("--follow", help="Persistent: read an unbounded rollouts stream and write one checkpoint per --batch-prompts prompts as --out/step-NNNNNN/ (atomic; --out/latest names the newest); a rerun resumes from --out/latest. See README 'Persistent stages'.")] = False,
+    batch_prompts: Annotated[int | None, typer.Option(min=1, help="--follow: prompts (whole groups) per update step; default: the upstream `rollout --follow`'s.")] = None,
+    max_steps: Annotated[int | None, typer.Option(min=1, help="--follow: end the run cleanly once --out holds this many steps after --policy's.")] = None,
+    keep: Annotated[int | None, typer.Option(min=1, help="--follow: prune all but the newest K steps (at least --max-lag + 2 are kept: rollout may be loading them).")] = None,
+    max_lag: Annotated[int, typer.Option(min=0, help="--follow: drop (and count) rows sampled more than this many steps before the policy they would train; lagged rows get pi_old recomputed (the proximal policy) and a truncated importance weight (--tis-cap, default 2 here).")] = DEFAULT_MAX_LAG,
     trust_remote_code: TrustRemoteCode = False,
     force: Force = False,
 ) -> None:
@@ -315,5 +571,6 @@ def command(
                   gamma=gamma, lam=lam, vf_clip=vf_clip, critic_lr=critic_lr, critic_init=critic_init,
                   target_kl=target_kl)
     run(UpdateConfig(policy=policy, out=out, inp=inp, rl=rl, reward=tuple(reward or ()), length_penalty=length_penalty,
-                     metrics=metrics, tensorboard=tensorboard, ref=ref, max_drift=max_drift,
+                     metrics=metrics, tensorboard=tensorboard, ref=ref, max_drift=max_drift, follow=follow,
+                     batch_prompts=batch_prompts, max_steps=max_steps, keep=keep, max_lag=max_lag,
                      trust_remote_code=trust_remote_code, force=force))

@@ -72,7 +72,7 @@ def test_sft_from_a_data_file_with_mapped_columns(tmp_path):
     assert json.loads((out / "rlkit.json").read_text())["metrics"]["examples"] == 50
 
 
-RECIPES = sorted(p.name for p in (REPO / "recipes").glob("*.sh"))
+RECIPES = sorted(p.name for p in (REPO / "recipes").glob("*.sh") if p.name != "rlvr-follow.sh")  # see the rlvr.sh case
 
 
 def _run_recipe(name: str, runs: Path, **knobs: str):
@@ -87,6 +87,7 @@ def _run_recipe(name: str, runs: Path, **knobs: str):
 
 def test_every_recipe_is_tested():
     assert set(RECIPES) == {"quickstart.sh", "rlvr.sh", "rlhf.sh", "reward-hacking.sh"}, "a new recipe needs a test here"
+    assert {p.name for p in (REPO / "recipes").glob("*.sh")} - set(RECIPES) == {"rlvr-follow.sh"}
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -117,6 +118,33 @@ def test_every_recipe_runs_scaled_down(recipe, tmp_path):
         err = r.stderr.decode()
         assert err.count("is up to date") >= 2 and "round 1: " in err and "round 2: " in err
         assert "after RL (2 rounds)" in r.stdout.decode()
+        _follow_recipe_beside_rlvr(runs)
+
+
+def _follow_recipe_beside_rlvr(runs: Path) -> None:
+    """recipes/rlvr-follow.sh in the same RUNS (same SFT checkpoint and reference, skipped as up to date): at
+    LAG=0 one persistent pipe gives the weights rlvr.sh's per-round pipes gave; LAG=1 runs, and a rerun skips."""
+    import torch
+    from safetensors.torch import load_file
+
+    r = _run_recipe("rlvr-follow.sh", runs, LAG="0")
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    out = r.stdout.decode()
+    assert "after RL (2 steps)" in out and "one persistent pipe, lag bound 0" in out
+    a, b = load_file(str(runs / "ckpts/step-000002/model.safetensors")), load_file(str(runs / "round-2/model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+    assert json.loads((runs / "eval-step-2.json").read_text())["accuracy"] == json.loads(
+        (runs / "eval-round-2.json").read_text())["accuracy"]
+    r = _run_recipe("rlvr-follow.sh", runs, LAG="1", EVAL_LIVE="1")
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    rows = [json.loads(x) for x in (runs / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in rows if m["stage"] == "update" and "lag_max" in m][-2:]
+    assert [m["step"] for m in steps] == [1, 2] and [m["lag_max"] for m in steps] == [0, 1]
+    assert [m["step"] for m in rows if m["stage"] == "eval"][-1] == 2
+    r = _run_recipe("rlvr-follow.sh", runs, LAG="1", EVAL_LIVE="1")
+    assert r.returncode == 0 and "skipping the pipe" in r.stderr.decode()
 
 
 def test_a_local_hugging_face_model_with_chat_data(tmp_path):
