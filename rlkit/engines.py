@@ -47,6 +47,12 @@ class HFEngine:
                         temperature=temperature, top_p=top_p, seed=seed, batch_tokens=self.batch_tokens,
                         logprobs=True)
 
+    def reload(self, model_dir: Path) -> None:
+        """Load checkpoint `model_dir`'s weights into the live model (`rollout --follow`)."""
+        from rlkit.checkpoints import load_weights_into
+
+        load_weights_into(self.model, model_dir)
+
 
 @dataclass(frozen=True)
 class VLLMOptions:
@@ -128,9 +134,11 @@ class VLLMEngine:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         util = opts.gpu_memory_utilization or (0.9 if on_gpu else 0.3)
         self.eos = tokenizer.eos_token_id
+        self.policy = Path(policy).absolute()  # the checkpoint whose weights the engine holds now (see `reload`)
         self.llm = LLM(model=str(policy), tokenizer=str(policy), dtype=checkpoint_dtype(policy, opts.dtype), tensor_parallel_size=opts.tp,
                        gpu_memory_utilization=util, max_model_len=opts.max_model_len, enforce_eager=opts.enforce_eager,
-                       seed=seed, logprobs_mode="processed_logprobs", trust_remote_code=trust_remote_code)
+                       seed=seed, logprobs_mode="processed_logprobs", trust_remote_code=trust_remote_code,
+                       worker_extension_cls=f"{__name__}.VLLMWorkerExtension")
 
     def sample(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed) -> Generated:
         from vllm import SamplingParams
@@ -151,6 +159,34 @@ class VLLMEngine:
                 fins.append("eos" if toks and toks[-1] == self.eos else "length")
         return Generated(ids, fins, lps)
 
+    def reload(self, model_dir: Path) -> float:
+        """Load the weights of checkpoint `model_dir` (same architecture and tokenizer, a Hugging Face directory
+        with *.safetensors) into the running engine in place; reset the prefix cache; return the seconds it took.
+
+        vLLM's own in-place reload (the worker's `reload_weights`) reloads and re-processes every layer that the
+        checkpoint has weights for. A tied lm_head has none of its own (its weight is the embedding's), so on
+        vLLM's CPU backend it would keep computing logits with the GEMM packed from the old weights: the
+        workers re-pack it afterwards. The prefix cache holds KV computed with the old weights: dropped.
+
+        A directory without *.safetensors is refused before the engine is touched (it stays usable). A reload
+        that fails inside vLLM leaves the engine half loaded: RlkitError, and the engine is of no further use."""
+        import time
+
+        model_dir = Path(model_dir).absolute()  # vLLM takes a path it cannot find for a Hugging Face Hub id
+        if not model_dir.is_dir() or not any(model_dir.glob("*.safetensors")):
+            raise RlkitError(f"cannot reload the vLLM engine from {model_dir}: no *.safetensors there")
+        t0 = time.perf_counter()
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_dir)})
+            self.llm.collective_rpc("rlkit_repack_cpu_gemms")
+        except Exception as e:
+            raise RlkitError(f"vLLM failed to reload the weights of {model_dir} ({(str(e).splitlines() or [type(e).__name__])[0]}); "
+                             "the engine is no longer usable") from e
+        if not self.llm.reset_prefix_cache():
+            raise RlkitError("vLLM did not reset its prefix cache after the weight reload (requests still running?)")
+        self.policy = model_dir
+        return time.perf_counter() - t0
+
     def close(self) -> None:
         """Shut the engine's worker processes down now rather than at interpreter exit."""
         llm, self.llm = getattr(self, "llm", None), None
@@ -159,3 +195,23 @@ class VLLMEngine:
                 llm.llm_engine.engine_core.shutdown()
             except Exception:  # shutting down is best effort: the processes die with us anyway
                 pass
+
+
+class VLLMWorkerExtension:
+    """Mixed into vLLM's worker class (`worker_extension_cls`), so that `LLM.collective_rpc` reaches these
+    methods by name: no pickled functions cross vLLM's process boundary."""
+
+    def rlkit_repack_cpu_gemms(self) -> int:
+        """Re-pack every CPU GEMM (`cpu_linear`: oneDNN / SGL packed weights) built from a weight its layer
+        still holds (embeddings and the lm_head; the linear layers give theirs up once packed, and the
+        in-place reload re-packs those itself). Returns how many were re-packed; none off vLLM's CPU backend."""
+        import torch
+
+        n = 0
+        for m in self.get_model().modules():
+            w, qm = getattr(m, "weight", None), getattr(m, "quant_method", None)
+            if (hasattr(m, "cpu_linear") and qm is not None and isinstance(w, torch.Tensor) and w.ndim == 2
+                    and w.numel() > 0):
+                qm.process_weights_after_loading(m)
+                n += 1
+        return n
