@@ -140,15 +140,18 @@ def _run_follow(cfg: RolloutConfig, task, out: Path | None) -> Path | None:
     base_tok = checkpoints.tokenizer_fingerprint(checkpoints.load_tokenizer(cfg.policy, cfg.trust_remote_code))
     newest = follow.newest(root)
     start = newest.path if newest else cfg.policy
+    inputs = {"policy": artifacts.fingerprint(cfg.policy)}
     if newest:
-        follow.verify_step(start)
+        m = follow.verify_step(start)
+        if (m.get("follow") or {}).get("base_fingerprint") != inputs["policy"]:
+            raise RlkitError(f"--follow {root} holds a run started from another --policy than {cfg.policy} (or one "
+                             "changed since); pass that --policy or follow a new directory")
         _same_tokenizer(checkpoints.tokenizer_fingerprint(checkpoints.load_tokenizer(start, cfg.trust_remote_code)),
                         base_tok, start, cfg.policy)
     step = checkpoints.policy_step(start)
     b = step - base_step  # batches already trained: batch b trains step base_step + b + 1
     if cfg.max_steps is not None and b >= cfg.max_steps:
         console.info(f"rollout: {root} already has --max-steps {cfg.max_steps} steps; nothing to sample")
-    inputs = {"policy": artifacts.fingerprint(cfg.policy)}
     source = None
     if cfg.prompts:
         source = data.load_source(cfg.prompts, "prompts", {"prompt": cfg.prompt_column, "answer": cfg.answer_column})
