@@ -54,7 +54,7 @@ def ref_dir(sft_dir, tmp_path_factory) -> Path:
 
 # The longest files first: with two pytest-xdist workers (by file) they then run beside the short ones
 # instead of alone at the end.
-_FIRST = ("test_e2e.py", "test_vllm.py", "test_distributed.py")
+_FIRST = ("test_e2e.py", "test_vllm.py", "test_follow_vllm.py", "test_follow.py", "test_distributed.py")
 
 
 def pytest_collection_modifyitems(config, items):  # noqa: ARG001
