@@ -113,7 +113,7 @@ def _main(argv: list[str] | None = None) -> int:
         rv = app(args=args, prog_name="rlkit", standalone_mode=False)
         rv = rv if isinstance(rv, int) else 0
         if rv == 130:  # typer turns Ctrl-C (and our SIGTERM) into Exit(130), which click returns
-            print("rlkit: interrupted; nothing was written to --out", file=err)
+            print("rlkit: interrupted; nothing half-written was left at --out", file=err)
         return rv
     except click.exceptions.Exit as e:
         return e.exit_code
@@ -123,7 +123,7 @@ def _main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, click.exceptions.Abort):
         if debug:
             raise
-        print("rlkit: interrupted; nothing was written to --out", file=err)
+        print("rlkit: interrupted; nothing half-written was left at --out", file=err)
         return 130
     except DownstreamClosed:
         # a --follow stage whose reader ended (e.g. `update --follow --max-steps`): the run's normal end
