@@ -44,6 +44,16 @@ def _pipe(sft, ref, root: Path, *, lag: int, steps: int, seed: int = 100, extra_
                           env={**os.environ, "RLKIT_DEBUG": "0"})
 
 
+def _scored(sft, ref, out: Path, prompts: int, seed: int) -> Path:
+    """A scored table of `prompts` x N rows, made by a real `rollout | score-ref` pipe."""
+    cmd = " ".join(rlkit_cmd())
+    r = subprocess.run(["bash", "-c", f"set -euo pipefail; {cmd} rollout --policy {sft} --num-prompts {prompts} "
+                        f"--n {N} --seed {seed} | {cmd} score-ref --ref {ref} --out {out}"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
 # --- step directories (no torch) --------------------------------------------------------------------
 
 
@@ -230,11 +240,7 @@ def test_sigkill_while_a_step_is_written_leaves_no_step_that_looks_complete(sft_
     """Kill `update --follow` (SIGKILL) the moment a step's hidden directory appears, then resume."""
     root = tmp_path / "ckpts"
     cmd = rlkit_cmd()
-    scored = tmp_path / "scored.arrow"
-    r = subprocess.run(["bash", "-c", f"set -euo pipefail; {' '.join(cmd)} rollout --policy {sft_dir} --num-prompts "
-                        f"{3 * P} --n {N} --seed 5 | {' '.join(cmd)} score-ref --ref {ref_dir} --out {scored}"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+    scored = _scored(sft_dir, ref_dir, tmp_path / "scored.arrow", 3 * P, seed=5)
     # --max-lag 10: a restarted update re-reads the file from its start, and trains all three batches again
     upd = [*cmd, "update", "--follow", "--policy", str(sft_dir), "--out", str(root), "--batch-prompts", str(P),
            "--in", str(scored), "--max-lag", "10", *UPDATE]
@@ -263,12 +269,7 @@ def test_sigkill_while_a_step_is_written_leaves_no_step_that_looks_complete(sft_
 
 @pytest.mark.slow
 def test_follow_bad_input_one_line_each(sft_dir, ref_dir, tmp_path):
-    scored = tmp_path / "scored.arrow"
-    cmd = " ".join(rlkit_cmd())
-    r = subprocess.run(["bash", "-c", f"set -euo pipefail; {cmd} rollout --policy {sft_dir} --num-prompts {2 * P} "
-                        f"--n {N} --seed 7 | {cmd} score-ref --ref {ref_dir} --out {scored}"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+    scored = _scored(sft_dir, ref_dir, tmp_path / "scored.arrow", 2 * P, seed=7)
     update = ["update", "--follow", "--policy", str(sft_dir), "--batch-prompts", str(P), *UPDATE]
 
     # a directory that is not a follow directory: a file in it, a model directory, a file
@@ -338,12 +339,7 @@ def test_follow_bad_input_one_line_each(sft_dir, ref_dir, tmp_path):
 @pytest.mark.slow
 def test_rollout_follow_never_reads_a_half_written_step(sft_dir, ref_dir, tmp_path):
     root = tmp_path / "ckpts"
-    scored = tmp_path / "scored.arrow"
-    cmd = " ".join(rlkit_cmd())
-    r = subprocess.run(["bash", "-c", f"set -euo pipefail; {cmd} rollout --policy {sft_dir} --num-prompts {P} "
-                        f"--n {N} --seed 7 | {cmd} score-ref --ref {ref_dir} --out {scored}"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+    scored = _scored(sft_dir, ref_dir, tmp_path / "scored.arrow", P, seed=7)
     r = run_cli("update", "--follow", "--policy", str(sft_dir), "--out", str(root), "--in", str(scored),
                 "--batch-prompts", str(P), *UPDATE)
     assert r.returncode == 0, r.stderr.decode()[-2000:]

@@ -12,8 +12,6 @@ show. Skipped, with the reason, only when `import vllm` fails; with RLKIT_REQUIR
 from __future__ import annotations
 
 import math
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,18 +25,6 @@ SHOTS = [(3, 4), (10, 5), (21, 30), (8, 8), (14, 2), (7, 6), (40, 11), (9, 9), (
          (6, 1), (15, 15), (4, 4), (18, 20), (11, 11), (1, 2), (30, 3), (13, 5)]
 PROMPT = "".join(f"{a}+{b}={a + b}\n" for a, b in SHOTS) + "12+7="
 COMPLETION = "19"
-
-
-@pytest.fixture(scope="module")
-def vllm_ok() -> None:
-    r = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True, timeout=300)
-    if r.returncode != 0:
-        why = (r.stderr.strip().splitlines() or ["no error text"])[-1]
-        msg = f"vLLM does not import in this environment, vLLM engine tests NOT RUN: {why}"
-        if os.environ.get("RLKIT_REQUIRE_VLLM") == "1":
-            pytest.fail(msg)
-        print(f"\n*** {msg} ***", file=sys.stderr)
-        pytest.skip(msg)
 
 
 @pytest.fixture(scope="module")
