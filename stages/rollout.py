@@ -150,14 +150,19 @@ def _run_follow(cfg: RolloutConfig, task, out: Path | None) -> Path | None:
                         base_tok, start, cfg.policy)
     step = checkpoints.policy_step(start)
     b = step - base_step  # batches already trained: batch b trains step base_step + b + 1
-    if cfg.max_steps is not None and b >= cfg.max_steps:
+    done = cfg.max_steps is not None and b >= cfg.max_steps
+    if done:
         console.info(f"rollout: {root} already has --max-steps {cfg.max_steps} steps; nothing to sample")
     source = None
     if cfg.prompts:
         source = data.load_source(cfg.prompts, "prompts", {"prompt": cfg.prompt_column, "answer": cfg.answer_column})
         inputs["prompts"] = source.fingerprint
     t0 = time.monotonic()
-    engine, tokenizer = _start_engine(cfg, start)
+    if done:  # an empty, complete stream: downstream sees the run is over without an engine start
+        tokenizer = checkpoints.load_tokenizer(start, cfg.trust_remote_code)
+        engine = engines.HFEngine(None, tokenizer)
+    else:
+        engine, tokenizer = _start_engine(cfg, start)
     start_secs = time.monotonic() - t0
     console.info(f"rollout: following {root} from {start} (step {step}); engine up in {start_secs:.1f}s")
     if source is not None:
@@ -204,7 +209,7 @@ def _run_follow(cfg: RolloutConfig, task, out: Path | None) -> Path | None:
                     _sample(cfg, engine, tokenizer, task, w, bar, range(P), ids, answers, texts, prompt_ids, seed,
                             b * P, fp, step, scored)
                 b += 1
-            console.info(f"rollout: --max-steps {cfg.max_steps}: sampled the last batch")
+            console.info(f"rollout: --max-steps {cfg.max_steps} reached; the stream ends")
     except (BrokenPipeError, DownstreamClosed):
         artifacts.drop_stdout_sink()
         console.info(f"rollout: the downstream stage ended; stopping after {b} batches")

@@ -190,7 +190,8 @@ def run(cfg: ScoreRefConfig) -> Path | None:
         batches = reader.batches(idle=artifacts.downstream_closed)
     try:
         rows = _score_stream(cfg, batches, w_args=(out_kind, out, manifest, extra), model=model, tokenizer=tokenizer,
-                      temperature=temperature, scorers=scorers, lp_type=lp_type, reader=reader, shard=shard)
+                             temperature=temperature, scorers=scorers, lp_type=lp_type, reader=reader,
+                             empty_ok=bool(shard) or following)
     except BrokenPipeError:
         if not following:
             raise
@@ -202,8 +203,9 @@ def run(cfg: ScoreRefConfig) -> Path | None:
 
 
 def _score_stream(cfg: ScoreRefConfig, batches, w_args, model, tokenizer, temperature, scorers, lp_type, reader,
-                  shard) -> int:
-    """Score `batches` one by one, writing each as soon as it is scored; -> rows written."""
+                  empty_ok: bool) -> int:
+    """Score `batches` one by one, writing each as soon as it is scored; -> rows written. An empty input
+    is an error unless `empty_ok` (a shard may be empty; a follow run that was already finished is)."""
     import pyarrow as pa
 
     from rlkit import artifacts
@@ -221,7 +223,7 @@ def _score_stream(cfg: ScoreRefConfig, batches, w_args, model, tokenizer, temper
                 cols[f"reward/{name}"] = pa.array(score_texts(rm, rm_tok, prompts, comps, cfg.batch_tokens), pa.float64())
             w.write(pa.record_batch([cols[f.name] if f.name in cols else pa.nulls(batch.num_rows, f.type)
                                      for f in w.schema], schema=w.schema))
-        if reader.rows == 0 and not shard:
+        if reader.rows == 0 and not empty_ok:
             raise RlkitError(f"{reader.label}: the rollouts table has no rows")
     return w.rows
 

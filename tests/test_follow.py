@@ -31,11 +31,11 @@ def _weights(d: Path) -> dict[str, torch.Tensor]:
 
 
 def _pipe(sft, ref, root: Path, *, lag: int, steps: int, seed: int = 100, extra_update: str = "",
-          timeout: float = 300) -> subprocess.CompletedProcess:
+          extra_rollout: str = "", timeout: float = 300) -> subprocess.CompletedProcess:
     cmd = " ".join(rlkit_cmd())
     script = (
         "set -euo pipefail\n"
-        f"{cmd} rollout --follow {root} --policy {sft} --n {N} --batch-prompts {P} --max-lag {lag} --seed {seed} "
+        f"{cmd} rollout --follow {root} --policy {sft} --n {N} --batch-prompts {P} --max-lag {lag} --seed {seed} {extra_rollout} "
         f"| {cmd} score-ref --ref {ref} "
         f"| {cmd} update --follow --policy {sft} --out {root} --max-steps {steps} --max-lag {lag} "
         f"{' '.join(UPDATE)} --metrics {root}.metrics.jsonl {extra_update}\n"
@@ -229,10 +229,13 @@ def test_k1_pipe_resumes_without_losing_or_repeating_a_step(sft_dir, ref_dir, tm
     assert [s.step for s in follow.scan(root)[0]] == [1, 2, 3]  # --keep is at least --max-lag + 2
     m = artifacts.read_manifest(root / "step-000003")
     assert m["step"] == 3 and json.loads((root / "step-000003/trainer/state.json").read_text())["updates"] == 3
-    # and a finished run is left as it is
+    # and a finished run is left as it is, also when rollout knows it (--max-steps: an empty stream, no engine)
     r = _pipe(sft_dir, ref_dir, root, lag=1, steps=3)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "nothing to do" in r.stderr and follow.newest(root).step == 3
+    r = _pipe(sft_dir, ref_dir, root, lag=1, steps=3, extra_rollout="--max-steps 3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "nothing to sample" in r.stderr and "engine hf" not in r.stderr and follow.newest(root).step == 3
 
 
 @pytest.mark.slow
