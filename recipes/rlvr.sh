@@ -2,7 +2,8 @@
 # RLVR on the embedded tiny model: sft -> freeze-ref -> eval -> ROUNDS x (rollout | score-ref | update; eval).
 # $RUNS/metrics.jsonl gets every update's and every held-out eval's figures; `rlkit report` plots them.
 # Knobs (environment), defaults in brackets:
-#   RUNS [runs/rlvr]  SEED [0]  TASK [arithmetic]  SFT_EXAMPLES [24000]  EVAL_NUM [300]
+#   RUNS [runs/rlvr]  SEED [0]  TASK [arithmetic] (any --task spec)  MODEL [tiny] (sft's base: a model directory or hub id)
+#   SFT_EXAMPLES [24000]  EVAL_NUM [300]
 #   ROUNDS [3]  PROMPTS [512] prompts per round  N [8] samples per prompt  MAX_NEW_TOKENS [16]
 #   ALGO [grpo]  LR [5e-5]  EPOCHS [2]  MINIBATCH [128]  BETA [0.01]  KL [k3+] (in the loss; see README)  TEMPERATURE [1.0]
 #   DROP_DEGENERATE [0] leave out groups whose rewards are all equal (no signal, ~20% less work)
@@ -13,6 +14,7 @@ set -euo pipefail
 RUNS=${RUNS:-runs/rlvr}
 SEED=${SEED:-0}
 TASK=${TASK:-arithmetic}
+MODEL=${MODEL:-tiny}
 SFT_EXAMPLES=${SFT_EXAMPLES:-24000}
 EVAL_NUM=${EVAL_NUM:-300}
 ROUNDS=${ROUNDS:-3}
@@ -45,9 +47,10 @@ timed() {
   return $rc
 }
 
-timed sft rlkit sft --task "$TASK" --num-examples "$SFT_EXAMPLES" --eval-num "$EVAL_NUM" --seed "$SEED" --out "$RUNS/sft"
+timed sft rlkit sft --model "$MODEL" --task "$TASK" --num-examples "$SFT_EXAMPLES" --eval-num "$EVAL_NUM" --seed "$SEED" \
+  --out "$RUNS/sft"
 timed freeze-ref rlkit freeze-ref --policy "$RUNS/sft" --out "$RUNS/ref" --dtype bf16
-timed eval-sft rlkit eval --policy "$RUNS/sft" --task "$TASK" --num "$EVAL_NUM" --label sft --json \
+timed eval-sft rlkit eval --policy "$RUNS/sft" --task "$TASK" --num "$EVAL_NUM" --max-new-tokens "$MAX_NEW_TOKENS" --label sft --json \
   --metrics "$RUNS/metrics.jsonl" > "$RUNS/eval-sft.json"
 
 knobs="task=$TASK prompts=$PROMPTS n=$N max_new=$MAX_NEW_TOKENS algo=$ALGO lr=$LR epochs=$EPOCHS mb=$MINIBATCH beta=$BETA kl=$KL temp=$TEMPERATURE drop=$DROP_DEGENERATE dual=$DUAL_CLIP seed=$SEED"
@@ -74,7 +77,7 @@ for i in $(seq 1 "$ROUNDS"); do
   # held-out accuracy after every round, beside the update's reward, KL and length in the same metrics file
   if [ ! -s "$RUNS/eval-round-$i.json" ]; then
     t0=$(now)
-    rlkit eval --policy "$out" --task "$TASK" --num "$EVAL_NUM" --label "round-$i" --json \
+    rlkit eval --policy "$out" --task "$TASK" --num "$EVAL_NUM" --max-new-tokens "$MAX_NEW_TOKENS" --label "round-$i" --json \
       --metrics "$RUNS/metrics.jsonl" > "$RUNS/eval-round-$i.json.tmp"
     mv "$RUNS/eval-round-$i.json.tmp" "$RUNS/eval-round-$i.json"
     eval_secs=$(awk -v e="${eval_secs:-0}" -v a="$t0" -v b="$(now)" 'BEGIN{printf "%.2f", e+b-a}')

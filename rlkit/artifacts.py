@@ -611,7 +611,7 @@ class TableReader:
                 batch, meta = self._reader.read_next_batch_with_custom_metadata()
             except StopIteration:
                 break
-            except pa.ArrowInvalid as e:
+            except (pa.ArrowInvalid, OSError) as e:  # OSError: a message body cut short ("Expected to be able to read")
                 raise TruncatedStream(
                     f"{self.label}: truncated Arrow stream after {self.rows} rows ({e}); "
                     "the upstream stage died before finishing"

@@ -39,11 +39,21 @@ def load_manifest(d: Path) -> dict | None:
     return json.loads(m.read_text()) if m.is_file() else None
 
 
-def check_model_dir(d: Path, what: str = "model") -> None:
+def check_model_dir(d: Path, what: str = "model", lora_base: bool = True) -> None:
+    """A loadable model directory, or one clear line. A LoRA checkpoint: its base is verified too (hashed
+    once per process; `lora_base=False` skips that), so a stage refuses it before doing anything."""
     if not d.exists():
         raise RlkitError(f"{what} directory {d} not found")
     if not d.is_dir():
         raise RlkitError(f"{what} {d} is a file, expected a Hugging Face model directory")
+    if (d / "adapter_config.json").is_file():  # a LoRA checkpoint (rlkit.lora): the adapter, its base elsewhere
+        if not (d / "adapter_model.safetensors").is_file():
+            raise RlkitError(f"LoRA {what} {d} has no adapter_model.safetensors (rlkit loads safetensors only, never pickles)")
+        if lora_base:
+            from rlkit import lora
+
+            lora.verify_base(d.absolute())
+        return
     if not (d / "config.json").is_file():
         raise RlkitError(f"{d} is not a model directory (no config.json); expected the --out of `rlkit sft` or a Hugging Face model")
     if not weight_files(d):
@@ -73,15 +83,30 @@ def save_model(model, tokenizer, tmp: Path, manifest: dict[str, Any], state_dict
                write_manifest: bool = True) -> dict[str, Any]:
     """Save into `tmp` (an `atomic_dir`), hash the weights and write the manifest; returns it.
     `state_dict`: the gathered full weights of a sharded (FSDP) model. `write_manifest=False` leaves
-    writing it to the caller (`rlkit.follow.publish` writes it last)."""
+    writing it to the caller (`rlkit.follow.publish` writes it last). A LoRA model (`rlkit.lora`) saves
+    its adapter in PEFT's layout, and the manifest's `lora` entry names its base and the base's hashes."""
+    from rlkit import lora
+
     _quiet_transformers()
-    model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": state_dict} if state_dict is not None else {}))
+    if lora.state(model) is not None:
+        manifest = {**manifest, "lora": lora.save(model, tmp, state_dict)}
+    else:
+        model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": state_dict} if state_dict is not None else {}))
     tokenizer.save_pretrained(tmp)
     per_file, digest = hash_weights(tmp)
-    manifest = {**manifest, "weights_sha256": per_file, "weights_digest": digest}
+    manifest = {**manifest, "weights_sha256": per_file, "weights_digest": digest,
+                "weights_dtype": _weights_dtype(state_dict if state_dict is not None else model.state_dict())}
     if write_manifest:
         (tmp / MODEL_MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
+
+
+def _weights_dtype(sd: dict) -> str:
+    """The stored dtype of the floating-point weights (fp32 for every rlkit-trained checkpoint: the
+    master weights, whatever --dtype computed in), as fp32/bf16/fp16, or a mix joined by '+'."""
+    names = {v: k for k, v in DTYPES.items()}
+    found = sorted({str(t.dtype).removeprefix("torch.") for t in sd.values() if t.is_floating_point()})
+    return "+".join(names.get(d, d) for d in found)
 
 
 def _quiet_transformers() -> None:
@@ -102,8 +127,11 @@ def load_tokenizer(src: str | Path, trust_remote_code: bool = False):
     return tok
 
 
-def load_policy(src: str | Path, dtype: str = "fp32", trust_remote_code: bool = False):
-    """A trainable causal LM and its tokenizer from a directory or hub id (never a pickle)."""
+def load_policy(src: str | Path, dtype: str = "fp32", trust_remote_code: bool = False, merged: bool = False):
+    """A trainable causal LM and its tokenizer from a directory or hub id (never a pickle).
+
+    A LoRA checkpoint loads on its hash-verified base (`rlkit.lora.load`): a model whose adapter keeps
+    training, or with `merged` (inference: rollout, eval, freeze-ref) the plain model, adapter merged."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -111,6 +139,11 @@ def load_policy(src: str | Path, dtype: str = "fp32", trust_remote_code: bool = 
     p = Path(src)
     if p.exists() or str(src).startswith((".", "/")):
         check_model_dir(p, "policy")
+        from rlkit import lora
+
+        if lora.is_adapter_dir(p):
+            model = lora.load(p, "causal-lm", merged=merged, dtype=dtype, trust_remote_code=trust_remote_code)
+            return model, load_tokenizer(p, trust_remote_code)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(src), dtype=getattr(torch, DTYPES[dtype]), trust_remote_code=trust_remote_code,
@@ -123,10 +156,12 @@ def load_policy(src: str | Path, dtype: str = "fp32", trust_remote_code: bool = 
 
 def load_weights_into(model, d: Path) -> None:
     """Copy checkpoint `d`'s safetensors into a live model of the same architecture, in place (tied
-    weights stay tied: a tensor the checkpoint leaves out must share storage with one it holds)."""
+    weights stay tied: a tensor the checkpoint leaves out must share storage with one it holds). A LoRA
+    checkpoint's weights are its base's with the adapter merged in."""
+    from rlkit import lora
     from rlkit.drift import load_weights
 
-    sd = load_weights(d)
+    sd = lora.load(d, merged=True).state_dict() if lora.is_adapter_dir(d) else load_weights(d)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if unexpected:
         raise RlkitError(f"{d} holds weights this model does not have ({', '.join(sorted(unexpected)[:3])}); "

@@ -139,10 +139,19 @@ def render_prompts(tokenizer, source: Source, for_sft: bool) -> list[str]:
     return out
 
 
+def encode_texts(tokenizer, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids of whole texts with the tokenizer's special tokens, but never two BOS in a row: a
+    prompt rendered by a chat template that writes the BOS itself (Llama, Gemma) would otherwise get a
+    second one from the tokenizer."""
+    ids = tokenizer(list(texts), add_special_tokens=True)["input_ids"]
+    bos = tokenizer.bos_token_id
+    return [x[1:] if bos is not None and len(x) > 1 and x[0] == x[1] == bos else x for x in ids]
+
+
 def encode_responses(tokenizer, prompts: Sequence[str], responses: Sequence[str]) -> tuple[list[list[int]], list[list[int]]]:
     """(prompt ids with the tokenizer's special tokens, response ids + eos): a finished response as
     the policy would have generated it."""
-    p_ids = tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
+    p_ids = encode_texts(tokenizer, prompts)
     r_ids = [x + [tokenizer.eos_token_id] for x in tokenizer(list(responses), add_special_tokens=False)["input_ids"]]
     return p_ids, r_ids
 

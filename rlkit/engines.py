@@ -63,6 +63,9 @@ class VLLMOptions:
     dtype: str = "auto"  # auto: the checkpoint's dtype
     max_model_len: int | None = None  # None: the model's context length
     enforce_eager: bool = False  # skip CUDA graph capture (faster start, slower steps)
+    # a LoRA checkpoint: "adapter" runs it with vLLM's LoRA support (the base's weights, and the adapter as a
+    # LoRARequest with every generate call); "merge" writes the merged weights to a temporary directory
+    lora: str = "adapter"
 
 
 def vllm_import_error() -> str | None:
@@ -113,7 +116,13 @@ def _prompt_seed(seed: int, i: int) -> int:
 
 class VLLMEngine:
     """`vllm.LLM` over the checkpoint directory; prompts go in as token ids, samples come back as
-    token ids with the log-prob of each sampled token (`logprobs=0`: the sampled token only)."""
+    token ids with the log-prob of each sampled token (`logprobs=0`: the sampled token only).
+
+    A LoRA checkpoint (`rlkit.lora`) runs on vLLM's LoRA support (the CPU backend's too): the engine loads
+    the hash-verified base and sends the adapter as a `LoRARequest` with every generate call; a reload to
+    another adapter on the same base swaps the request (no weights move). With `VLLMOptions.lora` "merge",
+    an adapter above vLLM's largest rank (512), or an adapter on another base than the weights the engine
+    holds, the merged weights are written to a temporary directory and loaded from there instead."""
 
     name = "vllm"
 
@@ -135,10 +144,63 @@ class VLLMEngine:
         util = opts.gpu_memory_utilization or (0.9 if on_gpu else 0.3)
         self.eos = tokenizer.eos_token_id
         self.policy = Path(policy).absolute()  # the checkpoint whose weights the engine holds now (see `reload`)
-        self.llm = LLM(model=str(policy), tokenizer=str(policy), dtype=checkpoint_dtype(policy, opts.dtype), tensor_parallel_size=opts.tp,
+        self.trust_remote_code = trust_remote_code
+        self.lora_request = None  # the adapter sent with every generate call (a LoRA checkpoint on vLLM's LoRA)
+        self._lora_ids, self._tmp = 0, None  # LoRARequest ids used; the temporary merged weights held now
+        self.weights, lora_kw = self.policy, {}  # the plain weights (directory) loaded into the engine
+        from rlkit import lora
+
+        if lora.is_adapter_dir(self.policy):
+            base, _ = lora.verify_base(self.policy)
+            max_rank = lora.vllm_rank(lora.adapter_rank(self.policy))
+            if opts.lora == "adapter" and max_rank is not None:
+                self.weights, lora_kw = base, {"enable_lora": True, "max_lora_rank": max_rank, "max_loras": 1}
+            else:
+                self.weights = self._tmp = self._merge(self.policy)
+        self.max_lora_rank = lora_kw.get("max_lora_rank", 0)
+        w = self.weights
+        self.llm = LLM(model=str(w), tokenizer=str(w), dtype=checkpoint_dtype(w, opts.dtype), tensor_parallel_size=opts.tp,
                        gpu_memory_utilization=util, max_model_len=opts.max_model_len, enforce_eager=opts.enforce_eager,
                        seed=seed, logprobs_mode="processed_logprobs", trust_remote_code=trust_remote_code,
-                       worker_extension_cls=f"{__name__}.VLLMWorkerExtension")
+                       worker_extension_cls=f"{__name__}.VLLMWorkerExtension", **lora_kw)
+        if lora_kw:
+            self._use_adapter(self.policy)
+
+    def _merge(self, d: Path) -> Path:
+        """LoRA checkpoint `d` merged into its base, in a fresh temporary directory (removed once replaced)."""
+        import tempfile
+
+        from rlkit import lora
+
+        out = Path(tempfile.mkdtemp(prefix="rlkit-lora-merged-"))
+        try:
+            lora.write_merged(d, out, self.trust_remote_code)
+        except BaseException:
+            import shutil
+
+            shutil.rmtree(out, ignore_errors=True)
+            raise
+        return out
+
+    def _drop_tmp(self, keep: Path | None = None) -> None:
+        import shutil
+
+        if self._tmp is not None and self._tmp != keep:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+        self._tmp = keep
+
+    def _use_adapter(self, d: Path) -> None:
+        """Send adapter `d` with every generate call from now on; vLLM loads it here (an error surfaces now)."""
+        from vllm.lora.request import LoRARequest
+
+        engine = self.llm.llm_engine
+        if self.lora_request is not None:
+            engine.remove_lora(self.lora_request.lora_int_id)
+            self.lora_request = None
+        self._lora_ids += 1
+        req = LoRARequest(f"rlkit-{self._lora_ids}", self._lora_ids, str(d))
+        engine.add_lora(req)
+        self.lora_request = req
 
     def sample(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed) -> Generated:
         from vllm import SamplingParams
@@ -147,7 +209,8 @@ class VLLMEngine:
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
                                  seed=_prompt_seed(seed, i), logprobs=0, detokenize=False)
                   for i in range(len(prompt_ids))]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params, use_tqdm=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params, use_tqdm=False,
+                                 lora_request=self.lora_request)
         ids, fins, lps = [], [], []
         for o in outs:
             for c in sorted(o.outputs, key=lambda c: c.index):
@@ -168,23 +231,50 @@ class VLLMEngine:
         vLLM's CPU backend it would keep computing logits with the GEMM packed from the old weights: the
         workers re-pack it afterwards. The prefix cache holds KV computed with the old weights: dropped.
 
+        A LoRA checkpoint whose base is the weights the engine holds, with vLLM's LoRA on: its adapter replaces
+        the LoRARequest and no weights move. Any other LoRA checkpoint: its merged weights, written to a
+        temporary directory, are reloaded as above.
+
         A directory without *.safetensors is refused before the engine is touched (it stays usable). A reload
         that fails inside vLLM leaves the engine half loaded: RlkitError, and the engine is of no further use."""
         import time
+
+        from rlkit import lora
 
         model_dir = Path(model_dir).absolute()  # vLLM takes a path it cannot find for a Hugging Face Hub id
         if not model_dir.is_dir() or not any(model_dir.glob("*.safetensors")):
             raise RlkitError(f"cannot reload the vLLM engine from {model_dir}: no *.safetensors there")
         t0 = time.perf_counter()
+        weights = model_dir
+        if lora.is_adapter_dir(model_dir):
+            base, _ = lora.verify_base(model_dir)
+            if base == self.weights and lora.adapter_rank(model_dir) <= self.max_lora_rank:
+                try:
+                    self._use_adapter(model_dir)
+                except Exception as e:
+                    raise RlkitError(f"vLLM failed to load the LoRA adapter of {model_dir} "
+                                     f"({(str(e).splitlines() or [type(e).__name__])[0]})") from e
+                self.llm.reset_prefix_cache()  # KV of the old adapter is keyed by its id: memory only
+                self.policy = model_dir
+                return time.perf_counter() - t0
+            weights = self._merge(model_dir)
         try:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_dir)})
+            if self.lora_request is not None:
+                self.llm.llm_engine.remove_lora(self.lora_request.lora_int_id)
+                self.lora_request = None
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights)})
             self.llm.collective_rpc("rlkit_repack_cpu_gemms")
         except Exception as e:
             raise RlkitError(f"vLLM failed to reload the weights of {model_dir} ({(str(e).splitlines() or [type(e).__name__])[0]}); "
                              "the engine is no longer usable") from e
+        finally:
+            if weights != model_dir:
+                self._drop_tmp(keep=weights)
         if not self.llm.reset_prefix_cache():
             raise RlkitError("vLLM did not reset its prefix cache after the weight reload (requests still running?)")
-        self.policy = model_dir
+        if weights == model_dir:
+            self._drop_tmp()
+        self.policy, self.weights = model_dir, weights
         return time.perf_counter() - t0
 
     def close(self) -> None:
@@ -195,6 +285,8 @@ class VLLMEngine:
                 llm.llm_engine.engine_core.shutdown()
             except Exception:  # shutting down is best effort: the processes die with us anyway
                 pass
+        if getattr(self, "_tmp", None) is not None:
+            self._drop_tmp()
 
 
 class VLLMWorkerExtension:

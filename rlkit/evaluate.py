@@ -27,9 +27,9 @@ def greedy_eval(model, tokenizer, prompts: Sequence[str], answers: Sequence[str 
         "n_scored": len(scored),
         "mean_response_tokens": sum(lengths) / max(1, len(lengths)),
         "truncated_fraction": sum(f == "length" for f in gen.finish_reasons) / max(1, len(lengths)),
-        "samples": [
-            {"prompt": p, "response": t, "answer": a}
-            for p, t, a in list(zip(prompts, texts, answers, strict=True))[:samples]
+        "samples": [  # with the prompt's token ids as the model saw them (chat template, special tokens)
+            {"prompt": p, "prompt_ids": i, "response": t, "answer": a}
+            for p, i, t, a in list(zip(prompts, ids, texts, answers, strict=True))[:samples]
         ],
         "responses": texts,
     }

@@ -20,7 +20,16 @@ def gather_logprobs(logits: Tensor, targets: Tensor, chunk: int = 32, temperatur
 
     logits (B, T, V) any float dtype; targets (B, T) long -> (B, T) float32 (and (B, T) float32).
     Differentiable. `temperature` divides the logits first (the sampling distribution).
+    Half-precision logits that need a gradient (bf16/fp16 training) go through `_TokenLogprob`, which
+    keeps only the logits themselves for backward: upcasting them chunk by chunk under autograd would
+    keep a second, fp32 copy of all (B, T, V) of them.
     """
+    if logits.dtype != torch.float32 and logits.requires_grad and torch.is_grad_enabled():
+        lp = _TokenLogprob.apply(logits, targets, temperature, chunk)
+        if not with_entropy:
+            return lp, None
+        with torch.no_grad():
+            return lp, gather_logprobs(logits.detach(), targets, chunk, temperature, True)[1]
     B, T, _ = logits.shape
     outs, ents = [], []
     for s in range(0, T, chunk):
@@ -35,6 +44,40 @@ def gather_logprobs(logits: Tensor, targets: Tensor, chunk: int = 32, temperatur
                 ents.append(lse - (p * lg).sum(-1))
     lp = torch.cat(outs, dim=1) if outs else logits.new_zeros((B, 0), dtype=torch.float32)
     return lp, (torch.cat(ents, dim=1) if with_entropy and ents else None)
+
+
+class _TokenLogprob(torch.autograd.Function):
+    """log softmax(logits / temperature)[target] per position, in fp32, saving only the (half-precision)
+    logits and the (B, T) log-normalisers; backward recomputes the softmax chunk by chunk:
+    d lp / d logits = (onehot(target) - softmax) / temperature."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, temperature: float, chunk: int) -> Tensor:
+        outs, lses = [], []
+        for s in range(0, logits.shape[1], chunk):
+            lg = logits[:, s : s + chunk].float() / temperature
+            lse = torch.logsumexp(lg, dim=-1)
+            outs.append(lg.gather(-1, targets[:, s : s + chunk].unsqueeze(-1)).squeeze(-1) - lse)
+            lses.append(lse)
+        B, T = targets.shape
+        lse = torch.cat(lses, 1) if lses else logits.new_zeros((B, 0), dtype=torch.float32)
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return torch.cat(outs, 1) if outs else logits.new_zeros((B, 0), dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        logits, targets, lse = ctx.saved_tensors
+        t, chunk = ctx.temperature, ctx.chunk
+        out = torch.empty_like(logits)
+        for s in range(0, logits.shape[1], chunk):
+            sl = slice(s, s + chunk)
+            p = torch.exp(logits[:, sl].float() / t - lse[:, sl].unsqueeze(-1))  # softmax
+            g = grad[:, sl].unsqueeze(-1)
+            d = -p * g
+            d.scatter_add_(-1, targets[:, sl].unsqueeze(-1), g)
+            out[:, sl] = (d / t).to(logits.dtype)
+        return out, None, None, None
 
 
 def pack_sequences(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], pad_id: int):
@@ -78,7 +121,7 @@ def completion_logprobs(model, input_ids: Tensor, attn: Tensor, targets: Tensor,
 def _completion_logprobs(model, input_ids: Tensor, attn: Tensor, targets: Tensor, start: Tensor,
                          temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
     C = targets.shape[1]
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attn).last_hidden_state  # (B, L, H)
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attn, use_cache=False).last_hidden_state  # (B, L, H)
     idx = (start.unsqueeze(1) + torch.arange(C, device=start.device).unsqueeze(0)).clamp(max=input_ids.shape[1] - 1)
     h = hidden.gather(1, idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # (B, C, H)
     head = model.get_output_embeddings()

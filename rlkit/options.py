@@ -19,7 +19,11 @@ InTable = Annotated[
 PolicyDir = Annotated[Path, typer.Option("--policy", help="Policy checkpoint directory (Hugging Face layout).")]
 Task = Annotated[
     str,
-    typer.Option("--task", help="Task spec NAME[:key=value,...], e.g. 'arithmetic' or 'arithmetic:terms=2-5,max=20'."),
+    typer.Option("--task", help="Task spec NAME[:key=value,...] (built-in arithmetic or math, or an `rlkit.tasks` entry point), path/to/file.py:CLASS[:key=value,...] or package.module:CLASS[:...]; e.g. 'arithmetic:terms=2-5,max=20', 'math:data=gsm8k.jsonl', 'my_tasks.py:Countdown:max=50'. See README 'Tasks and data'."),
+]
+RewardFn = Annotated[
+    list[str] | None,
+    typer.Option("--reward-fn", help="User reward function NAME=path/to/file.py:FUNC or NAME=package.module:FUNC (repeatable): adds a reward/NAME column. Parameters prompt, completion, answer, row: one row per call, returns a number; prompts, completions, answers, rows: a batch per call, returns a list. See README 'Reward functions from your code'."),
 ]
 Seed = Annotated[int, typer.Option("--seed", help="Random seed; same seed and inputs give the same result.")]
 Force = Annotated[bool, typer.Option("--force", help="Rerun even when --out is up to date with these inputs and settings.")]
@@ -28,3 +32,19 @@ TrustRemoteCode = Annotated[
 ]
 PromptColumn = Annotated[str, typer.Option("--prompt-column", help="Column of the data that holds the prompt.")]
 AnswerColumn = Annotated[str, typer.Option("--answer-column", help="Column of the data that holds the gold answer.")]
+# Training numerics (sft, train-rm, update): see rlkit.training
+TrainDtype = Annotated[str, typer.Option("--dtype", help="Compute dtype: fp32, bf16 or fp16. bf16/fp16 run the forward and backward under autocast over fp32 master weights and fp32 AdamW state (the saved checkpoint is fp32); fp16 adds a dynamic loss scale. See README 'Precision and memory'.")]
+GradCheckpointing = Annotated[bool, typer.Option("--gradient-checkpointing", help="Recompute activations in backward (transformers' non-reentrant gradient checkpointing): less memory, ~30% more compute.")]
+LoraRank = Annotated[int | None, typer.Option("--lora-rank", help="Train a LoRA adapter of this rank (peft) instead of every weight; the checkpoint holds the adapter in PEFT's layout plus the base model's path and hashes.")]
+LoraAlpha = Annotated[float | None, typer.Option("--lora-alpha", help="LoRA scaling alpha (default 2 x --lora-rank).")]
+LoraDropout = Annotated[float, typer.Option("--lora-dropout", help="LoRA dropout on the adapter's input.")]
+LoraTargets = Annotated[str | None, typer.Option("--lora-targets", help="Comma-separated module names to adapt, e.g. q_proj,v_proj (default: every linear layer of the blocks, not the output head).")]
+
+
+def train_options(dtype: str, gradient_checkpointing: bool, lora_rank: int | None, lora_alpha: float | None,
+                  lora_dropout: float, lora_targets: str | None):
+    """The shared training flags -> rlkit.training.TrainOptions (checked in the stage's run)."""
+    from rlkit.training import TrainOptions, lora_options
+
+    return TrainOptions(dtype=dtype, gradient_checkpointing=gradient_checkpointing,
+                        lora=lora_options(lora_rank, lora_alpha, lora_dropout, lora_targets))

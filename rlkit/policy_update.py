@@ -24,6 +24,7 @@ from rlkit.kl import kl_per_token
 from rlkit.logprobs import completion_logprobs, pack_sequences
 from rlkit.losses import AGG_WEIGHTS, AGGREGATIONS, importance_ess, policy_token_loss, truncated_is_weights
 from rlkit.rl_config import RLConfig
+from rlkit.training import Precision
 
 TRAINER_DIR = "trainer"
 
@@ -91,14 +92,10 @@ def build_batch(table, pad_id: int, weights: dict[str, float] | None = None,
 
 
 def make_optimizer(model, cfg: RLConfig) -> torch.optim.AdamW:
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(0.9, 0.99), eps=1e-8,
-    )
+    """AdamW over the trainable parameters (LoRA: the adapter only); state is saved per parameter name."""
+    from rlkit.training import make_adamw
+
+    return make_adamw(model, cfg.lr, cfg.weight_decay, betas=(0.9, 0.99), eps=1e-8)
 
 
 @dataclass
@@ -107,6 +104,7 @@ class TrainerState:
 
     optimizer_step: int = 0
     updates: int = 0
+    precision: dict | None = None  # rlkit.training.Precision.state(): the fp16 loss scale to resume with
 
     def lr_factor(self, warmup: int) -> float:
         return min(1.0, (self.optimizer_step + 1) / warmup) if warmup > 0 else 1.0
@@ -135,7 +133,10 @@ def save_trainer(model, opt: torch.optim.Optimizer | None, state: TrainerState, 
 
     d.mkdir(parents=True, exist_ok=True)
     save_file(tensors if tensors is not None else trainer_tensors(model, opt), str(d / "optimizer.safetensors"))
-    (d / "state.json").write_text(json.dumps({"optimizer_step": state.optimizer_step, "updates": state.updates}) + "\n")
+    s = {"optimizer_step": state.optimizer_step, "updates": state.updates}
+    if state.precision:
+        s["precision"] = state.precision
+    (d / "state.json").write_text(json.dumps(s) + "\n")
 
 
 def load_trainer(model, opt: torch.optim.Optimizer, d: Path, dp: DataParallel | None = None) -> TrainerState:
@@ -163,35 +164,36 @@ def load_trainer(model, opt: torch.optim.Optimizer, d: Path, dp: DataParallel | 
                                 "exp_avg_sq": st["exp_avg_sq"].to(p.dtype)}
     torch.set_rng_state(tensors["rng/torch"])
     s = json.loads((d / "state.json").read_text())
-    return TrainerState(optimizer_step=s["optimizer_step"], updates=s["updates"])
+    return TrainerState(optimizer_step=s["optimizer_step"], updates=s["updates"], precision=s.get("precision"))
 
 
 def optimizer_step(model, opt: torch.optim.Optimizer, state: TrainerState, cfg: RLConfig, loss: Tensor,
-                   global_loss: float | None = None) -> Tensor:
-    """Backward, clip, step with the scheduled LR; a NaN/inf loss or gradient aborts before any write.
+                   global_loss: float | None = None, prec: Precision | None = None) -> Tensor:
+    """Backward (loss-scaled under fp16), clip, step with the scheduled LR; a NaN/inf loss or (fp32/bf16)
+    gradient aborts before any write, an fp16 overflow skips the step as any loss scaler does.
     Returns the gradient norm before clipping. Data-parallel: `global_loss` (the same on every rank)
     decides, so all ranks stop together; FSDP's gradient norm is already global."""
     if not math.isfinite(loss.item() if global_loss is None else global_loss):
         raise RlkitError(f"non-finite loss at optimizer step {state.optimizer_step}; nothing was written "
                          f"(lower --lr, now {cfg.lr})")
+    prec = prec or Precision()
     opt.zero_grad(set_to_none=True)
-    loss.backward()
-    gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-    if hasattr(gn, "full_tensor"):  # a DTensor under FSDP2
-        gn = gn.full_tensor()
-    if not torch.isfinite(gn):
-        raise RlkitError(f"non-finite gradient at optimizer step {state.optimizer_step}; nothing was written")
     for g in opt.param_groups:
         g["lr"] = cfg.lr * state.lr_factor(cfg.warmup_steps)
-    opt.step()
+    prec.backward(loss)
+    (gn,), stepped = prec.step([(model.parameters(), opt, cfg.grad_clip)])
+    if not stepped and prec.scaler is None:
+        raise RlkitError(f"non-finite gradient at optimizer step {state.optimizer_step}; nothing was written")
     state.optimizer_step += 1
     return gn
 
 
-def recompute_logprobs(model, batch: RLBatch, temperature: float, minibatch_size: int) -> Tensor:
-    """The trainer's own log-probs of the sampled tokens under `model`, no grad: (N, C), 0 off the mask."""
+def recompute_logprobs(model, batch: RLBatch, temperature: float, minibatch_size: int,
+                       prec: Precision | None = None) -> Tensor:
+    """The trainer's own log-probs of the sampled tokens under `model` in its training precision, no
+    grad: (N, C), 0 off the mask."""
     out = torch.zeros_like(batch.old_logp)
-    with torch.no_grad():
+    with torch.no_grad(), (prec or Precision()).autocast():
         for s in range(0, len(out), minibatch_size):
             idx = torch.arange(s, min(len(out), s + minibatch_size))
             L = int(batch.attn[idx].sum(1).max())
@@ -220,7 +222,7 @@ def mismatch_metrics(old_logp: Tensor, engine_logp: Tensor, mask: Tensor, lags: 
 def train_on_batch(model, opt: torch.optim.Optimizer, state: TrainerState, batch: RLBatch, cfg: RLConfig,
                    temperature: float = 1.0, length_norm: float | None = None, ticker=None,
                    recompute: bool = False, dp: DataParallel | None = None,
-                   lags: Tensor | None = None) -> dict[str, Any]:
+                   lags: Tensor | None = None, prec: Precision | None = None) -> dict[str, Any]:
     """Advantages, then `epochs` passes of shuffled minibatches of the clipped surrogate (+ KL term).
 
     Data-parallel (`dp`): every rank holds the whole batch and the same minibatch order and trains on
@@ -230,8 +232,10 @@ def train_on_batch(model, opt: torch.optim.Optimizer, state: TrainerState, batch
     `recompute`: pi_old is the trainer's own forward pass before the first step rather than the
     engine's logged log-probs (their gap is logged as `logprob_mismatch`); with `cfg.tis_cap` the
     per-token loss is also weighted by min(pi_old / pi_engine, cap). `lags` (N,): each row's policy
-    lag (`update --follow`), for the mismatch metrics.
+    lag (`update --follow`), for the mismatch metrics. `prec`: the compute precision (autocast and
+    fp16 loss scaling, `rlkit.training.Precision`); default fp32.
     """
+    prec = prec or Precision()
     t0 = time.monotonic()
     agg = AGGREGATIONS[cfg.aggregation]
     mask = batch.mask
@@ -245,7 +249,7 @@ def train_on_batch(model, opt: torch.optim.Optimizer, state: TrainerState, batch
     old_logp, tis = batch.old_logp, None
     if recompute:
         model.train()
-        old_logp = recompute_logprobs(model, batch, temperature, cfg.minibatch_size)
+        old_logp = recompute_logprobs(model, batch, temperature, cfg.minibatch_size, prec)
         metrics.update(mismatch_metrics(old_logp, batch.old_logp, mask, lags))
         if cfg.tis_cap is not None:
             tis = truncated_is_weights(old_logp, batch.old_logp, cfg.tis_cap)
@@ -283,8 +287,10 @@ def train_on_batch(model, opt: torch.optim.Optimizer, state: TrainerState, batch
             m = batch.mask[idx, :C]
             if share == 0.0:
                 m = torch.zeros_like(m)
-            logp, ent = completion_logprobs(model, batch.input_ids[idx, :L], batch.attn[idx, :L], batch.targets[idx, :C],
-                                            batch.start[idx], temperature=temperature, with_entropy=epoch == 0)
+            with prec.autocast():
+                logp, ent = completion_logprobs(model, batch.input_ids[idx, :L], batch.attn[idx, :L],
+                                                batch.targets[idx, :C], batch.start[idx], temperature=temperature,
+                                                with_entropy=epoch == 0)
             in_loss = cfg.beta > 0 and cfg.kl_in == "loss"
             tl = policy_token_loss(logp, old_logp[idx, :C], adv[idx], m, clip_low=cfg.clip_low,
                                    clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
@@ -293,7 +299,7 @@ def train_on_batch(model, opt: torch.optim.Optimizer, state: TrainerState, batch
                                    kl_estimator=cfg.kl_estimator, kl_coef=cfg.beta if in_loss else 0.0)
             loss = agg(tl.loss, m, length_norm) * share
             global_loss = all_sum([loss.item() / dp.world], dp)[0] if dp is not None else None
-            gn = optimizer_step(model, opt, state, cfg, loss, global_loss)
+            gn = optimizer_step(model, opt, state, cfg, loss, global_loss, prec)
             with torch.no_grad():
                 r = tl.ratio[m]
                 clip_n += int(tl.clipped.sum())
@@ -332,6 +338,8 @@ def train_on_batch(model, opt: torch.optim.Optimizer, state: TrainerState, batch
         train_seconds=round(secs, 3),
         tokens_per_s=round(tokens / secs, 1) if secs > 0 else None,
     )
+    if prec.scaler is not None:
+        metrics.update(loss_scale=prec.scaler.get_scale(), skipped_steps=prec.skipped)
     return metrics
 
 
@@ -365,23 +373,26 @@ def build_pref_batch(table, tokenizer) -> PrefBatch:
     return PrefBatch(ids, attn, targets, mask, start, ref, held)
 
 
-def _pair_logps(model, b: PrefBatch, pairs: Tensor) -> Tensor:
+def _pair_logps(model, b: PrefBatch, pairs: Tensor, prec: Precision | None = None) -> Tensor:
     """Summed policy log-probs (2p,) of the chosen then rejected responses of `pairs` (p,)."""
     P = len(b.heldout)
     rows = torch.cat([pairs, pairs + P])
     L = int(b.attn[rows].sum(1).max())
     C = int(b.mask[rows].sum(1).max())
-    lp, _ = completion_logprobs(model, b.input_ids[rows, :L], b.attn[rows, :L], b.targets[rows, :C], b.start[rows])
+    with (prec or Precision()).autocast():
+        lp, _ = completion_logprobs(model, b.input_ids[rows, :L], b.attn[rows, :L], b.targets[rows, :C], b.start[rows])
     return (lp * b.mask[rows, :C]).sum(1)
 
 
 def train_dpo(model, opt: torch.optim.Optimizer, state: TrainerState, b: PrefBatch, cfg: RLConfig,
-              ticker=None, label_smoothing: float = 0.0, dp: DataParallel | None = None) -> dict[str, Any]:
+              ticker=None, label_smoothing: float = 0.0, dp: DataParallel | None = None,
+              prec: Precision | None = None) -> dict[str, Any]:
     """DPO (Rafailov et al. 2023) on the train pairs for `epochs` passes; figures on both splits after.
     Data-parallel (`dp`): pairs rank::world of each minibatch, loss shares as in `train_on_batch`."""
     from rlkit.preference import dpo_loss
 
     t0 = time.monotonic()
+    prec = prec or Precision()
     P = len(b.heldout)
     train = torch.arange(P)[~b.heldout]
     if len(train) == 0:
@@ -396,12 +407,12 @@ def train_dpo(model, opt: torch.optim.Optimizer, state: TrainerState, b: PrefBat
             share = 1.0
             if dp is not None:
                 idx, share = split_rows(idx, dp, len)
-            pi = _pair_logps(model, b, idx)
+            pi = _pair_logps(model, b, idx, prec)
             p = len(idx)
             loss, _, _ = dpo_loss(pi[:p], pi[p:], b.ref_logp[idx], b.ref_logp[idx + P], cfg.beta, label_smoothing)
             loss = loss.mean() * share
             global_loss = all_sum([loss.item() / dp.world], dp)[0] if dp is not None else None
-            gn = optimizer_step(model, opt, state, cfg, loss, global_loss)
+            gn = optimizer_step(model, opt, state, cfg, loss, global_loss, prec)
             losses.append(loss.item() if global_loss is None else global_loss)
             grad_norms.append(float(gn))
             if ticker is not None:
@@ -411,7 +422,7 @@ def train_dpo(model, opt: torch.optim.Optimizer, state: TrainerState, b: PrefBat
     # both chosen and rejected log-probs falling below the reference's)
     model.eval()
     with torch.no_grad():
-        pi = _both_sides(model, b, cfg.minibatch_size)
+        pi = _both_sides(model, b, cfg.minibatch_size, prec)
     metrics: dict[str, Any] = {"loss": sum(losses) / len(losses), "optimizer_steps": len(losses),
                                "grad_norm": sum(grad_norms) / len(grad_norms), "pairs_trained": len(train)}
     for name, sel in (("train", ~b.heldout), ("heldout", b.heldout)):
@@ -431,10 +442,10 @@ def train_dpo(model, opt: torch.optim.Optimizer, state: TrainerState, b: PrefBat
     return metrics
 
 
-def _both_sides(model, b: PrefBatch, chunk: int) -> Tensor:
+def _both_sides(model, b: PrefBatch, chunk: int, prec: Precision | None = None) -> Tensor:
     """Summed policy log-probs (2P,) of every chosen then every rejected response, no grad."""
     P = len(b.heldout)
-    parts = [_pair_logps(model, b, c) for c in torch.arange(P).split(chunk)]
+    parts = [_pair_logps(model, b, c, prec) for c in torch.arange(P).split(chunk)]
     chosen = torch.cat([x[: len(x) // 2] for x in parts])
     rejected = torch.cat([x[len(x) // 2:] for x in parts])
     return torch.cat([chosen, rejected])

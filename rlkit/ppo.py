@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlkit.artifacts import MODEL_MANIFEST
 from rlkit.distributed import DataParallel, all_sum, split_rows
 from rlkit.errors import RlkitError
 from rlkit.gae import AdaptiveKLController, clipped_value_loss, gae, kl_penalised_token_rewards, masked_whiten
@@ -40,14 +41,22 @@ from rlkit.policy_update import (
     save_trainer,
 )
 from rlkit.rl_config import RLConfig
+from rlkit.training import Precision
 
 CRITIC_DIR = "critic"
 KL_STATE = "kl_controller.json"
 
 
-def load_critic(policy: Path, cfg: RLConfig, tokenizer, trust_remote_code: bool = False, dp: DataParallel | None = None):
+def load_critic(policy: Path, cfg: RLConfig, tokenizer, trust_remote_code: bool = False, dp: DataParallel | None = None,
+                train=None, policy_model=None):
     """(critic, its optimizer, its TrainerState, KL controller or None, where it came from); under `dp`
-    the critic is sharded like the policy (FSDP2) before its optimizer state is loaded."""
+    the critic is sharded like the policy (FSDP2) before its optimizer state is loaded. `train`
+    (rlkit.training.TrainOptions): gradient checkpointing applies to the critic as to the policy.
+
+    LoRA (OpenRLHF's choice): when the policy trains a LoRA adapter (`policy_model` is a LoRA model, or
+    `train.lora`), the critic does too, with the same settings, on the base it starts from: a LoRA
+    policy checkpoint's own adapter and base (plus a value head), or a fresh adapter on the full policy
+    or the --critic-init reward model; a LoRA reward model's adapter keeps training as the critic's."""
     from transformers import AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
@@ -68,8 +77,16 @@ def load_critic(policy: Path, cfg: RLConfig, tokenizer, trust_remote_code: bool 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # a fresh value head is "newly initialized" on purpose
     try:
-        critic = AutoModelForSequenceClassification.from_pretrained(
-            str(src), dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True, **kw)
+        from rlkit import lora
+
+        if lora.is_adapter_dir(src):  # a LoRA critic resumed, or started from a LoRA policy's or reward model's adapter
+            critic = lora.load(src, "seq-cls", trust_remote_code=trust_remote_code)
+        else:
+            critic = AutoModelForSequenceClassification.from_pretrained(
+                str(src), dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True, **kw)
+            opts = (train.lora if train is not None else None) or lora.options_of(policy_model)
+            if opts is not None:  # the policy trains a LoRA adapter: so does the critic, with the same settings
+                critic = lora.wrap(critic, opts, "seq-cls", src)
     finally:
         hf_logging.set_verbosity(verbosity)
     if critic.config.num_labels != 1:
@@ -79,6 +96,10 @@ def load_critic(policy: Path, cfg: RLConfig, tokenizer, trust_remote_code: bool 
             for p in critic.score.parameters():
                 p.zero_()
     critic.config.pad_token_id = tokenizer.pad_token_id
+    if train is not None and train.gradient_checkpointing:
+        from rlkit.training import enable_gradient_checkpointing
+
+        enable_gradient_checkpointing(critic)
     if dp is not None:
         from rlkit.distributed import shard_model
 
@@ -103,8 +124,15 @@ def gather_critic(critic, opt, dp: DataParallel | None) -> tuple[dict | None, di
 
 def save_critic(critic, opt, cstate: TrainerState, ctrl: AdaptiveKLController | None, d: Path,
                 gathered: tuple[dict | None, dict] | None = None) -> None:
+    from rlkit import lora
+
     full, tensors = gathered if gathered is not None else (None, None)
-    critic.save_pretrained(d, safe_serialization=True, **({"state_dict": full} if full is not None else {}))
+    if lora.state(critic) is not None:  # the adapter, and its base's path and hashes for the next update
+        d.mkdir(parents=True, exist_ok=True)
+        entry = lora.save(critic, d, full)
+        (d / MODEL_MANIFEST).write_text(json.dumps({"kind": "critic", "lora": entry}, indent=2, sort_keys=True) + "\n")
+    else:
+        critic.save_pretrained(d, safe_serialization=True, **({"state_dict": full} if full is not None else {}))
     save_trainer(critic, opt, cstate, d / TRAINER_DIR, tensors)
     if ctrl is not None:
         (d / KL_STATE).write_text(json.dumps(ctrl.state_dict()) + "\n")
@@ -119,15 +147,15 @@ def critic_values(critic, input_ids: Tensor, attn: Tensor, start: Tensor, C: int
 
 
 def _critic_values(critic, input_ids: Tensor, attn: Tensor, start: Tensor, C: int) -> Tensor:
-    hidden = critic.base_model(input_ids=input_ids, attention_mask=attn).last_hidden_state  # (B, L, H)
+    hidden = critic.base_model(input_ids=input_ids, attention_mask=attn, use_cache=False).last_hidden_state  # (B, L, H)
     idx = (start.unsqueeze(1) + torch.arange(C).unsqueeze(0)).clamp(max=input_ids.shape[1] - 1)
     h = hidden.gather(1, idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # (B, C, H)
     return critic.score(h).squeeze(-1).float()
 
 
-def _values(critic, batch: RLBatch, chunk: int) -> Tensor:
+def _values(critic, batch: RLBatch, chunk: int, prec: Precision) -> Tensor:
     out = torch.zeros_like(batch.old_logp)
-    with torch.no_grad():
+    with torch.no_grad(), prec.autocast():
         for s in range(0, len(out), chunk):
             idx = torch.arange(s, min(len(out), s + chunk))
             L, C = int(batch.attn[idx].sum(1).max()), int(batch.mask[idx].sum(1).max())
@@ -138,12 +166,14 @@ def _values(critic, batch: RLBatch, chunk: int) -> Tensor:
 def train_ppo(model, critic, opt, critic_opt, state: TrainerState, cstate: TrainerState,
               ctrl: AdaptiveKLController | None, batch: RLBatch, cfg: RLConfig, temperature: float = 1.0,
               ticker=None, recompute: bool = False, dp: DataParallel | None = None,
-              length_norm: float | None = None) -> dict[str, Any]:
+              length_norm: float | None = None, prec: Precision | None = None) -> dict[str, Any]:
     """GAE advantages from the critic, then `epochs` passes of minibatches updating policy and critic.
     Data-parallel (`dp`): rows rank::world of each minibatch; the policy and value losses each get this
     rank's share of their global denominators (see `rlkit.distributed.split_rows`). `length_norm` is
-    the constant of `seq-mean-token-sum-norm` (the rollout's max_new_tokens), as in `train_on_batch`."""
+    the constant of `seq-mean-token-sum-norm` (the rollout's max_new_tokens), as in `train_on_batch`.
+    `prec`: compute precision for both models (one loss scale under fp16: they share one backward)."""
     t0 = time.monotonic()
+    prec = prec or Precision()
     mask = batch.mask
     agg = AGGREGATIONS[cfg.aggregation]
     if cfg.beta > 0 and batch.ref_logp is None:
@@ -154,7 +184,7 @@ def train_ppo(model, critic, opt, critic_opt, state: TrainerState, cstate: Train
     critic.train()
     old_logp = batch.old_logp
     if recompute:
-        old_logp = recompute_logprobs(model, batch, temperature, cfg.minibatch_size)
+        old_logp = recompute_logprobs(model, batch, temperature, cfg.minibatch_size, prec)
         metrics.update(mismatch_metrics(old_logp, batch.old_logp, mask))
     elif cfg.tis_cap is not None:
         raise RlkitError("--tis-cap needs the recomputed pi_old (--old-logprobs recompute)")
@@ -164,7 +194,7 @@ def train_ppo(model, critic, opt, critic_opt, state: TrainerState, cstate: Train
               else torch.zeros_like(old_logp))
     in_reward = cfg.kl_in == "reward" and kl_coef > 0
     token_rewards = kl_penalised_token_rewards(batch.rewards, kl_tok, mask, kl_coef if in_reward else 0.0)
-    old_values = _values(critic, batch, cfg.minibatch_size)
+    old_values = _values(critic, batch, cfg.minibatch_size, prec)
     adv, returns = gae(token_rewards, old_values, mask, cfg.gamma, cfg.lam)
     adv = masked_whiten(adv, mask)
     ret_m, val_m = returns[mask], old_values[mask]
@@ -185,8 +215,9 @@ def train_ppo(model, critic, opt, critic_opt, state: TrainerState, cstate: Train
             L, C = int(batch.attn[idx].sum(1).max()), int(batch.mask[idx].sum(1).max())
             m = mask[idx, :C] if share else torch.zeros_like(mask[idx, :C])
             ids, att = batch.input_ids[idx, :L], batch.attn[idx, :L]
-            logp, ent = completion_logprobs(model, ids, att, batch.targets[idx, :C], batch.start[idx],
-                                            temperature=temperature, with_entropy=epoch == 0)
+            with prec.autocast():
+                logp, ent = completion_logprobs(model, ids, att, batch.targets[idx, :C], batch.start[idx],
+                                                temperature=temperature, with_entropy=epoch == 0)
             in_loss = cfg.kl_in == "loss" and kl_coef > 0
             tl = policy_token_loss(logp, old_logp[idx, :C], adv[idx, :C], m, clip_low=cfg.clip_low,
                                    clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
@@ -194,7 +225,8 @@ def train_ppo(model, critic, opt, critic_opt, state: TrainerState, cstate: Train
                                    ref_logp=batch.ref_logp[idx, :C] if in_loss else None,
                                    kl_estimator=cfg.kl_estimator, kl_coef=kl_coef if in_loss else 0.0)
             loss = agg(tl.loss, m, length_norm) * share
-            v = critic_values(critic, ids, att, batch.start[idx], C)
+            with prec.autocast():
+                v = critic_values(critic, ids, att, batch.start[idx], C)
             vl_tok = clipped_value_loss(v, old_values[idx, :C], returns[idx, :C], cfg.vf_clip)
             vloss = token_mean(vl_tok, m) * vshare
             lv = [loss.item(), vloss.item()]
@@ -205,16 +237,13 @@ def train_ppo(model, critic, opt, critic_opt, state: TrainerState, cstate: Train
                                  f"(lower --lr, now {cfg.lr})")
             opt.zero_grad(set_to_none=True)
             critic_opt.zero_grad(set_to_none=True)
-            (loss + vloss).backward()  # separate models: each gets only its own gradient
-            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.grad_clip)
-            gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn  # a DTensor under FSDP2
-            if not torch.isfinite(gn):
-                raise RlkitError(f"non-finite gradient at optimizer step {state.optimizer_step}; nothing was written")
             for g in opt.param_groups:
                 g["lr"] = cfg.lr * state.lr_factor(cfg.warmup_steps)
-            opt.step()
-            critic_opt.step()
+            prec.backward(loss + vloss)  # separate models: each gets only its own gradient
+            (gn, _), stepped = prec.step([(model.parameters(), opt, cfg.grad_clip),
+                                          (critic.parameters(), critic_opt, cfg.grad_clip)])
+            if not stepped and prec.scaler is None:
+                raise RlkitError(f"non-finite gradient at optimizer step {state.optimizer_step}; nothing was written")
             state.optimizer_step += 1
             cstate.optimizer_step += 1
             with torch.no_grad():
@@ -250,4 +279,6 @@ def train_ppo(model, critic, opt, critic_opt, state: TrainerState, cstate: Train
         sequences=len(adv), sequences_trained=len(adv), mean_response_tokens=float(mask.sum(1).float().mean()),
         train_seconds=round(time.monotonic() - t0, 3),
     )
+    if prec.scaler is not None:
+        metrics.update(loss_scale=prec.scaler.get_scale(), skipped_steps=prec.skipped)
     return metrics

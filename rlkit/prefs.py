@@ -54,13 +54,18 @@ def verbose(n: int, rng: random.Random) -> str:
 
 
 def verified_pairs(answer: str, samples: Sequence[str], rewards: Sequence[float], rng: random.Random) -> list[Pair]:
-    """The pairs for one prompt with an integer gold answer, from the policy's scored samples."""
-    gold = int(answer)
+    """The pairs for one prompt from the policy's scored samples; with an integer gold answer, also the
+    plausible negatives (a task whose answers are not integers, e.g. `math`'s fractions, gets only the
+    sampled pair)."""
     right = sorted({s for s, r in zip(samples, rewards, strict=True) if r == 1.0 and s.strip()})
     wrong = sorted({s for s, r in zip(samples, rewards, strict=True) if r != 1.0 and s.strip()})
     pairs = []
     if right and wrong:
         pairs.append(Pair(rng.choice(right), rng.choice(wrong), "sampled"))
+    try:
+        gold = int(answer)
+    except ValueError:
+        return pairs
     pairs.append(Pair(str(gold), str(near_miss(gold, rng)), "structured"))
     pairs.append(Pair(verbose(gold, rng), verbose(near_miss(gold, rng), rng), "structured-verbose"))
     pairs.append(Pair(str(gold), verbose(near_miss(gold, rng), rng), "polished"))
@@ -70,7 +75,10 @@ def verified_pairs(answer: str, samples: Sequence[str], rewards: Sequence[float]
 
 def length_biased_pairs(answer: str, rng: random.Random) -> list[Pair]:
     """A deliberately flawed pair: the longer answer is chosen whether or not it is right."""
-    gold = int(answer)
+    try:
+        gold = int(answer)
+    except ValueError:
+        raise RlkitError(f"--bias length builds pairs from integer answers; this task's answer is {answer!r}") from None
     long_n = gold if rng.random() < 0.5 else near_miss(gold, rng)
     short_n = gold if rng.random() < 0.5 else near_miss(gold, rng)
     return [Pair(verbose(long_n, rng), str(short_n), "length-bias")]

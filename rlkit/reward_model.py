@@ -20,16 +20,21 @@ def load_reward_model(src: str | Path, trust_remote_code: bool = False, num_labe
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from rlkit import checkpoints
+    from rlkit import checkpoints, lora
 
     checkpoints.check_model_dir(Path(src), "reward model")
     checkpoints._quiet_transformers()
-    cfg = AutoConfig.from_pretrained(str(src), trust_remote_code=trust_remote_code)
-    if num_labels_check and getattr(cfg, "num_labels", None) != 1:
-        raise RlkitError(f"{src} is not a reward model (num_labels={getattr(cfg, 'num_labels', None)}); "
-                         "make one with `rlkit train-rm`")
-    model = AutoModelForSequenceClassification.from_pretrained(str(src), dtype=torch.float32,
-                                                               trust_remote_code=trust_remote_code, use_safetensors=True)
+    if lora.is_adapter_dir(src):  # a LoRA reward model: merged into its hash-verified base
+        if num_labels_check and lora.kind_of(Path(src)) != "seq-cls":
+            raise RlkitError(f"{src} is a LoRA policy, not a reward model; make one with `rlkit train-rm`")
+        model = lora.load(src, "seq-cls", merged=True, trust_remote_code=trust_remote_code)
+    else:
+        cfg = AutoConfig.from_pretrained(str(src), trust_remote_code=trust_remote_code)
+        if num_labels_check and getattr(cfg, "num_labels", None) != 1:
+            raise RlkitError(f"{src} is not a reward model (num_labels={getattr(cfg, 'num_labels', None)}); "
+                             "make one with `rlkit train-rm`")
+        model = AutoModelForSequenceClassification.from_pretrained(
+            str(src), dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True)
     tok = checkpoints.load_tokenizer(src, trust_remote_code)
     model.config.pad_token_id = tok.pad_token_id
     model.eval()
@@ -39,7 +44,9 @@ def load_reward_model(src: str | Path, trust_remote_code: bool = False, num_labe
 
 def encode_pairs(tokenizer, prompts: Sequence[str], responses: Sequence[str], max_length: int) -> list[list[int]]:
     """Token ids of prompt + response (the tokenizer's special tokens added), cut to the last `max_length`."""
-    ids = tokenizer([p + r for p, r in zip(prompts, responses, strict=True)], add_special_tokens=True)["input_ids"]
+    from rlkit.data import encode_texts
+
+    ids = encode_texts(tokenizer, [p + r for p, r in zip(prompts, responses, strict=True)])
     return [x[-max_length:] for x in ids]
 
 
@@ -60,7 +67,7 @@ def _forward_scores(model, ids: Sequence[Sequence[int]], pad_id: int):
     for i, x in enumerate(ids):
         input_ids[i, : len(x)] = torch.tensor(list(x), dtype=torch.long)
         attn[i, : len(x)] = 1
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attn).last_hidden_state  # (B, L, H)
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attn, use_cache=False).last_hidden_state  # (B, L, H)
     last = attn.sum(1) - 1  # the last real token of each right-padded row
     h = hidden[torch.arange(len(ids)), last]  # (B, H)
     return model.score(h).squeeze(-1).float()

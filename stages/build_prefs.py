@@ -76,11 +76,11 @@ def _sampled(cfg: BuildPrefsConfig):
 
     from rlkit import artifacts, checkpoints, data, engines, prefs
     from rlkit.errors import RlkitError
-    from rlkit.tasks import get_task
+    from rlkit.tasks import get_task, task_inputs
 
     task = get_task(cfg.task)
     cfg = replace(cfg, task=task.spec)
-    inputs = {}
+    inputs = task_inputs(task)
     if cfg.policy is not None:
         checkpoints.check_model_dir(cfg.policy, "policy")
         inputs["policy"] = artifacts.fingerprint(cfg.policy)
@@ -91,7 +91,7 @@ def _sampled(cfg: BuildPrefsConfig):
     else:
         if cfg.temperature <= 0:
             raise RlkitError("--temperature must be > 0")
-        model, tokenizer = checkpoints.load_policy(cfg.policy, "fp32", cfg.trust_remote_code)
+        model, tokenizer = checkpoints.load_policy(cfg.policy, "fp32", cfg.trust_remote_code, merged=True)
         gen = engines.HFEngine(model, tokenizer).sample(
             data.encode_prompts(tokenizer, [e.prompt for e in ex], False), n=cfg.n, temperature=cfg.temperature,
             top_p=1.0, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)

@@ -2,7 +2,7 @@
 
 Reads a policy and either a task's held-out split or a prompts file (scored by the task's verifier
 against its answer column). Prints accuracy, mean response length and sample responses as a table, or
-JSON with --json; --metrics appends the figures as one JSON line to the file `update --metrics` writes
+JSON with --json (each sample with the prompt token ids the model saw: chat template and special tokens); --metrics appends the figures as one JSON line to the file `update --metrics` writes
 (held-out accuracy beside reward, KL and length, per round), --tensorboard logs them as scalars.
 """
 
@@ -50,7 +50,7 @@ def run(cfg: EvalConfig) -> dict:
     source = None
     if cfg.prompts:
         source = data.load_source(cfg.prompts, "prompts", {"prompt": cfg.prompt_column, "answer": cfg.answer_column})
-    model, tokenizer = checkpoints.load_policy(cfg.policy, "fp32", cfg.trust_remote_code)
+    model, tokenizer = checkpoints.load_policy(cfg.policy, "fp32", cfg.trust_remote_code, merged=True)  # LoRA: merged
     if source is not None:
         source = source.head(cfg.num)
         prompts = data.render_prompts(tokenizer, source, for_sft=False)

@@ -5,6 +5,12 @@ manifest recording every weights file's sha256. Whatever later loads the referen
 verifies those hashes first and refuses a reference whose weights changed, so the reference is
 provably the one frozen here. pi_ref is not pi_old: the sampling policy's log-probs are logged at
 rollout time, the reference's are added by `score-ref`.
+
+`--link` writes no second copy of the weights: the policy's *.safetensors are hard-linked into the
+reference directory (same filesystem; the dtype is the stored one), which is how a LoRA run takes its
+base as the reference at no disk cost. The hash check is the same, so a base changed in place later is
+refused; a base deleted or replaced by a new file leaves the reference's link, and its weights, intact.
+A LoRA checkpoint freezes merged into its base (a reference is a plain model), never linked.
 """
 
 from __future__ import annotations
@@ -22,45 +28,108 @@ from rlkit.options import Force, OutDir, PolicyDir, TrustRemoteCode
 class FreezeRefConfig:
     policy: Path
     out: Path
-    dtype: str = "bf16"
+    dtype: str | None = None  # None: bf16, or with `link` the stored dtype
+    link: bool = False  # hard-link the policy's weights instead of writing a copy
     trust_remote_code: bool = False
     force: bool = False
 
 
 def run(cfg: FreezeRefConfig) -> Path:
-    from rlkit import artifacts, checkpoints, console
+    from dataclasses import replace
+
+    from rlkit import artifacts, checkpoints, console, lora
     from rlkit.errors import RlkitError
 
-    if cfg.dtype not in checkpoints.DTYPES:
+    if cfg.dtype is not None and cfg.dtype not in checkpoints.DTYPES:
         raise RlkitError(f"--dtype {cfg.dtype!r} is not one of {', '.join(checkpoints.DTYPES)}")
     checkpoints.check_model_dir(cfg.policy, "policy")
     artifacts.check_out(cfg.out, "model")
+    if cfg.link:
+        cfg = replace(cfg, dtype=_link_dtype(cfg))
+    cfg = replace(cfg, dtype=cfg.dtype or "bf16")
     inputs = {"policy": artifacts.fingerprint(cfg.policy)}
     if artifacts.skip_if_current(cfg.out, "freeze-ref", cfg, inputs):
         return cfg.out
-    model, tokenizer = checkpoints.load_policy(cfg.policy, cfg.dtype, cfg.trust_remote_code)
     parent = checkpoints.load_manifest(cfg.policy) or {}
     manifest = artifacts.make_manifest(
         "reference", "freeze-ref", cfg, inputs, step=parent.get("step", 0), frozen_from=str(cfg.policy),
+        **({"frozen_from_lora": parent.get("lora")} if lora.is_adapter_dir(cfg.policy) else {}),
     )
     with artifacts.atomic_dir(cfg.out) as tmp:
-        manifest = checkpoints.save_model(model, tokenizer, tmp, manifest)
+        if cfg.link:
+            manifest = _link(cfg, tmp, manifest)
+        else:  # a LoRA checkpoint: merged into its (hash-verified) base
+            model, tokenizer = checkpoints.load_policy(cfg.policy, cfg.dtype, cfg.trust_remote_code, merged=True)
+            manifest = checkpoints.save_model(model, tokenizer, tmp, manifest)
     s = checkpoints.safetensors_summary(cfg.out)
     src = checkpoints.safetensors_summary(cfg.policy)
+    how = (f"hard-linked from {cfg.policy}, no copy" if cfg.link else
+           f"policy: {src['bytes']:,} bytes as {'/'.join(src['dtypes'])}" + (" (LoRA adapter, merged)"
+                                                                             if lora.is_adapter_dir(cfg.policy) else ""))
     console.info(
-        f"freeze-ref: {s['parameters']:,} parameters, {s['bytes']:,} bytes as {cfg.dtype} "
-        f"(policy: {src['bytes']:,} bytes as {'/'.join(src['dtypes'])}); "
+        f"freeze-ref: {s['parameters']:,} parameters, {s['bytes']:,} bytes as {cfg.dtype} ({how}); "
         f"sha256 {manifest['weights_digest'][:16]}… -> {cfg.out}"
     )
     return cfg.out
 
 
+def _link_dtype(cfg: FreezeRefConfig) -> str:
+    """The dtype --link freezes in: the policy's stored one (--dtype, when given, must be it)."""
+    from rlkit import checkpoints, lora
+    from rlkit.errors import RlkitError
+
+    if lora.is_adapter_dir(cfg.policy):
+        raise RlkitError(f"freeze-ref --link: {cfg.policy} is a LoRA checkpoint, whose weights exist only merged "
+                         "into its base: link the base itself (the reference of a LoRA run), or leave out --link for "
+                         "a merged copy")
+    names = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
+    stored = {names.get(t, t) for t in checkpoints.safetensors_summary(cfg.policy)["dtypes"]}
+    if len(stored) != 1 or not stored <= set(checkpoints.DTYPES):
+        raise RlkitError(f"freeze-ref --link: {cfg.policy} stores its weights as {'+'.join(sorted(stored))}, not one "
+                         "of fp32, bf16, fp16; leave out --link for a converted copy")
+    (have,) = stored
+    if cfg.dtype not in (None, have):
+        raise RlkitError(f"freeze-ref --link links the weights as stored ({have}); --dtype {cfg.dtype} needs a "
+                         "converted copy: leave out --link (or --dtype)")
+    return have
+
+
+def _link(cfg: FreezeRefConfig, tmp: Path, manifest: dict) -> dict:
+    """Hard-link the policy's weights into `tmp`, copy its other top-level files; hash; the manifest."""
+    import json
+    import os
+    import shutil
+
+    from rlkit import artifacts, checkpoints
+    from rlkit.errors import RlkitError
+
+    for f in sorted(cfg.policy.iterdir()):
+        if f.is_dir() or f.name == artifacts.MODEL_MANIFEST:
+            continue  # trainer/, critic/: not the policy's weights
+        if f.suffix != ".safetensors":
+            shutil.copy2(f, tmp / f.name)
+            continue
+        try:
+            os.link(f, tmp / f.name)
+        except OSError as e:
+            raise RlkitError(f"freeze-ref --link: cannot hard-link {f} into {cfg.out.parent} ({e.strerror}): a hard "
+                             "link needs both on one filesystem; put --out beside the policy or leave out --link "
+                             "for a copy") from e
+    per_file, digest = checkpoints.hash_weights(tmp)
+    manifest = {**manifest, "weights_sha256": per_file, "weights_digest": digest, "weights_dtype": cfg.dtype,
+                "linked_from": str(cfg.policy.absolute())}
+    (tmp / artifacts.MODEL_MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return manifest
+
+
 def command(
     policy: PolicyDir,
     out: OutDir,
-    dtype: Annotated[str, typer.Option(help="Reference dtype: fp32, bf16 or fp16.")] = "bf16",
+    dtype: Annotated[str | None, typer.Option(help="Reference dtype: fp32, bf16 or fp16 (default bf16; with --link the stored one).")] = None,
+    link: Annotated[bool, typer.Option("--link", help="Hard-link the policy's weights instead of writing a copy (no extra disk: the reference of a LoRA run is its base); same filesystem, stored dtype, still hash-checked. Not for a LoRA checkpoint, which freezes merged.")] = False,
     trust_remote_code: TrustRemoteCode = False,
     force: Force = False,
 ) -> None:
-    """Freeze a policy as the hash-checked KL reference, in fp32, bf16 or fp16."""
-    run(FreezeRefConfig(policy=policy, out=out, dtype=dtype, trust_remote_code=trust_remote_code, force=force))
+    """Freeze a policy as the hash-checked KL reference, in fp32, bf16 or fp16 (a LoRA checkpoint: merged)."""
+    run(FreezeRefConfig(policy=policy, out=out, dtype=dtype, link=link, trust_remote_code=trust_remote_code,
+                        force=force))

@@ -77,10 +77,21 @@ def run(cfg: InspectConfig) -> dict[str, Any]:
     if not p.exists():
         raise RlkitError(f"{p}: no such file or directory")
     if p.is_dir():
-        checkpoints.check_model_dir(p)
+        checkpoints.check_model_dir(p, lora_base=False)  # a LoRA checkpoint: shown even when its base changed
         manifest = checkpoints.load_manifest(p)
         info: dict[str, Any] = {"path": str(p), "type": "model", **checkpoints.safetensors_summary(p)}
-        cfg_json = json.loads((p / "config.json").read_text())
+        cfg_path = p / "config.json"
+        from rlkit import lora
+
+        if lora.is_adapter_dir(p):  # the adapter; the architecture is its base's
+            entry = (manifest or {}).get("lora") or {}
+            try:
+                base, _ = lora.verify_base(p.absolute())
+                info["lora_base"], cfg_path = f"{base} (sha256 as recorded)", base / "config.json"
+            except RlkitError as e:
+                info["lora_base"] = str(e)
+            info["lora"] = {k: entry.get(k) for k in ("kind", "rank", "alpha", "dropout", "target_modules")}
+        cfg_json = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         info["architecture"] = (cfg_json.get("architectures") or ["?"])[0]
         if manifest:
             info.update(kind=manifest.get("kind"), command=manifest.get("command"), step=manifest.get("step"),

@@ -29,19 +29,20 @@ class PromptsConfig:
 
 def run(cfg: PromptsConfig) -> Path | None:
     from rlkit import artifacts
-    from rlkit.tasks import get_task
+    from rlkit.tasks import get_task, task_inputs
 
     task = get_task(cfg.task)
     cfg = replace(cfg, task=task.spec)
     out = artifacts.resolve_out(cfg.out)
     artifacts.check_out(out, "table")
-    if artifacts.skip_if_current(out, "prompts", cfg, {}):
+    inputs = task_inputs(task)
+    if artifacts.skip_if_current(out, "prompts", cfg, inputs):
         return out
     import itertools
 
     examples = itertools.islice(task.iter_examples(cfg.split, cfg.seed), cfg.num)
     kind = "sft" if cfg.sft else "prompts"
-    with artifacts.write_table(kind, out, artifacts.make_manifest(kind, "prompts", cfg, {})) as w:
+    with artifacts.write_table(kind, out, artifacts.make_manifest(kind, "prompts", cfg, inputs)) as w:
         while chunk := list(itertools.islice(examples, 4096)):
             cols = {
                 "prompt_id": [e.prompt_id for e in chunk],

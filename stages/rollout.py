@@ -4,8 +4,9 @@ verifier.
 Reads a policy checkpoint and prompts (a task's train split, or --prompts FILE). Writes a 'rollouts'
 table, streamed batch by batch: prompt and completion token ids, the sampling policy's log-prob of
 each completion token (pi_old, at the sampling temperature), the finish reason, the checkpoint's
-fingerprint and step, and each reward component as a `reward/<name>` column (`reward/verifier`).
-Same seed and inputs give the same table.
+fingerprint and step, and each reward component as a `reward/<name>` column: `reward/verifier` (the
+task's), and one per `--reward-fn NAME=FILE.py:FUNC` (the user's function, `rlkit.reward_fns`; its
+signature is checked before the engine starts). Same seed and inputs give the same table.
 """
 
 from __future__ import annotations
@@ -16,7 +17,17 @@ from typing import Annotated
 
 import typer
 
-from rlkit.options import AnswerColumn, Force, OutTable, PolicyDir, PromptColumn, Seed, Task, TrustRemoteCode
+from rlkit.options import (
+    AnswerColumn,
+    Force,
+    OutTable,
+    PolicyDir,
+    PromptColumn,
+    RewardFn,
+    Seed,
+    Task,
+    TrustRemoteCode,
+)
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,7 @@ class RolloutConfig:
     dtype: str = "auto"
     max_model_len: int | None = None
     enforce_eager: bool = False
+    vllm_lora: str = "adapter"  # a LoRA checkpoint on vLLM: adapter (vLLM's LoRA) or merge (merged weights)
     chunk_prompts: int = 64
     shard: str | None = None  # "i/N": this job's share of the prompts (whole chunks), see rlkit.shards
     # --follow DIR: stream batches of `batch_prompts` prompts forever, switching to DIR's newest step
@@ -48,6 +60,7 @@ class RolloutConfig:
     batch_prompts: int | None = None  # default 64
     max_lag: int = 1  # batch b starts once DIR's newest step is >= (start step) + b - max_lag
     max_steps: int | None = None  # stop after the batch that trains step (--policy's step) + max_steps
+    reward_fn: tuple[str, ...] = ()  # NAME=FILE.py:FUNC user reward functions, each adds reward/NAME
     trust_remote_code: bool = False
     force: bool = False
 
@@ -55,11 +68,12 @@ class RolloutConfig:
 def run(cfg: RolloutConfig) -> Path | None:
     import pyarrow as pa
 
-    from rlkit import artifacts, checkpoints, console, data, engines, shards
+    from rlkit import artifacts, checkpoints, console, data, engines, reward_fns, shards
     from rlkit.errors import RlkitError
-    from rlkit.tasks import get_task
+    from rlkit.tasks import get_task, task_inputs
 
     task = get_task(cfg.task)
+    fns = reward_fns.load_all(cfg.reward_fn, taken=("verifier",))  # checked now, before any sampling
     if cfg.engine not in engines.ENGINES:
         raise RlkitError(f"--engine {cfg.engine!r} is not one of {', '.join(engines.ENGINES)}")
     if cfg.engine == "hf" and (cfg.tp != 1 or cfg.gpu_memory_utilization or cfg.max_model_len or cfg.enforce_eager):
@@ -67,15 +81,17 @@ def run(cfg: RolloutConfig) -> Path | None:
                          "pass --engine vllm (or auto) with them")
     if cfg.temperature <= 0 or not (0 < cfg.top_p <= 1):
         raise RlkitError("sampling needs --temperature > 0 and 0 < --top-p <= 1 (use `rlkit eval` for greedy)")
+    if cfg.vllm_lora not in ("adapter", "merge"):
+        raise RlkitError(f"--vllm-lora {cfg.vllm_lora!r} is not one of adapter, merge")
     checkpoints.check_model_dir(cfg.policy, "policy")
     out = artifacts.resolve_out(cfg.out)
     artifacts.check_out(out, "table")
     cfg = replace(cfg, task=task.spec)
     if cfg.follow is not None:
-        return _run_follow(cfg, task, out)
+        return _run_follow(cfg, task, out, fns)
     if cfg.batch_prompts is not None or cfg.max_steps is not None:
         raise RlkitError("--batch-prompts and --max-steps are --follow options (without it: --num-prompts)")
-    inputs = {"policy": artifacts.fingerprint(cfg.policy)}
+    inputs = {"policy": artifacts.fingerprint(cfg.policy), **task_inputs(task), **reward_fns.fingerprints(fns)}
     if cfg.prompts:
         source = data.load_source(cfg.prompts, "prompts", {"prompt": cfg.prompt_column, "answer": cfg.answer_column})
         inputs["prompts"] = source.fingerprint
@@ -100,7 +116,7 @@ def run(cfg: RolloutConfig) -> Path | None:
     scored = all(a is not None for a in answers)
     if not scored:
         console.warn("some prompts have no gold answer: no verifier reward column is written")
-    extra = [pa.field("reward/verifier", pa.float64())] if scored else []
+    extra = [pa.field(f"reward/{n}", pa.float64()) for n in [*(["verifier"] if scored else []), *(f.name for f in fns)]]
     fp, step = inputs["policy"], checkpoints.policy_step(cfg.policy)
     manifest = artifacts.make_manifest("rollouts", "rollout", cfg, inputs,
                                        tokenizer=checkpoints.tokenizer_fingerprint(tokenizer), engine=engine.name,
@@ -111,21 +127,22 @@ def run(cfg: RolloutConfig) -> Path | None:
         # chunks keep their global position and seed whatever the shard, so shards concatenate into the
         # table one job gives
         _sample(cfg, engine, tokenizer, task, w, bar, span, ids, answers, texts, prompt_ids, cfg.seed, 0, fp, step,
-                scored)
+                scored, fns)
     if isinstance(engine, engines.VLLMEngine):
         engine.close()
     return out
 
 
-def _run_follow(cfg: RolloutConfig, task, out: Path | None) -> Path | None:
+def _run_follow(cfg: RolloutConfig, task, out: Path | None, fns=()) -> Path | None:
     """`rollout --follow DIR`: batch after batch of --batch-prompts prompts, each sampled by DIR's newest
     complete step (reloaded into the live engine), batch b waiting until that step is >= start + b - K."""
     import time
 
     import pyarrow as pa
 
-    from rlkit import artifacts, checkpoints, console, data, engines, follow
+    from rlkit import artifacts, checkpoints, console, data, engines, follow, reward_fns
     from rlkit.errors import DownstreamClosed, RlkitError
+    from rlkit.tasks import task_inputs
 
     if cfg.shard or cfg.num_prompts is not None:
         raise RlkitError("--follow streams batches of --batch-prompts prompts without end; --num-prompts and --shard "
@@ -140,7 +157,7 @@ def _run_follow(cfg: RolloutConfig, task, out: Path | None) -> Path | None:
     base_tok = checkpoints.tokenizer_fingerprint(checkpoints.load_tokenizer(cfg.policy, cfg.trust_remote_code))
     newest = follow.newest(root)
     start = newest.path if newest else cfg.policy
-    inputs = {"policy": artifacts.fingerprint(cfg.policy)}
+    inputs = {"policy": artifacts.fingerprint(cfg.policy), **task_inputs(task), **reward_fns.fingerprints(fns)}
     if newest:
         m = follow.verify_step(start)
         if (m.get("follow") or {}).get("base_fingerprint") != inputs["policy"]:
@@ -176,7 +193,7 @@ def _run_follow(cfg: RolloutConfig, task, out: Path | None) -> Path | None:
         scored = True
     if not scored:
         console.warn("some prompts have no gold answer: no verifier reward column is written")
-    extra = [pa.field("reward/verifier", pa.float64())] if scored else []
+    extra = [pa.field(f"reward/{n}", pa.float64()) for n in [*(["verifier"] if scored else []), *(f.name for f in fns)]]
     manifest = artifacts.make_manifest("rollouts", "rollout", cfg, inputs, tokenizer=base_tok, engine=engine.name,
                                        follow={"dir": str(root), "start_step": step, "base_step": base_step})
     fp = artifacts.fingerprint(start)
@@ -207,7 +224,7 @@ def _run_follow(cfg: RolloutConfig, task, out: Path | None) -> Path | None:
                     texts, prompt_ids = [f_texts[r] for r in rows], [f_prompt_ids[r] for r in rows]
                 with console.progress(f"rollout batch {b}", P * cfg.n) as bar:
                     _sample(cfg, engine, tokenizer, task, w, bar, range(P), ids, answers, texts, prompt_ids, seed,
-                            b * P, fp, step, scored)
+                            b * P, fp, step, scored, fns)
                 b += 1
             console.info(f"rollout: --max-steps {cfg.max_steps} reached; the stream ends")
     except (BrokenPipeError, DownstreamClosed):
@@ -264,18 +281,19 @@ def _start_engine(cfg: RolloutConfig, policy: Path):
     if chosen == "vllm":
         tokenizer = checkpoints.load_tokenizer(policy, cfg.trust_remote_code)
         opts = engines.VLLMOptions(tp=cfg.tp, gpu_memory_utilization=cfg.gpu_memory_utilization, dtype=cfg.dtype,
-                                   max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager)
+                                   max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager, lora=cfg.vllm_lora)
         return engines.VLLMEngine(policy, tokenizer, opts, cfg.seed, cfg.trust_remote_code), tokenizer
     if cfg.dtype not in ("auto", "fp32"):
         raise RlkitError(f"--dtype {cfg.dtype}: the hf engine samples in fp32 (pass --engine vllm for other dtypes)")
-    model, tokenizer = checkpoints.load_policy(policy, "fp32", cfg.trust_remote_code)
+    model, tokenizer = checkpoints.load_policy(policy, "fp32", cfg.trust_remote_code, merged=True)  # LoRA: merged
     return engines.HFEngine(model, tokenizer, cfg.batch_tokens), tokenizer
 
 
 def _sample(cfg: RolloutConfig, engine, tokenizer, task, w, bar, span: range, ids, answers, texts, prompt_ids,
-            seed: int, group0: int, fp: str, step: int, scored: bool) -> None:
+            seed: int, group0: int, fp: str, step: int, scored: bool, fns=()) -> None:
     """Sample prompts `span` in chunks of --chunk-prompts and write each chunk's rows to `w`. A chunk
-    starting at prompt c0 is seeded `seed * 1_000_003 + c0`; prompt p becomes group `group0 + p`."""
+    starting at prompt c0 is seeded `seed * 1_000_003 + c0`; prompt p becomes group `group0 + p`.
+    `fns` (--reward-fn) add their reward columns, computed on each chunk's rows."""
     n = cfg.n
     for c0 in range(span.start, span.stop, cfg.chunk_prompts):
         c1 = min(span.stop, c0 + cfg.chunk_prompts)
@@ -299,6 +317,8 @@ def _sample(cfg: RolloutConfig, engine, tokenizer, task, w, bar, span: range, id
         }
         if scored:
             cols["reward/verifier"] = [task.reward(c, answers[p]) for c, (p, _) in zip(comps, rows, strict=True)]
+        for f in fns:
+            cols[f"reward/{f.name}"] = f.score(cols, row0=w.rows)
         w.write(cols)
         bar.advance(len(rows), **({"reward": sum(cols["reward/verifier"]) / len(rows)} if scored else {}))
 
@@ -321,11 +341,13 @@ def command(
     dtype: Annotated[str, typer.Option(help="vLLM weights/compute dtype: auto (the checkpoint's), float32, bfloat16, float16.")] = "auto",
     max_model_len: Annotated[int | None, typer.Option(min=16, help="vLLM context length (default: the model's).")] = None,
     enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="vLLM: no CUDA graphs (faster start-up).")] = False,
+    vllm_lora: Annotated[str, typer.Option(help="vLLM on a LoRA checkpoint: adapter (vLLM's LoRA: the base's weights plus the adapter per request; a --follow reload swaps adapters) or merge (the merged weights, written to a temporary directory: no LoRA kernels, a weights write per reload). The hf engine always merges.")] = "adapter",
     shard: Annotated[str | None, typer.Option(help="I/N: sample only this job's share of the prompts (0 <= I < N); `rlkit cat` joins the N shards into the table one job gives.")] = None,
     follow: Annotated[Path | None, typer.Option("--follow", help="Persistent: stream batches of --batch-prompts prompts without end, each sampled by the newest complete step-NNNNNN/ in this directory (written by `update --follow`), loaded into the live engine between batches. See README 'Persistent stages'.")] = None,
     batch_prompts: Annotated[int | None, typer.Option(min=1, help="--follow: prompts per batch (default 64); batch b samples the prompts of `--seed SEED+b+1` (a --prompts file: its rows in turn).")] = None,
     max_lag: Annotated[int, typer.Option(min=0, help="--follow: batch b waits until the newest step is at least (start step) + b - K, so rows are at most K steps older than the policy they train; 0 is synchronous (the per-round pipeline's result).")] = 1,
     max_steps: Annotated[int | None, typer.Option(min=1, help="--follow: stop after the batch that trains step (--policy's step) + N.")] = None,
+    reward_fn: RewardFn = None,
     seed: Seed = 0,
     out: OutTable = None,
     trust_remote_code: TrustRemoteCode = False,
@@ -336,6 +358,7 @@ def command(
                       answer_column=answer_column, num_prompts=num_prompts, n=n, temperature=temperature,
                       top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, engine=engine,
                       batch_tokens=batch_tokens, tp=tp, gpu_memory_utilization=gpu_memory_utilization, dtype=dtype,
-                      max_model_len=max_model_len, enforce_eager=enforce_eager, shard=shard, follow=follow,
+                      max_model_len=max_model_len, enforce_eager=enforce_eager, vllm_lora=vllm_lora, shard=shard,
+                      follow=follow,
                       batch_prompts=batch_prompts, max_lag=max_lag, max_steps=max_steps,
-                      trust_remote_code=trust_remote_code, force=force))
+                      reward_fn=tuple(reward_fn or ()), trust_remote_code=trust_remote_code, force=force))

@@ -10,8 +10,10 @@ pi_old, and are gathered without a second full-vocabulary tensor (`rlkit.logprob
 The reference must share the policy's tokenizer (the rollouts record its fingerprint). Reward models
 (`--rm NAME=DIR`, repeatable, from `rlkit train-rm`) use the same scorer pattern on the text of
 prompt + completion, re-tokenized with their own tokenizer (which may differ from the policy's), and
-add one `reward/rm:NAME` component each beside `verifier`. Without --ref the output stays a
-'rollouts' table (enough for `update --beta 0`).
+add one `reward/rm:NAME` component each beside `verifier`. User reward functions
+(`--reward-fn NAME=FILE.py:FUNC`, repeatable, `rlkit.reward_fns`) add `reward/NAME` the same way,
+batch by batch; their signatures are checked before the models load. Without --ref the output stays
+a 'rollouts' table (enough for `update --beta 0`).
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ from typing import Annotated
 
 import typer
 
-from rlkit.options import Force, InTable, OutTable, TrustRemoteCode
+from rlkit.options import Force, InTable, OutTable, RewardFn, TrustRemoteCode
 
 
 @dataclass(frozen=True)
 class ScoreRefConfig:
     ref: Path | None = None
     rm: tuple[str, ...] = ()  # NAME=DIR reward models, each adds a `reward/rm:NAME` column
+    reward_fn: tuple[str, ...] = ()  # NAME=FILE.py:FUNC user reward functions, each adds `reward/NAME`
     inp: str | None = None
     out: Path | None = None
     device: str = "cpu"
@@ -75,8 +78,9 @@ def _score_prefs(cfg, reader, model, tokenizer, out, inputs) -> Path | None:
     from rlkit.data import encode_responses
     from rlkit.errors import RlkitError
 
-    if model is None or cfg.rm:
-        raise RlkitError("a prefs table is scored by the reference only (for DPO): pass --ref REF and no --rm")
+    if model is None or cfg.rm or cfg.reward_fn:
+        raise RlkitError("a prefs table is scored by the reference only (for DPO): pass --ref REF and no --rm or "
+                         "--reward-fn")
     manifest = artifacts.make_manifest("prefs", "score-ref", cfg, inputs)
     rows = 0
     with artifacts.write_table("prefs", out, manifest) as w:
@@ -116,17 +120,19 @@ def parse_rms(specs: tuple[str, ...]) -> dict[str, Path]:
 def run(cfg: ScoreRefConfig) -> Path | None:
     import pyarrow as pa
 
-    from rlkit import artifacts, checkpoints, console, shards
+    from rlkit import artifacts, checkpoints, console, reward_fns, shards
     from rlkit.errors import DownstreamClosed, RlkitError
 
     rms = parse_rms(cfg.rm)
+    fns = reward_fns.load_all(cfg.reward_fn, taken=rms)  # signatures checked before any model loads
     if cfg.shard:
         shards.parse(cfg.shard)
         if cfg.inp is None or cfg.inp == "-":
             raise RlkitError("--shard cuts an input file between groups: pass --in FILE (a piped-in shard of "
                              "`rollout --shard` needs no --shard here)")
-    if cfg.ref is None and not rms:
-        raise RlkitError("nothing to score with: pass --ref REF (reference log-probs) and/or --rm NAME=DIR")
+    if cfg.ref is None and not rms and not fns:
+        raise RlkitError("nothing to score with: pass --ref REF (reference log-probs), --rm NAME=DIR and/or "
+                         "--reward-fn NAME=FILE.py:FUNC")
     if cfg.dtype not in ("auto", "stored", "fp32"):
         raise RlkitError(f"--dtype {cfg.dtype!r} is not one of auto, stored, fp32")
     out = artifacts.resolve_out(cfg.out)
@@ -146,7 +152,7 @@ def run(cfg: ScoreRefConfig) -> Path | None:
     scorers = {name: load_reward_model(d, cfg.trust_remote_code) for name, d in rms.items()}
     reader = pending.result()
     inputs = {"in": reader.fingerprint, **({"ref": artifacts.fingerprint(cfg.ref)} if cfg.ref else {}),
-              **{name: artifacts.fingerprint(d) for name, d in rms.items()}}
+              **{name: artifacts.fingerprint(d) for name, d in rms.items()}, **reward_fns.fingerprints(fns)}
     if artifacts.skip_if_current(out, "score-ref", cfg, inputs):
         return out
     if reader.kind == "prefs":
@@ -160,9 +166,10 @@ def run(cfg: ScoreRefConfig) -> Path | None:
             f"reference {cfg.ref} has a different tokenizer from the policy that sampled these rollouts "
             f"({checkpoints.tokenizer_fingerprint(tokenizer)} vs {want}); freeze the reference from the same SFT checkpoint"
         )
-    clash = [n for n in rms if f"reward/{n}" in reader.schema.names]
+    clash = [n for n in [*rms, *(f.name for f in fns)] if f"reward/{n}" in reader.schema.names]
     if clash:
-        raise RlkitError(f"the input already has reward component {clash[0]!r}; name this reward model differently")
+        raise RlkitError(f"the input already has reward component {clash[0]!r}; name this "
+                         f"{'reward model' if clash[0] in rms else '--reward-fn'} differently")
     if reader.kind == "scored" and cfg.ref is not None:
         raise RlkitError("the input already has reference log-probs; pass only --rm to add reward-model scores")
     temperature = float(upstream.get("temperature", (upstream.get("config") or {}).get("temperature", 1.0)))
@@ -177,10 +184,11 @@ def run(cfg: ScoreRefConfig) -> Path | None:
         shard = shards.manifest_entry(cfg.shard, span, table.num_rows, artifacts.jsonable(cfg), inputs)
     out_kind = "scored" if cfg.ref is not None or reader.kind == "scored" else "rollouts"
     extra = [f for f in reader.schema if f.name.startswith("reward/")]
-    extra += [pa.field(f"reward/{n}", pa.float64()) for n in rms]
+    extra += [pa.field(f"reward/{n}", pa.float64()) for n in [*rms, *(f.name for f in fns)]]
     manifest = artifacts.make_manifest(out_kind, "score-ref", cfg, inputs, tokenizer=want,
                                        rollout=upstream.get("rollout") or upstream.get("config"), temperature=temperature,
                                        engine=upstream.get("engine"), reward_models={n: str(d) for n, d in rms.items()},
+                                       reward_fns={f.name: f.label for f in fns},
                                        reference=str(cfg.ref) if cfg.ref else upstream.get("reference"), **shard)
     lp_type = artifacts.kind("scored").schema().field("ref_logprobs").type
     following = bool((upstream.get("rollout") or upstream.get("config") or {}).get("follow"))
@@ -191,24 +199,25 @@ def run(cfg: ScoreRefConfig) -> Path | None:
     try:
         rows = _score_stream(cfg, batches, w_args=(out_kind, out, manifest, extra), model=model, tokenizer=tokenizer,
                              temperature=temperature, scorers=scorers, lp_type=lp_type, reader=reader,
-                             empty_ok=bool(shard) or following)
+                             empty_ok=bool(shard) or following, fns=fns)
     except BrokenPipeError:
         if not following:
             raise
         raise DownstreamClosed("score-ref") from None
-    by = " and ".join([*([str(cfg.ref)] if cfg.ref else []), *(f"{n} ({d})" for n, d in rms.items())])
+    by = " and ".join([*([str(cfg.ref)] if cfg.ref else []), *(f"{n} ({d})" for n, d in rms.items()),
+                       *(f"{f.name} ({f.label})" for f in fns)])
     console.info(f"score-ref: {rows} rows scored by {by}"
                  + (f" (shard {cfg.shard}: rows {span.start}-{span.stop} of {table.num_rows})" if cfg.shard else ""))
     return out
 
 
 def _score_stream(cfg: ScoreRefConfig, batches, w_args, model, tokenizer, temperature, scorers, lp_type, reader,
-                  empty_ok: bool) -> int:
+                  empty_ok: bool, fns=()) -> int:
     """Score `batches` one by one, writing each as soon as it is scored; -> rows written. An empty input
     is an error unless `empty_ok` (a shard may be empty; a follow run that was already finished is)."""
     import pyarrow as pa
 
-    from rlkit import artifacts
+    from rlkit import artifacts, reward_fns
     from rlkit.errors import RlkitError
     from rlkit.reward_model import score_texts
 
@@ -221,6 +230,10 @@ def _score_stream(cfg: ScoreRefConfig, batches, w_args, model, tokenizer, temper
             prompts, comps = batch.column("prompt").to_pylist(), batch.column("completion").to_pylist()
             for name, (rm, rm_tok) in scorers.items():
                 cols[f"reward/{name}"] = pa.array(score_texts(rm, rm_tok, prompts, comps, cfg.batch_tokens), pa.float64())
+            if fns:
+                rows = reward_fns.columns_of(batch, fns)
+                for f in fns:
+                    cols[f"reward/{f.name}"] = pa.array(f.score(rows, row0=w.rows), pa.float64())
             w.write(pa.record_batch([cols[f.name] if f.name in cols else pa.nulls(batch.num_rows, f.type)
                                      for f in w.schema], schema=w.schema))
         if reader.rows == 0 and not empty_ok:
@@ -231,6 +244,7 @@ def _score_stream(cfg: ScoreRefConfig, batches, w_args, model, tokenizer, temper
 def command(
     ref: Annotated[Path | None, typer.Option("--ref", help="Frozen reference directory (made by `rlkit freeze-ref`).")] = None,
     rm: Annotated[list[str] | None, typer.Option("--rm", help="Reward model NAME=DIR (repeatable; or DIR, named after it): adds reward/rm:NAME.")] = None,
+    reward_fn: RewardFn = None,
     inp: InTable = None,
     out: OutTable = None,
     device: Annotated[str, typer.Option(help="Device for the reference: cpu, cuda, cuda:1, ...")] = "cpu",
@@ -240,6 +254,6 @@ def command(
     trust_remote_code: TrustRemoteCode = False,
     force: Force = False,
 ) -> None:
-    """Add the frozen reference's per-token log-probs and reward-model scores to a rollouts table (streams)."""
-    run(ScoreRefConfig(ref=ref, rm=tuple(rm or ()), inp=inp, out=out, device=device, dtype=dtype, batch_tokens=batch_tokens,
+    """Add the frozen reference's per-token log-probs, reward-model and reward-function scores to a rollouts table (streams)."""
+    run(ScoreRefConfig(ref=ref, rm=tuple(rm or ()), reward_fn=tuple(reward_fn or ()), inp=inp, out=out, device=device, dtype=dtype, batch_tokens=batch_tokens,
                        shard=shard, trust_remote_code=trust_remote_code, force=force))

@@ -18,8 +18,21 @@ from typing import Annotated
 
 import typer
 
-from rlkit.options import Force, OutDir, Seed, TrustRemoteCode
+from rlkit.options import (
+    Force,
+    GradCheckpointing,
+    LoraAlpha,
+    LoraDropout,
+    LoraRank,
+    LoraTargets,
+    OutDir,
+    Seed,
+    TrainDtype,
+    TrustRemoteCode,
+    train_options,
+)
 from rlkit.tiny import TinyConfig
+from rlkit.training import TrainOptions
 
 
 @dataclass(frozen=True)
@@ -43,7 +56,7 @@ class SftConfig:
     max_new_tokens: int = 16
     seed: int = 0
     tiny: TinyConfig = field(default_factory=TinyConfig)
-    dtype: str = "fp32"
+    train: TrainOptions = field(default_factory=TrainOptions)  # --dtype, --gradient-checkpointing, --lora-*
     trust_remote_code: bool = False
     metrics: Path | None = None
     force: bool = False
@@ -72,7 +85,7 @@ def run(cfg: SftConfig) -> Path:
     from rlkit import artifacts, checkpoints, console, data, tiny
     from rlkit.errors import RlkitError
     from rlkit.evaluate import greedy_eval
-    from rlkit.tasks import get_task
+    from rlkit.tasks import get_task, task_inputs
 
     if cfg.task is None and cfg.data is None:
         cfg = replace(cfg, task="arithmetic")
@@ -81,7 +94,10 @@ def run(cfg: SftConfig) -> Path:
     if cfg.model != checkpoints.TINY:
         cfg = replace(cfg, tiny=None)
     artifacts.check_out(cfg.out, "model")
-    inputs = {}
+    from rlkit import distributed, training
+
+    cfg.train.check(distributed=distributed.launched())
+    inputs = task_inputs(task) if task else {}
     if cfg.model != checkpoints.TINY and Path(cfg.model).exists():
         checkpoints.check_model_dir(Path(cfg.model), "base model")
         inputs["model"] = artifacts.fingerprint(cfg.model)
@@ -92,15 +108,17 @@ def run(cfg: SftConfig) -> Path:
     if artifacts.skip_if_current(cfg.out, "sft", cfg, inputs):
         return cfg.out
 
-    from rlkit import distributed
-
     dp = distributed.init()  # None unless started by torchrun
     torch.manual_seed(cfg.seed)
     if cfg.model == checkpoints.TINY:
         tokenizer = tiny.build_tokenizer()
         model = tiny.build_model(cfg.tiny, tokenizer, cfg.seed)
-    else:
-        model, tokenizer = checkpoints.load_policy(cfg.model, cfg.dtype, cfg.trust_remote_code)
+        base = None
+    else:  # fp32 master weights whatever --dtype (rlkit.training)
+        model, tokenizer = checkpoints.load_policy(cfg.model, "fp32", cfg.trust_remote_code)
+        base = Path(cfg.model) if Path(cfg.model).is_dir() else None
+    model = training.prepare_model(model, cfg.train, "causal-lm", base=base)
+    prec = training.Precision(cfg.train.dtype, dp.device.type if dp is not None else "cpu")
 
     if source is not None:
         prompts = data.render_prompts(tokenizer, source, for_sft=True)
@@ -125,13 +143,7 @@ def run(cfg: SftConfig) -> Path:
     if dp is not None:
         model = distributed.shard_model(model, dp)
         console.info(f"sft: data-parallel over {dp.world} processes ({dp.device.type}, FSDP2)")
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(0.9, 0.95),
-    )
+    opt = training.make_adamw(model, cfg.lr, cfg.weight_decay, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total, max(1, int(cfg.warmup * total)), cfg.min_lr_ratio))
     model.train()
     t0, tokens, ema = time.monotonic(), 0, None
@@ -143,14 +155,16 @@ def run(cfg: SftConfig) -> Path:
                     batch, share = distributed.split_rows(batch, dp, lambda rows: sum(len(ids[i]) - plens[i] for i in rows))
                 input_ids, mask, labels = data.collate_sft([ids[i] for i in batch], [plens[i] for i in batch],
                                                            tokenizer.pad_token_id)
-                loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss * share
+                with prec.autocast():
+                    loss = model(input_ids=input_ids, attention_mask=mask, labels=labels, use_cache=False).loss.float() * share
                 value = loss.item() if dp is None else distributed.all_sum([loss.item() / dp.world], dp)[0]
                 if not math.isfinite(value):
                     raise RlkitError(f"non-finite SFT loss at step {sched.last_epoch}; lower --lr (now {cfg.lr})")
                 opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-                opt.step()
+                prec.backward(loss)
+                _, stepped = prec.step([(model.parameters(), opt, cfg.grad_clip)])
+                if not stepped and prec.scaler is None:
+                    raise RlkitError(f"non-finite gradient at SFT step {sched.last_epoch}; lower --lr (now {cfg.lr})")
                 sched.step()
                 tokens += int(mask.sum()) if share else 0
                 ema = value if ema is None else 0.95 * ema + 0.05 * value
@@ -160,6 +174,8 @@ def run(cfg: SftConfig) -> Path:
         tokens = int(distributed.all_sum([tokens], dp)[0])
     metrics = {"train_loss": ema, "steps": total, "examples": len(ids), "tokens": tokens,
                "train_seconds": round(train_s, 2), "tokens_per_s": round(tokens / train_s, 1)}
+    if prec.scaler is not None:
+        metrics.update(loss_scale=prec.scaler.get_scale(), skipped_steps=prec.skipped)
     if task is not None:
         held = task.examples("heldout", cfg.eval_num, cfg.seed)
         ev = greedy_eval(model, tokenizer, [e.prompt for e in held], [e.answer for e in held], task.reward,
@@ -189,8 +205,8 @@ def run(cfg: SftConfig) -> Path:
 def command(
     out: OutDir,
     model: Annotated[str, typer.Option(help="Base model: 'tiny' (embedded, built fresh), a local directory or a hub id.")] = "tiny",
-    task: Annotated[str | None, typer.Option(help="Task spec to train on and evaluate; default 'arithmetic' when no --data.")] = None,
-    data: Annotated[str | None, typer.Option(help="Training data: .arrow/.parquet/.jsonl or datasets spec NAME[:CONFIG][@SPLIT].")] = None,
+    task: Annotated[str | None, typer.Option(help="Task spec to train on (its train split and completion()) and evaluate (its held-out split): NAME[:key=value,...], path/to/file.py:CLASS[:...] or package.module:CLASS[:...], e.g. 'math:data=gsm8k.jsonl'; default 'arithmetic' when no --data.")] = None,
+    data: Annotated[str | None, typer.Option(help="Training data of prompt/completion (or chat messages) pairs: .arrow/.parquet/.jsonl or datasets spec NAME[:CONFIG][@SPLIT]. A math dataset goes to the task instead: --task math:data=FILE.")] = None,
     prompt_column: Annotated[str, typer.Option(help="Column of --data holding the prompt.")] = "prompt",
     completion_column: Annotated[str, typer.Option(help="Column of --data holding the completion.")] = "completion",
     num_examples: Annotated[int, typer.Option(min=1, help="Train examples drawn from the task (without --data).")] = SftConfig.num_examples,
@@ -203,7 +219,12 @@ def command(
     eval_num: Annotated[int, typer.Option(min=1, help="Held-out prompts for the final greedy evaluation.")] = SftConfig.eval_num,
     layers: Annotated[int, typer.Option(help="tiny model: transformer layers.")] = TinyConfig.layers,
     hidden: Annotated[int, typer.Option(help="tiny model: hidden width.")] = TinyConfig.hidden,
-    dtype: Annotated[str, typer.Option(help="Training dtype for a loaded model: fp32, bf16 or fp16.")] = "fp32",
+    dtype: TrainDtype = "fp32",
+    gradient_checkpointing: GradCheckpointing = False,
+    lora_rank: LoraRank = None,
+    lora_alpha: LoraAlpha = None,
+    lora_dropout: LoraDropout = 0.0,
+    lora_targets: LoraTargets = None,
     metrics: Annotated[Path | None, typer.Option(help="Append the run's metrics as one JSON line to this file.")] = None,
     seed: Seed = 0,
     trust_remote_code: TrustRemoteCode = False,
@@ -213,7 +234,8 @@ def command(
     run(SftConfig(
         out=out, model=model, task=task, data=data, prompt_column=prompt_column, completion_column=completion_column,
         num_examples=num_examples, epochs=epochs, lr=lr, warmup=warmup, weight_decay=weight_decay,
-        batch_tokens=batch_tokens, max_len=max_len, eval_num=eval_num, seed=seed, dtype=dtype,
+        batch_tokens=batch_tokens, max_len=max_len, eval_num=eval_num, seed=seed,
+        train=train_options(dtype, gradient_checkpointing, lora_rank, lora_alpha, lora_dropout, lora_targets),
         tiny=TinyConfig(layers=layers, hidden=hidden, heads=max(1, hidden // 32), intermediate=4 * hidden),
         trust_remote_code=trust_remote_code, metrics=metrics, force=force,
     ))

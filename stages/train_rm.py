@@ -12,13 +12,26 @@ trains data-parallel (FSDP2, `rlkit.distributed`); rank 0 writes the gathered mo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from rlkit.options import Force, OutDir, Seed, TrustRemoteCode
+from rlkit.options import (
+    Force,
+    GradCheckpointing,
+    LoraAlpha,
+    LoraDropout,
+    LoraRank,
+    LoraTargets,
+    OutDir,
+    Seed,
+    TrainDtype,
+    TrustRemoteCode,
+    train_options,
+)
+from rlkit.training import TrainOptions
 
 LENGTH_CORR_WARN = 0.5
 
@@ -34,6 +47,7 @@ class TrainRmConfig:
     margin: float = 0.0
     max_length: int = 256
     seed: int = 0
+    train: TrainOptions = field(default_factory=TrainOptions)  # --dtype, --gradient-checkpointing, --lora-*
     trust_remote_code: bool = False
     force: bool = False
 
@@ -50,6 +64,9 @@ def run(cfg: TrainRmConfig) -> Path:
     artifacts.check_out(cfg.out, "model")
     if cfg.lr <= 0 or cfg.batch_size < 1 or cfg.epochs < 1:
         raise RlkitError("--lr must be > 0, --batch-size and --epochs >= 1")
+    from rlkit import distributed
+
+    cfg.train.check(distributed=distributed.launched())
     src = data.load_source(cfg.prefs, "prefs", {})
     inputs = {"base": artifacts.fingerprint(cfg.base), "prefs": src.fingerprint}
     if artifacts.skip_if_current(cfg.out, "train-rm", cfg, inputs):
@@ -64,22 +81,21 @@ def run(cfg: TrainRmConfig) -> Path:
 
     import torch
 
-    from rlkit import distributed
+    from rlkit import training
     from rlkit.preference import bradley_terry_loss, pair_accuracy
     from rlkit.reward_model import _forward_scores, encode_pairs, forward_scores, score_texts
 
     dp = distributed.init()  # None unless started by torchrun
     torch.manual_seed(cfg.seed)
     model, tok = _load_base(cfg)
+    model = training.prepare_model(model, cfg.train, "seq-cls", base=cfg.base)
+    prec = training.Precision(cfg.train.dtype, dp.device.type if dp is not None else "cpu")
     if dp is not None:
         model = distributed.shard_model(model, dp, _forward_scores)
         console.info(f"train-rm: data-parallel over {dp.world} processes ({dp.device.type}, FSDP2)")
     chosen = encode_pairs(tok, t["prompt"], t["chosen"], cfg.max_length)
     rejected = encode_pairs(tok, t["prompt"], t["rejected"], cfg.max_length)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "norm" not in n]
-    rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "norm" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
-                            lr=cfg.lr, betas=(0.9, 0.99))
+    opt = training.make_adamw(model, cfg.lr, 0.01, betas=(0.9, 0.99))
     steps = cfg.epochs * -(-len(train) // cfg.batch_size)
     rng = random.Random(cfg.seed)
     losses, step = [], 0
@@ -91,17 +107,20 @@ def run(cfg: TrainRmConfig) -> Path:
                 share = 1.0
                 if dp is not None:  # this rank's pairs; the loss is a mean over pairs
                     idx, share = distributed.split_rows(idx, dp, len)
-                scores = forward_scores(model, [chosen[i] for i in idx] + [rejected[i] for i in idx], tok.pad_token_id)
+                with prec.autocast():
+                    scores = forward_scores(model, [chosen[i] for i in idx] + [rejected[i] for i in idx],
+                                            tok.pad_token_id)
                 loss = bradley_terry_loss(scores[: len(idx)], scores[len(idx):], cfg.margin).mean() * share
                 value = loss.item() if dp is None else distributed.all_sum([loss.item() / dp.world], dp)[0]
                 if not math.isfinite(value):
                     raise RlkitError(f"non-finite loss at step {step}; nothing was written (lower --lr, now {cfg.lr})")
                 opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 for g in opt.param_groups:  # linear decay to 10%
                     g["lr"] = cfg.lr * (1 - 0.9 * step / max(1, steps))
-                opt.step()
+                prec.backward(loss)
+                _, stepped = prec.step([(model.parameters(), opt, 1.0)])
+                if not stepped and prec.scaler is None:
+                    raise RlkitError(f"non-finite gradient at step {step}; nothing was written (lower --lr, now {cfg.lr})")
                 step += 1
                 losses.append(value)
                 bar.advance(1, loss=losses[-1])
@@ -162,9 +181,14 @@ def _load_base(cfg: TrainRmConfig):
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "score.weight newly initialized" is the point here
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(
-            str(cfg.base), num_labels=1, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
-            use_safetensors=True)
+        from rlkit import lora
+
+        if lora.is_adapter_dir(cfg.base):  # LoRA trains on: a policy's adapter on its base, with a new score head
+            model = lora.load(cfg.base, "seq-cls", trust_remote_code=cfg.trust_remote_code)
+        else:
+            model = AutoModelForSequenceClassification.from_pretrained(
+                str(cfg.base), num_labels=1, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
+                use_safetensors=True)
     finally:
         hf_logging.set_verbosity(verbosity)
     if model.config.pad_token_id is None:
@@ -234,9 +258,17 @@ def command(
     margin: Annotated[float, typer.Option(help="Bradley-Terry margin: -log sigmoid(s_c - s_r - margin).")] = 0.0,
     max_length: Annotated[int, typer.Option(min=8, help="Longest prompt + response in tokens (keeps the end).")] = 256,
     seed: Seed = 0,
+    dtype: TrainDtype = "fp32",
+    gradient_checkpointing: GradCheckpointing = False,
+    lora_rank: LoraRank = None,
+    lora_alpha: LoraAlpha = None,
+    lora_dropout: LoraDropout = 0.0,
+    lora_targets: LoraTargets = None,
     trust_remote_code: TrustRemoteCode = False,
     force: Force = False,
 ) -> None:
     """Train a reward model on preference pairs; prints held-out pair accuracy and a sanity report."""
     run(TrainRmConfig(base=base, prefs=prefs, out=out, epochs=epochs, lr=lr, batch_size=batch_size, margin=margin,
-                      max_length=max_length, seed=seed, trust_remote_code=trust_remote_code, force=force))
+                      max_length=max_length, seed=seed,
+                      train=train_options(dtype, gradient_checkpointing, lora_rank, lora_alpha, lora_dropout, lora_targets),
+                      trust_remote_code=trust_remote_code, force=force))

@@ -23,8 +23,22 @@ from typing import Annotated
 
 import typer
 
-from rlkit.options import Force, InTable, OutDir, PolicyDir, TrustRemoteCode
+from rlkit.options import (
+    Force,
+    GradCheckpointing,
+    InTable,
+    LoraAlpha,
+    LoraDropout,
+    LoraRank,
+    LoraTargets,
+    OutDir,
+    PolicyDir,
+    TrainDtype,
+    TrustRemoteCode,
+    train_options,
+)
 from rlkit.rl_config import DEFAULT_DUAL_CLIP, RLConfig
+from rlkit.training import TrainOptions
 
 DEFAULT_MAX_DRIFT = 0.05  # relative weight-space distance from the reference; see rlkit.drift
 DEFAULT_MAX_LAG = 1  # --follow: steps a row's sampling policy may lag behind the policy it trains
@@ -39,6 +53,7 @@ class UpdateConfig:
     out: Path
     inp: str | None = None
     rl: RLConfig = field(default_factory=RLConfig)
+    train: TrainOptions = field(default_factory=TrainOptions)  # --dtype, --gradient-checkpointing, --lora-*
     reward: tuple[str, ...] = ()  # NAME=WEIGHT; empty: every component with weight 1
     length_penalty: float = 0.0  # reward -= length_penalty * completion tokens
     metrics: Path | None = None
@@ -80,7 +95,7 @@ def distributed_launch() -> bool:
 
 
 def run(cfg: UpdateConfig) -> Path:
-    from rlkit import artifacts, checkpoints, console, metrics_log
+    from rlkit import artifacts, checkpoints, console, lora, metrics_log
     from rlkit.errors import RlkitError
 
     weights = parse_weights(cfg.reward)
@@ -92,6 +107,7 @@ def run(cfg: UpdateConfig) -> Path:
     # Open the input on a background thread and import torch and load the policy meanwhile: in a pipe
     # all stages then start up at once, and upstream streams into memory instead of a full pipe.
     cfg.rl.check()
+    cfg.train.check(distributed=distributed_launch())
     metrics_log.check_tensorboard(cfg.tensorboard)
     if cfg.ref is not None:
         checkpoints.verify_reference(cfg.ref)
@@ -107,9 +123,10 @@ def run(cfg: UpdateConfig) -> Path:
                if dp is None or dp.main else None)
     if cfg.follow:
         return _run_follow(cfg, pending, weights)
-    from rlkit import distributed
+    from rlkit import distributed, training
 
     model, tokenizer = checkpoints.load_policy(cfg.policy, "fp32", cfg.trust_remote_code)
+    model = training.prepare_model(model, cfg.train, "causal-lm", base=cfg.policy)
     reader = pending.result() if dp is None else distributed.share_table(pending, dp)
     if offline:
         return _run_dpo(cfg, reader, model, tokenizer, dp)
@@ -133,16 +150,18 @@ def run(cfg: UpdateConfig) -> Path:
     t = _Trainer(cfg, model, tokenizer, dp, weights, step=checkpoints.policy_step(cfg.policy))
     t.load_state(cfg.policy, CRITIC_ALGOS)
     engine = upstream.get("engine")
-    recompute = cfg.rl.old_logprobs == "recompute" or (cfg.rl.old_logprobs == "auto" and engine != "hf")
+    recompute = cfg.rl.old_logprobs == "recompute" or (cfg.rl.old_logprobs == "auto" and (
+        engine != "hf" or cfg.train.dtype != "fp32"))
     if cfg.rl.old_logprobs == "auto" and recompute:
-        console.info(f"update: rollouts sampled by engine {engine or 'unknown'}: recomputing pi_old with the trainer "
-                     "(--old-logprobs engine to trust the engine's)")
+        why = (f"rollouts sampled by engine {engine or 'unknown'}" if engine != "hf" else
+               f"--dtype {cfg.train.dtype} computes other log-probs than the fp32 engine")
+        console.info(f"update: {why}: recomputing pi_old with the trainer (--old-logprobs engine to trust the engine's)")
     metrics, used = t.train(table, upstream, cfg.rl, recompute, label=reader.label)
     # gathered on every rank (collectives) under data parallelism; rank 0 alone writes
     gathered = t.gather()
     if distributed.stand_down(dp, metrics):
         return cfg.out
-    metrics.update(_drift(cfg, gathered[0] if gathered[0] is not None else dict(t.model.state_dict()),
+    metrics.update(_drift(cfg, lora.plain_state_dict(t.model, gathered[0]),
                           upstream.get("reference")))
     manifest = artifacts.make_manifest("model", "update", cfg, inputs, step=metrics["step"], metrics=metrics,
                                        reward_weights=used)
@@ -175,6 +194,9 @@ class _Trainer:
         self.cfg, self.model, self.tokenizer, self.dp, self.weights, self.step = cfg, model, tokenizer, dp, weights, step
         self.critic = self.critic_opt = self.cstate = self.ctrl = None
         self.said_reward = False
+        from rlkit.training import Precision
+
+        self.prec = Precision(cfg.train.dtype, dp.device.type if dp is not None else "cpu")
 
     def load_state(self, src: Path, critic_algos) -> None:
         """Optimizer, counters and RNG (and the critic) from checkpoint `src`; fresh when it has none."""
@@ -182,11 +204,12 @@ class _Trainer:
 
         self.opt = policy_update.make_optimizer(self.model, self.cfg.rl)
         self.state = policy_update.load_trainer(self.model, self.opt, src / policy_update.TRAINER_DIR, self.dp)
+        self.prec.load_state(self.state.precision)
         if self.cfg.rl.algo in critic_algos:
             from rlkit import ppo
 
             self.critic, self.critic_opt, self.cstate, self.ctrl, origin = ppo.load_critic(
-                src, self.cfg.rl, self.tokenizer, self.cfg.trust_remote_code, self.dp)
+                src, self.cfg.rl, self.tokenizer, self.cfg.trust_remote_code, self.dp, self.cfg.train, self.model)
             console.info(f"update: critic {origin}")
 
     def train(self, table, upstream: dict, rl, recompute: bool, lags=None, label: str = "the input") -> tuple[dict, dict]:
@@ -214,10 +237,10 @@ class _Trainer:
                 from rlkit import ppo
 
                 m = ppo.train_ppo(self.model, self.critic, self.opt, self.critic_opt, self.state, self.cstate,
-                                  self.ctrl, batch, rl, temperature, bar, recompute, self.dp, length_norm)
+                                  self.ctrl, batch, rl, temperature, bar, recompute, self.dp, length_norm, self.prec)
             else:
                 m = policy_update.train_on_batch(self.model, self.opt, self.state, batch, rl, temperature,
-                                                 length_norm, bar, recompute, self.dp, lags=lags)
+                                                 length_norm, bar, recompute, self.dp, lags=lags, prec=self.prec)
         if m.get("singleton_groups") and rl.algo in GROUP_BASELINE:
             console.warn(f"update: {m['singleton_groups']} groups have one sample and get advantage 0 under --algo "
                          f"{rl.algo} (no group baseline); sample --n >= 2 or use --algo reinforce-pp")
@@ -255,6 +278,7 @@ class _Trainer:
         from rlkit import checkpoints, policy_update
 
         full, opt_tensors, critic = gathered
+        self.state.precision = self.prec.state()
         manifest = checkpoints.save_model(self.model, self.tokenizer, tmp, manifest, state_dict=full,
                                           write_manifest=write_manifest)
         policy_update.save_trainer(self.model, self.opt, self.state, tmp / policy_update.TRAINER_DIR, opt_tensors)
@@ -284,7 +308,7 @@ def _run_follow(cfg: UpdateConfig, pending, weights: dict[str, float] | None) ->
     """`update --follow`: one step per --batch-prompts prompts of the stream, published into --out."""
     from dataclasses import replace
 
-    from rlkit import artifacts, checkpoints, console, follow, metrics_log
+    from rlkit import artifacts, checkpoints, console, follow, lora, metrics_log
     from rlkit.errors import RlkitError
     from rlkit.rl_config import CRITIC_ALGOS
 
@@ -307,6 +331,9 @@ def _run_follow(cfg: UpdateConfig, pending, weights: dict[str, float] | None) ->
                 raise RlkitError(f"{root} holds a run started from another --policy than {cfg.policy} (or one changed "
                                  "since); pass that --policy or a new --out")
         model, tokenizer = checkpoints.load_policy(start, "fp32", cfg.trust_remote_code)
+        from rlkit import training
+
+        model = training.prepare_model(model, cfg.train, "causal-lm", base=start)
         base_tok = checkpoints.load_tokenizer(cfg.policy, cfg.trust_remote_code)
         if checkpoints.tokenizer_fingerprint(tokenizer) != checkpoints.tokenizer_fingerprint(base_tok):
             raise RlkitError(f"{start} has a different tokenizer from --policy {cfg.policy}")
@@ -352,12 +379,12 @@ def _run_follow(cfg: UpdateConfig, pending, weights: dict[str, float] | None) ->
             dropped += drop
             lag_max = int(lags.max())
             recompute = cfg.rl.old_logprobs == "recompute" or (
-                cfg.rl.old_logprobs == "auto" and (engine != "hf" or lag_max > 0))
+                cfg.rl.old_logprobs == "auto" and (engine != "hf" or lag_max > 0 or cfg.train.dtype != "fp32"))
             rl = replace(cfg.rl, tis_cap=(cap or None) if recompute else None)
             metrics, used = t.train(table, upstream, rl, recompute, lags=lags, label=reader.label)
             metrics.update(lag_mean=float(lags.float().mean()), lag_max=lag_max, rows_dropped=drop,
                            rows_dropped_total=dropped, prompts=P)
-            metrics.update(_drift(cfg, dict(t.model.state_dict()), upstream.get("reference"), ref_cache))
+            metrics.update(_drift(cfg, lora.plain_state_dict(t.model), upstream.get("reference"), ref_cache))
             manifest = artifacts.make_manifest(
                 "model", "update", cfg, inputs, step=t.step, metrics=metrics, reward_weights=used,
                 follow={"base": str(cfg.policy), "base_fingerprint": base_fp, "base_step": base_step})
@@ -459,7 +486,7 @@ def _drift(cfg: UpdateConfig, params: dict, upstream_ref: str | None, cache: dic
 
 def _run_dpo(cfg: UpdateConfig, reader, model, tokenizer, dp=None) -> Path:
     """--algo dpo: offline, on a prefs table scored by the reference."""
-    from rlkit import artifacts, checkpoints, console, distributed, metrics_log, policy_update
+    from rlkit import artifacts, checkpoints, console, distributed, lora, metrics_log, policy_update
 
     inputs = {"policy": artifacts.fingerprint(cfg.policy), "in": reader.fingerprint}
     if artifacts.skip_if_current(cfg.out, "update", cfg, inputs):
@@ -471,17 +498,22 @@ def _run_dpo(cfg: UpdateConfig, reader, model, tokenizer, dp=None) -> Path:
 
         model = distributed.shard_model(model, dp, _completion_logprobs)
         console.info(f"update: data-parallel over {dp.world} processes ({dp.device.type}, FSDP2)")
+    from rlkit.training import Precision
+
     opt = policy_update.make_optimizer(model, cfg.rl)
     state = policy_update.load_trainer(model, opt, cfg.policy / policy_update.TRAINER_DIR, dp)
+    prec = Precision(cfg.train.dtype, dp.device.type if dp is not None else "cpu")
+    prec.load_state(state.precision)
     n_train = int((~batch.heldout).sum())
     with console.progress("update", cfg.rl.epochs * -(-n_train // cfg.rl.minibatch_size)) as bar:
-        m = policy_update.train_dpo(model, opt, state, batch, cfg.rl, bar, dp=dp)
+        m = policy_update.train_dpo(model, opt, state, batch, cfg.rl, bar, dp=dp, prec=prec)
+    state.precision = prec.state()
     metrics = {"step": checkpoints.policy_step(cfg.policy) + 1, "algo": "dpo", "beta": cfg.rl.beta, **m}
     full = distributed.full_model_state(model) if dp is not None else None
     opt_tensors = policy_update.trainer_tensors(model, opt, dp)
     if distributed.stand_down(dp, metrics):
         return cfg.out
-    metrics.update(_drift(cfg, full if full is not None else dict(model.state_dict()),
+    metrics.update(_drift(cfg, lora.plain_state_dict(model, full),
                           (reader.manifest or {}).get("reference")))
     manifest = artifacts.make_manifest("model", "update", cfg, inputs, step=metrics["step"], metrics=metrics)
     with artifacts.atomic_dir(cfg.out) as tmp:
@@ -502,7 +534,7 @@ def _show(metrics: dict, keys: list[str] | None = None) -> None:
     default = ("reward_mean", "reward_std", "verifier_accuracy", "kl_per_token", "kl_per_seq", "entropy",
             "clip_fraction", "dual_clip_fraction", "ratio_min", "ratio_mean", "ratio_max", "logprob_mismatch", "logprob_mismatch_max",
             "tis_weight_mean", "tis_capped_fraction", "is_ess", "lag_mean", "lag_max", "rows_dropped", "kl_coef", "kl_coef_next", "value_loss", "value_clip_fraction",
-            "explained_variance", "grad_norm", "mean_response_tokens", "drift",
+            "explained_variance", "grad_norm", "loss_scale", "skipped_steps", "mean_response_tokens", "drift",
             "degenerate_group_fraction", "optimizer_steps", "tokens_per_s", "train_seconds")
     for k in keys or (*[k for k in metrics if k.startswith("reward/")], *default):
         v = metrics.get(k)
@@ -538,7 +570,7 @@ def command(
     critic_lr: Annotated[float | None, typer.Option(help="ppo: critic learning rate (default 2x --lr).")] = None,
     critic_init: Annotated[str, typer.Option(help="ppo, first update: initialise the critic from 'policy' or a reward-model DIR (same tokenizer).")] = RLConfig.critic_init,
     target_kl: Annotated[float | None, typer.Option(help="ppo: adapt the KL coefficient towards this KL (Ziegler et al.), starting at --beta. Unit: nats per sequence, i.e. the --kl-estimator's per-token KL of pi_old vs pi_ref summed over each response and averaged over the batch (TRL's convention; the kl_per_seq metric).")] = None,
-    old_logprobs: Annotated[str, typer.Option(help="pi_old for the ratio: engine (as logged at rollout), recompute (the trainer's own forward pass before the first step) or auto (recompute unless the hf engine sampled).")] = RLConfig.old_logprobs,
+    old_logprobs: Annotated[str, typer.Option(help="pi_old for the ratio: engine (as logged at rollout), recompute (the trainer's own forward pass before the first step) or auto (recompute unless the hf engine sampled and --dtype is fp32).")] = RLConfig.old_logprobs,
     tis_cap: Annotated[float | None, typer.Option(help="Truncated importance sampling: weight each token's loss by min(pi_recomputed / pi_engine, CAP), e.g. 2.0.")] = None,
     metrics: Annotated[Path | None, typer.Option(help="Append this update's metrics as one JSON line to this file.")] = None,
     tensorboard: Annotated[Path | None, typer.Option(help="Also log the metrics as TensorBoard scalars under this directory (needs the tensorboard extra).")] = None,
@@ -549,6 +581,12 @@ def command(
     max_steps: Annotated[int | None, typer.Option(min=1, help="--follow: end the run cleanly once --out holds this many steps after --policy's.")] = None,
     keep: Annotated[int | None, typer.Option(min=1, help="--follow: prune all but the newest K steps (at least --max-lag + 2 are kept: rollout may be loading them).")] = None,
     max_lag: Annotated[int, typer.Option(min=0, help="--follow: drop (and count) rows sampled more than this many steps before the policy they would train; lagged rows get pi_old recomputed (the proximal policy) and a truncated importance weight (--tis-cap, default 2 here).")] = DEFAULT_MAX_LAG,
+    dtype: TrainDtype = "fp32",
+    gradient_checkpointing: GradCheckpointing = False,
+    lora_rank: LoraRank = None,
+    lora_alpha: LoraAlpha = None,
+    lora_dropout: LoraDropout = 0.0,
+    lora_targets: LoraTargets = None,
     trust_remote_code: TrustRemoteCode = False,
     force: Force = False,
 ) -> None:
@@ -570,7 +608,8 @@ def command(
                   grad_clip=grad_clip, warmup_steps=warmup_steps, seed=seed, old_logprobs=old_logprobs, tis_cap=tis_cap,
                   gamma=gamma, lam=lam, vf_clip=vf_clip, critic_lr=critic_lr, critic_init=critic_init,
                   target_kl=target_kl)
-    run(UpdateConfig(policy=policy, out=out, inp=inp, rl=rl, reward=tuple(reward or ()), length_penalty=length_penalty,
+    train = train_options(dtype, gradient_checkpointing, lora_rank, lora_alpha, lora_dropout, lora_targets)
+    run(UpdateConfig(policy=policy, out=out, inp=inp, rl=rl, train=train, reward=tuple(reward or ()), length_penalty=length_penalty,
                      metrics=metrics, tensorboard=tensorboard, ref=ref, max_drift=max_drift, follow=follow,
                      batch_prompts=batch_prompts, max_steps=max_steps, keep=keep, max_lag=max_lag,
                      trust_remote_code=trust_remote_code, force=force))

@@ -52,6 +52,40 @@ def ref_dir(sft_dir, tmp_path_factory) -> Path:
     return out
 
 
+def updates_in_one_process(model, tok, cfg, tables: list[Path]):
+    """The GRPO-family updates `rlkit update` runs, one per rollouts table, in this process with the optimizer
+    kept in memory: what N sequential `update` processes must equal. -> the TrainerState after them."""
+    from rlkit import artifacts, policy_update
+
+    opt = policy_update.make_optimizer(model, cfg)
+    state = policy_update.TrainerState()
+    for src in tables:
+        t, _ = artifacts.read_table(src, ["rollouts"])
+        batch, _ = policy_update.build_batch(t, tok.pad_token_id)
+        policy_update.train_on_batch(model, opt, state, batch, cfg, 1.0, 16.0)
+    return state
+
+
+def make_lora_checkpoint(base: Path, out: Path, seed: int, rank: int = 4) -> Path:
+    """A LoRA checkpoint on plain checkpoint `base`, saved as `update` saves one, with an adapter far from
+    zero (a fresh adapter has B = 0 and computes what its base does)."""
+    import torch
+
+    from rlkit import artifacts, checkpoints, training
+    from rlkit.training import LoraOptions, TrainOptions
+
+    model, tok = checkpoints.load_policy(base)
+    model = training.prepare_model(model, TrainOptions(lora=LoraOptions(rank=rank)), "causal-lm", base=base)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    out.mkdir(parents=True)
+    checkpoints.save_model(model, tok, out, artifacts.make_manifest("model", "test", {}, {}, step=0))
+    return out
+
+
 @pytest.fixture(scope="session")
 def vllm_ok() -> None:
     r = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True, timeout=300)
@@ -66,7 +100,8 @@ def vllm_ok() -> None:
 
 # The longest files first: with two pytest-xdist workers (by file) they then run beside the short ones
 # instead of alone at the end.
-_FIRST = ("test_e2e.py", "test_vllm.py", "test_follow_vllm.py", "test_follow.py", "test_distributed.py")
+_FIRST = ("test_e2e.py", "test_vllm.py", "test_follow_vllm.py", "test_lora_vllm.py", "test_follow.py", "test_lora.py",
+          "test_distributed.py")
 
 
 def pytest_collection_modifyitems(config, items):  # noqa: ARG001

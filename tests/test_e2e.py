@@ -86,7 +86,8 @@ def _run_recipe(name: str, runs: Path, **knobs: str):
 
 
 def test_every_recipe_is_tested():
-    assert set(RECIPES) == {"quickstart.sh", "rlvr.sh", "rlhf.sh", "reward-hacking.sh"}, "a new recipe needs a test here"
+    assert set(RECIPES) == {"quickstart.sh", "rlvr.sh", "rlhf.sh", "reward-hacking.sh", "math.sh"}, \
+        "a new recipe needs a test here"
     assert {p.name for p in (REPO / "recipes").glob("*.sh")} - set(RECIPES) == {"rlvr-follow.sh"}
 
 
@@ -94,15 +95,24 @@ def test_every_recipe_is_tested():
 def test_every_recipe_runs_scaled_down(recipe, tmp_path):
     """Users run recipes in their own CI; ours runs each one end to end with its small-size knobs, in its own RUNS."""
     runs = tmp_path / "runs"
-    # reward-hacking: three runs, one round each is enough to check the plumbing
-    r = _run_recipe(recipe, runs, **({"ROUNDS": "1"} if recipe == "reward-hacking.sh" else {}))
+    # reward-hacking: three runs, one round each is enough to check the plumbing; math: one round, a short SFT
+    knobs = {"reward-hacking.sh": {"ROUNDS": "1"}, "math.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "200", "N": "2"}}
+    r = _run_recipe(recipe, runs, **knobs.get(recipe, {}))
     assert r.returncode == 0, f"{recipe}: {r.stderr.decode()[-2000:]}"
     # every RL recipe leaves one metrics file with held-out accuracy after every round, and its report
-    metrics = {"rlvr.sh": "metrics.jsonl", "rlhf.sh": "rlhf-metrics.jsonl"}.get(recipe)
+    metrics = {"rlvr.sh": "metrics.jsonl", "rlhf.sh": "rlhf-metrics.jsonl", "math.sh": "metrics.jsonl"}.get(recipe)
     if metrics:
         rows = [json.loads(x) for x in (runs / metrics).read_text().splitlines()]
-        assert [r["step"] for r in rows if r["stage"] == "eval"][-3:] == [0, 1, 2]
+        rounds = int(knobs.get(recipe, {}).get("ROUNDS", 2))
+        assert [r["step"] for r in rows if r["stage"] == "eval"][-rounds - 1:] == list(range(rounds + 1))
         assert (runs / "report.png").read_bytes()[:4] == b"\x89PNG"
+    if recipe == "math.sh":  # the math task on the shipped sample, end to end; the tiny model scores ~0
+        sft = json.loads((runs / "sft" / "rlkit.json").read_text())
+        assert sft["config"]["task"] == "math:question=question,answer=answer,verifier=math-verify,heldout=0.1"
+        assert sft["inputs"]["task"].startswith("sha256:") and sft["metrics"]["heldout_n"] >= 3
+        ev = json.loads((runs / "eval-round-1.json").read_text())
+        assert ev["n"] == sft["metrics"]["heldout_n"] and ev["samples"][0]["prompt"].startswith("Question: ")
+        assert "after RL (1 rounds)" in r.stdout.decode()
     if recipe == "reward-hacking.sh":  # three beta runs from one SFT checkpoint, one report of all three
         for beta in ("0.05", "0.005", "0"):
             rows = [json.loads(x) for x in (runs / f"beta-{beta}" / "metrics.jsonl").read_text().splitlines()]

@@ -18,6 +18,7 @@ def test_wheel_maps_stages_under_rlkit_and_runs(tmp_path):
     (wheel,) = tmp_path.glob("rlkit-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "rlkit/stages/sft.py" in names and "rlkit/cli.py" in names
+    assert "rlkit/data_files/math_sample.jsonl" in names  # the math task's default data ships with rlkit
     assert not any(n.startswith("stages/") for n in names)
     assert any(n.endswith("entry_points.txt") for n in names)
     target = tmp_path / "site"

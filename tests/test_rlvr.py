@@ -11,7 +11,7 @@ import torch
 
 from rlkit import artifacts, checkpoints
 
-from conftest import one_error_line, rlkit_cmd, run_cli
+from conftest import one_error_line, rlkit_cmd, run_cli, updates_in_one_process
 
 pytestmark = pytest.mark.slow
 
@@ -114,7 +114,6 @@ def test_truncated_upstream_fails_downstream_and_writes_nothing(sft_dir, ref_dir
 
 
 def test_sequential_updates_equal_one_process(sft_dir, tmp_path):
-    from rlkit import policy_update
     from rlkit.rl_config import RLConfig
 
     r1 = _rollouts(sft_dir, tmp_path / "r1.arrow", seed=1, num=12)
@@ -126,12 +125,7 @@ def test_sequential_updates_equal_one_process(sft_dir, tmp_path):
     # the same two updates in one process, state kept in memory
     cfg = RLConfig(beta=0.0, minibatch_size=16, epochs=2, lr=1e-3)
     model, tok = checkpoints.load_policy(sft_dir)
-    opt = policy_update.make_optimizer(model, cfg)
-    state = policy_update.TrainerState()
-    for src in (r1, r2):
-        t, _ = artifacts.read_table(src, ["rollouts"])
-        batch, _ = policy_update.build_batch(t, tok.pad_token_id)
-        policy_update.train_on_batch(model, opt, state, batch, cfg, 1.0, 16.0)
+    state = updates_in_one_process(model, tok, cfg, [r1, r2])
     seq = checkpoints.load_policy(tmp_path / "u2")[0].state_dict()
     one = model.state_dict()
     sft = checkpoints.load_policy(sft_dir)[0].state_dict()
