@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import queue
+import re
 import secrets
 import shutil
 import sys
@@ -163,6 +164,65 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+# The verified-weights cache: what is known of a file while its (device, inode, size, mtime, ctime) stay
+# the same: its sha256 and whether its tensors are all finite. Any write to the file changes mtime and
+# ctime (and a user cannot set ctime back), so a hit is the same bytes. One small JSON file per entry
+# under $RLKIT_CACHE_DIR (default $XDG_CACHE_HOME/rlkit or ~/.cache/rlkit), shared by every process;
+# an unwritable cache only means hashing again.
+_FACTS: dict[str, dict] = {}
+CACHE_ENTRIES = 4096
+
+
+def cache_dir() -> Path:
+    if os.environ.get("RLKIT_CACHE_DIR"):
+        return Path(os.environ["RLKIT_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rlkit"
+
+
+def _facts_key(path: Path) -> str:
+    st = os.stat(path)
+    return f"{st.st_dev}-{st.st_ino}-{st.st_size}-{st.st_mtime_ns}-{st.st_ctime_ns}"
+
+
+def file_facts(path: Path, compute: Mapping[str, Callable[[Path], Any]]) -> dict:
+    """The cached facts named in `compute` about `path`, computing (and caching) the missing ones."""
+    key = _facts_key(path)
+    facts = _FACTS.get(key)
+    store = cache_dir() / "files" / f"{key}.json"
+    if facts is None:
+        try:
+            facts = json.loads(store.read_text())
+        except (OSError, ValueError):
+            facts = {}
+    missing = [name for name in compute if name not in facts]
+    for name in missing:
+        facts[name] = compute[name](path)
+    _FACTS[key] = facts
+    if missing:
+        _store_facts(store, facts)
+    return facts
+
+
+def _store_facts(store: Path, facts: dict) -> None:
+    try:
+        store.parent.mkdir(parents=True, exist_ok=True)
+        tmp = store.with_name(f".{store.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(facts))
+        os.replace(tmp, store)
+        entries = list(os.scandir(store.parent))
+        if len(entries) > CACHE_ENTRIES:  # drop the oldest half
+            entries.sort(key=lambda e: e.stat().st_mtime)
+            for e in entries[: len(entries) // 2]:
+                os.unlink(e.path)
+    except OSError:
+        pass
+
+
+def sha256_cached(path: Path) -> str:
+    """`sha256_file`, read once per file version (see `file_facts`)."""
+    return file_facts(path, {"sha256": sha256_file})["sha256"]
+
+
 def fingerprint(path: str | Path) -> str:
     """A cheap identity for an input file or directory, recorded in manifests for rerun checks.
 
@@ -207,13 +267,20 @@ def read_manifest(path: str | Path) -> dict | None:
     except (OSError, pa.ArrowException):
         return None
     raw = (schema.metadata or {}).get(SCHEMA_KEY)
-    return json.loads(raw) if raw else None
+    try:
+        return json.loads(raw) if raw else None
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+# Settings that do not change what a stage writes: a rerun that differs only in these is up to date.
+NOT_COMPARED = ("force", "out", "verify", "reward_timeout")
 
 
 def _comparable(config: Any) -> Any:
     cfg = jsonable(config)
     if isinstance(cfg, dict):
-        cfg = {k: v for k, v in cfg.items() if k not in ("force", "out")}
+        cfg = {k: v for k, v in cfg.items() if k not in NOT_COMPARED}
     return cfg
 
 
@@ -246,6 +313,10 @@ def check_out(out: Path | None, expect: str) -> None:
     """Refuse an --out that exists but is not an rlkit artifact of the expected form (table/model)."""
     if out is None or not out.exists():
         return
+    if expect == "file":
+        if out.is_dir():
+            raise RlkitError(f"--out {out} is a directory, expected a file path; refusing to overwrite it")
+        return
     if expect == "model":
         if not out.is_dir():
             raise RlkitError(f"--out {out} exists and is a file, expected a model directory; refusing to overwrite it")
@@ -270,7 +341,7 @@ def _tmp_sibling(out: Path, tag: str) -> Path:
 
 
 @contextmanager
-def _signals_deferred() -> Iterator[None]:
+def signals_deferred() -> Iterator[None]:
     """Hold SIGINT/SIGTERM for a few syscalls, so a rename pair is never cut in half."""
     import signal
 
@@ -282,15 +353,63 @@ def _signals_deferred() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where the
+    kernel, C library or file system cannot, so the caller falls back to two renames."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    import errno
+
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a))
+
+
+def fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(d: Path) -> None:
+    """fsync every file under `d`, then the directories: what a rename then publishes is on disk."""
+    for dirpath, _, files in os.walk(d):
+        for f in files:
+            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
+
+
 def _swap_into_place(tmp: Path, out: Path) -> None:
-    with _signals_deferred():
-        if out.is_dir():
-            old = _tmp_sibling(out, "old")
-            os.rename(out, old)
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
+    """Publish `tmp` at `out`. A file: one rename. A directory over an existing one: one atomic exchange
+    where the kernel offers it, so some complete `out` exists at every instant; elsewhere two renames,
+    and `claim_out` puts the old directory back if a kill fell between them."""
+    with signals_deferred():
+        if out.is_dir() and not out.is_symlink():
+            if _exchange(tmp, out):
+                shutil.rmtree(tmp, ignore_errors=True)  # now the old contents
+            else:
+                old = _tmp_sibling(out, "old")
+                os.rename(out, old)
+                os.rename(tmp, out)
+                shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, out)
+    fsync_dir(out.parent)
 
 
 @contextmanager
@@ -298,13 +417,14 @@ def atomic_dir(out: Path) -> Iterator[Path]:
     """Yield a temporary sibling directory; it replaces `out` only if the block finishes.
 
     Any exception, Ctrl-C or SIGTERM (turned into KeyboardInterrupt by the CLI) removes it and
-    leaves whatever was at `out` untouched.
+    leaves whatever was at `out` untouched. Every file is fsynced before the swap.
     """
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_sibling(out, "tmp")
     try:
         tmp.mkdir()
         yield tmp
+        fsync_tree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -322,6 +442,244 @@ def atomic_file(out: Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
         raise
     _swap_into_place(tmp, out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Claiming an --out: no stage writes over its own inputs, one writer per --out, leftovers cleaned
+
+
+class OutputBusy(RlkitError):
+    """Another process holds the --out this stage was asked to write."""
+
+    exit_code = 75  # EX_TEMPFAIL: try again once the other run has finished
+
+
+class OutputUnwritable(RlkitError):
+    """The --out location cannot be written (read-only, no permission, no space)."""
+
+    exit_code = 74  # EX_IOERR
+
+
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<tag>tmp|old)-(?P<pid>\d+)-[0-9a-f]{6}$")
+_HELD: dict[Path, int] = {}  # --out (absolute) -> this process's count of claims on it
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _same_or_inside(a: Path, b: Path) -> bool:
+    """True when `a` is `b` (same inode, whatever the spelling or links) or lies inside directory `b`."""
+    try:
+        if a.exists() and b.exists() and os.path.samefile(a, b):
+            return True
+    except OSError:
+        pass
+    ra, rb = a.resolve(), b.resolve()
+    return ra == rb or rb in ra.parents
+
+
+def lora_base_of(d: Path) -> Path | None:
+    """The base directory a LoRA checkpoint's manifest names (it is an input of whatever reads `d`)."""
+    m = read_manifest(d) if d.is_dir() else None
+    base = (m or {}).get("lora", {}).get("base") if m else None
+    return Path(base) if base else None
+
+
+def _input_paths(inputs: Mapping[str, Any]) -> list[tuple[str, Path]]:
+    """(flag, path) for every input that is a local path, plus the base of each LoRA checkpoint."""
+    found: list[tuple[str, Path]] = []
+    for flag, value in inputs.items():
+        values = value if isinstance(value, list | tuple) else [value]
+        for v in values:
+            if v is None or str(v) in ("", "-"):
+                continue
+            text = str(v).split("=", 1)[-1] if flag == "--reward-fn" else str(v)
+            if flag in ("--task", "--reward-fn") and ":" in text:
+                text = text.rsplit(":", 1)[0]
+            p = Path(text)
+            if not p.exists():
+                continue
+            found.append((flag, p))
+            base = lora_base_of(p)
+            if base is not None:
+                found.append((f"{flag}'s LoRA base", base))
+    return found
+
+
+def check_not_input(out: Path, inputs: Mapping[str, Any]) -> None:
+    """Refuse an --out that is one of the stage's inputs, contains one, or lies inside one."""
+    for flag, p in _input_paths(inputs):
+        if _same_or_inside(p, out):
+            what = "is" if _same_or_inside(out, p) else "contains"
+            raise RlkitError(f"--out {out} {what} one of this stage's inputs ({flag} {p}); a stage never writes "
+                             "over its own input: choose another --out")
+        if p.is_dir() and _same_or_inside(out, p):
+            raise RlkitError(f"--out {out} lies inside an input directory ({flag} {p}); a stage never writes into "
+                             "its own input: choose another --out")
+
+
+def clean_leftovers(out: Path) -> list[str]:
+    """Remove the hidden `.NAME.tmp-PID-*` / `.NAME.old-PID-*` siblings that killed writers of `out` left
+    (only those whose process is gone). If a kill fell between the two renames of a directory swap, so
+    that `out` is missing and its old contents wait under `.NAME.old-*`, put them back first."""
+    gone = []
+    try:
+        entries = list(os.scandir(out.parent))
+    except OSError:
+        return gone
+    leftovers = []
+    for e in entries:
+        m = _LEFTOVER.match(e.name)
+        if m and m["name"] == out.name and not _pid_alive(int(m["pid"])):
+            leftovers.append((m["tag"], Path(e.path)))
+    if not out.exists() and not out.is_symlink():
+        olds = sorted((p for tag, p in leftovers if tag == "old"), key=lambda p: p.stat().st_mtime)
+        if olds:
+            os.rename(olds[-1], out)
+            leftovers = [(t, p) for t, p in leftovers if p != olds[-1]]
+            from rlkit.console import warn
+
+            warn(f"{out} was restored from {olds[-1].name}, left by a run killed while replacing it")
+    for _, p in leftovers:
+        try:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+            gone.append(p.name)
+        except FileNotFoundError:
+            pass
+    return gone
+
+
+def _unwritable(out: Path, e: OSError) -> OutputUnwritable:
+    return OutputUnwritable(f"cannot write --out {out}: {e.strerror or e} ({e.filename or out.parent}); "
+                            "choose a writable location with free space")
+
+
+def _lock(out: Path) -> int:
+    """flock `.NAME.lock` beside `out` (kernel-held: dropped when this process dies, so never stale);
+    the file holds the holder's pid. Returns the open descriptor."""
+    import fcntl
+
+    lock = out.parent / f".{out.name}.lock"
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise OutputBusy(f"--out {out} is being written by another rlkit process (pid {holder}); wait for it "
+                             "to finish or choose another --out") from None
+        try:  # the previous holder may have unlinked the file between our open and our flock
+            if os.fstat(fd).st_ino == os.stat(lock).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _unlock(out: Path, fd: int) -> None:
+    try:
+        os.unlink(out.parent / f".{out.name}.lock")  # while still holding it: see the inode check in _lock
+    except FileNotFoundError:
+        pass
+    os.close(fd)
+
+
+@contextmanager
+def claim_out(out: Path | None, expect: str, inputs: Mapping[str, Any] | None = None) -> Iterator[None]:
+    """Hold a stage's --out for its whole run. Before any work:
+
+    - refuse an --out that is one of the inputs (by inode or resolved path), lies inside one or contains
+      one: `inputs` maps each input's flag to its path(s); a LoRA checkpoint's base counts too;
+    - refuse an --out that exists but is not an rlkit artifact of the expected form (`check_out`);
+    - create the parent directory and the lock file, so a read-only or missing location fails now,
+      not after training;
+    - take the lock (a second writer of the same --out is refused, naming the holder's pid);
+    - remove what killed writers of this --out left behind, restoring a half-swapped directory.
+
+    `out=None` (stdout) claims nothing. Directories this created are removed again if the run fails
+    before writing them. Re-entrant within one process.
+    """
+    if out is None or str(out) == "-":
+        yield
+        return
+    check_not_input(out, inputs or {})
+    check_out(out, expect)
+    key = out.absolute()
+    if int(os.environ.get("RANK", "0")) != 0:  # data parallel: rank 0 alone writes --out
+        yield
+        return
+    if key in _HELD:
+        _HELD[key] += 1
+        try:
+            yield
+        finally:
+            _HELD[key] -= 1
+        return
+    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd = _lock(out)
+    except OSError as e:
+        _remove_empty(made)
+        raise _unwritable(out, e) from None
+    except BaseException:
+        _remove_empty(made)
+        raise
+    _HELD[key] = 1
+    try:
+        clean_leftovers(out)
+        yield
+    except Exception as e:
+        full = _out_of_space(e)
+        if full is not None:
+            raise OutputUnwritable(f"writing --out {out} failed: {full}; nothing was written (free space, raise the "
+                                   "file-size limit, or choose another location)") from e
+        raise
+    finally:
+        del _HELD[key]
+        _unlock(out, fd)
+        if not out.exists():
+            _remove_empty(made)
+
+
+_NO_SPACE = {28: "no space left on device", 27: "file too large (the file-size limit, ulimit -f)",
+             122: "disk quota exceeded", 30: "read-only file system"}
+
+
+def _out_of_space(e: BaseException) -> str | None:
+    """What ran out when a write failed for lack of room (ENOSPC, EFBIG, EDQUOT, EROFS), whichever library
+    raised it (an OSError from Python or pyarrow, safetensors' `SafetensorError: ... os error 28`), or None."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _NO_SPACE:
+            return _NO_SPACE[seen.errno]
+        m = re.search(r"(?:os error|errno|Errno|code:) ?(\d+)", str(seen))
+        if m and int(m.group(1)) in _NO_SPACE:
+            return _NO_SPACE[int(m.group(1))]
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _remove_empty(dirs: Sequence[Path]) -> None:
+    for d in dirs:  # deepest first
+        try:
+            d.rmdir()
+        except OSError:
+            return
 
 
 # ---------------------------------------------------------------------------------------------
@@ -398,7 +756,7 @@ class TableWriter:
         else:
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = _tmp_sibling(out, "tmp")
-            with _signals_deferred():  # the file and self._tmp come into being together
+            with signals_deferred():  # the file and self._tmp come into being together
                 self._sink = open(tmp, "wb")  # noqa: SIM115 (closed in close/abort)
                 self._tmp = tmp
         try:
@@ -485,7 +843,13 @@ def validate_schema(schema: pa.Schema, kinds: Sequence[str], label: str) -> dict
     Returns the manifest (None for a plain Arrow table without one, which is checked by columns).
     """
     raw = (schema.metadata or {}).get(SCHEMA_KEY)
-    manifest = json.loads(raw) if raw else None
+    try:
+        manifest = json.loads(raw) if raw else None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RlkitError(f"{label}: its rlkit manifest (schema metadata) is not valid JSON ({e}); the table is "
+                         "damaged") from None
+    if manifest is not None and not isinstance(manifest, dict):
+        raise RlkitError(f"{label}: its rlkit manifest (schema metadata) is not a JSON object; the table is damaged")
     want = [kind(k) for k in kinds]
     names = " or ".join(f"'{k.name}'" for k in want)
     makers = " or ".join(f"`{k.producer}`" for k in want)
@@ -541,12 +905,14 @@ class TableReader:
             self._source = open(p, "rb") if self._piped else pa.OSFile(str(p), "rb")  # noqa: SIM115
         try:
             self._reader = pa.ipc.open_stream(self._source)
-        except pa.ArrowInvalid as e:
+        except (pa.ArrowInvalid, OSError) as e:  # random bytes: OSError ("Expected to read ... metadata bytes")
             if self.from_stdin:
                 raise RlkitError(
                     "stdin holds no Arrow stream: the upstream stage wrote nothing (did it fail?)"
                 ) from e
-            raise RlkitError(f"{self.label} is not an Arrow IPC stream table ({e})") from e
+            hint = " (a Parquet file? rlkit tables are Arrow IPC streams; pass it as --prompts/--data)" if (
+                self.label.endswith(".parquet")) else ""
+            raise RlkitError(f"{self.label} is not an Arrow IPC stream table: {str(e).splitlines()[0]}{hint}") from e
         self.schema: pa.Schema = self._reader.schema
         self.manifest = validate_schema(self.schema, kinds, self.label)
         self.kind = self.manifest["kind"] if self.manifest else kinds[0]

@@ -7,13 +7,16 @@ which is how a frozen reference proves it is unchanged.
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import json
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from rlkit.artifacts import MODEL_MANIFEST, sha256_file
+from rlkit.artifacts import MODEL_MANIFEST, file_facts, sha256_cached, sha256_file
 from rlkit.errors import RlkitError
 
 TINY = "tiny"
@@ -28,36 +31,150 @@ def weight_files(d: Path) -> list[Path]:
 
 
 def hash_weights(d: Path) -> tuple[dict[str, str], str]:
-    """sha256 of each weights file and one digest over all of them."""
-    per_file = {f.name: sha256_file(f) for f in weight_files(d)}
+    """sha256 of each weights file and one digest over all of them (each file read once per version of
+    it, whatever the number of processes: `artifacts.file_facts`)."""
+    per_file = {f.name: sha256_cached(f) for f in weight_files(d)}
     digest = hashlib.sha256(json.dumps(per_file, sort_keys=True).encode()).hexdigest()
     return per_file, digest
 
 
 def load_manifest(d: Path) -> dict | None:
     m = d / MODEL_MANIFEST
-    return json.loads(m.read_text()) if m.is_file() else None
+    if not m.is_file():
+        return None
+    try:
+        manifest = json.loads(m.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RlkitError(f"{m} is not valid JSON ({e}); the checkpoint's manifest is damaged") from None
+    if not isinstance(manifest, dict):
+        raise RlkitError(f"{m} is not a JSON object; the checkpoint's manifest is damaged")
+    return manifest
 
 
-def check_model_dir(d: Path, what: str = "model", lora_base: bool = True) -> None:
-    """A loadable model directory, or one clear line. A LoRA checkpoint: its base is verified too (hashed
-    once per process; `lora_base=False` skips that), so a stage refuses it before doing anything."""
+# Every rlkit checkpoint a stage loads is checked against the sha256 its rlkit.json records (references
+# always; policies, reward models and critics unless the stage runs with --no-verify).
+_VERIFY: contextvars.ContextVar[bool] = contextvars.ContextVar("rlkit_verify_checkpoints", default=True)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+@contextmanager
+def verifying(enabled: bool = True) -> Iterator[None]:
+    """Within the block, checkpoints are hash-checked on load (`enabled`) or not (`--no-verify`)."""
+    token = _VERIFY.set(enabled)
+    try:
+        yield
+    finally:
+        _VERIFY.reset(token)
+
+
+def check_model_dir(d: Path, what: str = "model", lora_base: bool = True, verify: bool | None = None) -> None:
+    """A loadable model directory, or one clear line: config, tokenizer files and readable safetensors
+    headers present; an rlkit checkpoint's weights match its rlkit.json and are finite (`verify`, default:
+    unless --no-verify). A LoRA checkpoint: its base is verified too (hashed once per file version;
+    `lora_base=False` skips that), so a stage refuses it before doing anything."""
     if not d.exists():
         raise RlkitError(f"{what} directory {d} not found")
     if not d.is_dir():
         raise RlkitError(f"{what} {d} is a file, expected a Hugging Face model directory")
-    if (d / "adapter_config.json").is_file():  # a LoRA checkpoint (rlkit.lora): the adapter, its base elsewhere
+    adapter = (d / "adapter_config.json").is_file()
+    if adapter:  # a LoRA checkpoint (rlkit.lora): the adapter, its base elsewhere
         if not (d / "adapter_model.safetensors").is_file():
             raise RlkitError(f"LoRA {what} {d} has no adapter_model.safetensors (rlkit loads safetensors only, never pickles)")
-        if lora_base:
-            from rlkit import lora
+    else:
+        if not (d / "config.json").is_file():
+            raise RlkitError(f"{d} is not a model directory (no config.json); expected the --out of `rlkit sft` or a Hugging Face model")
+        if not weight_files(d):
+            raise RlkitError(f"{d} has no *.safetensors weights (rlkit loads safetensors only, never pickles)")
+    if not any((d / f).is_file() for f in TOKENIZER_FILES):
+        raise RlkitError(f"{what} {d} has no tokenizer files ({' or '.join(TOKENIZER_FILES[:2])}); every rlkit "
+                         "checkpoint saves its tokenizer: copy the files of the model it came from")
+    for f in weight_files(d):
+        check_safetensors_header(f)
+    if _VERIFY.get() if verify is None else verify:
+        verify_weights(d, what)
+    if adapter and lora_base:
+        from rlkit import lora
 
-            lora.verify_base(d.absolute())
-        return
-    if not (d / "config.json").is_file():
-        raise RlkitError(f"{d} is not a model directory (no config.json); expected the --out of `rlkit sft` or a Hugging Face model")
-    if not weight_files(d):
-        raise RlkitError(f"{d} has no *.safetensors weights (rlkit loads safetensors only, never pickles)")
+        lora.verify_base(d.absolute())
+
+
+def check_safetensors_header(f: Path) -> dict:
+    """The parsed header of a safetensors file, or one line saying what is wrong with it (cheap: no
+    tensor is read)."""
+    size = f.stat().st_size
+    try:
+        with open(f, "rb") as fh:
+            raw = fh.read(8)
+            if len(raw) < 8:
+                raise ValueError(f"{size} bytes, shorter than a header")
+            (n,) = struct.unpack("<Q", raw)
+            if n > size - 8:
+                raise ValueError(f"header length {n} exceeds the file's {size} bytes")
+            header = json.loads(fh.read(n))
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        if 8 + n + end != size:
+            raise ValueError(f"tensors end at byte {8 + n + end} but the file has {size}: truncated or padded")
+    except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError) as e:
+        raise RlkitError(f"{f} is not a valid safetensors file ({e}); the checkpoint is damaged: "
+                         "restore it or save it again") from None
+    return header
+
+
+def _nonfinite_tensor(f: Path) -> str | None:
+    """The name of the first floating-point tensor in `f` holding NaN or inf, or None (reads every tensor)."""
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(str(f), framework="pt") as st:
+        for name in st.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            t = st.get_tensor(name)
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                return name
+    return None
+
+
+def verify_weights(d: Path, what: str = "model", manifest: dict | None = None) -> dict | None:
+    """Check that every weights file of rlkit checkpoint `d` still has the sha256 its rlkit.json records
+    and holds finite numbers; one line naming the file otherwise. A directory without recorded hashes (a
+    plain Hugging Face model) passes. Each file version is read once, whatever the process
+    (`artifacts.file_facts`). Returns the manifest."""
+    m = manifest if manifest is not None else load_manifest(d)
+    want = (m or {}).get("weights_sha256")
+    if not want:
+        return m
+    have = {f.name for f in weight_files(d)}
+    missing = sorted(set(want) - have)
+    if missing:
+        raise RlkitError(f"{what} {d} lacks weights files its rlkit.json records ({', '.join(missing)}); "
+                         "the checkpoint is incomplete: restore it")
+    facts = {name: file_facts(d / name, {"sha256": sha256_file}) for name in sorted(have)}
+    bad = sorted(n for n in have if want.get(n) != facts[n]["sha256"])
+    if bad:
+        if what == "reference":
+            raise RlkitError(f"reference {d} was modified after freezing: sha256 mismatch in {', '.join(bad)}; "
+                             "refusing to use it (re-run `rlkit freeze-ref`)")
+        raise RlkitError(f"{what} {d} fails its hash check (sha256 mismatch in {', '.join(bad)}): the checkpoint was "
+                         "changed or damaged after it was written; refusing to load it (restore it, or pass "
+                         "--no-verify to load it anyway)")
+    for name in sorted(have):
+        t = file_facts(d / name, {"sha256": sha256_file, "nonfinite": _nonfinite_tensor})["nonfinite"]
+        if t:
+            raise RlkitError(f"{what} {d}: {name} holds NaN or inf values (tensor {t}); the checkpoint is unusable "
+                             "(saved from a diverged run?)")
+    return m
+
+
+def check_finite(model, src: str | Path, what: str = "model") -> None:
+    """One line naming the first parameter or buffer of a loaded model that holds NaN or inf."""
+    import torch
+
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise RlkitError(f"{what} {src}: weight {name} holds NaN or inf values; the checkpoint is "
+                                 "unusable (saved from a diverged run?)")
 
 
 def safetensors_summary(d: Path) -> dict[str, Any]:
@@ -143,6 +260,7 @@ def load_policy(src: str | Path, dtype: str = "fp32", trust_remote_code: bool = 
 
         if lora.is_adapter_dir(p):
             model = lora.load(p, "causal-lm", merged=merged, dtype=dtype, trust_remote_code=trust_remote_code)
+            check_finite(model, src, "policy")
             return model, load_tokenizer(p, trust_remote_code)
     try:
         model = AutoModelForCausalLM.from_pretrained(
@@ -151,6 +269,7 @@ def load_policy(src: str | Path, dtype: str = "fp32", trust_remote_code: bool = 
         )
     except OSError as e:
         raise RlkitError(f"cannot load model {src}: {str(e).splitlines()[0]}") from e
+    check_finite(model, src, "policy")
     return model, load_tokenizer(src, trust_remote_code)
 
 
@@ -178,19 +297,13 @@ def policy_step(src: str | Path) -> int:
 
 
 def verify_reference(d: Path) -> dict[str, Any]:
-    """Check that a reference made by `freeze-ref` still has the weights it was frozen with."""
-    check_model_dir(d, "reference")
+    """Check that a reference made by `freeze-ref` still has the weights it was frozen with (always,
+    --no-verify or not: a reference is frozen provably)."""
+    check_model_dir(d, "reference", verify=False)
     m = load_manifest(d)
     if m is None or m.get("kind") != "reference":
         raise RlkitError(f"{d} is not a frozen reference (make one with `rlkit freeze-ref --policy DIR --out {d}`)")
-    per_file, _ = hash_weights(d)
-    if per_file != m.get("weights_sha256"):
-        changed = sorted(set(per_file.items()) ^ set(m.get("weights_sha256", {}).items()))
-        names = sorted({name for name, _ in changed})
-        raise RlkitError(
-            f"reference {d} was modified after freezing: sha256 mismatch in {', '.join(names)}; "
-            "refusing to use it (re-run `rlkit freeze-ref`)"
-        )
+    verify_weights(d, "reference", m)
     return m
 
 
@@ -209,6 +322,7 @@ def load_reference(d: Path, device: str = "cpu", trust_remote_code: bool = False
     model = AutoModelForCausalLM.from_pretrained(
         str(d), dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code, use_safetensors=True,
     ).to(device)
+    check_finite(model, d, "reference")
     model.eval()
     model.requires_grad_(False)
     return model, load_tokenizer(d, trust_remote_code), m

@@ -2,16 +2,18 @@
 
 Stage modules import only typer and the standard library at top level (torch and transformers load
 inside `run`), so `rlkit --help` stays instant. Errors print as one line; `--debug` (anywhere on the
-command line) or RLKIT_DEBUG=1 shows the traceback instead.
+command line) or RLKIT_DEBUG=1 shows the traceback instead. A bad command line gets click's own usage
+message and exit 2, and so does NaN or inf given to any float option (`command()`).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
+import typing
 
-import click
 import typer
 
 from rlkit import __version__
@@ -68,6 +70,80 @@ def _root(
     """rlkit: SFT, reward models and PPO/GRPO-family RL as shell-scriptable jobs."""
 
 
+_COMMAND = None
+
+
+def command():
+    """The click command tree of `app`, built once, in which every float option (a float in a list or
+    tuple too) refuses NaN and inf with click's usage error, before any stage starts: a NaN passes
+    every `x < 0` range check, and no option gives NaN or inf a meaning."""
+    global _COMMAND
+    if _COMMAND is None:
+        group = typer.main.get_command(app)
+        for cmd in (group, *getattr(group, "commands", {}).values()):
+            for p in cmd.params:
+                if _takes_floats(p):
+                    p.callback = _finite(p.callback)
+        _COMMAND = group
+    return _COMMAND
+
+
+def _takes_floats(param) -> bool:
+    desc = getattr(param, "type_descriptor", None)  # typer >= 0.2x: the annotation (`float | None` reads float)
+    if desc is not None:
+        return _has_float(desc.annotation)
+    t = getattr(param, "type", None)  # typer on click's own types: FLOAT, FloatRange, a Tuple of them
+    return any(getattr(x, "name", "").startswith("float") for x in (t, *getattr(t, "types", ())))
+
+
+def _has_float(annotation) -> bool:
+    return annotation is float or any(_has_float(a) for a in typing.get_args(annotation))
+
+
+def _finite(callback):
+    """A parameter callback (click calls it with the converted value) that refuses NaN and inf, then
+    runs the parameter's own `callback`, if any."""
+
+    def check(ctx, param, value):
+        for v in _flat(value):
+            if isinstance(v, float) and not math.isfinite(v):
+                raise typer.BadParameter(f"'{v}' is not a finite number", ctx=ctx, param=param)
+        return callback(ctx, param, value) if callback is not None else value
+
+    return check
+
+
+def _flat(value):
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _flat(v)
+    else:
+        yield value
+
+
+def _raised(name: str) -> tuple[type, ...]:
+    """Exception class `name` (ClickException, Exit, Abort) of each click that is loaded: typer >= 0.2x
+    raises those of its vendored copy (`typer._click`; Exit and Abort are typer's own), older typer
+    click's own. Looked up while an error is handled, so startup imports nothing for it."""
+    mods = ("typer._click.exceptions", "typer.exceptions", "click.exceptions")
+    found = (getattr(sys.modules.get(m), name, None) for m in mods)
+    return tuple(dict.fromkeys(c for c in found if isinstance(c, type)))
+
+
+def _show_usage_error(e) -> None:
+    """click's message: usage, the `Try 'rlkit CMD --help'` hint, the error naming the option. typer's
+    copy of click lists close matches as "(Possible options: ...)" in alphabetical order; this asks "Did you
+    mean" the closest, as click does for one, and a value typer's pydantic coercion refused is quoted."""
+    close = getattr(e, "possibilities", None)
+    if close and "Did you mean" not in e.format_message():  # difflib's order: the closest first
+        also = f" (also close: {', '.join(close[1:])})" if len(close) > 1 else ""
+        e.message, e.possibilities = f"{e.message}. Did you mean {close[0]}?{also}", None
+    errors = e.__cause__.errors() if callable(getattr(e.__cause__, "errors", None)) else None  # pydantic's
+    if errors and isinstance(errors[0].get("input"), str):
+        e.message = f"{e.message} (got {errors[0]['input']!r})"
+    e.show()
+
+
 def _on_sigterm(signum, frame):  # noqa: ARG001
     raise KeyboardInterrupt("terminated")
 
@@ -110,17 +186,17 @@ def _main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     err = sys.stderr
     try:
-        rv = app(args=args, prog_name="rlkit", standalone_mode=False)
+        rv = command().main(args=args, prog_name="rlkit", standalone_mode=False)
         rv = rv if isinstance(rv, int) else 0
         if rv == 130:  # typer turns Ctrl-C (and our SIGTERM) into Exit(130), which click returns
             print("rlkit: interrupted; nothing half-written was left at --out", file=err)
         return rv
-    except click.exceptions.Exit as e:
+    except _raised("Exit") as e:
         return e.exit_code
-    except click.ClickException as e:
-        e.show()
+    except _raised("ClickException") as e:
+        _show_usage_error(e)
         return e.exit_code
-    except (KeyboardInterrupt, click.exceptions.Abort):
+    except (KeyboardInterrupt, *_raised("Abort")):
         if debug:
             raise
         print("rlkit: interrupted; nothing half-written was left at --out", file=err)

@@ -33,6 +33,10 @@ class Source:
         """The first `n` rows (all when n is None), so later steps render and tokenize only those."""
         return self if n is None or n >= self.table.num_rows else replace(self, table=self.table.slice(0, n))
 
+    def rows(self, start: int, stop: int) -> Source:
+        """Rows [start, stop) (a zero-copy slice), so a stage renders and tokenizes one chunk at a time."""
+        return replace(self, table=self.table.slice(start, stop - start))
+
 
 def _quiet_datasets():
     """`datasets`, without its per-load progress bars and info logs on stderr (stages print one line)."""
@@ -62,7 +66,10 @@ def _read_any(source: str) -> tuple[pa.Table | None, str, bool]:
         elif suffix == ".parquet":
             import pyarrow.parquet as pq
 
-            table = pq.read_table(p)
+            try:
+                table = pq.read_table(p)
+            except (pa.ArrowException, OSError) as e:
+                raise RlkitError(f"{p} is not a Parquet file ({str(e).splitlines()[0]})") from e
         elif suffix in (".jsonl", ".json"):
             datasets = _quiet_datasets()
 

@@ -38,7 +38,6 @@ _TASK_TYPES = {"causal-lm": "CAUSAL_LM", "seq-cls": "SEQ_CLS"}
 INIT_SEED = 0
 # the ranks vLLM's LoRA kernels take (vllm.config.lora.MaxLoRARanks); an adapter's rank is rounded up
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-_HASHED: dict[tuple, tuple[dict[str, str], str]] = {}  # base weights hashed by this process, by file stats
 
 
 @dataclass
@@ -90,14 +89,10 @@ def _check_targets(model, targets: tuple[str, ...]) -> None:
 
 
 def base_hashes(base: Path) -> tuple[dict[str, str], str]:
-    """`checkpoints.hash_weights(base)`, once per process while the files' size, mtime and inode stay."""
-    from rlkit.checkpoints import hash_weights, weight_files
+    """`checkpoints.hash_weights(base)`: each file read once per version of it (`artifacts.file_facts`)."""
+    from rlkit.checkpoints import hash_weights
 
-    stats = [(f.name, f.stat()) for f in weight_files(base)]
-    key = (str(base), tuple((name, s.st_size, s.st_mtime_ns, s.st_ino) for name, s in stats))
-    if key not in _HASHED:
-        _HASHED[key] = hash_weights(base)
-    return _HASHED[key]
+    return hash_weights(base)
 
 
 def wrap(model, opts: LoraOptions, kind: str, base: str | Path | None):

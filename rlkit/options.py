@@ -25,6 +25,10 @@ RewardFn = Annotated[
     list[str] | None,
     typer.Option("--reward-fn", help="User reward function NAME=path/to/file.py:FUNC or NAME=package.module:FUNC (repeatable): adds a reward/NAME column. Parameters prompt, completion, answer, row: one row per call, returns a number; prompts, completions, answers, rows: a batch per call, returns a list. See README 'Reward functions from your code'."),
 ]
+RewardTimeout = Annotated[
+    float,
+    typer.Option("--reward-timeout", min=0, help="Seconds one call of a --reward-fn may run; a call that takes longer stops the stage with one error line naming the function and the row (0: no limit)."),
+]
 Seed = Annotated[int, typer.Option("--seed", help="Random seed; same seed and inputs give the same result.")]
 Force = Annotated[bool, typer.Option("--force", help="Rerun even when --out is up to date with these inputs and settings.")]
 TrustRemoteCode = Annotated[
@@ -32,6 +36,7 @@ TrustRemoteCode = Annotated[
 ]
 PromptColumn = Annotated[str, typer.Option("--prompt-column", help="Column of the data that holds the prompt.")]
 AnswerColumn = Annotated[str, typer.Option("--answer-column", help="Column of the data that holds the gold answer.")]
+NoVerify = Annotated[bool, typer.Option("--no-verify", help="Load policy and reward-model checkpoints without checking their weights against the sha256 in rlkit.json (a frozen reference is always checked). Checks are cached per file version, so leaving them on costs one read per checkpoint.")]
 # Training numerics (sft, train-rm, update): see rlkit.training
 TrainDtype = Annotated[str, typer.Option("--dtype", help="Compute dtype: fp32, bf16 or fp16. bf16/fp16 run the forward and backward under autocast over fp32 master weights and fp32 AdamW state (the saved checkpoint is fp32); fp16 adds a dynamic loss scale. See README 'Precision and memory'.")]
 GradCheckpointing = Annotated[bool, typer.Option("--gradient-checkpointing", help="Recompute activations in backward (transformers' non-reentrant gradient checkpointing): less memory, ~30% more compute.")]

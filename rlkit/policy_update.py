@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -19,7 +21,7 @@ from torch import Tensor
 
 from rlkit.advantages import ADVANTAGES, degenerate_groups
 from rlkit.distributed import DataParallel, all_max, all_sum, split_rows
-from rlkit.errors import RlkitError
+from rlkit.errors import RlkitError, non_finite_cause
 from rlkit.kl import kl_per_token
 from rlkit.logprobs import completion_logprobs, pack_sequences
 from rlkit.losses import AGG_WEIGHTS, AGGREGATIONS, importance_ess, policy_token_loss, truncated_is_weights
@@ -60,9 +62,12 @@ def combine_rewards(columns: dict[str, list[float]], weights: dict[str, float] |
         raise RlkitError(f"--reward names {missing}, but the input only has components {sorted(columns)}")
     total = torch.zeros(len(next(iter(columns.values()))), dtype=torch.float64)
     for name, weight in w.items():
-        vals = torch.tensor([math.nan if v is None else v for v in columns[name]], dtype=torch.float64)
-        if torch.isnan(vals).any():
+        if any(v is None for v in columns[name]):
             raise RlkitError(f"reward component {name!r} has missing values")
+        vals = torch.tensor(columns[name], dtype=torch.float64)
+        cause = non_finite_cause({f"the input table's reward/{name}": vals})
+        if cause:  # an inf reward makes every advantage of its group NaN
+            raise RlkitError(cause)
         total += weight * vals
     return total.float(), w
 
@@ -168,14 +173,15 @@ def load_trainer(model, opt: torch.optim.Optimizer, d: Path, dp: DataParallel | 
 
 
 def optimizer_step(model, opt: torch.optim.Optimizer, state: TrainerState, cfg: RLConfig, loss: Tensor,
-                   global_loss: float | None = None, prec: Precision | None = None) -> Tensor:
+                   global_loss: float | None = None, prec: Precision | None = None,
+                   inputs: Callable[[], dict] | None = None) -> Tensor:
     """Backward (loss-scaled under fp16), clip, step with the scheduled LR; a NaN/inf loss or (fp32/bf16)
     gradient aborts before any write, an fp16 overflow skips the step as any loss scaler does.
     Returns the gradient norm before clipping. Data-parallel: `global_loss` (the same on every rank)
-    decides, so all ranks stop together; FSDP's gradient norm is already global."""
+    decides, so all ranks stop together; FSDP's gradient norm is already global. `inputs`, called only
+    when the step fails: the step's inputs for `non_finite_error`."""
     if not math.isfinite(loss.item() if global_loss is None else global_loss):
-        raise RlkitError(f"non-finite loss at optimizer step {state.optimizer_step}; nothing was written "
-                         f"(lower --lr, now {cfg.lr})")
+        raise non_finite_error("loss", state, cfg, inputs)
     prec = prec or Precision()
     opt.zero_grad(set_to_none=True)
     for g in opt.param_groups:
@@ -183,9 +189,31 @@ def optimizer_step(model, opt: torch.optim.Optimizer, state: TrainerState, cfg: 
     prec.backward(loss)
     (gn,), stepped = prec.step([(model.parameters(), opt, cfg.grad_clip)])
     if not stepped and prec.scaler is None:
-        raise RlkitError(f"non-finite gradient at optimizer step {state.optimizer_step}; nothing was written")
+        raise non_finite_error("gradient", state, cfg, inputs)
     state.optimizer_step += 1
     return gn
+
+
+def non_finite_error(what: str, state: TrainerState, cfg: RLConfig, inputs: Callable[[], dict] | None) -> RlkitError:
+    """A NaN/inf `what` (loss, gradient): the step's non-finite input when one was (`inputs()`: what to
+    call it -> tensor or model, see `rlkit.errors.non_finite_cause`), else the step diverged: lower --lr."""
+    cause = non_finite_cause(inputs()) if inputs is not None else None
+    tail = f": {cause}" if cause else f" (lower --lr, now {cfg.lr})"
+    return RlkitError(f"non-finite {what} at optimizer step {state.optimizer_step}; nothing was written{tail}")
+
+
+def batch_inputs(batch: RLBatch, old_logp: Tensor, recompute: bool, tis: Tensor | None, uses_ref: bool,
+                 model=None, **derived: Tensor) -> dict:
+    """What a policy step reads, root causes first, for `non_finite_error`: the input table's columns
+    that reach the loss (`uses_ref`: a KL term or penalty reads ref_logprobs), the rewards, `model`'s
+    weights (the starting ones: pass it on a process's first step only, later a diverged step can have
+    made them non-finite), then `derived` tensors."""
+    return {"the input table's old_logprobs": batch.old_logp if not recompute or tis is not None else None,
+            "the input table's ref_logprobs": batch.ref_logp if uses_ref else None,
+            "the reward (the input table's reward/* columns)": batch.rewards,
+            "the starting weights": model,
+            "the recomputed pi_old": old_logp if recompute else None,
+            **{f"the {k.replace('_', ' ')}": v for k, v in derived.items()}}
 
 
 def recompute_logprobs(model, batch: RLBatch, temperature: float, minibatch_size: int,
@@ -299,7 +327,8 @@ def train_on_batch(model, opt: torch.optim.Optimizer, state: TrainerState, batch
                                    kl_estimator=cfg.kl_estimator, kl_coef=cfg.beta if in_loss else 0.0)
             loss = agg(tl.loss, m, length_norm) * share
             global_loss = all_sum([loss.item() / dp.world], dp)[0] if dp is not None else None
-            gn = optimizer_step(model, opt, state, cfg, loss, global_loss, prec)
+            gn = optimizer_step(model, opt, state, cfg, loss, global_loss, prec, partial(
+                batch_inputs, batch, old_logp, recompute, tis, cfg.beta > 0, None if losses else model, advantage=adv))
             with torch.no_grad():
                 r = tl.ratio[m]
                 clip_n += int(tl.clipped.sum())
@@ -412,7 +441,8 @@ def train_dpo(model, opt: torch.optim.Optimizer, state: TrainerState, b: PrefBat
             loss, _, _ = dpo_loss(pi[:p], pi[p:], b.ref_logp[idx], b.ref_logp[idx + P], cfg.beta, label_smoothing)
             loss = loss.mean() * share
             global_loss = all_sum([loss.item() / dp.world], dp)[0] if dp is not None else None
-            gn = optimizer_step(model, opt, state, cfg, loss, global_loss, prec)
+            gn = optimizer_step(model, opt, state, cfg, loss, global_loss, prec,
+                                partial(_pref_inputs, b, None if losses else model))
             losses.append(loss.item() if global_loss is None else global_loss)
             grad_norms.append(float(gn))
             if ticker is not None:
@@ -440,6 +470,13 @@ def train_dpo(model, opt: torch.optim.Optimizer, state: TrainerState, b: PrefBat
     secs = time.monotonic() - t0
     metrics.update(train_seconds=round(secs, 3))
     return metrics
+
+
+def _pref_inputs(b: PrefBatch, model=None) -> dict:
+    """What a DPO step reads, for `non_finite_error` (`model` on a process's first step only)."""
+    P = len(b.heldout)
+    return {"the input table's ref_chosen_logp/ref_rejected_logp": torch.stack([b.ref_logp[:P], b.ref_logp[P:]], 1),
+            "the starting weights": model}
 
 
 def _both_sides(model, b: PrefBatch, chunk: int, prec: Precision | None = None) -> Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +35,11 @@ from rlkit.policy_update import (
     TRAINER_DIR,
     RLBatch,
     TrainerState,
+    batch_inputs,
     load_trainer,
     make_optimizer,
     mismatch_metrics,
+    non_finite_error,
     recompute_logprobs,
     save_trainer,
 )
@@ -163,6 +166,15 @@ def _values(critic, batch: RLBatch, chunk: int, prec: Precision) -> Tensor:
     return out * batch.mask
 
 
+def _step_inputs(batch: RLBatch, old_logp: Tensor, recompute: bool, tis: Tensor | None, uses_kl: bool,
+                 values: Tensor, adv: Tensor, models: tuple | None) -> dict:
+    """What a PPO step reads, root causes first, for `non_finite_error` (`models`, (policy, critic), on a
+    process's first step only: their starting weights)."""
+    policy, critic = models or (None, None)
+    return {**batch_inputs(batch, old_logp, recompute, tis, uses_kl and batch.ref_logp is not None, policy),
+            "the critic's starting weights": critic, "the critic's value estimate": values, "the advantage": adv}
+
+
 def train_ppo(model, critic, opt, critic_opt, state: TrainerState, cstate: TrainerState,
               ctrl: AdaptiveKLController | None, batch: RLBatch, cfg: RLConfig, temperature: float = 1.0,
               ticker=None, recompute: bool = False, dp: DataParallel | None = None,
@@ -232,9 +244,10 @@ def train_ppo(model, critic, opt, critic_opt, state: TrainerState, cstate: Train
             lv = [loss.item(), vloss.item()]
             if dp is not None:
                 lv = [x / dp.world for x in all_sum(lv, dp)]
+            inputs = partial(_step_inputs, batch, old_logp, recompute, tis, kl_coef > 0, old_values, adv,
+                             None if losses else (model, critic))
             if not all(math.isfinite(x) for x in lv):
-                raise RlkitError(f"non-finite loss at optimizer step {state.optimizer_step}; nothing was written "
-                                 f"(lower --lr, now {cfg.lr})")
+                raise non_finite_error("loss", state, cfg, inputs)
             opt.zero_grad(set_to_none=True)
             critic_opt.zero_grad(set_to_none=True)
             for g in opt.param_groups:
@@ -243,7 +256,7 @@ def train_ppo(model, critic, opt, critic_opt, state: TrainerState, cstate: Train
             (gn, _), stepped = prec.step([(model.parameters(), opt, cfg.grad_clip),
                                           (critic.parameters(), critic_opt, cfg.grad_clip)])
             if not stepped and prec.scaler is None:
-                raise RlkitError(f"non-finite gradient at optimizer step {state.optimizer_step}; nothing was written")
+                raise non_finite_error("gradient", state, cfg, inputs)
             state.optimizer_step += 1
             cstate.optimizer_step += 1
             with torch.no_grad():

@@ -35,6 +35,7 @@ def load_reward_model(src: str | Path, trust_remote_code: bool = False, num_labe
                              "make one with `rlkit train-rm`")
         model = AutoModelForSequenceClassification.from_pretrained(
             str(src), dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True)
+    checkpoints.check_finite(model, src, "reward model")
     tok = checkpoints.load_tokenizer(src, trust_remote_code)
     model.config.pad_token_id = tok.pad_token_id
     model.eval()

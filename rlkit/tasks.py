@@ -80,7 +80,8 @@ class Task(Protocol):
     - `iter_examples(split, seed, unique)`: Examples of split 'train' or 'heldout', deterministic in
       `seed`; endless for a generator, or as many as the data holds when `unique`; the held-out split
       is always unique and never shares a prompt with train;
-    - `examples(split, n, seed, unique)`: the first n of those;
+    - `examples(split, n, seed, unique)`: the first n of those, exactly (`rollout` streams `iter_examples`
+      chunk by chunk instead of building this list, so --num-prompts can be any count);
     - `completion(example)`: the SFT target (the eos token is appended by the tokenization step);
     - `reward(response, gold answer)`: the verifier, a finite float (1.0 = correct), never raising on
       a malformed response.
@@ -179,7 +180,8 @@ class Arithmetic:
                         f"(problem space {self.problem_space()}); ask for fewer or widen the task"
                     )
                 continue
-            seen.add(prompt)
+            if unique:  # only a unique stream remembers its prompts: an endless one stays flat in memory
+                seen.add(prompt)
             yield Example(f"{split}-{seed}-{i}", prompt, answer, split)
             i += 1
 
@@ -307,7 +309,8 @@ class UserTask:
                 if misses > 10_000 + 200 * i:
                     raise RlkitError(f"{where} ran out of distinct prompts after {i}; ask for fewer")
                 continue
-            seen.add(ex.prompt)
+            if unique:
+                seen.add(ex.prompt)
             yield ex
             i += 1
 

@@ -17,7 +17,7 @@ from typing import Annotated
 
 import typer
 
-from rlkit.options import Force, OutTable, PromptColumn, Seed, Task, TrustRemoteCode
+from rlkit.options import Force, NoVerify, OutTable, PromptColumn, Seed, Task, TrustRemoteCode
 
 
 @dataclass(frozen=True)
@@ -37,10 +37,20 @@ class BuildPrefsConfig:
     rejected_column: str = "rejected"
     seed: int = 0
     trust_remote_code: bool = False
+    verify: bool = True  # --no-verify: load without the weights' hash check (never for a reference)
     force: bool = False
 
 
 def run(cfg: BuildPrefsConfig) -> Path | None:
+    """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
+    from rlkit import artifacts, checkpoints
+
+    with artifacts.claim_out(cfg.out, "table", {"--policy": cfg.policy, "--from": cfg.source, "--task": cfg.task}), \
+            checkpoints.verifying(cfg.verify):
+        return _run(cfg)
+
+
+def _run(cfg: BuildPrefsConfig) -> Path | None:
     from rlkit import artifacts, console
     from rlkit.errors import RlkitError
 
@@ -148,10 +158,11 @@ def command(
     seed: Seed = 0,
     out: OutTable = None,
     trust_remote_code: TrustRemoteCode = False,
+    no_verify: NoVerify = False,
     force: Force = False,
 ) -> None:
     """Build preference pairs (chosen/rejected) from verified samples, or import a preference set."""
     run(BuildPrefsConfig(out=out, policy=policy, task=task, num_prompts=num_prompts, n=n, temperature=temperature,
                          max_new_tokens=max_new_tokens, eval_fraction=eval_fraction, bias=bias, source=source,
                          prompt_column=prompt_column, chosen_column=chosen_column, rejected_column=rejected_column,
-                         seed=seed, trust_remote_code=trust_remote_code, force=force))
+                         seed=seed, trust_remote_code=trust_remote_code, verify=not no_verify, force=force))

@@ -35,6 +35,13 @@ def _settings(m: dict) -> tuple:
 
 
 def run(cfg: CatConfig) -> Path | None:
+    from rlkit import artifacts
+
+    with artifacts.claim_out(cfg.out, "table", {"TABLE": list(cfg.inputs)}):
+        return _run(cfg)
+
+
+def _run(cfg: CatConfig) -> Path | None:
     import pyarrow as pa
 
     from rlkit import artifacts, shards
@@ -46,8 +53,6 @@ def run(cfg: CatConfig) -> Path | None:
         raise RlkitError("'-' (stdin) may be given once")
     out = artifacts.resolve_out(cfg.out)
     artifacts.check_out(out, "table")
-    if out is not None and any(str(i) != "-" and Path(i).resolve() == out.resolve() for i in cfg.inputs):
-        raise RlkitError(f"--out {out} is also an input; write the joined table elsewhere")
     readers = [artifacts.TableReader(src, list(artifacts.KINDS)) for src in cfg.inputs]
     kinds = {r.kind for r in readers}
     if len(kinds) > 1:

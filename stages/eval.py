@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from rlkit.options import AnswerColumn, PolicyDir, PromptColumn, Seed, Task, TrustRemoteCode
+from rlkit.options import AnswerColumn, NoVerify, PolicyDir, PromptColumn, Seed, Task, TrustRemoteCode
 
 
 @dataclass(frozen=True)
@@ -34,9 +34,18 @@ class EvalConfig:
     label: str | None = None
     rm: Path | None = None  # also report the mean reward-model score of the same responses
     trust_remote_code: bool = False
+    verify: bool = True  # --no-verify: load without the weights' hash check (never for a reference)
 
 
 def run(cfg: EvalConfig) -> dict:
+    """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
+    from rlkit import checkpoints
+
+    with checkpoints.verifying(cfg.verify):
+        return _run(cfg)
+
+
+def _run(cfg: EvalConfig) -> dict:
     import json
     import sys
 
@@ -118,8 +127,9 @@ def command(
     rm: Annotated[Path | None, typer.Option("--rm", help="Reward model DIR: also report the mean score it gives the same responses.")] = None,
     seed: Seed = 0,
     trust_remote_code: TrustRemoteCode = False,
+    no_verify: NoVerify = False,
 ) -> None:
     """Greedy held-out accuracy, response length and sample responses of a policy."""
     run(EvalConfig(policy=policy, task=task, prompts=prompts, prompt_column=prompt_column, answer_column=answer_column,
                    num=num, max_new_tokens=max_new_tokens, batch_tokens=batch_tokens, seed=seed, as_json=as_json,
-                   metrics=metrics, tensorboard=tensorboard, label=label, rm=rm, trust_remote_code=trust_remote_code))
+                   metrics=metrics, tensorboard=tensorboard, label=label, rm=rm, trust_remote_code=trust_remote_code, verify=not no_verify))

@@ -21,7 +21,7 @@ from typing import Annotated
 
 import typer
 
-from rlkit.options import Force, OutDir, PolicyDir, TrustRemoteCode
+from rlkit.options import Force, NoVerify, OutDir, PolicyDir, TrustRemoteCode
 
 
 @dataclass(frozen=True)
@@ -31,10 +31,19 @@ class FreezeRefConfig:
     dtype: str | None = None  # None: bf16, or with `link` the stored dtype
     link: bool = False  # hard-link the policy's weights instead of writing a copy
     trust_remote_code: bool = False
+    verify: bool = True  # --no-verify: load without the weights' hash check (never for a reference)
     force: bool = False
 
 
 def run(cfg: FreezeRefConfig) -> Path:
+    """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
+    from rlkit import artifacts, checkpoints
+
+    with artifacts.claim_out(cfg.out, "model", {"--policy": cfg.policy}), checkpoints.verifying(cfg.verify):
+        return _run(cfg)
+
+
+def _run(cfg: FreezeRefConfig) -> Path:
     from dataclasses import replace
 
     from rlkit import artifacts, checkpoints, console, lora
@@ -128,8 +137,9 @@ def command(
     dtype: Annotated[str | None, typer.Option(help="Reference dtype: fp32, bf16 or fp16 (default bf16; with --link the stored one).")] = None,
     link: Annotated[bool, typer.Option("--link", help="Hard-link the policy's weights instead of writing a copy (no extra disk: the reference of a LoRA run is its base); same filesystem, stored dtype, still hash-checked. Not for a LoRA checkpoint, which freezes merged.")] = False,
     trust_remote_code: TrustRemoteCode = False,
+    no_verify: NoVerify = False,
     force: Force = False,
 ) -> None:
     """Freeze a policy as the hash-checked KL reference, in fp32, bf16 or fp16 (a LoRA checkpoint: merged)."""
-    run(FreezeRefConfig(policy=policy, out=out, dtype=dtype, link=link, trust_remote_code=trust_remote_code,
+    run(FreezeRefConfig(policy=policy, out=out, dtype=dtype, link=link, trust_remote_code=trust_remote_code, verify=not no_verify,
                         force=force))

@@ -73,11 +73,14 @@ def run(cfg: InspectConfig) -> dict[str, Any]:
         console.info(f"{p}: {'current' if current else 'missing or stale'}")
         if not current:
             raise typer.Exit(1)
+        if cfg.verify and p.is_dir():
+            _verify_now(p, checkpoints.load_manifest(p))
         return {"current": True}
     if not p.exists():
         raise RlkitError(f"{p}: no such file or directory")
     if p.is_dir():
-        checkpoints.check_model_dir(p, lora_base=False)  # a LoRA checkpoint: shown even when its base changed
+        # shown even when its weights or a LoRA checkpoint's base changed (--verify says so)
+        checkpoints.check_model_dir(p, lora_base=False, verify=False)
         manifest = checkpoints.load_manifest(p)
         info: dict[str, Any] = {"path": str(p), "type": "model", **checkpoints.safetensors_summary(p)}
         cfg_path = p / "config.json"
@@ -99,9 +102,9 @@ def run(cfg: InspectConfig) -> dict[str, Any]:
                         metrics=manifest.get("metrics"), config=manifest.get("config"))
             info["lineage"] = _lineage(manifest)
         if cfg.verify:
-            per_file, digest = checkpoints.hash_weights(p)
+            per_file = {f.name: artifacts.sha256_file(f) for f in checkpoints.weight_files(p)}  # read now, no cache
             info["weights_verified"] = bool(manifest) and per_file == manifest.get("weights_sha256")
-            info["weights_digest_now"] = digest
+            info["weights_sha256_now"] = per_file
     else:
         manifest = artifacts.read_manifest(p)
         if manifest is None:
@@ -112,6 +115,8 @@ def run(cfg: InspectConfig) -> dict[str, Any]:
                 "first_rows": table.slice(0, cfg.rows).to_pylist(), "lineage": _lineage(manifest)}
     if cfg.as_json:
         sys.stdout.write(json.dumps(info, indent=2, default=str) + "\n")
+        if cfg.verify and info.get("weights_verified") is False:
+            _verify_now(p, manifest)
         return info
     from rich.table import Table
 
@@ -146,13 +151,31 @@ def run(cfg: InspectConfig) -> dict[str, Any]:
         for row in info["first_rows"]:
             st.add_row(*(str(v)[:80] for v in row.values()))
         console.err.print(st)
+    if cfg.verify and info.get("weights_verified") is False:
+        _verify_now(p, manifest)
     return info
+
+
+def _verify_now(p: Path, manifest: dict | None) -> None:
+    """`--verify`: read every weights file now (no cache) and fail in one line unless each matches the
+    sha256 its rlkit.json records."""
+    from rlkit import artifacts, checkpoints
+    from rlkit.errors import RlkitError
+
+    want = (manifest or {}).get("weights_sha256")
+    if not want:
+        raise RlkitError(f"{p}: nothing to verify against (no weights_sha256 in its rlkit.json: not written by rlkit)")
+    have = {f.name: artifacts.sha256_file(f) for f in checkpoints.weight_files(p)}
+    bad = sorted({n for n, _ in set(have.items()) ^ set(want.items())})
+    if bad:
+        raise RlkitError(f"{p} fails its hash check: sha256 mismatch in {', '.join(bad)} (the weights changed after "
+                         "they were written)")
 
 
 def command(
     path: Annotated[Path, typer.Argument(help="A table (.arrow) or a model directory.")],
     rows: Annotated[int, typer.Option(min=0, help="How many first rows of a table to show.")] = 5,
-    verify: Annotated[bool, typer.Option("--verify", help="Recompute the weights sha256 and compare with the manifest.")] = False,
+    verify: Annotated[bool, typer.Option("--verify", help="Read the weights now and compare their sha256 with the manifest; exit 2 on a mismatch (also with --check and --json).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON to stdout instead of tables.")] = False,
     check: Annotated[bool, typer.Option("--check", help="Only tell whether PATH exists and its inputs are unchanged: exit 0 if so, 1 if not (for scripts).")] = False,
 ) -> None:

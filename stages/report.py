@@ -217,6 +217,14 @@ def _html(png: bytes, rows: list[dict], runs: list[Run], title: str) -> str:
 
 
 def run(cfg: ReportConfig) -> Path:
+    from rlkit import artifacts
+
+    inputs = {"metrics": [p for _, p in parse_runs(cfg.metrics)]}
+    with artifacts.claim_out(cfg.out, "file", inputs):
+        return _run(cfg)
+
+
+def _run(cfg: ReportConfig) -> Path:
     import io
 
     from rich.table import Table

@@ -20,10 +20,12 @@ import typer
 from rlkit.options import (
     AnswerColumn,
     Force,
+    NoVerify,
     OutTable,
     PolicyDir,
     PromptColumn,
     RewardFn,
+    RewardTimeout,
     Seed,
     Task,
     TrustRemoteCode,
@@ -61,11 +63,23 @@ class RolloutConfig:
     max_lag: int = 1  # batch b starts once DIR's newest step is >= (start step) + b - max_lag
     max_steps: int | None = None  # stop after the batch that trains step (--policy's step) + max_steps
     reward_fn: tuple[str, ...] = ()  # NAME=FILE.py:FUNC user reward functions, each adds reward/NAME
+    reward_timeout: float = 60.0  # seconds one --reward-fn call may run (0: no limit)
     trust_remote_code: bool = False
+    verify: bool = True  # --no-verify: load without the weights' hash check (never for a reference)
     force: bool = False
 
 
 def run(cfg: RolloutConfig) -> Path | None:
+    """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
+    from rlkit import artifacts, checkpoints
+
+    inputs = {"--policy": cfg.policy, "--prompts": cfg.prompts, "--task": cfg.task, "--reward-fn": cfg.reward_fn,
+              "--follow": cfg.follow}
+    with artifacts.claim_out(cfg.out, "table", inputs), checkpoints.verifying(cfg.verify):
+        return _run(cfg)
+
+
+def _run(cfg: RolloutConfig) -> Path | None:
     import pyarrow as pa
 
     from rlkit import artifacts, checkpoints, console, data, engines, reward_fns, shards
@@ -73,7 +87,7 @@ def run(cfg: RolloutConfig) -> Path | None:
     from rlkit.tasks import get_task, task_inputs
 
     task = get_task(cfg.task)
-    fns = reward_fns.load_all(cfg.reward_fn, taken=("verifier",))  # checked now, before any sampling
+    fns = reward_fns.load_all(cfg.reward_fn, taken=("verifier",), timeout=cfg.reward_timeout)  # checked now
     if cfg.engine not in engines.ENGINES:
         raise RlkitError(f"--engine {cfg.engine!r} is not one of {', '.join(engines.ENGINES)}")
     if cfg.engine == "hf" and (cfg.tp != 1 or cfg.gpu_memory_utilization or cfg.max_model_len or cfg.enforce_eager):
@@ -92,42 +106,41 @@ def run(cfg: RolloutConfig) -> Path | None:
     if cfg.batch_prompts is not None or cfg.max_steps is not None:
         raise RlkitError("--batch-prompts and --max-steps are --follow options (without it: --num-prompts)")
     inputs = {"policy": artifacts.fingerprint(cfg.policy), **task_inputs(task), **reward_fns.fingerprints(fns)}
+    # prompts stream: a chunk of --chunk-prompts is drawn (or sliced), rendered and tokenized only when it
+    # is sampled, so memory stays flat and the first rows come out at once whatever --num-prompts
     if cfg.prompts:
         source = data.load_source(cfg.prompts, "prompts", {"prompt": cfg.prompt_column, "answer": cfg.answer_column})
         inputs["prompts"] = source.fingerprint
         source = source.head(cfg.num_prompts)
         t = source.table
-        ids, answers = t.column("prompt_id").to_pylist(), (
-            t.column("answer").to_pylist() if "answer" in t.column_names else [None] * t.num_rows)
+        total = t.num_rows
+        scored = "answer" in t.column_names and t.column("answer").null_count == 0
     else:
         source = None
         cfg = replace(cfg, num_prompts=cfg.num_prompts or 64)
-        ex = task.examples("train", cfg.num_prompts, cfg.seed)
-        ids, answers = [e.prompt_id for e in ex], [e.answer for e in ex]
-    span = range(len(ids))
+        total = _task_total(task, cfg) if cfg.shard else cfg.num_prompts
+        scored = True  # a task's examples always carry a gold answer (UserTask checks the user's)
+    span = range(total)
     if cfg.shard:
-        span = shards.prompt_span(shards.parse(cfg.shard), len(ids), cfg.chunk_prompts)
+        span = shards.prompt_span(shards.parse(cfg.shard), total, cfg.chunk_prompts)
     if artifacts.skip_if_current(out, "rollout", cfg, inputs):
         return out
 
     engine, tokenizer = _start_engine(cfg, cfg.policy)
-    texts = data.render_prompts(tokenizer, source, for_sft=False) if source else [e.prompt for e in ex]
-    prompt_ids = data.encode_prompts(tokenizer, texts, bool(source and source.chat))
-    scored = all(a is not None for a in answers)
+    chunks = _first_made(_file_chunks(source, tokenizer, span, cfg.chunk_prompts) if source
+                         else _task_chunks(task, tokenizer, cfg, span))
     if not scored:
         console.warn("some prompts have no gold answer: no verifier reward column is written")
     extra = [pa.field(f"reward/{n}", pa.float64()) for n in [*(["verifier"] if scored else []), *(f.name for f in fns)]]
     fp, step = inputs["policy"], checkpoints.policy_step(cfg.policy)
     manifest = artifacts.make_manifest("rollouts", "rollout", cfg, inputs,
                                        tokenizer=checkpoints.tokenizer_fingerprint(tokenizer), engine=engine.name,
-                                       **shards.manifest_entry(cfg.shard, span, len(ids), artifacts.jsonable(cfg),
-                                                               inputs))
+                                       **shards.manifest_entry(cfg.shard, span, total, artifacts.jsonable(cfg), inputs))
     with artifacts.write_table("rollouts", out, manifest, extra) as w, \
             console.progress("rollout", len(span) * cfg.n) as bar:
         # chunks keep their global position and seed whatever the shard, so shards concatenate into the
         # table one job gives
-        _sample(cfg, engine, tokenizer, task, w, bar, span, ids, answers, texts, prompt_ids, cfg.seed, 0, fp, step,
-                scored, fns)
+        _sample(cfg, engine, tokenizer, task, w, bar, chunks, cfg.seed, 0, fp, step, scored, fns)
     if isinstance(engine, engines.VLLMEngine):
         engine.close()
     return out
@@ -223,8 +236,8 @@ def _run_follow(cfg: RolloutConfig, task, out: Path | None, fns=()) -> Path | No
                     ids, answers = [f_ids[r] for r in rows], [f_answers[r] for r in rows]
                     texts, prompt_ids = [f_texts[r] for r in rows], [f_prompt_ids[r] for r in rows]
                 with console.progress(f"rollout batch {b}", P * cfg.n) as bar:
-                    _sample(cfg, engine, tokenizer, task, w, bar, range(P), ids, answers, texts, prompt_ids, seed,
-                            b * P, fp, step, scored, fns)
+                    chunks = _list_chunks(range(P), cfg.chunk_prompts, ids, answers, texts, prompt_ids)
+                    _sample(cfg, engine, tokenizer, task, w, bar, chunks, seed, b * P, fp, step, scored, fns)
                 b += 1
             console.info(f"rollout: --max-steps {cfg.max_steps} reached; the stream ends")
     except (BrokenPipeError, DownstreamClosed):
@@ -289,34 +302,105 @@ def _start_engine(cfg: RolloutConfig, policy: Path):
     return engines.HFEngine(model, tokenizer, cfg.batch_tokens), tokenizer
 
 
-def _sample(cfg: RolloutConfig, engine, tokenizer, task, w, bar, span: range, ids, answers, texts, prompt_ids,
-            seed: int, group0: int, fp: str, step: int, scored: bool, fns=()) -> None:
-    """Sample prompts `span` in chunks of --chunk-prompts and write each chunk's rows to `w`. A chunk
-    starting at prompt c0 is seeded `seed * 1_000_003 + c0`; prompt p becomes group `group0 + p`.
-    `fns` (--reward-fn) add their reward columns, computed on each chunk's rows."""
-    n = cfg.n
+@dataclass(frozen=True)
+class _Chunk:
+    """One generation chunk: prompts c0, c0 + 1, ... of the run (a chunk's seed and group ids follow c0)."""
+
+    c0: int
+    ids: list[str]
+    answers: list[str | None]
+    texts: list[str]
+    prompt_ids: list[list[int]]
+
+
+def _task_total(task, cfg: RolloutConfig) -> int:
+    """The prompts a task gives for --num-prompts (what --shard cuts): all of them from a built-in task,
+    whose train stream is endless; a user task's stream may end sooner, so it is walked once (nothing kept)."""
+    import itertools
+
+    from rlkit.tasks import UserTask
+
+    if not isinstance(task, UserTask):
+        return cfg.num_prompts
+    return sum(1 for _ in itertools.islice(task.iter_examples("train", cfg.seed), cfg.num_prompts))
+
+
+def _task_chunks(task, tokenizer, cfg: RolloutConfig, span: range):
+    """Yield the task's train prompts `span` as _Chunks of --chunk-prompts, each drawn and tokenized when
+    it is asked for. `task.examples(split, n, seed)` is the first n of `iter_examples` (the Task protocol;
+    every task from `get_task` has both), so the rows are those of the whole list; a shard draws and drops
+    the prompts before its span (the stream is sequential in its seed)."""
+    import itertools
+
+    from rlkit import data
+
+    it = itertools.islice(task.iter_examples("train", cfg.seed), span.start, span.stop)
     for c0 in range(span.start, span.stop, cfg.chunk_prompts):
-        c1 = min(span.stop, c0 + cfg.chunk_prompts)
-        gen = engine.sample(prompt_ids[c0:c1], n=n, temperature=cfg.temperature, top_p=cfg.top_p,
-                            max_new_tokens=cfg.max_new_tokens, seed=seed * 1_000_003 + c0)
+        ex = list(itertools.islice(it, cfg.chunk_prompts))
+        if not ex:
+            return  # a user task's stream ended before --num-prompts
+        texts = [e.prompt for e in ex]
+        yield _Chunk(c0, [e.prompt_id for e in ex], [e.answer for e in ex], texts,
+                     data.encode_prompts(tokenizer, texts, False))
+
+
+def _file_chunks(source, tokenizer, span: range, chunk: int):
+    """Yield rows `span` of a prompts file as _Chunks of `chunk` rows, each rendered (chat template) and
+    tokenized when it is asked for."""
+    from rlkit import data
+
+    for c0 in range(span.start, span.stop, chunk):
+        part = source.rows(c0, min(span.stop, c0 + chunk))
+        t = part.table
+        texts = data.render_prompts(tokenizer, part, for_sft=False)
+        answers = t.column("answer").to_pylist() if "answer" in t.column_names else [None] * t.num_rows
+        yield _Chunk(c0, t.column("prompt_id").to_pylist(), answers, texts,
+                     data.encode_prompts(tokenizer, texts, part.chat))
+
+
+def _list_chunks(span: range, chunk: int, ids, answers, texts, prompt_ids):
+    """Yield prompts `span` of lists already in memory (a --follow batch) as _Chunks of `chunk`."""
+    for c0 in range(span.start, span.stop, chunk):
+        c1 = min(span.stop, c0 + chunk)
+        yield _Chunk(c0, ids[c0:c1], answers[c0:c1], texts[c0:c1], prompt_ids[c0:c1])
+
+
+def _first_made(chunks):
+    """`chunks` with its first chunk made now, before the output opens: a task that raises or a chat file
+    without a chat template fails before anything is written, stdout included."""
+    import itertools
+
+    first = next(chunks, None)
+    return iter(()) if first is None else itertools.chain([first], chunks)
+
+
+def _sample(cfg: RolloutConfig, engine, tokenizer, task, w, bar, chunks, seed: int, group0: int, fp: str, step: int,
+            scored: bool, fns=()) -> None:
+    """Sample each _Chunk of `chunks` and write its rows to `w`. A chunk starting at prompt c0 is seeded
+    `seed * 1_000_003 + c0`; prompt p becomes group `group0 + p`. `fns` (--reward-fn) add their reward
+    columns, computed on each chunk's rows."""
+    n = cfg.n
+    for ch in chunks:
+        gen = engine.sample(ch.prompt_ids, n=n, temperature=cfg.temperature, top_p=cfg.top_p,
+                            max_new_tokens=cfg.max_new_tokens, seed=seed * 1_000_003 + ch.c0)
         comps = tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
-        rows = [(c0 + k // n, k % n) for k in range(len(comps))]
+        rows = [(k // n, k % n) for k in range(len(comps))]  # (prompt within the chunk, sample)
         cols = {
-            "prompt_id": [ids[p] for p, _ in rows],
-            "group_id": [group0 + p for p, _ in rows],
+            "prompt_id": [ch.ids[p] for p, _ in rows],
+            "group_id": [group0 + ch.c0 + p for p, _ in rows],
             "sample_idx": [j for _, j in rows],
-            "prompt": [texts[p] for p, _ in rows],
+            "prompt": [ch.texts[p] for p, _ in rows],
             "completion": comps,
-            "prompt_ids": [prompt_ids[p] for p, _ in rows],
+            "prompt_ids": [ch.prompt_ids[p] for p, _ in rows],
             "completion_ids": gen.completion_ids,
             "old_logprobs": gen.logprobs,
             "finish_reason": gen.finish_reasons,
             "policy_fingerprint": [fp] * len(rows),
             "policy_step": [step] * len(rows),
-            "answer": [answers[p] for p, _ in rows],
+            "answer": [ch.answers[p] for p, _ in rows],
         }
         if scored:
-            cols["reward/verifier"] = [task.reward(c, answers[p]) for c, (p, _) in zip(comps, rows, strict=True)]
+            cols["reward/verifier"] = [task.reward(c, ch.answers[p]) for c, (p, _) in zip(comps, rows, strict=True)]
         for f in fns:
             cols[f"reward/{f.name}"] = f.score(cols, row0=w.rows)
         w.write(cols)
@@ -348,9 +432,11 @@ def command(
     max_lag: Annotated[int, typer.Option(min=0, help="--follow: batch b waits until the newest step is at least (start step) + b - K, so rows are at most K steps older than the policy they train; 0 is synchronous (the per-round pipeline's result).")] = 1,
     max_steps: Annotated[int | None, typer.Option(min=1, help="--follow: stop after the batch that trains step (--policy's step) + N.")] = None,
     reward_fn: RewardFn = None,
+    reward_timeout: RewardTimeout = 60.0,
     seed: Seed = 0,
     out: OutTable = None,
     trust_remote_code: TrustRemoteCode = False,
+    no_verify: NoVerify = False,
     force: Force = False,
 ) -> None:
     """Sample n completions per prompt with log-probs and verifier rewards; streams a rollouts table."""
@@ -361,4 +447,5 @@ def command(
                       max_model_len=max_model_len, enforce_eager=enforce_eager, vllm_lora=vllm_lora, shard=shard,
                       follow=follow,
                       batch_prompts=batch_prompts, max_lag=max_lag, max_steps=max_steps,
-                      reward_fn=tuple(reward_fn or ()), trust_remote_code=trust_remote_code, force=force))
+                      reward_fn=tuple(reward_fn or ()), reward_timeout=reward_timeout,
+                      trust_remote_code=trust_remote_code, verify=not no_verify, force=force))

@@ -24,7 +24,7 @@ from typing import Annotated
 
 import typer
 
-from rlkit.options import Force, InTable, OutTable, RewardFn, TrustRemoteCode
+from rlkit.options import Force, InTable, NoVerify, OutTable, RewardFn, RewardTimeout, TrustRemoteCode
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ class ScoreRefConfig:
     ref: Path | None = None
     rm: tuple[str, ...] = ()  # NAME=DIR reward models, each adds a `reward/rm:NAME` column
     reward_fn: tuple[str, ...] = ()  # NAME=FILE.py:FUNC user reward functions, each adds `reward/NAME`
+    reward_timeout: float = 60.0  # seconds one --reward-fn call may run (0: no limit)
     inp: str | None = None
     out: Path | None = None
     device: str = "cpu"
@@ -39,6 +40,7 @@ class ScoreRefConfig:
     batch_tokens: int = 16384
     shard: str | None = None  # "i/N" of an input file, cut between groups; see rlkit.shards
     trust_remote_code: bool = False
+    verify: bool = True  # --no-verify: load without the weights' hash check (never for a reference)
     force: bool = False
 
 
@@ -118,13 +120,23 @@ def parse_rms(specs: tuple[str, ...]) -> dict[str, Path]:
 
 
 def run(cfg: ScoreRefConfig) -> Path | None:
+    """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
+    from rlkit import artifacts, checkpoints
+
+    inputs = {"--ref": cfg.ref, "--rm": [r.partition("=")[2] or r for r in cfg.rm], "--in": cfg.inp,
+              "--reward-fn": cfg.reward_fn}
+    with artifacts.claim_out(cfg.out, "table", inputs), checkpoints.verifying(cfg.verify):
+        return _run(cfg)
+
+
+def _run(cfg: ScoreRefConfig) -> Path | None:
     import pyarrow as pa
 
     from rlkit import artifacts, checkpoints, console, reward_fns, shards
     from rlkit.errors import DownstreamClosed, RlkitError
 
     rms = parse_rms(cfg.rm)
-    fns = reward_fns.load_all(cfg.reward_fn, taken=rms)  # signatures checked before any model loads
+    fns = reward_fns.load_all(cfg.reward_fn, taken=rms, timeout=cfg.reward_timeout)  # checked before models load
     if cfg.shard:
         shards.parse(cfg.shard)
         if cfg.inp is None or cfg.inp == "-":
@@ -245,6 +257,7 @@ def command(
     ref: Annotated[Path | None, typer.Option("--ref", help="Frozen reference directory (made by `rlkit freeze-ref`).")] = None,
     rm: Annotated[list[str] | None, typer.Option("--rm", help="Reward model NAME=DIR (repeatable; or DIR, named after it): adds reward/rm:NAME.")] = None,
     reward_fn: RewardFn = None,
+    reward_timeout: RewardTimeout = 60.0,
     inp: InTable = None,
     out: OutTable = None,
     device: Annotated[str, typer.Option(help="Device for the reference: cpu, cuda, cuda:1, ...")] = "cpu",
@@ -252,8 +265,10 @@ def command(
     batch_tokens: Annotated[int, typer.Option(min=16, help="Token budget per forward batch.")] = 16384,
     shard: Annotated[str | None, typer.Option(help="I/N: score only this job's share of --in FILE, cut between groups; `rlkit cat` joins the N outputs.")] = None,
     trust_remote_code: TrustRemoteCode = False,
+    no_verify: NoVerify = False,
     force: Force = False,
 ) -> None:
     """Add the frozen reference's per-token log-probs, reward-model and reward-function scores to a rollouts table (streams)."""
-    run(ScoreRefConfig(ref=ref, rm=tuple(rm or ()), reward_fn=tuple(reward_fn or ()), inp=inp, out=out, device=device, dtype=dtype, batch_tokens=batch_tokens,
-                       shard=shard, trust_remote_code=trust_remote_code, force=force))
+    run(ScoreRefConfig(ref=ref, rm=tuple(rm or ()), reward_fn=tuple(reward_fn or ()), reward_timeout=reward_timeout,
+                       inp=inp, out=out, device=device, dtype=dtype, batch_tokens=batch_tokens,
+                       shard=shard, trust_remote_code=trust_remote_code, verify=not no_verify, force=force))

@@ -25,6 +25,7 @@ from rlkit.options import (
     LoraDropout,
     LoraRank,
     LoraTargets,
+    NoVerify,
     OutDir,
     Seed,
     TrainDtype,
@@ -58,6 +59,7 @@ class SftConfig:
     tiny: TinyConfig = field(default_factory=TinyConfig)
     train: TrainOptions = field(default_factory=TrainOptions)  # --dtype, --gradient-checkpointing, --lora-*
     trust_remote_code: bool = False
+    verify: bool = True  # --no-verify: load without the weights' hash check (never for a reference)
     metrics: Path | None = None
     force: bool = False
 
@@ -75,6 +77,16 @@ def _lr_lambda(total: int, warmup: int, min_ratio: float):
 
 
 def run(cfg: SftConfig) -> Path:
+    """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
+    from rlkit import artifacts, checkpoints
+
+    model = cfg.model if cfg.model != "tiny" else None
+    with artifacts.claim_out(cfg.out, "model", {"--model": model, "--data": cfg.data, "--task": cfg.task}), \
+            checkpoints.verifying(cfg.verify):
+        return _run(cfg)
+
+
+def _run(cfg: SftConfig) -> Path:
     import json
     import math
     import random
@@ -159,12 +171,20 @@ def run(cfg: SftConfig) -> Path:
                     loss = model(input_ids=input_ids, attention_mask=mask, labels=labels, use_cache=False).loss.float() * share
                 value = loss.item() if dp is None else distributed.all_sum([loss.item() / dp.world], dp)[0]
                 if not math.isfinite(value):
-                    raise RlkitError(f"non-finite SFT loss at step {sched.last_epoch}; lower --lr (now {cfg.lr})")
+                    # the failure path only: were the starting weights finite? (later, a diverged step may have made them not)
+                    from rlkit.errors import non_finite_cause
+
+                    why = non_finite_cause({"the starting weights": model}) if sched.last_epoch == 0 else None
+                    raise RlkitError(f"non-finite SFT loss at step {sched.last_epoch}; " + (why or f"lower --lr (now {cfg.lr})"))
                 opt.zero_grad(set_to_none=True)
                 prec.backward(loss)
                 _, stepped = prec.step([(model.parameters(), opt, cfg.grad_clip)])
                 if not stepped and prec.scaler is None:
-                    raise RlkitError(f"non-finite gradient at SFT step {sched.last_epoch}; lower --lr (now {cfg.lr})")
+                    # the failure path only: were the starting weights finite? (later, a diverged step may have made them not)
+                    from rlkit.errors import non_finite_cause
+
+                    why = non_finite_cause({"the starting weights": model}) if sched.last_epoch == 0 else None
+                    raise RlkitError(f"non-finite gradient at SFT step {sched.last_epoch}; " + (why or f"lower --lr (now {cfg.lr})"))
                 sched.step()
                 tokens += int(mask.sum()) if share else 0
                 ema = value if ema is None else 0.95 * ema + 0.05 * value
@@ -228,6 +248,7 @@ def command(
     metrics: Annotated[Path | None, typer.Option(help="Append the run's metrics as one JSON line to this file.")] = None,
     seed: Seed = 0,
     trust_remote_code: TrustRemoteCode = False,
+    no_verify: NoVerify = False,
     force: Force = False,
 ) -> None:
     """Supervised fine-tuning on completion tokens; writes a checkpoint and its metrics."""
@@ -237,5 +258,5 @@ def command(
         batch_tokens=batch_tokens, max_len=max_len, eval_num=eval_num, seed=seed,
         train=train_options(dtype, gradient_checkpointing, lora_rank, lora_alpha, lora_dropout, lora_targets),
         tiny=TinyConfig(layers=layers, hidden=hidden, heads=max(1, hidden // 32), intermediate=4 * hidden),
-        trust_remote_code=trust_remote_code, metrics=metrics, force=force,
+        trust_remote_code=trust_remote_code, verify=not no_verify, metrics=metrics, force=force,
     ))

@@ -25,6 +25,7 @@ from rlkit.options import (
     LoraDropout,
     LoraRank,
     LoraTargets,
+    NoVerify,
     OutDir,
     Seed,
     TrainDtype,
@@ -49,10 +50,20 @@ class TrainRmConfig:
     seed: int = 0
     train: TrainOptions = field(default_factory=TrainOptions)  # --dtype, --gradient-checkpointing, --lora-*
     trust_remote_code: bool = False
+    verify: bool = True  # --no-verify: load without the weights' hash check (never for a reference)
     force: bool = False
 
 
 def run(cfg: TrainRmConfig) -> Path:
+    """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
+    from rlkit import artifacts, checkpoints
+
+    with artifacts.claim_out(cfg.out, "model", {"--base": cfg.base, "--prefs": cfg.prefs}), \
+            checkpoints.verifying(cfg.verify):
+        return _run(cfg)
+
+
+def _run(cfg: TrainRmConfig) -> Path:
     import json
     import math
     import random
@@ -113,14 +124,24 @@ def run(cfg: TrainRmConfig) -> Path:
                 loss = bradley_terry_loss(scores[: len(idx)], scores[len(idx):], cfg.margin).mean() * share
                 value = loss.item() if dp is None else distributed.all_sum([loss.item() / dp.world], dp)[0]
                 if not math.isfinite(value):
-                    raise RlkitError(f"non-finite loss at step {step}; nothing was written (lower --lr, now {cfg.lr})")
+                    # the failure path only: were the starting weights finite? (later, a diverged step may have made them not)
+                    from rlkit.errors import non_finite_cause
+
+                    why = non_finite_cause({"the starting weights": model}) if step == 0 else None
+                    raise RlkitError(f"non-finite loss at step {step}; nothing was written"
+                                     + (f": {why}" if why else f" (lower --lr, now {cfg.lr})"))
                 opt.zero_grad(set_to_none=True)
                 for g in opt.param_groups:  # linear decay to 10%
                     g["lr"] = cfg.lr * (1 - 0.9 * step / max(1, steps))
                 prec.backward(loss)
                 _, stepped = prec.step([(model.parameters(), opt, 1.0)])
                 if not stepped and prec.scaler is None:
-                    raise RlkitError(f"non-finite gradient at step {step}; nothing was written (lower --lr, now {cfg.lr})")
+                    # the failure path only: were the starting weights finite? (later, a diverged step may have made them not)
+                    from rlkit.errors import non_finite_cause
+
+                    why = non_finite_cause({"the starting weights": model}) if step == 0 else None
+                    raise RlkitError(f"non-finite gradient at step {step}; nothing was written"
+                                     + (f": {why}" if why else f" (lower --lr, now {cfg.lr})"))
                 step += 1
                 losses.append(value)
                 bar.advance(1, loss=losses[-1])
@@ -265,10 +286,11 @@ def command(
     lora_dropout: LoraDropout = 0.0,
     lora_targets: LoraTargets = None,
     trust_remote_code: TrustRemoteCode = False,
+    no_verify: NoVerify = False,
     force: Force = False,
 ) -> None:
     """Train a reward model on preference pairs; prints held-out pair accuracy and a sanity report."""
     run(TrainRmConfig(base=base, prefs=prefs, out=out, epochs=epochs, lr=lr, batch_size=batch_size, margin=margin,
                       max_length=max_length, seed=seed,
                       train=train_options(dtype, gradient_checkpointing, lora_rank, lora_alpha, lora_dropout, lora_targets),
-                      trust_remote_code=trust_remote_code, force=force))
+                      trust_remote_code=trust_remote_code, verify=not no_verify, force=force))

@@ -31,6 +31,7 @@ from rlkit.options import (
     LoraDropout,
     LoraRank,
     LoraTargets,
+    NoVerify,
     OutDir,
     PolicyDir,
     TrainDtype,
@@ -68,10 +69,13 @@ class UpdateConfig:
     keep: int | None = None  # prune all but the newest K steps (never fewer than the lag bound needs)
     max_lag: int = DEFAULT_MAX_LAG
     trust_remote_code: bool = False
+    verify: bool = True  # --no-verify: load without the weights' hash check (never for a reference)
     force: bool = False
 
 
 def parse_weights(specs: tuple[str, ...]) -> dict[str, float] | None:
+    import math
+
     from rlkit.errors import RlkitError
 
     if not specs:
@@ -83,6 +87,8 @@ def parse_weights(specs: tuple[str, ...]) -> dict[str, float] | None:
             out[name.strip()] = float(w)
         except ValueError:
             eq = ""
+        if eq and not math.isfinite(out[name.strip()]):
+            raise RlkitError(f"--reward {s!r}: the weight must be a finite number")
         if not eq or not name.strip():
             raise RlkitError(f"--reward {s!r}: expected NAME=WEIGHT, e.g. verifier=1.0")
     return out
@@ -95,6 +101,19 @@ def distributed_launch() -> bool:
 
 
 def run(cfg: UpdateConfig) -> Path:
+    """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
+    from rlkit import artifacts, checkpoints
+
+    inputs = {"--policy": cfg.policy, "--in": cfg.inp, "--ref": cfg.ref}
+    if cfg.follow:  # --out is a directory of steps with its own writer lock (rlkit.follow)
+        artifacts.check_not_input(cfg.out, inputs)
+        with checkpoints.verifying(cfg.verify):
+            return _run(cfg)
+    with artifacts.claim_out(cfg.out, "model", inputs), checkpoints.verifying(cfg.verify):
+        return _run(cfg)
+
+
+def _run(cfg: UpdateConfig) -> Path:
     from rlkit import artifacts, checkpoints, console, lora, metrics_log
     from rlkit.errors import RlkitError
 
@@ -588,6 +607,7 @@ def command(
     lora_dropout: LoraDropout = 0.0,
     lora_targets: LoraTargets = None,
     trust_remote_code: TrustRemoteCode = False,
+    no_verify: NoVerify = False,
     force: Force = False,
 ) -> None:
     """One clipped policy-gradient update (GRPO family) with a KL leash; writes the next checkpoint."""
@@ -612,4 +632,4 @@ def command(
     run(UpdateConfig(policy=policy, out=out, inp=inp, rl=rl, train=train, reward=tuple(reward or ()), length_penalty=length_penalty,
                      metrics=metrics, tensorboard=tensorboard, ref=ref, max_drift=max_drift, follow=follow,
                      batch_prompts=batch_prompts, max_steps=max_steps, keep=keep, max_lag=max_lag,
-                     trust_remote_code=trust_remote_code, force=force))
+                     trust_remote_code=trust_remote_code, verify=not no_verify, force=force))

@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# The verified-weights cache (rlkit.artifacts.file_facts) of this test session, not the user's ~/.cache.
+os.environ.setdefault("RLKIT_CACHE_DIR", tempfile.mkdtemp(prefix="rlkit-test-cache-"))
 
 
 def rlkit_cmd() -> list[str]:
@@ -22,6 +25,16 @@ def run_cli(*args: str, cwd: Path | None = None, input: bytes | None = None, env
     e = {**os.environ, "RLKIT_DEBUG": "0", **(env or {})}
     return subprocess.run([*rlkit_cmd(), *args], cwd=cwd, input=input if input is not None else b"",
                           capture_output=True, env=e, timeout=timeout)
+
+
+def default_signals() -> None:
+    """`preexec_fn` for a child a test will signal: SIGINT and SIGTERM at their defaults, whatever this
+    process inherited (a suite started from a background job of a non-interactive shell runs with SIGINT
+    ignored, and a Python child that inherits that installs no KeyboardInterrupt handler)."""
+    import signal
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_DFL)
 
 
 def one_error_line(r: subprocess.CompletedProcess) -> str:

@@ -281,7 +281,9 @@ def test_follow_bad_input_one_line_each(sft_dir, ref_dir, tmp_path):
     (junk / "notes.txt").write_text("mine")
     assert "'notes.txt' is not an rlkit step directory" in one_error_line(run_cli(*update, "--out", str(junk),
                                                                                   "--in", str(scored)))
-    assert "is a model directory" in one_error_line(run_cli(*update, "--out", str(sft_dir), "--in", str(scored)))
+    assert "is a model directory" in one_error_line(run_cli(*update, "--out", str(ref_dir), "--in", str(scored)))
+    assert "one of this stage's inputs (--policy" in one_error_line(run_cli(*update, "--out", str(sft_dir), "--in",
+                                                                           str(scored)))
     assert "'notes.txt' is not an rlkit step directory" in one_error_line(
         run_cli("rollout", "--follow", str(junk), "--policy", str(sft_dir), "--out", str(tmp_path / "x.arrow")))
     assert (junk / "notes.txt").read_text() == "mine" and sorted(os.listdir(junk)) == ["notes.txt"]

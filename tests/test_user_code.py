@@ -117,6 +117,27 @@ def mixed(completion, prompts):
     return 0.0
 
 
+def spin(completion):
+    while True:
+        pass
+
+
+def sleepy(completions):
+    import time
+
+    time.sleep(1000)
+
+
+def stubborn(completion):  # catches Exception in its loop: the time limit must still end it
+    import time
+
+    while True:
+        try:
+            time.sleep(1000)
+        except Exception:
+            pass
+
+
 NOT_A_FUNCTION = 3
 '''
 
@@ -260,6 +281,40 @@ def test_bad_reward_fns_are_one_line_naming_file_function_and_row(code, fn, msg)
     assert msg in str(e.value) and f"{code}/my_rewards.py" in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize(("fn", "where"), [
+    ("spin", "row 7 (prompt_id 'p0', sample_idx 0)"),  # busy in Python
+    ("sleepy", "the batch of rows 7-9 (prompt_id 'p0' to 'p2')"),  # asleep
+    ("stubborn", "row 7 (prompt_id 'p0', sample_idx 0)"),  # swallowing Exception
+])
+def test_a_reward_fn_that_never_returns_is_stopped(code, fn, where):
+    """--reward-timeout: a call that does not return in time is one error line naming the function and the
+    row; the SIGALRM handler in place before is back after, and no timer is left armed."""
+    import signal
+    import time
+
+    def mine(signum, frame):
+        raise AssertionError("the previous SIGALRM handler ran")
+
+    before = signal.signal(signal.SIGALRM, mine)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RlkitError) as e:
+            reward_fns.load_all([f"x={code}/my_rewards.py:{fn}"], timeout=0.3)[0].score(_cols(), row0=7)
+        assert time.monotonic() - t0 < 10
+        assert str(e.value) == (f"--reward-fn x ({code}/my_rewards.py:{fn}) did not return within 0.3 s on {where}; "
+                                "raise --reward-timeout (0: no limit) or fix the function")
+        assert signal.getsignal(signal.SIGALRM) is mine and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+        # a function that returns in time is not disturbed, and 0 is no limit
+        assert reward_fns.load(f"{code}/my_rewards.py:brevity", timeout=0.3).score(_cols()) == pytest.approx(
+            [-0.01, -0.03, -0.02])
+        assert reward_fns.load(f"{code}/my_rewards.py:brevity", timeout=0).score(_cols())
+        assert signal.getsignal(signal.SIGALRM) is mine and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    finally:
+        signal.signal(signal.SIGALRM, before)
+    with pytest.raises(RlkitError, match="--reward-timeout -1 must be a number of seconds >= 0"):
+        reward_fns.load_all([], timeout=-1)
+
+
 def test_numbers_of_every_kind_are_rewards():
     import numpy as np
     import torch
@@ -356,6 +411,35 @@ def test_bad_user_code_is_one_line_and_writes_nothing(sft_dir, code):
     assert not (code / "s.arrow").exists()
     r2 = run_cli("score-ref", "--in", str(out), "--out", str(code / "s.arrow"), "--reward-fn", f"x={r}:boom", "--debug")
     assert r2.returncode != 0 and b"Traceback" in r2.stderr and b"no reward for you" in r2.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fn", ["spin", "sleepy"])
+def test_a_hung_reward_fn_stops_the_stage_in_one_line(sft_dir, code, fn):
+    """`--reward-timeout 1` on a function stuck in a Python loop or a sleep: rollout and score-ref exit
+    non-zero with one error line naming the function and the row, no traceback, nothing at --out and no
+    temporary file left beside it."""
+    import time
+
+    r, out = code / "my_rewards.py", code / "out" / "T.arrow"
+    out.parent.mkdir()
+    rows = "row 0 (prompt_id 'train-0-0', sample_idx 0)" if fn == "spin" else "the batch of rows 0-3"
+    t0 = time.monotonic()
+    res = run_cli("rollout", "--policy", str(sft_dir), "--engine", "hf", "--num-prompts", "2", "--n", "2",
+                  "--max-new-tokens", "2", "--reward-fn", f"x={r}:{fn}", "--reward-timeout", "1", "--out", str(out),
+                  timeout=120)
+    err = res.stderr.decode()
+    assert res.returncode != 0 and time.monotonic() - t0 < 120
+    errors = [x for x in err.splitlines() if x.startswith("rlkit: error:")]
+    assert errors == [err.strip().splitlines()[-1]] and "Traceback" not in err, err
+    assert errors[0].startswith(f"rlkit: error: --reward-fn x ({r}:{fn}) did not return within 1 s on {rows}")
+    assert errors[0].endswith("raise --reward-timeout (0: no limit) or fix the function")
+    assert not out.exists() and list(out.parent.iterdir()) == []
+
+    line = one_error_line(run_cli("score-ref", "--in", str(_rollouts(code / "r.arrow")), "--out", str(out),
+                                  "--reward-fn", f"x={r}:{fn}", "--reward-timeout", "1", timeout=120))
+    assert f"--reward-fn x ({r}:{fn}) did not return within 1 s on {rows}" in line
+    assert not out.exists() and list(out.parent.iterdir()) == []
 
 
 @pytest.mark.slow
