@@ -1,5 +1,6 @@
 """Rollout engines side by side at the tiny size: start-up (import, engine init) and generation time of
-the HF and vLLM engines, and how far vLLM's logged log-probs are from the trainer's forward pass.
+every registered engine (`rlkit.engines`: hf, vllm), and how far the logged log-probs of each engine
+whose log-probs are not the trainer's (`logprobs_match_trainer`) are from the trainer's forward pass.
 
 Usage: python benchmarks/engines.py [--policy DIR] [--prompts 128] [--n 8] [--repeats 3]
 Needs vLLM importable for the vLLM half (on a CPU: `make setup-vllm`); without a --policy it trains
@@ -10,6 +11,7 @@ timed --repeats times and the median printed (vLLM's first call includes its war
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import subprocess
@@ -18,23 +20,18 @@ import tempfile
 import time
 from pathlib import Path
 
+LIBRARY = {"hf": "transformers"}  # the library an engine imports, where it is not named as the engine is
+
 
 def _child(engine: str, policy: Path, prompts: int, n: int, repeats: int, dump: Path) -> None:
     t0 = time.perf_counter()
-    from rlkit import checkpoints, data, engines
+    from rlkit import data, engines
     from rlkit.tasks import get_task
 
-    if engine == "vllm":
-        import vllm  # noqa: F401
-    else:
-        import transformers  # noqa: F401
+    importlib.import_module(LIBRARY.get(engine, engine))  # the engine's library, timed apart from its start
     t1 = time.perf_counter()
-    if engine == "vllm":
-        tok = checkpoints.load_tokenizer(policy)
-        eng = engines.VLLMEngine(policy, tok, engines.VLLMOptions())
-    else:
-        model, tok = checkpoints.load_policy(policy)
-        eng = engines.HFEngine(model, tok)
+    eng = engines.create(engine, policy)
+    tok = eng.tokenizer
     t2 = time.perf_counter()
     ex = get_task("arithmetic").examples("train", prompts, 0)
     ids = data.encode_prompts(tok, [e.prompt for e in ex], False)
@@ -47,16 +44,15 @@ def _child(engine: str, policy: Path, prompts: int, n: int, repeats: int, dump: 
     dump.write_text(json.dumps({"engine": engine, "import_s": t1 - t0, "init_s": t2 - t1, "gen_s": gen_s,
                                 "samples": len(out.completion_ids), "tokens": tokens, "prompt_ids": ids,
                                 "completion_ids": out.completion_ids, "logprobs": out.logprobs}))
-    if engine == "vllm":
-        eng.close()
+    eng.close()
 
 
 def _mismatch(policy: Path, d: dict) -> tuple[float, float]:
     import torch
 
     from rlkit import checkpoints
+    from rlkit.algorithms.inputs import RLBatch, recompute_logprobs
     from rlkit.logprobs import pack_sequences
-    from rlkit.policy_update import RLBatch, recompute_logprobs
 
     model, tok = checkpoints.load_policy(policy)
     n = d["samples"] // len(d["prompt_ids"])
@@ -71,12 +67,14 @@ def _mismatch(policy: Path, d: dict) -> tuple[float, float]:
 
 
 def main() -> None:
+    from rlkit import engines  # light: the registry imports neither torch nor an engine's library
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--policy", type=Path)
     ap.add_argument("--prompts", type=int, default=128)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--child", choices=["hf", "vllm"])
+    ap.add_argument("--child", choices=list(engines.ENGINES))
     ap.add_argument("--dump", type=Path)
     a = ap.parse_args()
     if a.child:
@@ -89,7 +87,7 @@ def main() -> None:
             subprocess.run([sys.executable, "-m", "rlkit", "sft", "--num-examples", "6000", "--eval-num", "50",
                             "--out", str(policy)], check=True, capture_output=True)
         rows = {}
-        for engine in ("hf", "vllm"):
+        for engine in engines.ENGINES:  # every registered engine, each in its own process
             dump = Path(tmp) / f"{engine}.json"
             t0 = time.perf_counter()
             r = subprocess.run([sys.executable, __file__, "--child", engine, "--policy", str(policy), "--prompts",
@@ -106,11 +104,14 @@ def main() -> None:
             g = statistics.median(d["gen_s"])
             print(f"{e:8}{d['import_s']:>10.2f}{d['init_s']:>9.2f}{g:>12.2f}{d['samples'] / g:>11.0f}"
                   f"{d['process_s']:>11.1f}")
-        if "hf" in rows and "vllm" in rows:
-            print(f"vLLM / HF generation time: {statistics.median(rows['vllm']['gen_s']) / statistics.median(rows['hf']['gen_s']):.1f}x")
-        if "vllm" in rows:
-            mx, mean = _mismatch(policy, rows["vllm"])
-            print(f"vLLM log-probs vs the trainer's forward pass: max abs diff {mx:.3g}, mean {mean:.3g} nats")
+        ref = engines.FALLBACK  # hf: the engine every other one is timed against
+        base = statistics.median(rows[ref]["gen_s"]) if ref in rows else None
+        for e, d in rows.items():
+            if e != ref and base:
+                print(f"{e} / {ref} generation time: {statistics.median(d['gen_s']) / base:.1f}x")
+            if not engines.capabilities(e).logprobs_match_trainer:
+                mx, mean = _mismatch(policy, d)
+                print(f"{e} log-probs vs the trainer's forward pass: max abs diff {mx:.3g}, mean {mean:.3g} nats")
 
 
 if __name__ == "__main__":

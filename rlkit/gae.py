@@ -105,3 +105,12 @@ class AdaptiveKLController:
     @classmethod
     def from_state(cls, state: dict) -> AdaptiveKLController:
         return cls(init_kl_coef=state["value"], target=state["target"], horizon=state["horizon"])
+
+
+def explained_variance(returns: Tensor, values: Tensor) -> float | None:
+    """1 - Var(R - V) / Var(R) over the entries given (1-D, e.g. the masked tokens); None when it is
+    undefined (fewer than two entries, or returns without variance). 1: the values explain the returns."""
+    if returns.numel() > 1 and returns.var() > 0:
+        ev = 1 - float((returns - values).var() / returns.var())
+        return None if ev != ev else ev  # NaN values: undefined too
+    return None

@@ -1,22 +1,14 @@
-"""Batched generation with the Hugging Face engine: left padding, KV cache, per-sequence stop at EOS,
-batches sized by a token budget, and optionally the log-prob of every sampled token.
+"""Batched Hugging Face `generate`, what the `hf` engine samples with and `rlkit eval` decodes greedily with:
+left padding, KV cache, per-sequence stop at EOS, batches sized by a token budget, and optionally the
+log-prob of every sampled token. Returns the engines' `Generated`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from rlkit.data import token_batches
-
-
-@dataclass
-class Generated:
-    """Completions in prompt-major order: row i*n + j is sample j of prompt i."""
-
-    completion_ids: list[list[int]]  # ends with eos when finish_reason == "eos"
-    finish_reasons: list[str]  # "eos" | "length"
-    logprobs: list[list[float]] | None  # log pi(token) under the sampling distribution
+from rlkit.engines import Generated
 
 
 def generate(model, tokenizer, prompt_ids: Sequence[list[int]], *, max_new_tokens: int, n: int = 1,

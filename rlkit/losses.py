@@ -1,9 +1,11 @@
 """Policy losses: the clipped surrogate per token, kept apart from its aggregation (verl's
 `agg_loss` pattern). Aggregation modes come from `AGGREGATIONS` by name.
 
-`policy_token_loss` is the one per-token loss both RL paths (`policy_update`, `ppo`) train on.
-Every function here selects padded positions away before any exponential: masks are applied with
-`torch.where`, never by multiplying (an inf at a padded position times 0 is NaN).
+`policy_token_loss` is the one per-token loss every clipped-ratio algorithm trains on
+(`rlkit.algorithms.policy_gradient`); its importance ratio is a plug-in (`token_log_ratio` by default; an
+algorithm module may pass its own, e.g. one per sequence). Every function here selects padded positions away
+before any exponential: masks are applied with `torch.where`, never by multiplying (an inf at a padded position
+times 0 is NaN).
 """
 
 from __future__ import annotations
@@ -30,9 +32,16 @@ def clipped_surrogate(logp: Tensor, old_logp: Tensor, adv: Tensor, clip_low: flo
     under a negative advantage (an off-policy or stale sample) cannot dominate a minibatch. C must be
     > 1; None: no cap. Example: A = -1, r = 4 gives 4, capped to 3 at C = 3.
     """
+    return surrogate(logp - old_logp, adv, clip_low, clip_high, dual_clip)
+
+
+def surrogate(log_ratio: Tensor, adv: Tensor, clip_low: float = 0.2, clip_high: float = 0.28,
+              dual_clip: float | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`clipped_surrogate` on a given log importance ratio (B, T) (clamped to +-20 before exp), whatever
+    ratio the algorithm takes (per token, per sequence). -> (loss, clipped, ratio, dual_clipped), (B, T) each."""
     if adv.dim() == 1:
         adv = adv.unsqueeze(1)
-    ratio = torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1 - clip_low, 1 + clip_high)
     loss = torch.maximum(unclipped, clipped)
@@ -66,6 +75,11 @@ def importance_ess(old_logp: Tensor, engine_logp: Tensor, mask: Tensor) -> float
     return float(w.sum() ** 2 / (w.numel() * (w * w).sum()))
 
 
+def token_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:  # noqa: ARG001
+    """PPO's per-token log importance ratio log(pi_theta / pi_old). (B, T), (B, T), (B, T) -> (B, T)."""
+    return logp - old_logp
+
+
 class TokenLoss(NamedTuple):
     """`policy_token_loss`'s result; every (B, T) tensor is zero / False off the mask."""
 
@@ -77,10 +91,12 @@ class TokenLoss(NamedTuple):
 
 def policy_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float,
                       clip_high: float, dual_clip: float | None = None, tis: Tensor | None = None,
-                      ref_logp: Tensor | None = None, kl_estimator: str = "k3+", kl_coef: float = 0.0) -> TokenLoss:
-    """The per-token RL policy loss: the clipped surrogate (dual-clipped with `dual_clip`), weighted by
-    the truncated IS weights `tis` when given, plus `kl_coef` x the `kl_estimator` KL to `ref_logp`
-    when the KL sits in the loss (`kl_coef` > 0).
+                      ref_logp: Tensor | None = None, kl_estimator: str = "k3+", kl_coef: float = 0.0,
+                      log_ratio: Callable[[Tensor, Tensor, Tensor], Tensor] = token_log_ratio) -> TokenLoss:
+    """The per-token RL policy loss: the clipped surrogate (dual-clipped with `dual_clip`) of the
+    importance ratio `log_ratio(logp, old_logp, mask)` (default per token), weighted by the truncated IS
+    weights `tis` when given, plus `kl_coef` x the `kl_estimator` KL to `ref_logp` when the KL sits in
+    the loss (`kl_coef` > 0).
 
     logp (B, T) with grad; old_logp, ref_logp, tis (B, T); adv (B,) or (B, T); mask (B, T) bool.
     Off the mask every input is replaced by 0 before anything is exponentiated, so padded positions
@@ -90,7 +106,7 @@ def policy_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor,
     zero = torch.zeros_like(logp)
     lp = torch.where(m, logp, zero)
     old = torch.where(m, old_logp.to(logp.dtype), zero)
-    pg, clipped, ratio, dual = clipped_surrogate(lp, old, adv, clip_low, clip_high, dual_clip)
+    pg, clipped, ratio, dual = surrogate(log_ratio(lp, old, m), adv, clip_low, clip_high, dual_clip)
     if tis is not None:
         pg = pg * torch.where(m, tis.to(pg.dtype), zero)
     if kl_coef > 0:

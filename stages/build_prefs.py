@@ -101,10 +101,11 @@ def _sampled(cfg: BuildPrefsConfig):
     else:
         if cfg.temperature <= 0:
             raise RlkitError("--temperature must be > 0")
-        model, tokenizer = checkpoints.load_policy(cfg.policy, "fp32", cfg.trust_remote_code, merged=True)
-        gen = engines.HFEngine(model, tokenizer).sample(
-            data.encode_prompts(tokenizer, [e.prompt for e in ex], False), n=cfg.n, temperature=cfg.temperature,
-            top_p=1.0, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+        engine = engines.create("hf", cfg.policy, engines.EngineOptions(trust_remote_code=cfg.trust_remote_code))
+        tokenizer = engine.tokenizer
+        gen = engine.sample(data.encode_prompts(tokenizer, [e.prompt for e in ex], False), n=cfg.n,
+                            temperature=cfg.temperature, top_p=1.0, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+        engine.close()
         texts = tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
         samples = [texts[i * cfg.n:(i + 1) * cfg.n] for i in range(len(ex))]
     for e, s in zip(ex, samples, strict=True):

@@ -6,14 +6,16 @@ table, streamed batch by batch: prompt and completion token ids, the sampling po
 each completion token (pi_old, at the sampling temperature), the finish reason, the checkpoint's
 fingerprint and step, and each reward component as a `reward/<name>` column: `reward/verifier` (the
 task's), and one per `--reward-fn NAME=FILE.py:FUNC` (the user's function, `rlkit.reward_fns`; its
-signature is checked before the engine starts). Same seed and inputs give the same table.
+signature is checked before the engine starts). Same seed and inputs give the same table. Sampling goes
+through the `rlkit.engines` protocol: `--engine` names a registered engine (hf, vllm) or auto, and the
+engine's name is recorded in the manifest, where `engines.capabilities(name)` tells what its log-probs are worth.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -30,6 +32,9 @@ from rlkit.options import (
     Task,
     TrustRemoteCode,
 )
+
+if TYPE_CHECKING:
+    from rlkit.engines import Engine
 
 
 @dataclass(frozen=True)
@@ -88,11 +93,7 @@ def _run(cfg: RolloutConfig) -> Path | None:
 
     task = get_task(cfg.task)
     fns = reward_fns.load_all(cfg.reward_fn, taken=("verifier",), timeout=cfg.reward_timeout)  # checked now
-    if cfg.engine not in engines.ENGINES:
-        raise RlkitError(f"--engine {cfg.engine!r} is not one of {', '.join(engines.ENGINES)}")
-    if cfg.engine == "hf" and (cfg.tp != 1 or cfg.gpu_memory_utilization or cfg.max_model_len or cfg.enforce_eager):
-        raise RlkitError("--tp, --gpu-memory-utilization, --max-model-len and --enforce-eager are vLLM options; "
-                         "pass --engine vllm (or auto) with them")
+    engines.check(cfg.engine, _engine_options(cfg))  # a known name; a named engine takes these options
     if cfg.temperature <= 0 or not (0 < cfg.top_p <= 1):
         raise RlkitError("sampling needs --temperature > 0 and 0 < --top-p <= 1 (use `rlkit eval` for greedy)")
     if cfg.vllm_lora not in ("adapter", "merge"):
@@ -126,7 +127,8 @@ def _run(cfg: RolloutConfig) -> Path | None:
     if artifacts.skip_if_current(out, "rollout", cfg, inputs):
         return out
 
-    engine, tokenizer = _start_engine(cfg, cfg.policy)
+    engine = _start_engine(cfg, cfg.policy)
+    tokenizer = engine.tokenizer
     chunks = _first_made(_file_chunks(source, tokenizer, span, cfg.chunk_prompts) if source
                          else _task_chunks(task, tokenizer, cfg, span))
     if not scored:
@@ -141,8 +143,7 @@ def _run(cfg: RolloutConfig) -> Path | None:
         # chunks keep their global position and seed whatever the shard, so shards concatenate into the
         # table one job gives
         _sample(cfg, engine, tokenizer, task, w, bar, chunks, cfg.seed, 0, fp, step, scored, fns)
-    if isinstance(engine, engines.VLLMEngine):
-        engine.close()
+    engine.close()
     return out
 
 
@@ -190,9 +191,10 @@ def _run_follow(cfg: RolloutConfig, task, out: Path | None, fns=()) -> Path | No
     t0 = time.monotonic()
     if done:  # an empty, complete stream: downstream sees the run is over without an engine start
         tokenizer = checkpoints.load_tokenizer(start, cfg.trust_remote_code)
-        engine = engines.HFEngine(None, tokenizer)
+        engine = None
     else:
-        engine, tokenizer = _start_engine(cfg, start)
+        engine = _start_engine(cfg, start)
+        tokenizer = engine.tokenizer
     start_secs = time.monotonic() - t0
     console.info(f"rollout: following {root} from {start} (step {step}); engine up in {start_secs:.1f}s")
     if source is not None:
@@ -207,7 +209,9 @@ def _run_follow(cfg: RolloutConfig, task, out: Path | None, fns=()) -> Path | No
     if not scored:
         console.warn("some prompts have no gold answer: no verifier reward column is written")
     extra = [pa.field(f"reward/{n}", pa.float64()) for n in [*(["verifier"] if scored else []), *(f.name for f in fns)]]
-    manifest = artifacts.make_manifest("rollouts", "rollout", cfg, inputs, tokenizer=base_tok, engine=engine.name,
+    # no rows without an engine: the name recorded then is the fallback's, as it has always been
+    manifest = artifacts.make_manifest("rollouts", "rollout", cfg, inputs, tokenizer=base_tok,
+                                       engine=engine.name if engine is not None else engines.FALLBACK,
                                        follow={"dir": str(root), "start_step": step, "base_step": base_step})
     fp = artifacts.fingerprint(start)
     reloads: list[float] = []
@@ -248,7 +252,7 @@ def _run_follow(cfg: RolloutConfig, task, out: Path | None, fns=()) -> Path | No
             reloads.sort()
             console.info(f"rollout: {len(reloads)} weight reloads, median {reloads[len(reloads) // 2]:.3f}s, max "
                          f"{reloads[-1]:.3f}s; one engine start ({start_secs:.1f}s)")
-        if isinstance(engine, engines.VLLMEngine):
+        if engine is not None:
             engine.close()
     return out
 
@@ -261,7 +265,7 @@ def _same_tokenizer(got: str, want: str, where: Path, policy: Path) -> None:
                          "directory's steps must all come from that policy")
 
 
-def _switch(engine, s, root: Path, base_tok: str, policy: Path, tries: int = 5):
+def _switch(engine: Engine, s, root: Path, base_tok: str, policy: Path, tries: int = 5):
     """Verify step `s` (hash, tokenizer) and load it into the live engine; a step pruned meanwhile
     is replaced by the then newest. -> (the step loaded, seconds the reload took)."""
     import time
@@ -284,22 +288,23 @@ def _switch(engine, s, root: Path, base_tok: str, policy: Path, tries: int = 5):
     raise AssertionError("unreachable")
 
 
-def _start_engine(cfg: RolloutConfig, policy: Path):
-    """(engine, tokenizer) on checkpoint `policy`."""
-    from rlkit import checkpoints, console, engines
-    from rlkit.errors import RlkitError
+def _engine_options(cfg: RolloutConfig):
+    """The engine's share of the config (`engines.EngineOptions`)."""
+    from rlkit import engines
+
+    return engines.EngineOptions(seed=cfg.seed, trust_remote_code=cfg.trust_remote_code, batch_tokens=cfg.batch_tokens,
+                                 tp=cfg.tp, gpu_memory_utilization=cfg.gpu_memory_utilization, dtype=cfg.dtype,
+                                 max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager, lora=cfg.vllm_lora)
+
+
+def _start_engine(cfg: RolloutConfig, policy: Path) -> Engine:
+    """The engine --engine names (auto: resolved, and why said on stderr), started on checkpoint `policy`;
+    its `tokenizer` is the checkpoint's."""
+    from rlkit import console, engines
 
     chosen, why = engines.choose(cfg.engine)
     console.info(f"rollout: engine {chosen} ({why})")
-    if chosen == "vllm":
-        tokenizer = checkpoints.load_tokenizer(policy, cfg.trust_remote_code)
-        opts = engines.VLLMOptions(tp=cfg.tp, gpu_memory_utilization=cfg.gpu_memory_utilization, dtype=cfg.dtype,
-                                   max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager, lora=cfg.vllm_lora)
-        return engines.VLLMEngine(policy, tokenizer, opts, cfg.seed, cfg.trust_remote_code), tokenizer
-    if cfg.dtype not in ("auto", "fp32"):
-        raise RlkitError(f"--dtype {cfg.dtype}: the hf engine samples in fp32 (pass --engine vllm for other dtypes)")
-    model, tokenizer = checkpoints.load_policy(policy, "fp32", cfg.trust_remote_code, merged=True)  # LoRA: merged
-    return engines.HFEngine(model, tokenizer, cfg.batch_tokens), tokenizer
+    return engines.create(chosen, policy, _engine_options(cfg))
 
 
 @dataclass(frozen=True)
@@ -374,7 +379,7 @@ def _first_made(chunks):
     return iter(()) if first is None else itertools.chain([first], chunks)
 
 
-def _sample(cfg: RolloutConfig, engine, tokenizer, task, w, bar, chunks, seed: int, group0: int, fp: str, step: int,
+def _sample(cfg: RolloutConfig, engine: Engine, tokenizer, task, w, bar, chunks, seed: int, group0: int, fp: str, step: int,
             scored: bool, fns=()) -> None:
     """Sample each _Chunk of `chunks` and write its rows to `w`. A chunk starting at prompt c0 is seeded
     `seed * 1_000_003 + c0`; prompt p becomes group `group0 + p`. `fns` (--reward-fn) add their reward

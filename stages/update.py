@@ -1,28 +1,32 @@
-"""`rlkit update`: one policy-gradient update of the policy on one rollout batch.
+"""`rlkit update`: one update of the policy on one input batch, by the algorithm --algo names.
 
-Reads a policy checkpoint and a rollouts table (or a 'scored' one, with reference log-probs, from
-`score-ref`) on stdin or --in. Writes the next checkpoint: weights, `rlkit.json` (step + 1, metrics)
-and `trainer/` (AdamW moments and step counter as safetensors, state as JSON), which the next
+Reads a policy checkpoint and the table the algorithm trains on (rollouts, or 'scored' ones with
+reference log-probs from `score-ref`, for the policy-gradient algorithms; a scored prefs table for dpo)
+on stdin or --in. Writes the next checkpoint: weights, `rlkit.json` (step + 1, metrics) and `trainer/`
+(AdamW moments and step counter as safetensors, state as JSON; PPO adds `critic/`), which the next
 `update` resumes, so N sequential processes equal one process doing N updates.
 
-Advantages come from a registry (grpo, dr-grpo, rloo, reinforce-pp); the loss is PPO's clipped
-surrogate on pi_theta / pi_old with asymmetric clipping and a dual clip for negative advantages, run
-for --epochs passes of --minibatch-size sequences, so one rollout batch feeds many optimizer steps.
-The KL leash to pi_ref (never pi_old) is a loss term (k3+ by default: k3's value, the forward KL's
-gradient) or a reward penalty (k1 by default); `rlkit.kl` says which estimator belongs where. Metrics go to the screen, the manifest, --metrics FILE and
---tensorboard DIR; among them `drift`, the policy's relative weight distance from the reference
-(`rlkit.drift`), with a warning above --max-drift. Under torchrun the update is data-parallel
-(FSDP2, `rlkit.distributed`): same result as one process, rank 0 writes.
+The algorithms are plug-ins (`rlkit.algorithms`: each declares its defaults, input, advantages and
+loss terms) and `rlkit.trainer.Trainer` is the one training loop: --epochs passes of --minibatch-size
+sequences, so one rollout batch feeds many optimizer steps. For the clipped-ratio family the loss is
+PPO's clipped surrogate on pi_theta / pi_old with asymmetric clipping and a dual clip for negative
+advantages; the KL leash to pi_ref (never pi_old) is a loss term (k3+ by default: k3's value, the
+forward KL's gradient) or a reward penalty (k1 by default); `rlkit.kl` says which estimator belongs
+where. This module is the I/O around it: flags, input, checkpoint, metrics (the screen, the manifest,
+--metrics FILE and --tensorboard DIR; among them `drift`, the policy's relative weight distance from
+the reference, `rlkit.drift`, with a warning above --max-drift), once or `--follow`. Under torchrun the
+update is data-parallel (FSDP2, `rlkit.distributed`): same result as one process, rank 0 writes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from rlkit import algorithms
 from rlkit.options import (
     Force,
     GradCheckpointing,
@@ -100,10 +104,19 @@ def distributed_launch() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+def resolve(cfg: UpdateConfig) -> UpdateConfig:
+    """`cfg` with the algorithm's defaults filled in (`rlkit.rl_config.resolve`): what is trained and recorded."""
+    from rlkit.rl_config import resolve as resolve_rl
+
+    return replace(cfg, rl=resolve_rl(cfg.rl))
+
+
 def run(cfg: UpdateConfig) -> Path:
-    """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
+    """Resolves the algorithm's defaults, claims --out (see `artifacts.claim_out`: never over an input,
+    one writer) and runs the stage."""
     from rlkit import artifacts, checkpoints
 
+    cfg = resolve(cfg)
     inputs = {"--policy": cfg.policy, "--in": cfg.inp, "--ref": cfg.ref}
     if cfg.follow:  # --out is a directory of steps with its own writer lock (rlkit.follow)
         artifacts.check_not_input(cfg.out, inputs)
@@ -115,12 +128,13 @@ def run(cfg: UpdateConfig) -> Path:
 
 def _run(cfg: UpdateConfig) -> Path:
     from rlkit import artifacts, checkpoints, console, lora, metrics_log
-    from rlkit.errors import RlkitError
+    from rlkit.trainer import Trainer
 
     weights = parse_weights(cfg.reward)
     checkpoints.check_model_dir(cfg.policy, "policy")
+    algo = algorithms.get(cfg.rl.algo)
     if cfg.follow:
-        _check_follow(cfg)
+        _check_follow(cfg, algo)
     else:
         artifacts.check_out(cfg.out, "model")
     # Open the input on a background thread and import torch and load the policy meanwhile: in a pipe
@@ -130,191 +144,62 @@ def _run(cfg: UpdateConfig) -> Path:
     metrics_log.check_tensorboard(cfg.tensorboard)
     if cfg.ref is not None:
         checkpoints.verify_reference(cfg.ref)
-    from rlkit.rl_config import CRITIC_ALGOS, PREFERENCE_ALGOS
-
-    offline = cfg.rl.algo in PREFERENCE_ALGOS
+    if cfg.rl.kl_estimator == "k3" and cfg.rl.kl_in == "loss":
+        console.info("update: k3 in the loss descends the reverse KL(pi_ref || pi), not KL(pi || pi_ref); "
+                     "k3+ reports the same value with the forward KL's gradient")
+    inp = algo.input()
     dp = None
     if distributed_launch():
         from rlkit import distributed
 
         dp = distributed.init()
-    pending = (artifacts.open_table(cfg.inp, ["prefs"] if offline else ["rollouts", "scored"])
-               if dp is None or dp.main else None)
+    pending = artifacts.open_table(cfg.inp, list(inp.kinds)) if dp is None or dp.main else None
     if cfg.follow:
-        return _run_follow(cfg, pending, weights)
-    from rlkit import distributed, training
+        return _run_follow(cfg, inp, pending, weights)
+    from rlkit import distributed
 
     model, tokenizer = checkpoints.load_policy(cfg.policy, "fp32", cfg.trust_remote_code)
-    model = training.prepare_model(model, cfg.train, "causal-lm", base=cfg.policy)
+    t = Trainer(model, cfg.rl, tokenizer=tokenizer, train=cfg.train, base=cfg.policy, dp=dp,
+                trust_remote_code=cfg.trust_remote_code)
     reader = pending.result() if dp is None else distributed.share_table(pending, dp)
-    if offline:
-        return _run_dpo(cfg, reader, model, tokenizer, dp)
-    if cfg.rl.beta > 0 and reader.kind == "rollouts":
-        raise RlkitError(_NO_REF)
+    inp.check(reader.kind, cfg.rl)
     inputs = {"policy": artifacts.fingerprint(cfg.policy), "in": reader.fingerprint}
     if artifacts.skip_if_current(cfg.out, "update", cfg, inputs):
         return cfg.out
     table = reader.read_all()
     upstream = reader.manifest or {}
-    _check_upstream(cfg, upstream, tokenizer)
-    if any(p != inputs["policy"] for p in set(table.column("policy_fingerprint").to_pylist())):
-        console.warn("these rollouts were sampled from another checkpoint than --policy (off-policy); "
-                     "the pi_theta/pi_old ratio corrects for it, within the clip range")
-
-    if dp is not None:
-        from rlkit.logprobs import _completion_logprobs
-
-        model = distributed.shard_model(model, dp, _completion_logprobs)
-        console.info(f"update: data-parallel over {dp.world} processes ({dp.device.type}, FSDP2)")
-    t = _Trainer(cfg, model, tokenizer, dp, weights, step=checkpoints.policy_step(cfg.policy))
-    t.load_state(cfg.policy, CRITIC_ALGOS)
-    engine = upstream.get("engine")
-    recompute = cfg.rl.old_logprobs == "recompute" or (cfg.rl.old_logprobs == "auto" and (
-        engine != "hf" or cfg.train.dtype != "fp32"))
-    if cfg.rl.old_logprobs == "auto" and recompute:
-        why = (f"rollouts sampled by engine {engine or 'unknown'}" if engine != "hf" else
-               f"--dtype {cfg.train.dtype} computes other log-probs than the fp32 engine")
-        console.info(f"update: {why}: recomputing pi_old with the trainer (--old-logprobs engine to trust the engine's)")
-    metrics, used = t.train(table, upstream, cfg.rl, recompute, label=reader.label)
+    inp.check_upstream(upstream, tokenizer, cfg.policy)
+    loaded = inp.load(table, upstream=upstream, tokenizer=tokenizer, rl=cfg.rl, dtype=cfg.train.dtype, weights=weights,
+                      length_penalty=cfg.length_penalty, policy_fingerprint=inputs["policy"], label=reader.label)
+    t.load(cfg.policy)
+    step = checkpoints.policy_step(cfg.policy) + 1
+    metrics = {"step": step, **loaded.metrics,
+               **t.train(loaded.batch, progress=lambda n: console.progress("update", n), **loaded.train)}
     # gathered on every rank (collectives) under data parallelism; rank 0 alone writes
     gathered = t.gather()
     if distributed.stand_down(dp, metrics):
         return cfg.out
-    metrics.update(_drift(cfg, lora.plain_state_dict(t.model, gathered[0]),
-                          upstream.get("reference")))
-    manifest = artifacts.make_manifest("model", "update", cfg, inputs, step=metrics["step"], metrics=metrics,
-                                       reward_weights=used)
+    metrics.update(_drift(cfg, lora.plain_state_dict(t.model, gathered[0]), upstream.get("reference")))
+    manifest = artifacts.make_manifest("model", "update", cfg, inputs, step=step, metrics=metrics,
+                                       **_reward_weights(loaded))
     with artifacts.atomic_dir(cfg.out) as tmp:
         t.save(tmp, manifest, gathered)
     metrics_log.write({"stage": "update", "out": str(cfg.out), **metrics}, cfg.metrics, cfg.tensorboard)
-    _show(metrics)
+    _show(metrics, inp, t.algo)
     distributed.barrier(dp)
     return cfg.out
 
 
-_NO_REF = ("--beta > 0 needs reference log-probs, but the input has none: pipe the rollouts through "
-           "`rlkit score-ref --ref REF` first (or pass --beta 0)")
+def _reward_weights(loaded) -> dict:
+    return {} if loaded.reward_weights is None else {"reward_weights": loaded.reward_weights}
 
 
-def _check_upstream(cfg: UpdateConfig, upstream: dict, tokenizer) -> None:
-    from rlkit import checkpoints
-    from rlkit.errors import RlkitError
-
-    want = upstream.get("tokenizer")
-    if want and want != checkpoints.tokenizer_fingerprint(tokenizer):
-        raise RlkitError(f"policy {cfg.policy} has a different tokenizer from the one that sampled these rollouts")
-
-
-class _Trainer:
-    """The policy (and PPO's critic) with their optimizers and counters, kept in memory across the
-    updates of one process: one update without --follow, one per batch of prompts with it."""
-
-    def __init__(self, cfg: UpdateConfig, model, tokenizer, dp, weights: dict[str, float] | None, step: int) -> None:
-        self.cfg, self.model, self.tokenizer, self.dp, self.weights, self.step = cfg, model, tokenizer, dp, weights, step
-        self.critic = self.critic_opt = self.cstate = self.ctrl = None
-        self.said_reward = False
-        from rlkit.training import Precision
-
-        self.prec = Precision(cfg.train.dtype, dp.device.type if dp is not None else "cpu")
-
-    def load_state(self, src: Path, critic_algos) -> None:
-        """Optimizer, counters and RNG (and the critic) from checkpoint `src`; fresh when it has none."""
-        from rlkit import console, policy_update
-
-        self.opt = policy_update.make_optimizer(self.model, self.cfg.rl)
-        self.state = policy_update.load_trainer(self.model, self.opt, src / policy_update.TRAINER_DIR, self.dp)
-        self.prec.load_state(self.state.precision)
-        if self.cfg.rl.algo in critic_algos:
-            from rlkit import ppo
-
-            self.critic, self.critic_opt, self.cstate, self.ctrl, origin = ppo.load_critic(
-                src, self.cfg.rl, self.tokenizer, self.cfg.trust_remote_code, self.dp, self.cfg.train, self.model)
-            console.info(f"update: critic {origin}")
-
-    def train(self, table, upstream: dict, rl, recompute: bool, lags=None, label: str = "the input") -> tuple[dict, dict]:
-        """One update on `table` (whole groups) -> (metrics, reward weights used); self.step advances."""
-        from rlkit import console, policy_update
-        from rlkit.advantages import GROUP_BASELINE
-        from rlkit.errors import RlkitError
-
-        cfg = self.cfg
-        for col in ("prompt_ids", "completion_ids", "old_logprobs"):
-            if table.column(col).null_count:
-                raise RlkitError(f"{label}: column '{col}' has missing values; rollouts need token ids and log-probs")
-        rollout_cfg = upstream.get("rollout") or upstream.get("config") or {}
-        temperature = float(upstream.get("temperature", rollout_cfg.get("temperature", 1.0)))
-        batch, used = policy_update.build_batch(table, self.tokenizer.pad_token_id, self.weights, cfg.length_penalty)
-        length_norm = float(rollout_cfg.get("max_new_tokens") or batch.targets.shape[1])  # Dr. GRPO's constant
-        if not self.said_reward:
-            console.info("update: reward = " + " + ".join(f"{w:g}*{k}" for k, w in used.items())
-                         + (" (the sum of the components present; weigh them with --reward NAME=W)"
-                            if self.weights is None else ""))
-            self.said_reward = True
-        steps = rl.epochs * -(-len(table) // rl.minibatch_size)
-        with console.progress(f"update step {self.step + 1}" if cfg.follow else "update", steps) as bar:
-            if self.critic is not None:
-                from rlkit import ppo
-
-                m = ppo.train_ppo(self.model, self.critic, self.opt, self.critic_opt, self.state, self.cstate,
-                                  self.ctrl, batch, rl, temperature, bar, recompute, self.dp, length_norm, self.prec)
-            else:
-                m = policy_update.train_on_batch(self.model, self.opt, self.state, batch, rl, temperature,
-                                                 length_norm, bar, recompute, self.dp, lags=lags, prec=self.prec)
-        if m.get("singleton_groups") and rl.algo in GROUP_BASELINE:
-            console.warn(f"update: {m['singleton_groups']} groups have one sample and get advantage 0 under --algo "
-                         f"{rl.algo} (no group baseline); sample --n >= 2 or use --algo reinforce-pp")
-        comps = {n.split("/", 1)[1]: table.column(n).to_pylist() for n in table.column_names
-                 if n.startswith("reward/")}
-        if cfg.length_penalty:
-            comps["length_penalty"] = [-cfg.length_penalty * len(c) for c in table.column("completion_ids").to_pylist()]
-        rew = batch.rewards
-        self.step += 1
-        metrics = {
-            "step": self.step,
-            "reward_mean": float(rew.mean()),
-            "reward_std": float(rew.std()) if len(rew) > 1 else 0.0,
-            **{f"reward/{k}": sum(v) / len(v) for k, v in comps.items()},
-            **({"verifier_accuracy": sum(v == 1.0 for v in comps["verifier"]) / len(comps["verifier"])}
-               if "verifier" in comps else {}),
-            **m,
-        }
-        return metrics, used
-
-    def gather(self) -> tuple:
-        """(full policy weights or None, optimizer tensors, critic's): collectives under data parallelism."""
-        from rlkit import distributed, policy_update
-
-        full = distributed.full_model_state(self.model) if self.dp is not None else None
-        opt_tensors = policy_update.trainer_tensors(self.model, self.opt, self.dp)
-        critic = None
-        if self.critic is not None:
-            from rlkit import ppo
-
-            critic = ppo.gather_critic(self.critic, self.critic_opt, self.dp)
-        return full, opt_tensors, critic
-
-    def save(self, tmp: Path, manifest: dict, gathered: tuple, write_manifest: bool = True) -> dict:
-        from rlkit import checkpoints, policy_update
-
-        full, opt_tensors, critic = gathered
-        self.state.precision = self.prec.state()
-        manifest = checkpoints.save_model(self.model, self.tokenizer, tmp, manifest, state_dict=full,
-                                          write_manifest=write_manifest)
-        policy_update.save_trainer(self.model, self.opt, self.state, tmp / policy_update.TRAINER_DIR, opt_tensors)
-        if self.critic is not None:
-            from rlkit import ppo
-
-            ppo.save_critic(self.critic, self.critic_opt, self.cstate, self.ctrl, tmp / ppo.CRITIC_DIR, critic)
-        return manifest
-
-
-def _check_follow(cfg: UpdateConfig) -> None:
+def _check_follow(cfg: UpdateConfig, algo) -> None:
     from rlkit import follow
     from rlkit.errors import RlkitError
-    from rlkit.rl_config import PREFERENCE_ALGOS
 
-    if cfg.rl.algo in PREFERENCE_ALGOS:
-        raise RlkitError("--follow trains on a stream of rollouts; --algo dpo is offline (run it without --follow)")
+    if "rollouts" not in algo.input.kinds:
+        raise RlkitError(f"--follow trains on a stream of rollouts; --algo {cfg.rl.algo} is offline (run it without --follow)")
     if distributed_launch():
         raise RlkitError("--follow runs in one process for now: launch it without torchrun (or run per-round "
                          "updates under torchrun)")
@@ -323,13 +208,12 @@ def _check_follow(cfg: UpdateConfig) -> None:
     follow.check_root(cfg.out)
 
 
-def _run_follow(cfg: UpdateConfig, pending, weights: dict[str, float] | None) -> Path:
+def _run_follow(cfg: UpdateConfig, inp, pending, weights: dict[str, float] | None) -> Path:
     """`update --follow`: one step per --batch-prompts prompts of the stream, published into --out."""
-    from dataclasses import replace
-
     from rlkit import artifacts, checkpoints, console, follow, lora, metrics_log
     from rlkit.errors import RlkitError
-    from rlkit.rl_config import CRITIC_ALGOS
+    from rlkit.follow_batches import Batcher
+    from rlkit.trainer import Trainer
 
     root = cfg.out
     base_fp = artifacts.fingerprint(cfg.policy)
@@ -350,25 +234,22 @@ def _run_follow(cfg: UpdateConfig, pending, weights: dict[str, float] | None) ->
                 raise RlkitError(f"{root} holds a run started from another --policy than {cfg.policy} (or one changed "
                                  "since); pass that --policy or a new --out")
         model, tokenizer = checkpoints.load_policy(start, "fp32", cfg.trust_remote_code)
-        from rlkit import training
-
-        model = training.prepare_model(model, cfg.train, "causal-lm", base=start)
+        t = Trainer(model, cfg.rl, tokenizer=tokenizer, train=cfg.train, base=start,
+                    trust_remote_code=cfg.trust_remote_code)
         base_tok = checkpoints.load_tokenizer(cfg.policy, cfg.trust_remote_code)
         if checkpoints.tokenizer_fingerprint(tokenizer) != checkpoints.tokenizer_fingerprint(base_tok):
             raise RlkitError(f"{start} has a different tokenizer from --policy {cfg.policy}")
-        t = _Trainer(cfg, model, tokenizer, None, weights, step=checkpoints.policy_step(start))
-        t.load_state(start, CRITIC_ALGOS)
-        done = t.step - base_step
+        t.load(start)
+        step = checkpoints.policy_step(start)
         if steps:
-            console.info(f"update: resuming {root} from {start.name} (step {t.step}; {done} steps after --policy)")
-        if cfg.max_steps is not None and done >= cfg.max_steps:
+            console.info(f"update: resuming {root} from {start.name} (step {step}; {step - base_step} steps after --policy)")
+        if cfg.max_steps is not None and step - base_step >= cfg.max_steps:
             console.info(f"update: {root} already has --max-steps {cfg.max_steps} steps after --policy; nothing to do")
             return root
         reader = pending.result()
         upstream = reader.manifest or {}
-        if cfg.rl.beta > 0 and reader.kind == "rollouts":
-            raise RlkitError(_NO_REF)
-        _check_upstream(cfg, upstream, tokenizer)
+        inp.check(reader.kind, cfg.rl)
+        inp.check_upstream(upstream, tokenizer, cfg.policy)
         rollout_cfg = upstream.get("rollout") or upstream.get("config") or {}
         P = cfg.batch_prompts or rollout_cfg.get("batch_prompts")
         if P is None:
@@ -378,7 +259,6 @@ def _run_follow(cfg: UpdateConfig, pending, weights: dict[str, float] | None) ->
             raise RlkitError(f"--batch-prompts {P} differs from the upstream rollout's {rollout_cfg['batch_prompts']}; "
                              "the two would wait on each other forever (leave it out here)")
         n = rollout_cfg.get("n") if rollout_cfg.get("follow") else None
-        engine = upstream.get("engine")
         cap = cfg.rl.tis_cap if cfg.rl.tis_cap is not None else DEFAULT_FOLLOW_TIS_CAP
         keep = None if cfg.keep is None else max(cfg.keep, cfg.max_lag + 2)
         if cfg.keep is not None and keep != cfg.keep:
@@ -387,92 +267,37 @@ def _run_follow(cfg: UpdateConfig, pending, weights: dict[str, float] | None) ->
         inputs = {"policy": base_fp, "in": reader.fingerprint}
         ref_cache: dict = {}
         dropped = 0
-        batches = _Batcher(reader, P, n, cfg.max_lag)
-        while cfg.max_steps is None or t.step - base_step < cfg.max_steps:
-            got = batches.next(t.step)
+        batches = Batcher(reader, P, n, cfg.max_lag)
+        while cfg.max_steps is None or step - base_step < cfg.max_steps:
+            got = batches.next(step)
             if got is None:
-                console.info(f"update: the input ended; last step {t.step}" + (
+                console.info(f"update: the input ended; last step {step}" + (
                     f" ({batches.leftover} rows of an unfinished batch left untrained)" if batches.leftover else ""))
                 return root
             table, lags, drop = got
             dropped += drop
-            lag_max = int(lags.max())
-            recompute = cfg.rl.old_logprobs == "recompute" or (
-                cfg.rl.old_logprobs == "auto" and (engine != "hf" or lag_max > 0 or cfg.train.dtype != "fp32"))
-            rl = replace(cfg.rl, tis_cap=(cap or None) if recompute else None)
-            metrics, used = t.train(table, upstream, rl, recompute, lags=lags, label=reader.label)
-            metrics.update(lag_mean=float(lags.float().mean()), lag_max=lag_max, rows_dropped=drop,
+            loaded = inp.load(table, upstream=upstream, tokenizer=tokenizer, rl=cfg.rl, dtype=cfg.train.dtype,
+                              weights=weights, length_penalty=cfg.length_penalty, lags=lags, label=reader.label)
+            # decoupled PPO: a recomputed pi_old is the proximal policy, weighed by proximal / behaviour, capped
+            rl = replace(cfg.rl, tis_cap=(cap or None) if loaded.train["recompute"] else None)
+            m = t.train(loaded.batch, cfg=rl, progress=lambda n, s=step: console.progress(f"update step {s + 1}", n),
+                        **loaded.train)
+            step += 1
+            metrics = {"step": step, **loaded.metrics, **m}
+            metrics.update(lag_mean=float(lags.float().mean()), lag_max=int(lags.max()), rows_dropped=drop,
                            rows_dropped_total=dropped, prompts=P)
             metrics.update(_drift(cfg, lora.plain_state_dict(t.model), upstream.get("reference"), ref_cache))
             manifest = artifacts.make_manifest(
-                "model", "update", cfg, inputs, step=t.step, metrics=metrics, reward_weights=used,
+                "model", "update", cfg, inputs, step=step, metrics=metrics, **_reward_weights(loaded),
                 follow={"base": str(cfg.policy), "base_fingerprint": base_fp, "base_step": base_step})
-            path = follow.publish(root, t.step, lambda tmp, m=manifest: t.save(tmp, m, t.gather(), write_manifest=False))
+            path = follow.publish(root, step, lambda tmp, m=manifest: t.save(tmp, m, t.gather(), write_manifest=False))
             pruned = follow.prune(root, keep) if keep is not None else []
             metrics_log.write({"stage": "update", "out": str(path), **metrics}, cfg.metrics, cfg.tensorboard)
-            _show(metrics)
-            console.info(f"update: wrote {path} (lag mean {metrics['lag_mean']:.2f}, max {lag_max}; "
+            _show(metrics, inp, t.algo)
+            console.info(f"update: wrote {path} (lag mean {metrics['lag_mean']:.2f}, max {metrics['lag_max']}; "
                          f"{drop} rows dropped)" + (f"; pruned steps {pruned}" if pruned else ""))
-        console.info(f"update: --max-steps {cfg.max_steps} reached (step {t.step}); stopping")
+        console.info(f"update: --max-steps {cfg.max_steps} reached (step {step}); stopping")
         return root
-
-
-class _Batcher:
-    """Cuts a stream of rollout record batches into tables of P whole prompt groups (rows of a group
-    are contiguous, as `rollout` writes them), dropping the rows whose lag behind the current step
-    (step - policy_step) exceeds `max_lag`. With `n` (the group size) a batch is cut as soon as its
-    P-th group is complete, so a paced upstream is never waited on for rows it will not send yet."""
-
-    def __init__(self, reader, P: int, n: int | None, max_lag: int) -> None:
-        self.reader, self.it, self.P, self.n, self.max_lag = reader, iter(reader), P, n, max_lag
-        self.buf = None
-        self.ended = False
-        self.leftover = 0
-
-    def _cut(self) -> int:
-        import numpy as np
-
-        g = self.buf.column("group_id").to_numpy()
-        starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
-        if len(starts) > self.P:
-            return int(starts[self.P])
-        if len(starts) == self.P and (self.ended or (self.n and len(g) - starts[-1] >= self.n)):
-            return len(g)
-        return 0
-
-    def next(self, step: int):
-        """(table, lags (rows,) long tensor, rows dropped since the last batch), or None at the end."""
-        import numpy as np
-        import pyarrow as pa
-        import torch
-
-        from rlkit.errors import RlkitError
-
-        dropped = 0
-        while True:
-            if self.buf is not None and self.buf.num_rows:
-                lag = step - self.buf.column("policy_step").to_numpy()
-                if (lag < 0).any():
-                    raise RlkitError(f"{self.reader.label}: rows sampled by step {int(step - lag.min())}, newer than "
-                                     f"this update's step {step}: the rollout follows another directory than --out")
-                stale = lag > self.max_lag
-                if stale.any():
-                    self.buf = self.buf.filter(pa.array(~stale))
-                    dropped += int(stale.sum())
-                    continue
-                cut = self._cut()
-                if cut:
-                    out, self.buf = self.buf.slice(0, cut), self.buf.slice(cut)
-                    return out, torch.from_numpy(np.ascontiguousarray(lag[:cut])).long(), dropped
-            if self.ended:
-                self.leftover = self.buf.num_rows if self.buf is not None else 0
-                return None
-            batch = next(self.it, None)
-            if batch is None:
-                self.ended = True
-                continue
-            t = pa.Table.from_batches([batch])
-            self.buf = t if self.buf is None else pa.concat_tables([self.buf, t])
 
 
 def _drift(cfg: UpdateConfig, params: dict, upstream_ref: str | None, cache: dict | None = None) -> dict:
@@ -503,59 +328,20 @@ def _drift(cfg: UpdateConfig, params: dict, upstream_ref: str | None, cache: dic
     return {"drift": d}
 
 
-def _run_dpo(cfg: UpdateConfig, reader, model, tokenizer, dp=None) -> Path:
-    """--algo dpo: offline, on a prefs table scored by the reference."""
-    from rlkit import artifacts, checkpoints, console, distributed, lora, metrics_log, policy_update
-
-    inputs = {"policy": artifacts.fingerprint(cfg.policy), "in": reader.fingerprint}
-    if artifacts.skip_if_current(cfg.out, "update", cfg, inputs):
-        return cfg.out
-    table = reader.read_all()
-    batch = policy_update.build_pref_batch(table, tokenizer)
-    if dp is not None:
-        from rlkit.logprobs import _completion_logprobs
-
-        model = distributed.shard_model(model, dp, _completion_logprobs)
-        console.info(f"update: data-parallel over {dp.world} processes ({dp.device.type}, FSDP2)")
-    from rlkit.training import Precision
-
-    opt = policy_update.make_optimizer(model, cfg.rl)
-    state = policy_update.load_trainer(model, opt, cfg.policy / policy_update.TRAINER_DIR, dp)
-    prec = Precision(cfg.train.dtype, dp.device.type if dp is not None else "cpu")
-    prec.load_state(state.precision)
-    n_train = int((~batch.heldout).sum())
-    with console.progress("update", cfg.rl.epochs * -(-n_train // cfg.rl.minibatch_size)) as bar:
-        m = policy_update.train_dpo(model, opt, state, batch, cfg.rl, bar, dp=dp, prec=prec)
-    state.precision = prec.state()
-    metrics = {"step": checkpoints.policy_step(cfg.policy) + 1, "algo": "dpo", "beta": cfg.rl.beta, **m}
-    full = distributed.full_model_state(model) if dp is not None else None
-    opt_tensors = policy_update.trainer_tensors(model, opt, dp)
-    if distributed.stand_down(dp, metrics):
-        return cfg.out
-    metrics.update(_drift(cfg, lora.plain_state_dict(model, full),
-                          (reader.manifest or {}).get("reference")))
-    manifest = artifacts.make_manifest("model", "update", cfg, inputs, step=metrics["step"], metrics=metrics)
-    with artifacts.atomic_dir(cfg.out) as tmp:
-        checkpoints.save_model(model, tokenizer, tmp, manifest, state_dict=full)
-        policy_update.save_trainer(model, opt, state, tmp / policy_update.TRAINER_DIR, opt_tensors)
-    metrics_log.write({"stage": "update", "out": str(cfg.out), **metrics}, cfg.metrics, cfg.tensorboard)
-    _show(metrics, [k for k in metrics if k.startswith(("train_", "heldout_", "loss", "grad_norm", "drift"))])
-    distributed.barrier(dp)
-    return cfg.out
+# shown after every update, around the input's and the algorithm's own metrics
+_SHOWN_FOLLOW = ("lag_mean", "lag_max", "rows_dropped")
+_SHOWN_TRAINER = ("grad_norm", "loss_scale", "skipped_steps", "drift", "optimizer_steps", "tokens_per_s",
+                  "train_seconds")
 
 
-def _show(metrics: dict, keys: list[str] | None = None) -> None:
+def _show(metrics: dict, inp, algo) -> None:
     from rich.table import Table
 
     from rlkit import console
 
     t = Table(title=f"update step {metrics['step']}", show_header=False)
-    default = ("reward_mean", "reward_std", "verifier_accuracy", "kl_per_token", "kl_per_seq", "entropy",
-            "clip_fraction", "dual_clip_fraction", "ratio_min", "ratio_mean", "ratio_max", "logprob_mismatch", "logprob_mismatch_max",
-            "tis_weight_mean", "tis_capped_fraction", "is_ess", "lag_mean", "lag_max", "rows_dropped", "kl_coef", "kl_coef_next", "value_loss", "value_clip_fraction",
-            "explained_variance", "grad_norm", "loss_scale", "skipped_steps", "mean_response_tokens", "drift",
-            "degenerate_group_fraction", "optimizer_steps", "tokens_per_s", "train_seconds")
-    for k in keys or (*[k for k in metrics if k.startswith("reward/")], *default):
+    keys = (*[k for k in metrics if k.startswith("reward/")], *inp.shown, *algo.shown, *_SHOWN_FOLLOW, *_SHOWN_TRAINER)
+    for k in dict.fromkeys(keys):
         v = metrics.get(k)
         if v is not None:
             t.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
@@ -566,23 +352,23 @@ def command(
     policy: PolicyDir,
     out: OutDir,
     inp: InTable = None,
-    algo: Annotated[str, typer.Option(help="grpo, dr-grpo, rloo or reinforce-pp (rollouts in; a group of one sample gets advantage 0 from the group-based ones, reinforce-pp whitens over all completion tokens of the batch); ppo (a critic); dpo (a prefs table scored by score-ref in).")] = "grpo",
+    algo: Annotated[str, typer.Option(help=f"The algorithm ({algorithms.help_text()}). Each sets its own defaults for --beta, --kl-in, --loss-agg, --clip-low and --clip-high.")] = RLConfig.algo,
     lr: Annotated[float, typer.Option(help="AdamW learning rate (default suits the tiny model; ~1e-6 for 1B+ models).")] = RLConfig.lr,
     epochs: Annotated[int, typer.Option(min=1, help="Passes over the rollout batch.")] = RLConfig.epochs,
     minibatch_size: Annotated[int, typer.Option(min=1, help="Sequences per optimizer step.")] = RLConfig.minibatch_size,
-    clip_low: Annotated[float, typer.Option(help="Ratio clip below 1: 1 - clip_low.")] = RLConfig.clip_low,
-    clip_high: Annotated[float, typer.Option(help="Ratio clip above 1: 1 + clip_high.")] = RLConfig.clip_high,
+    clip_low: Annotated[float | None, typer.Option(help="Ratio clip below 1: 1 - clip_low (default: per --algo; 0.2 for most).")] = None,
+    clip_high: Annotated[float | None, typer.Option(help="Ratio clip above 1: 1 + clip_high (default: per --algo; 0.28 for most).")] = None,
     dual_clip: Annotated[float, typer.Option(help="Dual clip C (verl's clip_ratio_c): for a negative advantage the clipped loss is capped at -C*A, so a ratio far above 1 cannot blow it up; must be > 1; 0 turns it off.")] = DEFAULT_DUAL_CLIP,
-    beta: Annotated[float | None, typer.Option(help=f"KL coefficient to the reference (0: no reference needed; default {RLConfig.beta}); for --algo dpo, DPO's beta (default 0.1).")] = None,
+    beta: Annotated[float | None, typer.Option(help="KL coefficient to the reference (0: no reference needed); for --algo dpo, DPO's beta. Default: per --algo (0.01 for most; dpo 0.1).")] = None,
     kl_estimator: Annotated[str | None, typer.Option(help="KL estimator: k1, k2, k3 or k3+. In the reward use k1 (its default): only the log-ratio makes the penalised reward's policy gradient the gradient of KL(pi||pi_ref). In the loss use k3+ (its default: k3's unbiased low-variance value, k2's gradient, which in expectation is the gradient of KL(pi||pi_ref)) or k2; k3 in the loss descends the reverse KL(pi_ref||pi) instead, and k1 in the loss has zero expected gradient (refused).")] = None,
-    kl_in: Annotated[str | None, typer.Option(help="Where the KL goes: loss (a loss term) or reward (a per-token penalty); default reward for ppo, loss otherwise.")] = None,
+    kl_in: Annotated[str | None, typer.Option(help="Where the KL goes: loss (a loss term) or reward (a per-token penalty); default: per --algo (reward for ppo, loss otherwise).")] = None,
     loss_agg: Annotated[str | None, typer.Option(help="token-mean, seq-mean-token-mean (mean over non-empty responses of their token means) or seq-mean-token-sum-norm (token sums / (responses x the rollout's max_new_tokens)); default: per --algo.")] = None,
-    drop_degenerate: Annotated[bool, typer.Option(help="Leave out groups whose rewards are all equal.")] = False,
+    drop_degenerate: Annotated[bool, typer.Option(help="Leave out groups whose rewards are all equal (their rows are not trained on; advantages and metrics still see the whole batch).")] = False,
     reward: Annotated[list[str] | None, typer.Option(help="Reward component weight NAME=W (repeatable), e.g. verifier=1 rm:helpful=0.7; default: sum of all components.")] = None,
     length_penalty: Annotated[float, typer.Option(min=0.0, help="Subtract this times the completion length in tokens from the reward (a 'length_penalty' component).")] = 0.0,
     grad_clip: Annotated[float, typer.Option(help="Gradient norm clip.")] = RLConfig.grad_clip,
-    warmup_steps: Annotated[int, typer.Option(min=0, help="Linear LR warmup over this many optimizer steps (counted across updates).")] = 0,
-    seed: Annotated[int, typer.Option(help="Seed of the minibatch order.")] = 0,
+    warmup_steps: Annotated[int, typer.Option(min=0, help="Linear LR warmup over this many optimizer steps (counted across updates).")] = RLConfig.warmup_steps,
+    seed: Annotated[int, typer.Option(help="Seed of the minibatch order.")] = RLConfig.seed,
     gamma: Annotated[float, typer.Option(help="ppo: GAE discount.")] = RLConfig.gamma,
     lam: Annotated[float, typer.Option(help="ppo: GAE lambda.")] = RLConfig.lam,
     vf_clip: Annotated[float, typer.Option(help="ppo: value clip range around the old values.")] = RLConfig.vf_clip,
@@ -610,18 +396,7 @@ def command(
     no_verify: NoVerify = False,
     force: Force = False,
 ) -> None:
-    """One clipped policy-gradient update (GRPO family) with a KL leash; writes the next checkpoint."""
-    from rlkit.rl_config import DEFAULT_BETA, DEFAULT_KL_ESTIMATOR
-
-    if kl_estimator == "k3" and (kl_in or ("reward" if algo == "ppo" else RLConfig.kl_in)) == "loss":
-        from rlkit import console
-
-        console.info("update: k3 in the loss descends the reverse KL(pi_ref || pi), not KL(pi || pi_ref); "
-                     "k3+ reports the same value with the forward KL's gradient")
-
-    beta = beta if beta is not None else DEFAULT_BETA.get(algo, RLConfig.beta)
-    kl_in = kl_in or ("reward" if algo == "ppo" else RLConfig.kl_in)
-    kl_estimator = kl_estimator or DEFAULT_KL_ESTIMATOR.get(kl_in, RLConfig.kl_estimator)
+    """One update of the policy by the --algo named (GRPO family, PPO, DPO, ...); writes the next checkpoint."""
     rl = RLConfig(algo=algo, lr=lr, epochs=epochs, minibatch_size=minibatch_size, clip_low=clip_low, clip_high=clip_high,
                   dual_clip=dual_clip or None,
                   beta=beta, kl_estimator=kl_estimator, kl_in=kl_in, loss_agg=loss_agg, drop_degenerate=drop_degenerate,

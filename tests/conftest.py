@@ -66,17 +66,18 @@ def ref_dir(sft_dir, tmp_path_factory) -> Path:
 
 
 def updates_in_one_process(model, tok, cfg, tables: list[Path]):
-    """The GRPO-family updates `rlkit update` runs, one per rollouts table, in this process with the optimizer
-    kept in memory: what N sequential `update` processes must equal. -> the TrainerState after them."""
-    from rlkit import artifacts, policy_update
+    """The updates `rlkit update` runs, one per rollouts table, in this process with one Trainer (optimizer
+    kept in memory): what N sequential `update` processes must equal. -> the TrainerState after them."""
+    from rlkit import artifacts
+    from rlkit.algorithms.inputs import build_batch
+    from rlkit.trainer import Trainer
 
-    opt = policy_update.make_optimizer(model, cfg)
-    state = policy_update.TrainerState()
+    trainer = Trainer(model, cfg, tokenizer=tok)
     for src in tables:
         t, _ = artifacts.read_table(src, ["rollouts"])
-        batch, _ = policy_update.build_batch(t, tok.pad_token_id)
-        policy_update.train_on_batch(model, opt, state, batch, cfg, 1.0, 16.0)
-    return state
+        batch, _ = build_batch(t, tok.pad_token_id)
+        trainer.train(batch, temperature=1.0, length_norm=16.0)
+    return trainer.state
 
 
 def make_lora_checkpoint(base: Path, out: Path, seed: int, rank: int = 4) -> Path:

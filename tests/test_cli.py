@@ -6,10 +6,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+from rlkit import algorithms
 from rlkit.cli import app
 
 from conftest import default_signals, one_error_line, rlkit_cmd, run_cli
@@ -55,16 +57,36 @@ def test_update_flags_map_into_the_rl_config(monkeypatch, tmp_path):
     seen = _capture(monkeypatch, update)
     base = ["update", "--policy", "p", "--out", str(tmp_path / "o")]
     assert runner.invoke(app, base).exit_code == 0
-    rl = seen[-1].rl
+    rl = update.resolve(seen[-1]).rl  # what `run` trains with and records
     assert (rl.kl_in, rl.kl_estimator, rl.dual_clip) == ("loss", "k3+", 3.0)  # the forward KL's gradient in the loss
     assert runner.invoke(app, [*base, "--algo", "ppo"]).exit_code == 0
-    assert (seen[-1].rl.kl_in, seen[-1].rl.kl_estimator) == ("reward", "k1")
+    rl = update.resolve(seen[-1]).rl
+    assert (rl.kl_in, rl.kl_estimator) == ("reward", "k1")
     assert runner.invoke(app, [*base, "--dual-clip", "0", "--kl-estimator", "k2"]).exit_code == 0
     assert (seen[-1].rl.dual_clip, seen[-1].rl.kl_estimator) == (None, "k2")
-    assert runner.invoke(app, [*base, "--dual-clip", "2.5"]).exit_code == 0
-    assert seen[-1].rl.dual_clip == 2.5
+    assert runner.invoke(app, [*base, "--dual-clip", "2.5", "--algo", "dpo", "--beta", "0.3"]).exit_code == 0
+    assert (seen[-1].rl.dual_clip, update.resolve(seen[-1]).rl.beta) == (2.5, 0.3)  # a flag beats the default
     r = runner.invoke(app, ["update", "--help"], env={"COLUMNS": "400"})
     assert "k3+" in r.output and "nats per sequence" in r.output
+
+
+@pytest.mark.parametrize("algo", algorithms.names())
+def test_update_from_python_gets_the_cli_defaults(monkeypatch, tmp_path, algo):
+    """`run(UpdateConfig(...))` trains with exactly what `rlkit update --algo NAME` does: the command adds no
+    default of its own, and both resolve to the algorithm's registry defaults (what the manifest records)."""
+    from rlkit.rl_config import RLConfig
+    from rlkit.stages import update
+
+    seen = _capture(monkeypatch, update)
+    assert runner.invoke(app, ["update", "--policy", "p", "--out", str(tmp_path / "o"), "--algo", algo]).exit_code == 0
+    api = update.UpdateConfig(policy=Path("p"), out=tmp_path / "o", rl=RLConfig(algo=algo))
+    assert seen[-1] == api
+    cli, py = update.resolve(seen[-1]), update.resolve(api)
+    assert cli == py and update.resolve(py) == py  # resolving twice changes nothing
+    d = algorithms.get(algo).defaults
+    assert (py.rl.beta, py.rl.kl_in, py.rl.loss_agg, py.rl.clip_low, py.rl.clip_high) == (
+        d.beta, d.kl_in, d.loss_agg, d.clip_low, d.clip_high)
+    assert None not in (py.rl.kl_estimator, py.rl.beta, py.rl.kl_in, py.rl.loss_agg, py.rl.clip_low, py.rl.clip_high)
 
 
 def test_unknown_task(tmp_path):

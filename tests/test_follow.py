@@ -132,7 +132,7 @@ def test_lock_refuses_a_second_writer_and_dies_with_its_holder(tmp_path):
 
 
 def test_batcher_cuts_whole_groups_and_drops_lagged_rows():
-    from rlkit.stages.update import _Batcher
+    from rlkit.follow_batches import Batcher
 
     def batch(groups, step):
         rows = [(g, step) for g in groups for _ in range(2)]
@@ -149,19 +149,19 @@ def test_batcher_cuts_whole_groups_and_drops_lagged_rows():
             yield from self.batches
 
     # n known (a follow rollout): a batch is cut as soon as its P-th group has n rows
-    b = _Batcher(Reader([batch([0, 1], 0), batch([2], 0), batch([3, 4, 5], 1)]), P=3, n=2, max_lag=1)
+    b = Batcher(Reader([batch([0, 1], 0), batch([2], 0), batch([3, 4, 5], 1)]), P=3, n=2, max_lag=1)
     t, lags, dropped = b.next(step=0)
     assert t.column("group_id").to_pylist() == [0, 0, 1, 1, 2, 2] and lags.tolist() == [0] * 6 and dropped == 0
     # at step 3 the step-1 rows lag 2 > 1: dropped and counted, then the stream ends
     assert b.next(step=3) is None and b.leftover == 0
     # n unknown (a plain table): a batch is cut when the next group starts, or at the end of the stream
-    b = _Batcher(Reader([batch([0, 1, 2], 0), batch([3], 0)]), P=2, n=None, max_lag=0)
+    b = Batcher(Reader([batch([0, 1, 2], 0), batch([3], 0)]), P=2, n=None, max_lag=0)
     assert b.next(step=0)[0].column("group_id").to_pylist() == [0, 0, 1, 1]
     assert b.next(step=0)[0].column("group_id").to_pylist() == [2, 2, 3, 3]
-    b = _Batcher(Reader([batch([0, 1, 2], 0)]), P=2, n=None, max_lag=0)
+    b = Batcher(Reader([batch([0, 1, 2], 0)]), P=2, n=None, max_lag=0)
     b.next(step=0)
     assert b.next(step=0) is None and b.leftover == 2  # one group of two rows: never a partial step
-    b = _Batcher(Reader([batch([0], 0), batch([1], 4)]), P=1, n=2, max_lag=1)
+    b = Batcher(Reader([batch([0], 0), batch([1], 4)]), P=1, n=2, max_lag=1)
     t, lags, dropped = b.next(step=1)
     assert lags.tolist() == [1, 1]
     with pytest.raises(RlkitError, match="newer than this update's step 1"):

@@ -1,5 +1,6 @@
-"""`VLLMEngine.reload`, for real on vLLM's CPU backend: a running engine switches to another checkpoint's
-weights in place, and its log-probs are then those of the new checkpoint (the HF forward pass, fp32).
+"""The vllm engine's `reload` (`rlkit.engines.vllm`), for real on vLLM's CPU backend: a running engine switches
+to another checkpoint's weights in place, and its log-probs are then those of the new checkpoint (the HF
+forward pass, fp32).
 
 One engine start-up in the whole file (~40 s here), so one test function: `--dist loadgroup` would keep
 the tests of a module together, but with pytest 9.2 and pytest-xdist 3.8 it no longer does (xdist sets
@@ -67,11 +68,10 @@ def ids(hf) -> tuple[list[int], list[int]]:
 
 @pytest.fixture(scope="module")
 def engine(vllm_ok, sft_dir, hf):
-    from rlkit.engines import VLLMEngine, VLLMOptions
+    from rlkit import engines
 
-    _, tok = hf
     t0 = time.perf_counter()
-    eng = VLLMEngine(sft_dir, tok, VLLMOptions(dtype="float32"), seed=0)
+    eng = engines.create("vllm", sft_dir, engines.EngineOptions(dtype="float32", seed=0))
     print(f"\nvLLM engine start: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     yield eng
     eng.close()

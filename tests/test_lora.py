@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlkit import artifacts, checkpoints, lora, policy_update, training
+from rlkit import artifacts, checkpoints, lora, training
+from rlkit.algorithms.inputs import build_batch
 from rlkit.training import LoraOptions, TrainOptions
 
 from conftest import make_lora_checkpoint, one_error_line, rlkit_cmd, run_cli, updates_in_one_process
@@ -135,7 +136,7 @@ def test_train_rm_with_lora_then_score_ref_eval_and_peft_without_rlkit(sft_dir, 
     t, _ = artifacts.read_table(roll, ["rollouts"])
     assert set(t.column("policy_fingerprint").to_pylist()) == {artifacts.fingerprint(lora_sft)}
     merged, tok = checkpoints.load_policy(lora_sft, merged=True)
-    b, _ = policy_update.build_batch(t, tok.pad_token_id)
+    b, _ = build_batch(t, tok.pad_token_id)
     with torch.no_grad():
         lp, _ = completion_logprobs(merged, b.input_ids, b.attn, b.targets, b.start)
     assert float((lp - b.old_logp)[b.mask].abs().max()) < 1e-4
@@ -206,8 +207,8 @@ def test_sequential_lora_grpo_updates_equal_one_process(sft_dir, rolls, tmp_path
 def test_sequential_lora_ppo_updates_equal_one_process(sft_dir, rolls, tmp_path):
     """With a LoRA policy the critic is LoRA too (same settings, same base, value head trainable), kept in
     critic/ with its base recorded, and resumed exactly."""
-    from rlkit import ppo
     from rlkit.rl_config import RLConfig
+    from rlkit.trainer import Trainer
 
     r1, r2 = rolls
     flags = ["--algo", "ppo", "--beta", "0", "--minibatch-size", "16", "--epochs", "1", "--lr", "1e-2"]
@@ -224,14 +225,13 @@ def test_sequential_lora_ppo_updates_equal_one_process(sft_dir, rolls, tmp_path)
 
     cfg = RLConfig(algo="ppo", beta=0.0, minibatch_size=16, epochs=1, lr=1e-2, kl_in="reward")
     model, tok = checkpoints.load_policy(sft_dir)
-    model = training.prepare_model(model, TrainOptions(lora=LORA), "causal-lm", base=sft_dir)
-    opt = policy_update.make_optimizer(model, cfg)
-    state = policy_update.TrainerState()
-    critic, copt, cstate, ctrl, _ = ppo.load_critic(sft_dir, cfg, tok, train=TrainOptions(lora=LORA), policy_model=model)
+    trainer = Trainer(model, cfg, tokenizer=tok, train=TrainOptions(lora=LORA), base=sft_dir)
+    trainer.load(sft_dir)  # a LoRA critic too, on the same base
+    model, critic = trainer.model, trainer.algo.critic.model
     for src in (r1, r2):
         t, _ = artifacts.read_table(src, ["rollouts"])
-        batch, _ = policy_update.build_batch(t, tok.pad_token_id)
-        ppo.train_ppo(model, critic, opt, copt, state, cstate, ctrl, batch, cfg)
+        batch, _ = build_batch(t, tok.pad_token_id)
+        trainer.train(batch)
     seq, _ = checkpoints.load_policy(tmp_path / "p2")
     for a, b in ((seq, model), (lora.load(tmp_path / "p2" / "critic", "seq-cls"), critic)):
         pa_, pb = dict(a.named_parameters()), dict(b.named_parameters())

@@ -79,8 +79,8 @@ def check(engine, hf_model, prompt, completion, label: str) -> None:
 
 
 def test_vllm_runs_lora_checkpoints_as_adapters_and_merges_when_it_must(vllm_ok, dirs):
+    from rlkit import engines
     from rlkit.checkpoints import load_policy, load_tokenizer
-    from rlkit.engines import VLLMEngine, VLLMOptions
 
     tok = load_tokenizer(dirs["sft"])
     hf = {k: load_policy(d, merged=True)[0] for k, d in dirs.items()}
@@ -91,9 +91,10 @@ def test_vllm_runs_lora_checkpoints_as_adapters_and_merges_when_it_must(vllm_ok,
     assert gap(hf_logprobs(hf["lora_a"], prompt, completion), hf_logprobs(hf["lora_a2"], prompt, completion)) > 10 * TOL
 
     t0 = time.perf_counter()
-    engine = VLLMEngine(dirs["lora_a"], tok, VLLMOptions(dtype="float32"), seed=0)
+    engine = engines.create("vllm", dirs["lora_a"], engines.EngineOptions(dtype="float32", seed=0))
     print(f"\nvLLM engine start (LoRA): {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     try:
+        assert engine.capabilities.supports_lora  # what the assertions below exercise
         # vLLM's LoRA: the base's weights, the adapter per request
         assert engine.weights == dirs["sft"].absolute() and engine.lora_request is not None
         assert engine.max_lora_rank == 8  # rank 4, rounded up to a rank vLLM's kernels take

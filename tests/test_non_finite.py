@@ -50,26 +50,26 @@ def test_non_finite_cause_names_a_models_first_bad_weight():
 
 def _batch(sft_dir, rewards=(1.0, 0.0, 0.0, 1.0)):
     """Four sampled completions of one prompt with their own log-probs as pi_old and ref = pi_old - 0.05."""
-    from rlkit import checkpoints, policy_update
+    from rlkit import checkpoints
+    from rlkit.algorithms.inputs import RLBatch, recompute_logprobs
     from rlkit.logprobs import pack_sequences
 
     model, tok = checkpoints.load_policy(sft_dir)
     prompts = [tok.encode("12+7=", add_special_tokens=False)] * 4
     comps = [tok.encode(s, add_special_tokens=False) for s in ("19", "1", "190", "20")]
     ids, attn, targets, mask, start = pack_sequences(prompts, comps, tok.pad_token_id)
-    b = policy_update.RLBatch(ids, attn, targets, mask, start, torch.zeros(mask.shape), None,
-                              torch.tensor(rewards), torch.zeros(4, dtype=torch.long))
-    old = policy_update.recompute_logprobs(model, b, 1.0, 4)
+    b = RLBatch(ids, attn, targets, mask, start, torch.zeros(mask.shape), None,
+                torch.tensor(rewards), torch.zeros(4, dtype=torch.long))
+    old = recompute_logprobs(model, b, 1.0, 4)
     return model, tok, b._replace(old_logp=old, ref_logp=(old - 0.05) * mask)
 
 
 def _train(model, batch, **cfg):
-    from rlkit import policy_update
+    from rlkit.trainer import Trainer
 
     cfg = RLConfig(**{"minibatch_size": 2, "epochs": 1, "lr": 1e-4, "beta": 0.0, **cfg})
-    opt = policy_update.make_optimizer(model, cfg)
     with pytest.raises(RlkitError) as e:
-        policy_update.train_on_batch(model, opt, policy_update.TrainerState(), batch, cfg)
+        Trainer(model, cfg).train(batch)
     return str(e.value)
 
 
@@ -107,17 +107,18 @@ def test_finite_inputs_and_a_huge_lr_still_say_lower_the_lr(sft_dir):
 
 
 def test_ppo_names_nan_critic_weights(sft_dir):
-    from rlkit import policy_update, ppo
+    from rlkit.trainer import Trainer
 
     model, tok, b = _batch(sft_dir)
     cfg = RLConfig(algo="ppo", beta=0.0, kl_in="reward", minibatch_size=2, epochs=1, lr=1e-4)
-    critic, copt, cstate, _, _ = ppo.load_critic(sft_dir, cfg, tok)
+    trainer = Trainer(model, cfg, tokenizer=tok)
+    trainer.load(sft_dir)  # the critic, initialised from the policy
+    critic = trainer.algo.critic.model
     name, p = next((n, p) for n, p in critic.named_parameters() if n.endswith("mlp.down_proj.weight"))
     with torch.no_grad():
         p[0, 0] = math.nan
-    opt = policy_update.make_optimizer(model, cfg)
     with pytest.raises(RlkitError) as e:
-        ppo.train_ppo(model, critic, opt, copt, policy_update.TrainerState(), cstate, None, b, cfg)
+        trainer.train(b)
     assert str(e.value).endswith(f"nothing was written: the critic's starting weights hold NaN in {name}"), e.value
 
 

@@ -12,10 +12,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from rlkit import artifacts, checkpoints, policy_update
+from rlkit import artifacts, checkpoints
+from rlkit.algorithms.inputs import build_batch
 from rlkit.logprobs import gather_logprobs
 from rlkit.rl_config import RLConfig
-from rlkit.training import Precision, TrainOptions, enable_gradient_checkpointing
+from rlkit.trainer import Trainer
+from rlkit.training import Precision, TrainOptions
 
 from conftest import one_error_line, run_cli
 
@@ -93,13 +95,12 @@ def test_sequential_half_precision_updates_equal_one_process(sft_dir, tmp_path, 
         assert f"--dtype {dtype} computes other log-probs" in r.stderr.decode()  # auto: pi_old recomputed
     cfg = RLConfig(beta=0.0, minibatch_size=16, epochs=2, lr=1e-3)
     model, tok = checkpoints.load_policy(sft_dir)
-    opt = policy_update.make_optimizer(model, cfg)
-    state = policy_update.TrainerState()
-    prec = Precision(dtype)
+    trainer = Trainer(model, cfg, tokenizer=tok, train=TrainOptions(dtype=dtype))
+    prec = trainer.prec
     for src in (r1, r2):
         t, _ = artifacts.read_table(src, ["rollouts"])
-        batch, _ = policy_update.build_batch(t, tok.pad_token_id, length_penalty=0.05)
-        m = policy_update.train_on_batch(model, opt, state, batch, cfg, 1.0, 16.0, recompute=True, prec=prec)
+        batch, _ = build_batch(t, tok.pad_token_id, length_penalty=0.05)
+        m = trainer.train(batch, length_norm=16.0, recompute=True)
         assert m["logprob_mismatch"] > 0  # the trainer's half-precision pass is not the fp32 engine's
     seq = load_file(str(tmp_path / "u2" / "model.safetensors"))
     one = model.state_dict()
@@ -127,13 +128,10 @@ def test_gradient_checkpointing_changes_memory_not_the_update(sft_dir, tmp_path)
         out = []
         for ckpt in (False, True):
             model, tok = checkpoints.load_policy(sft_dir)
-            if ckpt:
-                enable_gradient_checkpointing(model)
-                assert model.is_gradient_checkpointing
-            opt = policy_update.make_optimizer(model, cfg)
-            batch, _ = policy_update.build_batch(t, tok.pad_token_id, length_penalty=0.05)
-            policy_update.train_on_batch(model, opt, policy_update.TrainerState(), batch, cfg, 1.0, 16.0,
-                                         prec=Precision(dtype))
+            trainer = Trainer(model, cfg, train=TrainOptions(dtype=dtype, gradient_checkpointing=ckpt))
+            assert model.is_gradient_checkpointing == ckpt
+            batch, _ = build_batch(t, tok.pad_token_id, length_penalty=0.05)
+            trainer.train(batch, length_norm=16.0)
             out.append(model.state_dict())
         assert all(torch.allclose(out[0][k], out[1][k], atol=1e-6) for k in out[0]), dtype
 

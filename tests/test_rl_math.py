@@ -126,6 +126,57 @@ def test_vectorised_grpo_loss_matches_a_naive_per_sequence_loop():
     assert vec.item() == pytest.approx(sum(naive_seq) / B, rel=1e-5)
 
 
+def test_gspo_sequence_ratio_and_clip_by_hand():
+    """GSPO (rlkit.algorithms.gspo): one ratio per sequence, the geometric mean of its token ratios, clipped
+    as a whole at GSPO's 1 - 3e-4 .. 1 + 4e-4, loss averaged per sequence then over sequences."""
+    from rlkit.algorithms.gspo import GSPO, sequence_log_ratio
+
+    d = GSPO.defaults
+    assert (d.clip_low, d.clip_high, d.loss_agg, d.beta) == (3e-4, 4e-4, "seq-mean-token-mean", 0.0)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    logp = torch.tensor([[0.3, 0.1, -100.0], [-0.2, 0.0, -0.1], [1e-4, -1e-4, -100.0]], requires_grad=True)
+    old = torch.zeros(3, 3)  # log-ratio = logp on the mask; -100 at the padding never counts
+    adv = torch.tensor([1.0, -1.0, 2.0])
+    tl = losses.policy_token_loss(logp, old, adv, mask, clip_low=d.clip_low, clip_high=d.clip_high, dual_clip=3.0,
+                                  log_ratio=sequence_log_ratio)
+    # row 0: mean log-ratio (0.3 + 0.1) / 2 = 0.2, so s = e^0.2 = 1.2214 at both tokens (token ratios e^0.3 and
+    #   e^0.1 would get two different clip decisions). A = +1 and s > 1.0004: clipped, loss -1.0004 per token.
+    # row 1: mean (-0.2 + 0 - 0.1) / 3 = -0.1, s = e^-0.1 = 0.9048; A = -1 and s < 0.9997: loss
+    #   max(s, 0.9997) = 0.9997 per token, clipped (the dual clip's cap -3A = 3 is far above).
+    # row 2: mean (1e-4 - 1e-4) / 2 = 0, s = 1, inside the range: loss -A * s = -2 per token, unclipped.
+    s0, s1 = math.exp(0.2), math.exp(-0.1)
+    assert tl.ratio[mask].tolist() == pytest.approx([s0, s0, s1, s1, s1, 1.0, 1.0], rel=1e-6)
+    assert torch.allclose(tl.loss, torch.tensor([[-1.0004, -1.0004, 0], [0.9997] * 3, [-2.0, -2.0, 0]]), rtol=1e-6)
+    assert tl.clipped.tolist() == [[True, True, False], [True, True, True], [False, False, False]]
+    total = losses.AGGREGATIONS[d.loss_agg](tl.loss, mask)
+    assert total.item() == pytest.approx((-1.0004 + 0.9997 - 2.0) / 3, rel=1e-6)  # -0.6669
+    total.backward()
+    # clipped rows get no gradient; row 2's tokens d/dlogp_t [(1/3) * (1/2) * (-A * s)] = (1/6) * (-2) = -1/3
+    assert torch.allclose(logp.grad, torch.tensor([[0, 0, 0], [0, 0, 0], [-1 / 3, -1 / 3, 0]]), atol=1e-6)
+
+
+def test_gspo_token_form_has_the_sequence_objectives_gradient():
+    """GSPO-token with sequence-mean aggregation equals the paper's sequence-level objective
+    mean_i -A_i * s_i(theta), s_i = exp(mean_t(logp - old)), in value and gradient (no clip binding)."""
+    from rlkit.algorithms.gspo import sequence_log_ratio
+
+    g = torch.Generator().manual_seed(3)
+    B, T, lengths = 4, 6, [6, 2, 4, 1]
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        mask[b, :n] = True
+    base, old = torch.randn(B, T, generator=g) * 0.2 - 1, torch.randn(B, T, generator=g) * 0.2 - 1
+    adv = torch.tensor([1.0, -0.5, 2.0, -1.5])
+    a = base.clone().requires_grad_()
+    tl = losses.policy_token_loss(a, old, adv, mask, clip_low=10.0, clip_high=10.0, log_ratio=sequence_log_ratio)
+    losses.seq_mean_token_mean(tl.loss, mask).backward()
+    b_ = base.clone().requires_grad_()
+    naive = sum(-adv[i] * torch.exp((b_[i, :n] - old[i, :n]).mean()) for i, n in enumerate(lengths)) / B
+    naive.backward()
+    assert losses.seq_mean_token_mean(tl.loss, mask).item() == pytest.approx(naive.item(), rel=1e-6)
+    assert torch.allclose(a.grad, b_.grad, atol=1e-7)
+
+
 def test_chunked_scoring_equals_the_training_path():
     """Without grad the output head runs 32 positions at a time; values must not change."""
     from rlkit.logprobs import completion_logprobs, pack_sequences

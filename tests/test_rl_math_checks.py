@@ -2,6 +2,7 @@
 padding that reached an exponential, the KL estimator whose gradient is the reverse KL's, the missing
 dual clip, PPO's per-minibatch Dr. GRPO normaliser, and three edge cases decided and documented."""
 
+import contextlib
 import math
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from rlkit import advantages, kl, losses
 from rlkit.errors import RlkitError
 from rlkit.gae import masked_whiten
-from rlkit.rl_config import RLConfig
+from rlkit.rl_config import RLConfig, resolve
 
 # ---------------------------------------------------------------- 1. padding never reaches an exponential
 
@@ -45,8 +46,10 @@ def test_a_pad_token_logprob_of_minus_100_keeps_the_loss_and_its_gradient_finite
 def test_train_on_batch_survives_padding_at_a_low_sampling_temperature(sft_dir):
     """Through the real trainer: at temperature 0.01 the pad token's log-prob at padded positions is in
     the hundreds below 0, which made k3 in the loss inf x 0 = NaN ("non-finite loss ... lower --lr")."""
-    from rlkit import checkpoints, policy_update
+    from rlkit import checkpoints
+    from rlkit.algorithms.inputs import RLBatch
     from rlkit.logprobs import completion_logprobs, pack_sequences
+    from rlkit.trainer import Trainer
 
     model, tok = checkpoints.load_policy(sft_dir)
     prompts = [tok.encode("12+7=", add_special_tokens=False)] * 4
@@ -57,11 +60,10 @@ def test_train_on_batch_survives_padding_at_a_low_sampling_temperature(sft_dir):
         lp_all, _ = completion_logprobs(model, ids, attn, targets, start, temperature=temp)
     assert lp_all[~mask].min() < -88.7  # the padded positions really are that far down
     old = torch.where(mask, lp_all, 0)
-    batch = policy_update.RLBatch(ids, attn, targets, mask, start, old, old - 0.05 * mask,
-                                  torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.zeros(4, dtype=torch.long))
+    batch = RLBatch(ids, attn, targets, mask, start, old, old - 0.05 * mask,
+                    torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.zeros(4, dtype=torch.long))
     cfg = RLConfig(beta=0.1, kl_in="loss", kl_estimator="k3", minibatch_size=4, epochs=1, lr=1e-4)
-    opt = policy_update.make_optimizer(model, cfg)
-    m = policy_update.train_on_batch(model, opt, policy_update.TrainerState(), batch, cfg, temperature=temp)
+    m = Trainer(model, cfg).train(batch, temperature=temp)
     assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) and m["optimizer_steps"] == 1
 
 
@@ -143,7 +145,7 @@ def test_k1_in_the_loss_regularises_nothing_and_is_refused():
         RLConfig(kl_in="loss", kl_estimator="k1", beta=0.01).check()
     RLConfig(kl_in="loss", kl_estimator="k1", beta=0.0).check()  # no KL term at all: nothing to refuse
     RLConfig(kl_in="reward", kl_estimator="k1", beta=0.01).check()
-    assert RLConfig().kl_estimator == "k3+"
+    assert resolve(RLConfig()).kl_estimator == "k3+"
 
 
 # ---------------------------------------------------------------- 3. dual clip
@@ -204,26 +206,27 @@ class _Steps:
 def test_ppo_divides_every_minibatch_by_max_new_tokens(sft_dir):
     """Two minibatches of different lengths (2 and 6 tokens): each loss is its token sum over
     (2 rows x 16), the rollout's max_new_tokens, not over its own longest completion."""
-    from rlkit import checkpoints, policy_update, ppo
+    from rlkit import checkpoints
+    from rlkit.algorithms.inputs import RLBatch, recompute_logprobs
     from rlkit.gae import gae, kl_penalised_token_rewards
     from rlkit.logprobs import pack_sequences
+    from rlkit.trainer import Trainer
 
     model, tok = checkpoints.load_policy(sft_dir)
     prompts = [tok.encode(p, add_special_tokens=False) for p in ("1+2=", "3+4=", "5+6=", "7+8=")]
     comps = [[5, 6], [7, 8], [5, 6, 7, 8, 9, 10], [10, 9, 8, 7, 6, 5]]
     ids, attn, targets, mask, start = pack_sequences(prompts, comps, tok.pad_token_id)
     with torch.no_grad():
-        old = policy_update.recompute_logprobs(model, policy_update.RLBatch(
+        old = recompute_logprobs(model, RLBatch(
             ids, attn, targets, mask, start, torch.zeros(mask.shape), None, torch.zeros(4), torch.arange(4)), 1.0, 4)
     rewards = torch.tensor([1.0, -1.0, 2.0, 0.5])
-    batch = policy_update.RLBatch(ids, attn, targets, mask, start, old, None, rewards, torch.arange(4))
+    batch = RLBatch(ids, attn, targets, mask, start, old, None, rewards, torch.arange(4))
     cfg = RLConfig(algo="ppo", beta=0.0, kl_in="reward", loss_agg="seq-mean-token-sum-norm", minibatch_size=2,
                    epochs=1, lr=1e-12, critic_lr=1e-12)
-    critic, copt, cstate, _, _ = ppo.load_critic(sft_dir, cfg, tok)
-    opt = policy_update.make_optimizer(model, cfg)
+    trainer = Trainer(model, cfg, tokenizer=tok)
+    trainer.load(sft_dir)  # the critic, initialised from the policy
     steps = _Steps()
-    ppo.train_ppo(model, critic, opt, copt, policy_update.TrainerState(), cstate, None, batch, cfg, ticker=steps,
-                  recompute=True, length_norm=16.0)
+    trainer.train(batch, recompute=True, length_norm=16.0, progress=lambda n: contextlib.nullcontext(steps))
     # the fresh value head is 0, so advantages are GAE of the rewards alone, whitened over the batch
     adv, _ = gae(kl_penalised_token_rewards(rewards, torch.zeros(mask.shape), mask, 0.0), torch.zeros(mask.shape),
                  mask, cfg.gamma, cfg.lam)

@@ -304,8 +304,10 @@ def test_sequential_ppo_updates_equal_one_process(sft_dir, tmp_path):
     """Policy, critic and both optimizers carry over between processes exactly."""
     import torch
 
-    from rlkit import checkpoints, policy_update, ppo
+    from rlkit import checkpoints
+    from rlkit.algorithms.inputs import build_batch
     from rlkit.rl_config import RLConfig
+    from rlkit.trainer import Trainer
 
     rolls = []
     for seed in (1, 2):
@@ -319,14 +321,14 @@ def test_sequential_ppo_updates_equal_one_process(sft_dir, tmp_path):
         assert r.returncode == 0, r.stderr
     cfg = RLConfig(algo="ppo", beta=0.0, minibatch_size=16, epochs=2, lr=1e-3, kl_in="reward")
     model, tok = checkpoints.load_policy(sft_dir)
-    opt = policy_update.make_optimizer(model, cfg)
-    state = policy_update.TrainerState()
-    critic, copt, cstate, ctrl, _ = ppo.load_critic(sft_dir, cfg, tok)
+    trainer = Trainer(model, cfg, tokenizer=tok)
+    trainer.load(sft_dir)  # the critic, initialised from the policy
+    critic = trainer.algo.critic.model
     torch.manual_seed(0)
     for src in rolls:
         t, _ = artifacts.read_table(src, ["rollouts"])
-        batch, _ = policy_update.build_batch(t, tok.pad_token_id)
-        ppo.train_ppo(model, critic, opt, copt, state, cstate, ctrl, batch, cfg)
+        batch, _ = build_batch(t, tok.pad_token_id)
+        trainer.train(batch)
     seq = checkpoints.load_policy(tmp_path / "u2")[0].state_dict()
     one = model.state_dict()
     assert all(torch.allclose(seq[k], one[k], atol=1e-6, rtol=1e-5) for k in seq)
@@ -335,3 +337,32 @@ def test_sequential_ppo_updates_equal_one_process(sft_dir, tmp_path):
     seq_c = load_file(str(tmp_path / "u2" / "critic" / "model.safetensors"))
     one_c = critic.state_dict()
     assert all(torch.allclose(seq_c[k], one_c[k], atol=1e-6, rtol=1e-5) for k in seq_c)
+
+
+def test_ppo_drops_degenerate_groups_and_reports_the_shared_metrics(sft_dir):
+    """PPO runs the trainer's one loop: --drop-degenerate leaves out the all-equal group's rows, and the ratio,
+    tokens/s and (with lags, as under --follow) fresh-row mismatch metrics are there as for GRPO."""
+    import torch
+
+    from rlkit import checkpoints
+    from rlkit.algorithms.inputs import RLBatch, recompute_logprobs
+    from rlkit.logprobs import pack_sequences
+    from rlkit.rl_config import RLConfig
+    from rlkit.trainer import Trainer
+
+    model, tok = checkpoints.load_policy(sft_dir)
+    prompts = [tok.encode(p, add_special_tokens=False) for p in ("1+2=", "1+2=", "3+4=", "3+4=")]
+    comps = [tok.encode(s, add_special_tokens=False) for s in ("3", "4", "7", "8")]
+    ids, attn, targets, mask, start = pack_sequences(prompts, comps, tok.pad_token_id)
+    b = RLBatch(ids, attn, targets, mask, start, torch.zeros(mask.shape), None, torch.tensor([1.0, 0.0, 0.0, 0.0]),
+                torch.tensor([0, 0, 1, 1]))  # group 1's rewards are all equal
+    b = b._replace(old_logp=recompute_logprobs(model, b, 1.0, 4))
+    cfg = RLConfig(algo="ppo", beta=0.0, minibatch_size=2, epochs=1, lr=1e-4, drop_degenerate=True)
+    trainer = Trainer(model, cfg, tokenizer=tok)
+    trainer.load(sft_dir)
+    m = trainer.train(b, recompute=True, lags=torch.tensor([0, 0, 1, 1]))
+    assert (m["sequences"], m["sequences_trained"], m["optimizer_steps"]) == (4, 2, 1)
+    assert m["degenerate_group_fraction"] == 0.5 and m["value_loss"] >= 0
+    assert m["ratio_min"] == pytest.approx(1.0, abs=1e-4) and m["ratio_max"] == pytest.approx(1.0, abs=1e-4)
+    assert m["tokens_per_s"] > 0 and m["logprob_mismatch_fresh"] < 1e-4
+    assert trainer.state.optimizer_step == trainer.algo.critic.state.optimizer_step == 1

@@ -55,8 +55,8 @@ def test_rollout_schema_and_determinism(sft_dir, tmp_path):
 
 def test_old_logprobs_match_the_trainers_forward_pass(sft_dir, tmp_path):
     """pi_old logged by the engine equals the policy's own log-prob of the sampled tokens."""
+    from rlkit.algorithms.inputs import build_batch
     from rlkit.logprobs import completion_logprobs
-    from rlkit.policy_update import build_batch
 
     t, _ = artifacts.read_table(_rollouts(sft_dir, tmp_path / "r.arrow"), ["rollouts"])
     model, tok = checkpoints.load_policy(sft_dir)
@@ -207,9 +207,28 @@ def test_groups_of_one_are_warned_about_and_get_no_push(sft_dir, tmp_path):
     assert json.loads((tmp_path / "m2.jsonl").read_text())["advantage_abs_mean"] > 0
 
 
+def test_gspo_runs_with_its_own_defaults(sft_dir, tmp_path):
+    """A plug-in algorithm end to end: `--algo gspo` needs no reference (beta 0), records its clip range and
+    aggregation, and trains (a length penalty gives every group a signal)."""
+    from safetensors.torch import load_file
+
+    roll = _rollouts(sft_dir, tmp_path / "r.arrow", num=8)
+    r = run_cli("update", "--policy", str(sft_dir), "--in", str(roll), "--out", str(tmp_path / "u"), "--algo", "gspo",
+                "--length-penalty", "0.1", "--minibatch-size", "16", "--lr", "1e-3", "--metrics", str(tmp_path / "m.jsonl"))
+    assert r.returncode == 0, r.stderr
+    rl = json.loads((tmp_path / "u" / "rlkit.json").read_text())["config"]["rl"]
+    assert (rl["beta"], rl["clip_low"], rl["clip_high"], rl["loss_agg"]) == (0.0, 3e-4, 4e-4, "seq-mean-token-mean")
+    m = json.loads((tmp_path / "m.jsonl").read_text())
+    assert m["optimizer_steps"] == 4 and m["advantage_abs_mean"] > 0 and 0 < m["clip_fraction"] <= 1
+    moved = load_file(str(tmp_path / "u" / "model.safetensors"))
+    sft = load_file(str(sft_dir / "model.safetensors"))
+    assert any(not torch.equal(moved[k], sft[k]) for k in sft)
+
+
 def test_engine_choice_and_recomputed_pi_old(sft_dir, tmp_path):
-    from rlkit import policy_update
+    from rlkit.algorithms.inputs import build_batch
     from rlkit.rl_config import RLConfig
+    from rlkit.trainer import Trainer
 
     path = tmp_path / "r.arrow"
     r = run_cli("rollout", "--policy", str(sft_dir), "--num-prompts", "12", "--n", "4", "--seed", "5",
@@ -223,10 +242,8 @@ def test_engine_choice_and_recomputed_pi_old(sft_dir, tmp_path):
     for recompute, cap in ((False, None), (True, None), (True, 2.0)):
         cfg = RLConfig(beta=0.0, minibatch_size=16, epochs=2, lr=1e-3, tis_cap=cap)
         model, tok = checkpoints.load_policy(sft_dir)
-        batch, _ = policy_update.build_batch(t, tok.pad_token_id)
-        metrics.append(policy_update.train_on_batch(model, policy_update.make_optimizer(model, cfg),
-                                                    policy_update.TrainerState(), batch, cfg, 1.0, 16.0,
-                                                    recompute=recompute))
+        batch, _ = build_batch(t, tok.pad_token_id)
+        metrics.append(Trainer(model, cfg).train(batch, length_norm=16.0, recompute=recompute))
         params.append(model.state_dict())
     assert metrics[0]["old_logprobs"] == "engine" and "logprob_mismatch" not in metrics[0]
     assert metrics[1]["old_logprobs"] == "recompute" and metrics[1]["logprob_mismatch"] < 1e-4
@@ -237,8 +254,7 @@ def test_engine_choice_and_recomputed_pi_old(sft_dir, tmp_path):
     off = batch._replace(old_logp=batch.old_logp - 0.5 * batch.mask)
     model, _ = checkpoints.load_policy(sft_dir)
     cfg = RLConfig(beta=0.0, minibatch_size=16, epochs=1, tis_cap=1.5)
-    m = policy_update.train_on_batch(model, policy_update.make_optimizer(model, cfg), policy_update.TrainerState(),
-                                     off, cfg, 1.0, 16.0, recompute=True)
+    m = Trainer(model, cfg).train(off, length_norm=16.0, recompute=True)
     assert m["logprob_mismatch"] == pytest.approx(0.5, abs=1e-3)
     assert m["tis_weight_mean"] == pytest.approx(1.5, abs=1e-4) and m["tis_capped_fraction"] == 1.0
 

@@ -42,7 +42,7 @@ def piped(vllm_ok, sft_dir, ref_dir, tmp_path_factory) -> Path:
 
 
 def test_vllm_rollouts_flow_through_score_ref_and_update(piped, sft_dir):
-    from rlkit import artifacts
+    from rlkit import artifacts, engines
 
     table, reader = artifacts.read_table(piped / "rollouts.arrow", ["rollouts"])
     assert table.num_rows == 24 * 4
@@ -56,7 +56,9 @@ def test_vllm_rollouts_flow_through_score_ref_and_update(piped, sft_dir):
         by_group.setdefault(g, set()).add(c)
     assert max(len(s) for s in by_group.values()) > 1
     assert "rollout: engine vllm (asked for)" in (piped / "stderr.txt").read_text()
-    # update saw vLLM rollouts: pi_old recomputed by the trainer, the gap logged, TIS weights near 1
+    # update saw vLLM rollouts, whose log-probs are not the trainer's: pi_old recomputed by the trainer, the gap
+    # logged, TIS weights near 1
+    assert not engines.capabilities(reader.manifest["engine"]).logprobs_match_trainer
     m = json.loads((piped / "metrics.jsonl").read_text().splitlines()[-1])
     assert m["old_logprobs"] == "recompute"
     assert 0 <= m["logprob_mismatch"] < 1e-3 and m["logprob_mismatch_max"] < 1e-3
@@ -65,12 +67,13 @@ def test_vllm_rollouts_flow_through_score_ref_and_update(piped, sft_dir):
 
 
 def test_vllm_logprobs_match_the_hf_forward_pass_in_fp32(piped, sft_dir):
-    from rlkit import artifacts, checkpoints, policy_update
+    from rlkit import artifacts, checkpoints
+    from rlkit.algorithms.inputs import build_batch, recompute_logprobs
 
     table, _ = artifacts.read_table(piped / "rollouts.arrow", ["rollouts"])
     model, tok = checkpoints.load_policy(sft_dir, "fp32")
-    batch, _ = policy_update.build_batch(table, tok.pad_token_id)
-    hf = policy_update.recompute_logprobs(model, batch, 1.0, 64)
+    batch, _ = build_batch(table, tok.pad_token_id)
+    hf = recompute_logprobs(model, batch, 1.0, 64)
     gap = (hf - batch.old_logp).abs()[batch.mask]
     print(f"\nvLLM vs HF log-probs over {int(batch.mask.sum())} tokens: max abs diff {float(gap.max()):.3g}, "
           f"mean {float(gap.mean()):.3g}")

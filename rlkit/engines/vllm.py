@@ -1,71 +1,18 @@
-"""Rollout engines behind one small interface: token ids in, n sampled completions per prompt out,
-with the sampling policy's log-prob of every sampled token (pi_old). `rollout` picks one by name:
-
-- ``hf``: Hugging Face `generate` on the policy already loaded by rlkit (CPU or one GPU).
-- ``vllm``: `vllm.LLM` on the checkpoint directory (GPUs; vLLM's CPU backend for tests).
-- ``auto``: vLLM when it imports and a GPU is present, otherwise HF.
-
-Both return the same `Generated`, so the rollout stage does not know which one ran. Log-probs are
-those of the distribution sampled from: the logits divided by the temperature (vLLM: its
-``processed_logprobs``, which also renormalises over the nucleus when top_p < 1).
+"""The `vllm` engine: `vllm.LLM` on the checkpoint directory (GPUs; vLLM's CPU backend for tests), prompts in as
+token ids, samples out with the log-prob of each sampled token under the temperature-scaled distribution
+(vLLM's ``processed_logprobs``, which also renormalises over the nucleus when top_p < 1). Runs LoRA checkpoints
+on vLLM's LoRA support, reloads weights in place, and is what `--engine auto` picks when vLLM imports and a GPU
+is present. vLLM is imported only when an engine starts.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
+from rlkit.engines import Capabilities, EngineOptions, Generated, register
 from rlkit.errors import RlkitError
-from rlkit.generation import Generated, generate
-
-ENGINES = ("auto", "hf", "vllm")
-
-
-class Engine(Protocol):
-    name: str
-
-    def sample(self, prompt_ids: Sequence[list[int]], *, n: int, temperature: float, top_p: float,
-               max_new_tokens: int, seed: int) -> Generated:
-        """Row i*n + j of the result is sample j of prompt i; logprobs are always filled."""
-        ...
-
-
-class HFEngine:
-    """Hugging Face `generate`: batched by a token budget, KV cache, left padding, stop at EOS."""
-
-    name = "hf"
-
-    def __init__(self, model, tokenizer, batch_tokens: int = 16384) -> None:
-        self.model, self.tokenizer, self.batch_tokens = model, tokenizer, batch_tokens
-
-    def sample(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed) -> Generated:
-        return generate(self.model, self.tokenizer, prompt_ids, max_new_tokens=max_new_tokens, n=n, greedy=False,
-                        temperature=temperature, top_p=top_p, seed=seed, batch_tokens=self.batch_tokens,
-                        logprobs=True)
-
-    def reload(self, model_dir: Path) -> None:
-        """Load checkpoint `model_dir`'s weights into the live model (`rollout --follow`)."""
-        from rlkit.checkpoints import load_weights_into
-
-        load_weights_into(self.model, model_dir)
-
-
-@dataclass(frozen=True)
-class VLLMOptions:
-    """What `rlkit rollout` passes through to `vllm.LLM`."""
-
-    tp: int = 1  # tensor_parallel_size
-    gpu_memory_utilization: float | None = None  # None: 0.9 on a GPU, 0.3 on vLLM's CPU backend
-    dtype: str = "auto"  # auto: the checkpoint's dtype
-    max_model_len: int | None = None  # None: the model's context length
-    enforce_eager: bool = False  # skip CUDA graph capture (faster start, slower steps)
-    # a LoRA checkpoint: "adapter" runs it with vLLM's LoRA support (the base's weights, and the adapter as a
-    # LoRARequest with every generate call); "merge" writes the merged weights to a temporary directory
-    lora: str = "adapter"
 
 
 def vllm_import_error() -> str | None:
@@ -75,26 +22,6 @@ def vllm_import_error() -> str | None:
     except Exception as e:  # any failure (missing, broken torchvision, ABI) means: no vLLM here
         return f"{type(e).__name__}: {e}".splitlines()[0]
     return None
-
-
-def choose(name: str) -> tuple[str, str]:
-    """Resolve `--engine` to 'hf' or 'vllm', with the reason (said on stderr by the stage)."""
-    if name not in ENGINES:
-        raise RlkitError(f"--engine {name!r} is not one of {', '.join(ENGINES)}")
-    if name != "auto":
-        return name, "asked for"
-    import importlib.util
-
-    import torch
-
-    if not torch.cuda.is_available():
-        return "hf", "auto: no GPU here; vLLM on a CPU is for tests, not speed"
-    if importlib.util.find_spec("vllm") is None:
-        return "hf", "auto: vLLM is not installed (pip install 'rlkit[vllm]')"
-    err = vllm_import_error()
-    if err:
-        return "hf", f"auto: vLLM does not import ({err})"
-    return "vllm", "auto: vLLM imports and a GPU is present"
 
 
 def checkpoint_dtype(policy: Path, asked: str) -> str:
@@ -114,20 +41,46 @@ def _prompt_seed(seed: int, i: int) -> int:
     return int.from_bytes(h, "little") % (2**31 - 2**16)
 
 
+@register("vllm")
 class VLLMEngine:
     """`vllm.LLM` over the checkpoint directory; prompts go in as token ids, samples come back as
     token ids with the log-prob of each sampled token (`logprobs=0`: the sampled token only).
 
     A LoRA checkpoint (`rlkit.lora`) runs on vLLM's LoRA support (the CPU backend's too): the engine loads
     the hash-verified base and sends the adapter as a `LoRARequest` with every generate call; a reload to
-    another adapter on the same base swaps the request (no weights move). With `VLLMOptions.lora` "merge",
+    another adapter on the same base swaps the request (no weights move). With `EngineOptions.lora` "merge",
     an adapter above vLLM's largest rank (512), or an adapter on another base than the weights the engine
     holds, the merged weights are written to a temporary directory and loaded from there instead."""
 
-    name = "vllm"
+    # sleep mode: not implemented here (and vLLM has it on CUDA, ROCm and XPU only, not its CPU backend)
+    capabilities = Capabilities(logprobs_match_trainer=False, supports_lora=True, supports_sleep=False)
+    auto_rank = 10
+    auto_reason = "vLLM imports and a GPU is present"
 
-    def __init__(self, policy: Path, tokenizer, opts: VLLMOptions, seed: int = 0, trust_remote_code: bool = False,
-                 device: str | None = None) -> None:
+    @classmethod
+    def unavailable(cls) -> str | None:
+        import importlib.util
+
+        import torch
+
+        if not torch.cuda.is_available():
+            return "no GPU here; vLLM on a CPU is for tests, not speed"
+        if importlib.util.find_spec("vllm") is None:
+            return "vLLM is not installed (pip install 'rlkit[vllm]')"
+        err = vllm_import_error()
+        return f"vLLM does not import ({err})" if err else None
+
+    @classmethod
+    def check_options(cls, opts: EngineOptions) -> None:
+        pass  # every EngineOptions knob is vLLM's
+
+    @classmethod
+    def start(cls, policy: Path, opts: EngineOptions) -> VLLMEngine:
+        from rlkit import checkpoints
+
+        return cls(policy, checkpoints.load_tokenizer(policy, opts.trust_remote_code), opts)
+
+    def __init__(self, policy: Path, tokenizer, opts: EngineOptions) -> None:
         err = vllm_import_error()
         if err:
             raise RlkitError(f"--engine vllm: vLLM does not import here ({err}); on a GPU: pip install 'rlkit[vllm]', "
@@ -135,16 +88,16 @@ class VLLMEngine:
         import torch
         from vllm import LLM
 
-        on_gpu = torch.cuda.is_available() if device is None else device != "cpu"
+        on_gpu = torch.cuda.is_available()
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout may carry our table
         if not on_gpu:
             # vLLM's CPU backend sizes its KV cache from this (GiB); its default asks for more memory than a
             # small shared machine has free
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         util = opts.gpu_memory_utilization or (0.9 if on_gpu else 0.3)
-        self.eos = tokenizer.eos_token_id
+        self.tokenizer, self.eos = tokenizer, tokenizer.eos_token_id
         self.policy = Path(policy).absolute()  # the checkpoint whose weights the engine holds now (see `reload`)
-        self.trust_remote_code = trust_remote_code
+        self.trust_remote_code = opts.trust_remote_code
         self.lora_request = None  # the adapter sent with every generate call (a LoRA checkpoint on vLLM's LoRA)
         self._lora_ids, self._tmp = 0, None  # LoRARequest ids used; the temporary merged weights held now
         self.weights, lora_kw = self.policy, {}  # the plain weights (directory) loaded into the engine
@@ -161,7 +114,7 @@ class VLLMEngine:
         w = self.weights
         self.llm = LLM(model=str(w), tokenizer=str(w), dtype=checkpoint_dtype(w, opts.dtype), tensor_parallel_size=opts.tp,
                        gpu_memory_utilization=util, max_model_len=opts.max_model_len, enforce_eager=opts.enforce_eager,
-                       seed=seed, logprobs_mode="processed_logprobs", trust_remote_code=trust_remote_code,
+                       seed=opts.seed, logprobs_mode="processed_logprobs", trust_remote_code=opts.trust_remote_code,
                        worker_extension_cls=f"{__name__}.VLLMWorkerExtension", **lora_kw)
         if lora_kw:
             self._use_adapter(self.policy)

@@ -1,0 +1,115 @@
+"""The `Algorithm` interface `rlkit.trainer.Trainer` drives, and the small records passed between them.
+
+One update, as the trainer runs it:
+
+    plan = algo.prepare(trainer, batch, cfg, ctx)      # once: advantages, pi_old, rows to train
+    for each epoch, each shuffled minibatch of plan.rows (this rank's share under data parallelism):
+        out = algo.step(trainer, plan, minibatch)      # forward + loss terms (+ counts for metrics)
+        trainer: backward, clip, step every trained model
+    metrics = algo.finish(trainer, plan, sums, maxes)  # after the epochs
+
+Everything else (optimizer, precision, the shuffle, the data-parallel split, the optimizer step,
+loss and gradient-norm logging, save and resume) is the trainer's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+
+from torch import Tensor
+
+from rlkit.rl_config import AlgoDefaults, RLConfig
+
+if TYPE_CHECKING:
+    from rlkit.trainer import Trained, Trainer
+
+
+class Context(NamedTuple):
+    """How one batch was sampled and what the trainer should trust about it (rollout inputs)."""
+
+    temperature: float = 1.0  # the sampling temperature: log-probs are taken at it
+    length_norm: float | None = None  # seq-mean-token-sum-norm's constant: the rollout's max_new_tokens
+    recompute: bool = False  # pi_old from the trainer's own forward pass, not the engine's log-probs
+    lags: Tensor | None = None  # (N,) each row's policy lag (`update --follow`), for the mismatch metrics
+
+
+@dataclass(kw_only=True)
+class Plan:
+    """What `Algorithm.prepare` made of one batch; algorithms subclass it for their own tensors."""
+
+    cfg: RLConfig
+    batch: Any
+    ctx: Context
+    rows: Tensor  # (R,) long: the batch rows the epochs shuffle and train on
+    # per loss term: what it averages over, rows (r,) -> weight (tokens, sequences, pairs); a data-parallel
+    # rank scales the term by its share of that weight (rlkit.distributed.split_rows). The first term's
+    # split decides the rank's rows.
+    weights: dict[str, Callable[[Tensor], Any]]
+    metrics: dict[str, Any] = field(default_factory=dict)  # known before the first step
+    sums: tuple[str, ...] = ()  # names of `StepOut.sums`, added up over steps (and ranks)
+    maxes: tuple[str, ...] = ()  # names of `StepOut.maxes`, maximised over steps (and ranks)
+
+
+class Minibatch(NamedTuple):
+    idx: Tensor  # (r,) this rank's rows of the minibatch
+    shares: dict[str, float]  # per loss term: this rank's factor (1.0 in one process; 0.0: no rows here)
+    epoch: int
+    first: bool  # the update's first step (`non_finite_error` then blames the starting weights)
+
+
+class StepOut(NamedTuple):
+    """One minibatch's result: the trainer backpropagates `loss` and logs each of `terms`."""
+
+    loss: Tensor  # () what backward runs on: the sum of the terms
+    terms: dict[str, Tensor]  # () each logged term ("loss" first: the progress bar shows it)
+    sums: dict[str, float] = {}  # counts for metrics (clipped tokens, ...), keys from Plan.sums
+    maxes: dict[str, float] = {}  # keys from Plan.maxes
+    tokens: int = 0  # prompt + completion tokens this rank ran forward (tokens_per_s)
+    inputs: Callable[[], dict] | None = None  # what the step read, root causes first (non_finite_error)
+
+
+class Algorithm:
+    """One --algo. Subclasses set the class attributes and implement `prepare`, `step` (and `finish`);
+    a registry line in `rlkit.algorithms` makes it selectable. An instance lives as long as the trainer
+    that runs it (its extra models, e.g. PPO's critic, live on it)."""
+
+    name: ClassVar[str]
+    input: ClassVar[type]  # the input kind it reads: rlkit.algorithms.inputs.Rollouts or Prefs
+    defaults: ClassVar[AlgoDefaults] = AlgoDefaults()
+    shown: ClassVar[tuple[str, ...]] = ()  # the metrics it adds, in the order `update` shows them
+
+    def __init__(self, cfg: RLConfig) -> None:
+        self.cfg = cfg
+
+    @classmethod
+    def check(cls, cfg: RLConfig) -> None:
+        """Refuse settings this algorithm cannot train with (after `RLConfig.check`'s own)."""
+
+    # -- models trained beside the policy (PPO's critic): loaded after the policy's optimizer state
+    def load(self, trainer: Trainer, src: Path) -> None:
+        """Extra models and their state from checkpoint `src` (fresh ones when it has none)."""
+
+    def trained(self) -> list[Trained]:
+        """Extra models the trainer steps with the policy (one backward, one loss scale)."""
+        return []
+
+    def gather(self, trainer: Trainer) -> Any:
+        """Their full state for `save` (collectives under data parallelism: every rank calls it)."""
+        return None
+
+    def save(self, trainer: Trainer, d: Path, gathered: Any) -> None:
+        """Write them into checkpoint directory `d`."""
+
+    # -- one update
+    def prepare(self, trainer: Trainer, batch: Any, cfg: RLConfig, ctx: Context) -> Plan:
+        raise NotImplementedError
+
+    def step(self, trainer: Trainer, plan: Plan, mb: Minibatch) -> StepOut:
+        raise NotImplementedError
+
+    def finish(self, trainer: Trainer, plan: Plan, sums: dict[str, float], maxes: dict[str, float]) -> dict[str, Any]:
+        """Metrics after the epochs, from the steps' sums and maxes (already summed over ranks)."""
+        return {}

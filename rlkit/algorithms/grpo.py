@@ -1,0 +1,61 @@
+"""The group-advantage policy gradients: grpo, dr-grpo, rloo, reinforce-pp.
+
+Same shape for all four: per-sequence advantages from the outcome rewards (an estimator from
+`rlkit.advantages.ADVANTAGES`; with `--kl-in reward` the reward first pays beta x the sequence's KL to
+the reference), broadcast over the completion's tokens into the clipped surrogate, with the KL to the
+reference as a loss term by default. They differ in the estimator and in the default aggregation
+(Dr. GRPO: token sums over a constant, no length bias).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from torch import Tensor
+
+from rlkit import console
+from rlkit.advantages import ADVANTAGES, GROUP_BASELINE
+from rlkit.algorithms.inputs import RLBatch
+from rlkit.algorithms.policy_gradient import PGPlan, PolicyGradient
+from rlkit.rl_config import AlgoDefaults, RLConfig
+
+if TYPE_CHECKING:
+    from rlkit.trainer import Trainer
+
+
+class GroupAdvantage(PolicyGradient):
+    estimator: ClassVar[str]  # its name in rlkit.advantages.ADVANTAGES
+    shown = (*PolicyGradient.shown, "advantage_abs_mean")
+
+    def advantages(self, trainer: Trainer, batch: RLBatch, old_logp: Tensor, kl_tok: Tensor | None, kl_coef: float,
+                   cfg: RLConfig, metrics: dict) -> tuple[Tensor, dict[str, Any]]:
+        rewards = batch.rewards
+        if kl_tok is not None and cfg.kl_in == "reward" and kl_coef > 0:
+            rewards = rewards - kl_coef * kl_tok.sum(1)
+        adv = ADVANTAGES[self.estimator](rewards, batch.groups, lengths=batch.mask.sum(1))
+        metrics["advantage_abs_mean"] = float(adv.abs().mean())
+        return adv, {}
+
+    def finish(self, trainer: Trainer, plan: PGPlan, sums: dict[str, float], maxes: dict[str, float]) -> dict[str, Any]:
+        singletons = plan.metrics["singleton_groups"]
+        if singletons and self.estimator in GROUP_BASELINE:
+            console.warn(f"update: {singletons} groups have one sample and get advantage 0 under --algo "
+                         f"{self.name} (no group baseline); sample --n >= 2 or use --algo reinforce-pp")
+        return super().finish(trainer, plan, sums, maxes)
+
+
+class GRPO(GroupAdvantage):
+    name = estimator = "grpo"
+
+
+class DrGRPO(GroupAdvantage):
+    name = estimator = "dr-grpo"
+    defaults = AlgoDefaults(loss_agg="seq-mean-token-sum-norm")
+
+
+class RLOO(GroupAdvantage):
+    name = estimator = "rloo"
+
+
+class ReinforcePP(GroupAdvantage):
+    name = estimator = "reinforce-pp"

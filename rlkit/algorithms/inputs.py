@@ -1,0 +1,262 @@
+"""The two input kinds an algorithm reads, table -> typed in-memory batch: `Rollouts` (a rollouts or
+scored table -> `RLBatch`) and `Prefs` (a prefs table scored by the reference -> `PrefBatch`). Each
+also says which table kinds `update` opens, what it refuses about the input, and the metrics the
+input itself gives (the rewards). Plus what every rollout algorithm reads besides the tensors: the
+trainer's own pi_old (`recompute_logprobs`) and how far it is from the engine's (`mismatch_metrics`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from rlkit.errors import RlkitError, non_finite_cause
+from rlkit.logprobs import completion_logprobs, pack_sequences
+from rlkit.losses import importance_ess
+from rlkit.rl_config import RLConfig
+from rlkit.training import Precision
+
+
+class RLBatch(NamedTuple):
+    """A rollout batch as tensors. N sequences, L = longest prompt+completion, C = longest completion."""
+
+    input_ids: Tensor  # (N, L) long, right-padded
+    attn: Tensor  # (N, L)
+    targets: Tensor  # (N, C) completion tokens
+    mask: Tensor  # (N, C) bool, True on completion tokens
+    start: Tensor  # (N,) position whose logits predict completion token 0
+    old_logp: Tensor  # (N, C) pi_old, logged at rollout
+    ref_logp: Tensor | None  # (N, C) pi_ref from score-ref, or None
+    rewards: Tensor  # (N,) combined reward
+    groups: Tensor  # (N,) group ids
+
+
+class PrefBatch(NamedTuple):
+    """P preference pairs packed as 2P sequences: rows 0..P-1 the chosen responses, P..2P-1 the rejected."""
+
+    input_ids: Tensor  # (2P, L) long, right-padded prompt + response (+ eos)
+    attn: Tensor  # (2P, L)
+    targets: Tensor  # (2P, C) response tokens
+    mask: Tensor  # (2P, C) bool
+    start: Tensor  # (2P,)
+    ref_logp: Tensor  # (2P,) summed reference log-probs of each response
+    heldout: Tensor  # (P,) bool, split == heldout
+
+
+class Loaded(NamedTuple):
+    """An input table made ready to train on."""
+
+    batch: Any  # RLBatch | PrefBatch
+    train: dict[str, Any]  # keyword arguments of Trainer.train (temperature, length_norm, recompute, lags)
+    metrics: dict[str, Any]  # what the input says about itself (reward means, ...)
+    reward_weights: dict[str, float] | None  # the reward components' weights used (for the manifest)
+
+
+def _padded(rows: list[list[float]], C: int) -> Tensor:
+    out = torch.zeros((len(rows), C), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
+    return out
+
+
+def combine_rewards(columns: dict[str, list[float]], weights: dict[str, float] | None) -> tuple[Tensor, dict[str, float]]:
+    """Weighted sum of reward components (default: each present component with weight 1)."""
+    if not columns:
+        raise RlkitError("the input has no reward/<component> columns; sample with a task that has a verifier")
+    w = dict(weights) if weights else {name: 1.0 for name in columns}
+    missing = sorted(set(w) - set(columns))
+    if missing:
+        raise RlkitError(f"--reward names {missing}, but the input only has components {sorted(columns)}")
+    total = torch.zeros(len(next(iter(columns.values()))), dtype=torch.float64)
+    for name, weight in w.items():
+        if any(v is None for v in columns[name]):
+            raise RlkitError(f"reward component {name!r} has missing values")
+        vals = torch.tensor(columns[name], dtype=torch.float64)
+        cause = non_finite_cause({f"the input table's reward/{name}": vals})
+        if cause:  # an inf reward makes every advantage of its group NaN
+            raise RlkitError(cause)
+        total += weight * vals
+    return total.float(), w
+
+
+def _reward_columns(table, length_penalty: float) -> dict[str, list[float]]:
+    cols = {n.split("/", 1)[1]: table.column(n).to_pylist() for n in table.column_names if n.startswith("reward/")}
+    if length_penalty:
+        cols["length_penalty"] = [-length_penalty * len(c) for c in table.column("completion_ids").to_pylist()]
+    return cols
+
+
+def build_batch(table, pad_id: int, weights: dict[str, float] | None = None,
+                length_penalty: float = 0.0) -> tuple[RLBatch, dict[str, float]]:
+    """Tensors from a rollouts/scored Arrow table. `length_penalty` > 0 adds the component
+    `length_penalty` = -length_penalty * completion tokens (weight 1) to the reward."""
+    prompts = table.column("prompt_ids").to_pylist()
+    comps = table.column("completion_ids").to_pylist()
+    old = table.column("old_logprobs").to_pylist()
+    for i, (c, o) in enumerate(zip(comps, old, strict=True)):
+        if len(c) != len(o):
+            raise RlkitError(f"row {i}: {len(c)} completion tokens but {len(o)} old log-probs; the rollouts table is corrupt")
+    ids, attn, targets, mask, start = pack_sequences(prompts, comps, pad_id)
+    C = targets.shape[1]
+    ref = None
+    if "ref_logprobs" in table.column_names:
+        ref = _padded(table.column("ref_logprobs").to_pylist(), C)
+    if length_penalty:
+        weights = None if weights is None else {**weights, "length_penalty": 1.0}
+    rewards, used = combine_rewards(_reward_columns(table, length_penalty), weights)
+    groups = torch.tensor(table.column("group_id").to_pylist(), dtype=torch.long)
+    return RLBatch(ids, attn, targets, mask, start, _padded(old, C), ref, rewards, groups), used
+
+
+def build_pref_batch(table, tokenizer) -> PrefBatch:
+    """Tensors from a prefs table that `score-ref --ref` has scored."""
+    from rlkit.data import encode_responses
+
+    for col in ("ref_chosen_logp", "ref_rejected_logp"):
+        if col not in table.column_names or table.column(col).null_count:
+            raise RlkitError("--algo dpo needs the reference's log-probs of chosen and rejected: pipe the prefs "
+                             "through `rlkit score-ref --ref REF` first")
+    prompts = table.column("prompt").to_pylist()
+    p_c, r_c = encode_responses(tokenizer, prompts, table.column("chosen").to_pylist())
+    p_r, r_r = encode_responses(tokenizer, prompts, table.column("rejected").to_pylist())
+    ids, attn, targets, mask, start = pack_sequences(p_c + p_r, r_c + r_r, tokenizer.pad_token_id)
+    ref = torch.tensor(table.column("ref_chosen_logp").to_pylist() + table.column("ref_rejected_logp").to_pylist(),
+                       dtype=torch.float32)
+    held = torch.tensor([s == "heldout" for s in table.column("split").to_pylist()], dtype=torch.bool)
+    return PrefBatch(ids, attn, targets, mask, start, ref, held)
+
+
+def recompute_logprobs(model, batch: RLBatch, temperature: float, minibatch_size: int,
+                       prec: Precision | None = None) -> Tensor:
+    """The trainer's own log-probs of the sampled tokens under `model` in its training precision, no
+    grad: (N, C), 0 off the mask."""
+    out = torch.zeros_like(batch.old_logp)
+    with torch.no_grad(), (prec or Precision()).autocast():
+        for s in range(0, len(out), minibatch_size):
+            idx = torch.arange(s, min(len(out), s + minibatch_size))
+            L = int(batch.attn[idx].sum(1).max())
+            C = int(batch.mask[idx].sum(1).max())
+            lp, _ = completion_logprobs(model, batch.input_ids[idx, :L], batch.attn[idx, :L], batch.targets[idx, :C],
+                                        batch.start[idx], temperature=temperature)
+            out[idx, :C] = lp * batch.mask[idx, :C]
+    return out
+
+
+def mismatch_metrics(old_logp: Tensor, engine_logp: Tensor, mask: Tensor, lags: Tensor | None = None) -> dict[str, Any]:
+    """How far the recomputed pi_old (the proximal policy) is from the behaviour policy's logged
+    log-probs: mean/max |difference| per token, the importance weights' normalised ESS and, given each
+    row's policy lag (N,), the mismatch on the rows sampled by this very policy (the engine's alone)."""
+    gap = (old_logp - engine_logp).abs()[mask]
+    out: dict[str, Any] = {"logprob_mismatch": float(gap.mean()) if gap.numel() else 0.0,
+                           "logprob_mismatch_max": float(gap.max()) if gap.numel() else 0.0,
+                           "is_ess": importance_ess(old_logp, engine_logp, mask)}
+    if lags is not None:
+        fresh = mask & (lags == 0).unsqueeze(1)
+        g = (old_logp - engine_logp).abs()[fresh]
+        out["logprob_mismatch_fresh"] = float(g.mean()) if g.numel() else None
+    return out
+
+
+def batch_inputs(batch: RLBatch, old_logp: Tensor, recompute: bool, tis: Tensor | None, uses_ref: bool,
+                 model=None) -> dict:
+    """What a policy step reads, root causes first, for `rlkit.trainer.non_finite_error`: the input
+    table's columns that reach the loss (`uses_ref`: a KL term or penalty reads ref_logprobs), the
+    rewards, `model`'s weights (the starting ones: pass it on an update's first step only, later a
+    diverged step can have made them non-finite), the recomputed pi_old."""
+    return {"the input table's old_logprobs": batch.old_logp if not recompute or tis is not None else None,
+            "the input table's ref_logprobs": batch.ref_logp if uses_ref else None,
+            "the reward (the input table's reward/* columns)": batch.rewards,
+            "the starting weights": model,
+            "the recomputed pi_old": old_logp if recompute else None}
+
+
+NO_REF = ("--beta > 0 needs reference log-probs, but the input has none: pipe the rollouts through "
+          "`rlkit score-ref --ref REF` first (or pass --beta 0)")
+
+
+class Rollouts:
+    """A rollouts table (`rollout`) or a scored one (`score-ref`: + reference log-probs, reward-model
+    and reward-function scores), whole prompt groups."""
+
+    kinds = ("rollouts", "scored")
+    shown = ("reward_mean", "reward_std", "verifier_accuracy")
+
+    def __init__(self) -> None:
+        self.said_reward = self.said_recompute = False
+
+    def check(self, kind: str, cfg: RLConfig) -> None:
+        """Before anything is read: a KL leash needs the reference's log-probs."""
+        if cfg.beta > 0 and kind == "rollouts":
+            raise RlkitError(NO_REF)
+
+    def check_upstream(self, upstream: dict, tokenizer, policy) -> None:
+        from rlkit import checkpoints
+
+        want = upstream.get("tokenizer")
+        if want and want != checkpoints.tokenizer_fingerprint(tokenizer):
+            raise RlkitError(f"policy {policy} has a different tokenizer from the one that sampled these rollouts")
+
+    def load(self, table, *, upstream: dict, tokenizer, rl: RLConfig, dtype: str, weights: dict[str, float] | None,
+             length_penalty: float, policy_fingerprint: str | None = None, lags: Tensor | None = None,
+             label: str = "the input") -> Loaded:
+        """`policy_fingerprint`: warn when the rows were sampled from another checkpoint (one update; under
+        --follow every row is, by its lag). `lags` (N,): the rows' policy lags under --follow."""
+        from rlkit import console
+
+        for col in ("prompt_ids", "completion_ids", "old_logprobs"):
+            if table.column(col).null_count:
+                raise RlkitError(f"{label}: column '{col}' has missing values; rollouts need token ids and log-probs")
+        if policy_fingerprint is not None and any(
+                p != policy_fingerprint for p in set(table.column("policy_fingerprint").to_pylist())):
+            console.warn("these rollouts were sampled from another checkpoint than --policy (off-policy); "
+                         "the pi_theta/pi_old ratio corrects for it, within the clip range")
+        rollout_cfg = upstream.get("rollout") or upstream.get("config") or {}
+        temperature = float(upstream.get("temperature", rollout_cfg.get("temperature", 1.0)))
+        batch, used = build_batch(table, tokenizer.pad_token_id, weights, length_penalty)
+        if not self.said_reward:
+            console.info("update: reward = " + " + ".join(f"{w:g}*{k}" for k, w in used.items())
+                         + (" (the sum of the components present; weigh them with --reward NAME=W)"
+                            if weights is None else ""))
+            self.said_reward = True
+        from rlkit import engines
+
+        engine = upstream.get("engine")
+        trusted = engines.capabilities(engine).logprobs_match_trainer  # hf: True; vllm, unknown or none: False
+        lagged = lags is not None and int(lags.max()) > 0
+        recompute = rl.old_logprobs == "recompute" or (rl.old_logprobs == "auto" and (
+            not trusted or dtype != "fp32" or lagged))
+        if rl.old_logprobs == "auto" and (not trusted or dtype != "fp32") and not self.said_recompute:
+            why = (f"rollouts sampled by engine {engine or 'unknown'}" if not trusted else
+                   f"--dtype {dtype} computes other log-probs than the fp32 engine")
+            console.info(f"update: {why}: recomputing pi_old with the trainer (--old-logprobs engine to trust the engine's)")
+            self.said_recompute = True
+        comps = _reward_columns(table, length_penalty)
+        rew = batch.rewards
+        metrics = {
+            "reward_mean": float(rew.mean()),
+            "reward_std": float(rew.std()) if len(rew) > 1 else 0.0,
+            **{f"reward/{k}": sum(v) / len(v) for k, v in comps.items()},
+            **({"verifier_accuracy": sum(v == 1.0 for v in comps["verifier"]) / len(comps["verifier"])}
+               if "verifier" in comps else {}),
+        }
+        train = {"temperature": temperature, "recompute": recompute, "lags": lags,
+                 "length_norm": float(rollout_cfg.get("max_new_tokens") or batch.targets.shape[1])}  # Dr. GRPO's
+        return Loaded(batch, train, metrics, used)
+
+
+class Prefs:
+    """A prefs table (`build-prefs`) scored by `score-ref --ref`: chosen/rejected pairs, train and held out."""
+
+    kinds = ("prefs",)
+    shown = ()
+
+    def check(self, kind: str, cfg: RLConfig) -> None:
+        """Nothing to refuse before reading: `build_pref_batch` names missing reference scores."""
+
+    def check_upstream(self, upstream: dict, tokenizer, policy) -> None:
+        """Prefs are text: the policy's tokenizer encodes them."""
+
+    def load(self, table, *, tokenizer, **_: Any) -> Loaded:
+        return Loaded(build_pref_batch(table, tokenizer), {}, {}, None)

@@ -1,0 +1,157 @@
+"""What every rollout algorithm with a clipped importance ratio shares (the GRPO family, PPO, ...):
+pi_old (the engine's, or the trainer's own with truncated IS weights), the KL to the reference as a
+metric, a loss term or a reward penalty, the group counts and --drop-degenerate, the per-minibatch
+clipped policy loss, and the ratio, clip, entropy and mismatch metrics. A subclass supplies the
+advantages (`advantages`), may swap the importance ratio (`log_ratio`: e.g. one per sequence) and may
+add loss terms for its own models (`extra_terms`, PPO's value loss).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from rlkit.advantages import degenerate_groups
+from rlkit.algorithms.base import Algorithm, Context, Minibatch, Plan, StepOut
+from rlkit.algorithms.inputs import RLBatch, Rollouts, batch_inputs, mismatch_metrics, recompute_logprobs
+from rlkit.errors import RlkitError
+from rlkit.kl import kl_per_token
+from rlkit.logprobs import completion_logprobs
+from rlkit.losses import AGG_WEIGHTS, AGGREGATIONS, policy_token_loss, token_log_ratio, truncated_is_weights
+from rlkit.rl_config import RLConfig
+
+if TYPE_CHECKING:
+    from rlkit.trainer import Trainer
+
+SUMS = ("clipped", "dual_clipped", "policy_tokens", "ratio_sum", "entropy_sum", "entropy_tokens")
+MAXES = ("ratio_max", "ratio_neg_min")
+
+
+@dataclass(kw_only=True)
+class PGPlan(Plan):
+    old_logp: Tensor  # (N, C) pi_old the ratio is taken against (recomputed or the engine's)
+    tis: Tensor | None  # (N, C) truncated IS weights, or None
+    kl_coef: float  # the KL coefficient of this update (PPO's adaptive one moves between updates)
+    adv: Tensor  # (N,) per sequence or (N, C) per token
+    extra: dict[str, Any] = field(default_factory=dict)  # the subclass's own (PPO: values, returns)
+
+
+class PolicyGradient(Algorithm):
+    input = Rollouts
+    log_ratio: ClassVar = staticmethod(token_log_ratio)  # (logp, old_logp, mask) -> the log importance ratio
+    shown = ("kl_per_token", "kl_per_seq", "entropy", "clip_fraction", "dual_clip_fraction", "ratio_min",
+             "ratio_mean", "ratio_max", "logprob_mismatch", "logprob_mismatch_max", "tis_weight_mean",
+             "tis_capped_fraction", "is_ess", "mean_response_tokens", "degenerate_group_fraction")
+    extra_sums: ClassVar[tuple[str, ...]] = ()  # names of the counts `extra_terms` returns
+
+    @classmethod
+    def check(cls, cfg: RLConfig) -> None:
+        if cfg.kl_in == "loss" and cfg.kl_estimator == "k1" and cfg.beta > 0:
+            raise RlkitError("--kl-estimator k1 in the loss has zero expected gradient (E_pi[grad log pi] = 0), so it "
+                             "would regularise nothing: use k3+ or k2 with --kl-in loss, or k1 with --kl-in reward")
+
+    # -- what subclasses supply
+    def kl_coef(self, cfg: RLConfig) -> float:
+        return cfg.beta
+
+    def advantages(self, trainer: Trainer, batch: RLBatch, old_logp: Tensor, kl_tok: Tensor | None, kl_coef: float,
+                   cfg: RLConfig, metrics: dict) -> tuple[Tensor, dict[str, Any]]:
+        """-> (advantages (N,) or (N, C), the subclass's own tensors for `PGPlan.extra`); may add to `metrics`.
+        `kl_tok` (N, C): the --kl-estimator per token of pi_old vs pi_ref, None without reference log-probs."""
+        raise NotImplementedError
+
+    def extra_terms(self, trainer: Trainer, plan: PGPlan, mb: Minibatch, input_ids: Tensor, attn: Tensor,
+                    mask: Tensor) -> tuple[dict[str, Tensor], dict[str, float]]:
+        """Loss terms beside the policy's for this minibatch (name -> () tensor) and their counts (`extra_sums`).
+        input_ids, attn (r, L): the rows the policy ran on; mask (r, C): their completion tokens trained on."""
+        return {}, {}
+
+    def step_inputs(self, plan: PGPlan, first: bool) -> dict:
+        """The derived tensors a step reads beyond `batch_inputs`, for non_finite_error."""
+        return {"the advantage": plan.adv}
+
+    # -- the Algorithm interface
+    def prepare(self, trainer: Trainer, batch: RLBatch, cfg: RLConfig, ctx: Context) -> PGPlan:
+        mask = batch.mask
+        if cfg.beta > 0 and batch.ref_logp is None:
+            raise RlkitError("--beta > 0 needs reference log-probs: pipe the rollouts through `rlkit score-ref --ref REF` "
+                             "(or pass --beta 0)")
+        if cfg.tis_cap is not None and not ctx.recompute:
+            raise RlkitError("--tis-cap needs the recomputed pi_old (--old-logprobs recompute)")
+        metrics: dict[str, Any] = {"old_logprobs": "recompute" if ctx.recompute else "engine"}
+        old_logp, tis = batch.old_logp, None
+        if ctx.recompute:
+            old_logp = recompute_logprobs(trainer.model, batch, ctx.temperature, cfg.minibatch_size, trainer.prec)
+            metrics.update(mismatch_metrics(old_logp, batch.old_logp, mask, ctx.lags))
+            if cfg.tis_cap is not None:
+                tis = truncated_is_weights(old_logp, batch.old_logp, cfg.tis_cap)
+                metrics.update(tis_weight_mean=float(tis[mask].mean()),
+                               tis_capped_fraction=float((tis[mask] >= cfg.tis_cap).float().mean()))
+        kl_tok = None
+        if batch.ref_logp is not None:
+            kl_tok = kl_per_token(cfg.kl_estimator, old_logp, batch.ref_logp, mask)
+            metrics["kl_per_token"] = float(kl_tok.sum() / mask.sum().clamp(min=1))
+            metrics["kl_per_seq"] = float(kl_tok.sum(1).mean())
+        kl_coef = self.kl_coef(cfg)
+        adv, extra = self.advantages(trainer, batch, old_logp, kl_tok, kl_coef, cfg, metrics)
+        counts = degenerate_groups(batch.rewards, batch.groups)
+        rows = torch.arange(len(adv))
+        if cfg.drop_degenerate:
+            rows = rows[~counts.degenerate_mask]
+        metrics.update(degenerate_group_fraction=counts.degenerate / max(1, counts.groups),
+                       singleton_groups=counts.singletons, sequences=len(adv), sequences_trained=len(rows),
+                       mean_response_tokens=float(mask.sum(1).float().mean()))
+        agg_weight = AGG_WEIGHTS[cfg.loss_agg]
+        return PGPlan(cfg=cfg, batch=batch, ctx=ctx, rows=rows, weights={"loss": lambda r: agg_weight(mask[r]),
+                      **self.extra_weights(batch)}, metrics=metrics, sums=SUMS + self.extra_sums, maxes=MAXES,
+                      old_logp=old_logp, tis=tis, kl_coef=kl_coef, adv=adv, extra=extra)
+
+    def extra_weights(self, batch: RLBatch) -> dict:
+        """Per extra loss term: what it averages over (see `Plan.weights`)."""
+        return {}
+
+    def step(self, trainer: Trainer, plan: PGPlan, mb: Minibatch) -> StepOut:
+        b, cfg, ctx, idx = plan.batch, plan.cfg, plan.ctx, mb.idx
+        share = mb.shares["loss"]
+        L, C = int(b.attn[idx].sum(1).max()), int(b.mask[idx].sum(1).max())
+        m = b.mask[idx, :C] if share else torch.zeros_like(b.mask[idx, :C])
+        ids, att = b.input_ids[idx, :L], b.attn[idx, :L]
+        with trainer.prec.autocast():
+            logp, ent = completion_logprobs(trainer.model, ids, att, b.targets[idx, :C], b.start[idx],
+                                            temperature=ctx.temperature, with_entropy=mb.epoch == 0)
+        in_loss = cfg.kl_in == "loss" and plan.kl_coef > 0
+        adv = plan.adv[idx] if plan.adv.dim() == 1 else plan.adv[idx, :C]
+        tl = policy_token_loss(logp, plan.old_logp[idx, :C], adv, m, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                               dual_clip=cfg.dual_clip, tis=None if plan.tis is None else plan.tis[idx, :C],
+                               ref_logp=b.ref_logp[idx, :C] if in_loss else None, kl_estimator=cfg.kl_estimator,
+                               kl_coef=plan.kl_coef if in_loss else 0.0, log_ratio=self.log_ratio)
+        loss = AGGREGATIONS[cfg.loss_agg](tl.loss, m, ctx.length_norm) * share
+        extra, extra_sums = self.extra_terms(trainer, plan, mb, ids, att, m)
+        total = loss
+        for term in extra.values():
+            total = total + term
+        with torch.no_grad():
+            r = tl.ratio[m]
+            sums = {"clipped": int(tl.clipped.sum()), "dual_clipped": int(tl.dual_clipped.sum()),
+                    "policy_tokens": int(m.sum()), "ratio_sum": float(r.sum()), **extra_sums}
+            if ent is not None:
+                sums.update(entropy_sum=float(ent[m].sum()), entropy_tokens=int(m.sum()))
+            maxes = {"ratio_max": float(r.max()), "ratio_neg_min": -float(r.min())} if r.numel() else {}
+        uses_ref = plan.kl_coef > 0 and b.ref_logp is not None
+
+        def inputs() -> dict:
+            return {**batch_inputs(b, plan.old_logp, ctx.recompute, plan.tis, uses_ref, trainer.model if mb.first else None),
+                    **self.step_inputs(plan, mb.first)}
+
+        return StepOut(total, {"loss": loss, **extra}, sums, maxes, int(b.attn[idx, :L].sum()) if share else 0, inputs)
+
+    def finish(self, trainer: Trainer, plan: PGPlan, sums: dict[str, float], maxes: dict[str, float]) -> dict[str, Any]:
+        n = sums["policy_tokens"]
+        return {"clip_fraction": sums["clipped"] / max(1, n), "dual_clip_fraction": sums["dual_clipped"] / max(1, n),
+                "ratio_min": -maxes["ratio_neg_min"] if n else None, "ratio_max": maxes["ratio_max"] if n else None,
+                "ratio_mean": sums["ratio_sum"] / max(1, n),
+                "entropy": sums["entropy_sum"] / sums["entropy_tokens"] if sums["entropy_tokens"] else None}
+

@@ -1,0 +1,253 @@
+"""PPO with a learned critic (the InstructGPT recipe), `update --algo ppo`.
+
+The critic is a value head on its own transformer (a `AutoModelForSequenceClassification` with
+num_labels=1, read at every completion position), initialised from the policy or from a reward
+model on the first update and stored in the checkpoint's `critic/` folder with its optimizer state,
+so the next `update` resumes it; the trainer steps it with the policy (one backward, one loss scale).
+Per-token rewards are -kl_coef * KL(pi_old || pi_ref) on every completion token plus the sequence's
+reward at its last token (`--kl-in reward`, the default for ppo; `--kl-in loss` puts the KL in the
+loss instead); advantages come from GAE over the critic's values, whitened over the batch; the value
+loss is PPO's clipped one, a token mean. `--target-kl` adapts the KL coefficient between updates
+(Ziegler et al. 2019); its state travels in `critic/kl_controller.json`.
+
+The math is in `rlkit.gae`, `rlkit.losses`, `rlkit.kl`; this module wires it to the models.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from rlkit.algorithms.inputs import RLBatch
+from rlkit.algorithms.policy_gradient import PGPlan, PolicyGradient
+from rlkit.artifacts import MODEL_MANIFEST
+from rlkit.distributed import DataParallel
+from rlkit.errors import RlkitError
+from rlkit.gae import (
+    AdaptiveKLController,
+    clipped_value_loss,
+    explained_variance,
+    gae,
+    kl_penalised_token_rewards,
+    masked_whiten,
+)
+from rlkit.losses import token_mean
+from rlkit.rl_config import AlgoDefaults, RLConfig
+from rlkit.trainer import (
+    TRAINER_DIR,
+    Trained,
+    TrainerState,
+    load_trainer,
+    make_optimizer,
+    save_trainer,
+    trainer_tensors,
+)
+from rlkit.training import Precision
+
+if TYPE_CHECKING:
+    from rlkit.algorithms.base import Minibatch
+    from rlkit.trainer import Trainer
+
+CRITIC_DIR = "critic"
+KL_STATE = "kl_controller.json"
+
+
+class PPO(PolicyGradient):
+    name = "ppo"
+    defaults = AlgoDefaults(kl_in="reward")
+    shown = (*PolicyGradient.shown, "kl_coef", "kl_coef_next", "value_loss", "value_clip_fraction",
+             "explained_variance")
+    extra_sums = ("value_clipped",)
+
+    def __init__(self, cfg: RLConfig) -> None:
+        super().__init__(cfg)
+        self.critic: Trained | None = None
+        self.ctrl: AdaptiveKLController | None = None
+
+    def load(self, trainer: Trainer, src: Path) -> None:
+        from rlkit import console
+
+        critic, opt, cstate, self.ctrl, origin = load_critic(
+            src, self.cfg, trainer.tokenizer, trainer.trust_remote_code, trainer.dp, trainer.train_options,
+            trainer.model)
+        self.critic = Trained(critic, opt, cstate)
+        console.info(f"update: critic {origin}")
+
+    def trained(self) -> list[Trained]:
+        return [self._critic()]
+
+    def gather(self, trainer: Trainer) -> tuple[dict | None, dict]:
+        c = self._critic()
+        return gather_critic(c.model, c.opt, trainer.dp)
+
+    def save(self, trainer: Trainer, d: Path, gathered: Any) -> None:
+        c = self._critic()
+        save_critic(c.model, c.opt, c.state, self.ctrl, d / CRITIC_DIR, gathered)
+
+    def _critic(self) -> Trained:
+        if self.critic is None:
+            raise RlkitError("--algo ppo trains a critic: load it with Trainer.load(checkpoint) first")
+        return self.critic
+
+    def kl_coef(self, cfg: RLConfig) -> float:
+        return self.ctrl.value if self.ctrl is not None else cfg.beta
+
+    def advantages(self, trainer: Trainer, batch: RLBatch, old_logp: Tensor, kl_tok: Tensor | None, kl_coef: float,
+                   cfg: RLConfig, metrics: dict) -> tuple[Tensor, dict[str, Any]]:
+        """GAE over the critic's values of the KL-penalised per-token rewards, whitened: (N, C)."""
+        mask = batch.mask
+        kl = kl_tok if kl_tok is not None else torch.zeros_like(old_logp)
+        in_reward = cfg.kl_in == "reward" and kl_coef > 0
+        token_rewards = kl_penalised_token_rewards(batch.rewards, kl, mask, kl_coef if in_reward else 0.0)
+        old_values = _values(self._critic().model, batch, cfg.minibatch_size, trainer.prec)
+        adv, returns = gae(token_rewards, old_values, mask, cfg.gamma, cfg.lam)
+        adv = masked_whiten(adv, mask)
+        ret_m, val_m = returns[mask], old_values[mask]
+        metrics.update(values_mean=float(val_m.mean()), returns_mean=float(ret_m.mean()),
+                       explained_variance=explained_variance(ret_m, val_m), kl_coef=kl_coef)
+        return adv, {"old_values": old_values, "returns": returns, "kl_per_seq": float(kl.sum(1).mean())}
+
+    def extra_weights(self, batch: RLBatch) -> dict:
+        return {"value_loss": lambda rows: batch.mask[rows].sum()}  # the value loss is a token mean
+
+    def extra_terms(self, trainer: Trainer, plan: PGPlan, mb: Minibatch, input_ids: Tensor, attn: Tensor,
+                    mask: Tensor) -> tuple[dict[str, Tensor], dict[str, float]]:
+        """PPO's clipped value loss, a token mean over the policy's tokens, and its clipped-token count."""
+        b, idx, C = plan.batch, mb.idx, mask.shape[1]
+        with trainer.prec.autocast():
+            v = critic_values(self._critic().model, input_ids, attn, b.start[idx], C)
+        returns = plan.extra["returns"][idx, :C]
+        vl_tok = clipped_value_loss(v, plan.extra["old_values"][idx, :C], returns, plan.cfg.vf_clip)
+        vloss = token_mean(vl_tok, mask) * mb.shares["value_loss"]
+        with torch.no_grad():
+            clipped = int(((0.5 * (v - returns) ** 2 < vl_tok - 1e-12) & mask).sum())
+        return {"value_loss": vloss}, {"value_clipped": clipped}
+
+    def step_inputs(self, plan: PGPlan, first: bool) -> dict:
+        return {"the critic's starting weights": self._critic().model if first else None,
+                "the critic's value estimate": plan.extra["old_values"], "the advantage": plan.adv}
+
+    def finish(self, trainer: Trainer, plan: PGPlan, sums: dict[str, float], maxes: dict[str, float]) -> dict[str, Any]:
+        out = super().finish(trainer, plan, sums, maxes)
+        out["value_clip_fraction"] = sums["value_clipped"] / max(1, sums["policy_tokens"])
+        if self.ctrl is not None:
+            out["kl_coef_next"] = self.ctrl.update(plan.extra["kl_per_seq"], len(plan.adv))
+        return out
+
+
+def load_critic(policy: Path, cfg: RLConfig, tokenizer, trust_remote_code: bool = False, dp: DataParallel | None = None,
+                train=None, policy_model=None):
+    """(critic, its optimizer, its TrainerState, KL controller or None, where it came from); under `dp`
+    the critic is sharded like the policy (FSDP2) before its optimizer state is loaded. `train`
+    (rlkit.training.TrainOptions): gradient checkpointing applies to the critic as to the policy.
+
+    LoRA (OpenRLHF's choice): when the policy trains a LoRA adapter (`policy_model` is a LoRA model, or
+    `train.lora`), the critic does too, with the same settings, on the base it starts from: a LoRA
+    policy checkpoint's own adapter and base (plus a value head), or a fresh adapter on the full policy
+    or the --critic-init reward model; a LoRA reward model's adapter keeps training as the critic's."""
+    from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    from rlkit import checkpoints
+
+    d = policy / CRITIC_DIR
+    if d.is_dir():
+        src, kw = d, {}
+    elif cfg.critic_init == "policy":
+        src, kw = policy, {"num_labels": 1}
+    else:
+        src, kw = Path(cfg.critic_init), {}
+        checkpoints.check_model_dir(src, "critic init")
+        rm_tok = checkpoints.load_tokenizer(src, trust_remote_code)
+        if checkpoints.tokenizer_fingerprint(rm_tok) != checkpoints.tokenizer_fingerprint(tokenizer):
+            raise RlkitError(f"--critic-init {src}: its tokenizer differs from the policy's, so its values cannot "
+                             "be read at the policy's tokens; use --critic-init policy")
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # a fresh value head is "newly initialized" on purpose
+    try:
+        from rlkit import lora
+
+        if lora.is_adapter_dir(src):  # a LoRA critic resumed, or started from a LoRA policy's or reward model's adapter
+            critic = lora.load(src, "seq-cls", trust_remote_code=trust_remote_code)
+        else:
+            critic = AutoModelForSequenceClassification.from_pretrained(
+                str(src), dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True, **kw)
+            opts = (train.lora if train is not None else None) or lora.options_of(policy_model)
+            if opts is not None:  # the policy trains a LoRA adapter: so does the critic, with the same settings
+                critic = lora.wrap(critic, opts, "seq-cls", src)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if critic.config.num_labels != 1:
+        raise RlkitError(f"{src} has {critic.config.num_labels} labels; a critic needs one")
+    if src == policy:  # a fresh value head: zero, so V starts at 0 everywhere and every process agrees
+        with torch.no_grad():
+            for p in critic.score.parameters():
+                p.zero_()
+    critic.config.pad_token_id = tokenizer.pad_token_id
+    if train is not None and train.gradient_checkpointing:
+        from rlkit.training import enable_gradient_checkpointing
+
+        enable_gradient_checkpointing(critic)
+    if dp is not None:
+        from rlkit.distributed import shard_model
+
+        critic = shard_model(critic, dp, _critic_values)
+    opt = make_optimizer(critic, cfg.critic_lr or 2 * cfg.lr, cfg.weight_decay)
+    cstate = load_trainer(critic, opt, d / TRAINER_DIR, dp) if d.is_dir() else TrainerState()
+    ctrl = None
+    if cfg.target_kl is not None:
+        ctrl = (AdaptiveKLController.from_state(json.loads((d / KL_STATE).read_text())) if (d / KL_STATE).is_file()
+                else AdaptiveKLController(cfg.beta, cfg.target_kl, cfg.kl_horizon))
+    return critic, opt, cstate, ctrl, "resumed" if src == d else f"initialised from {src}"
+
+
+def gather_critic(critic, opt, dp: DataParallel | None) -> tuple[dict | None, dict]:
+    """(full weights or None, full optimizer tensors): collectives under `dp`, on every rank."""
+    from rlkit.distributed import full_model_state
+
+    return (full_model_state(critic) if dp is not None else None), trainer_tensors(critic, opt, dp)
+
+
+def save_critic(critic, opt, cstate: TrainerState, ctrl: AdaptiveKLController | None, d: Path,
+                gathered: tuple[dict | None, dict] | None = None) -> None:
+    from rlkit import lora
+
+    full, tensors = gathered if gathered is not None else (None, None)
+    if lora.state(critic) is not None:  # the adapter, and its base's path and hashes for the next update
+        d.mkdir(parents=True, exist_ok=True)
+        entry = lora.save(critic, d, full)
+        (d / MODEL_MANIFEST).write_text(json.dumps({"kind": "critic", "lora": entry}, indent=2, sort_keys=True) + "\n")
+    else:
+        critic.save_pretrained(d, safe_serialization=True, **({"state_dict": full} if full is not None else {}))
+    save_trainer(critic, opt, cstate, d / TRAINER_DIR, tensors)
+    if ctrl is not None:
+        (d / KL_STATE).write_text(json.dumps(ctrl.state_dict()) + "\n")
+
+
+def critic_values(critic, input_ids: Tensor, attn: Tensor, start: Tensor, C: int) -> Tensor:
+    """V(state before completion token t) for t < C: the value head at position start + t. -> (B, C)."""
+    root = getattr(critic, "_rlkit_fsdp_root", None)
+    if root is not None:  # FSDP2: through the root unit, fn = _critic_values
+        return root(input_ids, attn, start, C)
+    return _critic_values(critic, input_ids, attn, start, C)
+
+
+def _critic_values(critic, input_ids: Tensor, attn: Tensor, start: Tensor, C: int) -> Tensor:
+    hidden = critic.base_model(input_ids=input_ids, attention_mask=attn, use_cache=False).last_hidden_state  # (B, L, H)
+    idx = (start.unsqueeze(1) + torch.arange(C).unsqueeze(0)).clamp(max=input_ids.shape[1] - 1)
+    h = hidden.gather(1, idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # (B, C, H)
+    return critic.score(h).squeeze(-1).float()
+
+
+def _values(critic, batch: RLBatch, chunk: int, prec: Precision) -> Tensor:
+    out = torch.zeros_like(batch.old_logp)
+    with torch.no_grad(), prec.autocast():
+        for s in range(0, len(out), chunk):
+            idx = torch.arange(s, min(len(out), s + chunk))
+            L, C = int(batch.attn[idx].sum(1).max()), int(batch.mask[idx].sum(1).max())
+            out[idx, :C] = critic_values(critic, batch.input_ids[idx, :L], batch.attn[idx, :L], batch.start[idx], C)
+    return out * batch.mask

@@ -1,0 +1,62 @@
+"""The `hf` engine: Hugging Face `generate` (`rlkit.generation`) on the policy loaded in this process, fp32, CPU
+or one GPU. Its log-probs are the trainer's own forward pass; a LoRA checkpoint runs merged. `--engine auto`'s
+fallback.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from rlkit.engines import Capabilities, EngineOptions, Generated, register
+from rlkit.errors import RlkitError
+
+
+@register("hf")
+class HFEngine:
+    """Hugging Face `generate`: batched by a token budget, KV cache, left padding, stop at EOS."""
+
+    capabilities = Capabilities(logprobs_match_trainer=True, supports_lora=False, supports_sleep=False)
+    auto_rank = 0  # the fallback: never preferred, always possible
+    auto_reason = "the fallback"
+
+    def __init__(self, model, tokenizer, batch_tokens: int = 16384) -> None:
+        self.model, self.tokenizer, self.batch_tokens = model, tokenizer, batch_tokens
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        return None
+
+    @classmethod
+    def check_options(cls, opts: EngineOptions) -> None:
+        if opts.tp != 1 or opts.gpu_memory_utilization or opts.max_model_len or opts.enforce_eager:
+            raise RlkitError("--tp, --gpu-memory-utilization, --max-model-len and --enforce-eager are vLLM options; "
+                             "pass --engine vllm (or auto) with them")
+
+    @classmethod
+    def start(cls, policy: Path, opts: EngineOptions) -> HFEngine:
+        from rlkit import checkpoints
+
+        if opts.dtype not in ("auto", "fp32"):
+            raise RlkitError(f"--dtype {opts.dtype}: the hf engine samples in fp32 (pass --engine vllm for other dtypes)")
+        model, tokenizer = checkpoints.load_policy(policy, "fp32", opts.trust_remote_code, merged=True)  # LoRA: merged
+        return cls(model, tokenizer, opts.batch_tokens)
+
+    def sample(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed) -> Generated:
+        from rlkit.generation import generate
+
+        return generate(self.model, self.tokenizer, prompt_ids, max_new_tokens=max_new_tokens, n=n, greedy=False,
+                        temperature=temperature, top_p=top_p, seed=seed, batch_tokens=self.batch_tokens,
+                        logprobs=True)
+
+    def reload(self, model_dir: Path) -> float:
+        """Copy checkpoint `model_dir`'s weights into the live model (a LoRA checkpoint: merged); the seconds."""
+        from rlkit.checkpoints import load_weights_into
+
+        t0 = time.perf_counter()
+        load_weights_into(self.model, model_dir)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Drop the model (its memory goes with the last reference)."""
+        self.model = None
