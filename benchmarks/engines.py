@@ -25,7 +25,8 @@ LIBRARY = {"hf": "transformers"}  # the library an engine imports, where it is n
 
 def _child(engine: str, policy: Path, prompts: int, n: int, repeats: int, dump: Path) -> None:
     t0 = time.perf_counter()
-    from rlkit import data, engines
+    from rlkit import engines
+    from rlkit.io import data
     from rlkit.tasks import get_task
 
     importlib.import_module(LIBRARY.get(engine, engine))  # the engine's library, timed apart from its start
@@ -50,9 +51,9 @@ def _child(engine: str, policy: Path, prompts: int, n: int, repeats: int, dump: 
 def _mismatch(policy: Path, d: dict) -> tuple[float, float]:
     import torch
 
-    from rlkit import checkpoints
     from rlkit.algorithms.inputs import RLBatch, recompute_logprobs
-    from rlkit.logprobs import pack_sequences
+    from rlkit.io import checkpoints
+    from rlkit.ops.logprobs import pack_sequences
 
     model, tok = checkpoints.load_policy(policy)
     n = d["samples"] // len(d["prompt_ids"])

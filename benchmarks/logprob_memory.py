@@ -16,7 +16,7 @@ import sys
 CHILD = r"""
 import json, resource, sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from rlkit.logprobs import completion_logprobs, pack_sequences
+from rlkit.ops.logprobs import completion_logprobs, pack_sequences
 a = json.loads(sys.argv[1])
 torch.manual_seed(0)
 model = LlamaForCausalLM(LlamaConfig(vocab_size=a["vocab"], hidden_size=256, intermediate_size=512,

@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rlkit.checkpoints import safetensors_summary
+from rlkit.io.checkpoints import safetensors_summary
 
 
 def main() -> None:

@@ -98,7 +98,8 @@ def kib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 a = json.loads(sys.argv[1])
 import torch, transformers
-from rlkit import artifacts, checkpoints, cli  # noqa: F401 (update's imports: the CLI, torch, transformers)
+from rlkit import cli
+from rlkit.io import artifacts, checkpoints  # noqa: F401 (update's imports: the CLI, torch, transformers)
 imports = kib()
 model, tokenizer = checkpoints.load_policy(a["policy"], "fp32")
 with torch.no_grad():  # the weights are mmapped from the safetensors file: read each page once, as training will
@@ -327,7 +328,7 @@ def last_line(log: Path) -> str:
 
 def mixed_rewards(src: Path, dst: Path) -> None:
     """`src` with `reward/verifier` 1 for a seeded half of each group's samples, 0 for the rest."""
-    from rlkit import artifacts
+    from rlkit.io import artifacts
 
     table, reader = artifacts.read_table(src, ["rollouts"])
     cols = table.to_pydict()
@@ -429,7 +430,7 @@ def measure(a, work: Path, P: int, G: int, T: int, M: int) -> dict:
     base = subprocess.run([sys.executable, "-c", BASELINE, json.dumps({"policy": str(model), "batch": str(batch)})],
                           capture_output=True, text=True, check=True, env=env)
     baseline = json.loads(base.stdout.strip().splitlines()[-1])
-    from rlkit import artifacts
+    from rlkit.io import artifacts
 
     table, _ = artifacts.read_table(batch, ["rollouts"])
     comp = [len(c) for c in table.column("completion_ids").to_pylist()]

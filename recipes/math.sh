@@ -6,7 +6,7 @@
 # stays near zero: the recipe shows that the whole path works. Swap in your model and data, e.g.
 #   MODEL=Qwen/Qwen2.5-0.5B-Instruct DATA=openai/gsm8k:main@train MAX_NEW_TOKENS=256 bash recipes/math.sh
 # Knobs (environment), defaults in brackets, besides rlvr.sh's:
-#   MODEL [tiny]  DATA [the ~50 problems shipped in rlkit/data_files/math_sample.jsonl]: .jsonl/.parquet or datasets spec
+#   MODEL [tiny]  DATA [the ~50 problems shipped in rlkit/tasks/data_files/math_sample.jsonl]: .jsonl/.parquet or datasets spec
 #   QUESTION [question] ANSWER [answer] its columns (answers: "... #### 42", a \boxed{} solution, or bare)
 #   SOLUTION [] a separate solution column for SFT targets  TEST [] a held-out file instead of the hash split
 #   VERIFIER [math-verify] or last-integer   RUNS [runs/math]  SFT_EXAMPLES [4000]  PROMPTS [48]  MAX_NEW_TOKENS [96]

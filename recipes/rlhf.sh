@@ -10,7 +10,7 @@
 #     PPO only helps when the reward model judges answers better than the policy writes them. With a quarter
 #     of these pairs (or, on some seeds, one epoch) the reward model ranked the right sum first among
 #     gold-3..gold+3 no more often than the SFT policy wrote it, and PPO lowered held-out accuracy
-#     (README, "The RLHF pieces"; benchmarks/rlhf_recipe.py measures both).
+#     (docs/rlhf.md; benchmarks/rlhf_recipe.py measures both).
 #   ROUNDS [3]  PROMPTS [512] prompts per round  N [4] samples per prompt  MAX_NEW_TOKENS [16]
 #   LR [5e-5]  EPOCHS [1]  MINIBATCH [128]  BETA [0.05] KL coefficient (in the reward)  TARGET_KL [] adaptive
 #   REWARD [rm:rm=1] update --reward weights (e.g. "rm:rm=1 verifier=1")

@@ -5,7 +5,7 @@
 #   RUNS [runs/rlvr]  SEED [0]  TASK [arithmetic] (any --task spec)  MODEL [tiny] (sft's base: a model directory or hub id)
 #   SFT_EXAMPLES [24000]  EVAL_NUM [300]
 #   ROUNDS [3]  PROMPTS [512] prompts per round  N [8] samples per prompt  MAX_NEW_TOKENS [16]
-#   ALGO [grpo]  LR [5e-5]  EPOCHS [2]  MINIBATCH [128]  BETA [0.01]  KL [k3+] (in the loss; see README)  TEMPERATURE [1.0]
+#   ALGO [grpo]  LR [5e-5]  EPOCHS [2]  MINIBATCH [128]  BETA [0.01]  KL [k3+] (in the loss; see docs/algorithms.md)  TEMPERATURE [1.0]
 #   DROP_DEGENERATE [0] leave out groups whose rewards are all equal (no signal, ~20% less work)
 #   DUAL_CLIP [3] cap on the loss of negative-advantage tokens (-C*A; 0: off)
 # A rerun skips every stage whose output is up to date with its inputs and settings.

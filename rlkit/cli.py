@@ -167,7 +167,7 @@ def _exit_if_reader_blocked(rc: int) -> None:
             f.flush()
         except (OSError, ValueError):
             pass
-    from rlkit import artifacts
+    from rlkit.io import artifacts
 
     if artifacts._STDOUT is not None:
         try:
@@ -203,7 +203,7 @@ def _main(argv: list[str] | None = None) -> int:
         return 130
     except DownstreamClosed:
         # a --follow stage whose reader ended (e.g. `update --follow --max-steps`): the run's normal end
-        from rlkit.artifacts import drop_stdout_sink
+        from rlkit.io.artifacts import drop_stdout_sink
 
         drop_stdout_sink()
         print("rlkit: the downstream stage ended; stopping", file=err)

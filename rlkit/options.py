@@ -19,11 +19,11 @@ InTable = Annotated[
 PolicyDir = Annotated[Path, typer.Option("--policy", help="Policy checkpoint directory (Hugging Face layout).")]
 Task = Annotated[
     str,
-    typer.Option("--task", help="Task spec NAME[:key=value,...] (built-in arithmetic or math, or an `rlkit.tasks` entry point), path/to/file.py:CLASS[:key=value,...] or package.module:CLASS[:...]; e.g. 'arithmetic:terms=2-5,max=20', 'math:data=gsm8k.jsonl', 'my_tasks.py:Countdown:max=50'. See README 'Tasks and data'."),
+    typer.Option("--task", help="Task spec NAME[:key=value,...] (built-in arithmetic or math, or an `rlkit.tasks` entry point), path/to/file.py:CLASS[:key=value,...] or package.module:CLASS[:...]; e.g. 'arithmetic:terms=2-5,max=20', 'math:data=gsm8k.jsonl', 'my_tasks.py:Countdown:max=50'. See docs/tasks-rewards.md."),
 ]
 RewardFn = Annotated[
     list[str] | None,
-    typer.Option("--reward-fn", help="User reward function NAME=path/to/file.py:FUNC or NAME=package.module:FUNC (repeatable): adds a reward/NAME column. Parameters prompt, completion, answer, row: one row per call, returns a number; prompts, completions, answers, rows: a batch per call, returns a list. See README 'Reward functions from your code'."),
+    typer.Option("--reward-fn", help="User reward function NAME=path/to/file.py:FUNC or NAME=package.module:FUNC (repeatable): adds a reward/NAME column. Parameters prompt, completion, answer, row: one row per call, returns a number; prompts, completions, answers, rows: a batch per call, returns a list. See docs/tasks-rewards.md."),
 ]
 RewardTimeout = Annotated[
     float,
@@ -38,7 +38,7 @@ PromptColumn = Annotated[str, typer.Option("--prompt-column", help="Column of th
 AnswerColumn = Annotated[str, typer.Option("--answer-column", help="Column of the data that holds the gold answer.")]
 NoVerify = Annotated[bool, typer.Option("--no-verify", help="Load policy and reward-model checkpoints without checking their weights against the sha256 in rlkit.json (a frozen reference is always checked). Checks are cached per file version, so leaving them on costs one read per checkpoint.")]
 # Training numerics (sft, train-rm, update): see rlkit.training
-TrainDtype = Annotated[str, typer.Option("--dtype", help="Compute dtype: fp32, bf16 or fp16. bf16/fp16 run the forward and backward under autocast over fp32 master weights and fp32 AdamW state (the saved checkpoint is fp32); fp16 adds a dynamic loss scale. See README 'Precision and memory'.")]
+TrainDtype = Annotated[str, typer.Option("--dtype", help="Compute dtype: fp32, bf16 or fp16. bf16/fp16 run the forward and backward under autocast over fp32 master weights and fp32 AdamW state (the saved checkpoint is fp32); fp16 adds a dynamic loss scale. See docs/precision-lora.md.")]
 GradCheckpointing = Annotated[bool, typer.Option("--gradient-checkpointing", help="Recompute activations in backward (transformers' non-reentrant gradient checkpointing): less memory, ~30% more compute.")]
 LoraRank = Annotated[int | None, typer.Option("--lora-rank", help="Train a LoRA adapter of this rank (peft) instead of every weight; the checkpoint holds the adapter in PEFT's layout plus the base model's path and hashes.")]
 LoraAlpha = Annotated[float | None, typer.Option("--lora-alpha", help="LoRA scaling alpha (default 2 x --lora-rank).")]

@@ -4,7 +4,7 @@ Reads a policy and a task (or, with --from, an existing preference set). Samples
 train prompt, verifies them, and pairs a correct answer with a wrong one. Unlike a set of (good,
 nonsense) pairs, it adds plausible negatives (a near miss in the same format, a wrong answer in
 polished verbose prose) and balances length, so the reward model must learn the task to separate
-them (`rlkit/prefs.py`). `--bias length` builds the deliberately flawed set in which the longer answer
+them (`rlkit/tasks/prefs.py`). `--bias length` builds the deliberately flawed set in which the longer answer
 always wins, for the reward-hacking experiment. A stable --eval-fraction of prompts is marked
 `split = heldout` for the reward model's pair accuracy.
 """
@@ -43,7 +43,7 @@ class BuildPrefsConfig:
 
 def run(cfg: BuildPrefsConfig) -> Path | None:
     """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
-    from rlkit import artifacts, checkpoints
+    from rlkit.io import artifacts, checkpoints
 
     with artifacts.claim_out(cfg.out, "table", {"--policy": cfg.policy, "--from": cfg.source, "--task": cfg.task}), \
             checkpoints.verifying(cfg.verify):
@@ -51,8 +51,9 @@ def run(cfg: BuildPrefsConfig) -> Path | None:
 
 
 def _run(cfg: BuildPrefsConfig) -> Path | None:
-    from rlkit import artifacts, console
+    from rlkit import console
     from rlkit.errors import RlkitError
+    from rlkit.io import artifacts
 
     if not 0 < cfg.eval_fraction < 1:
         raise RlkitError(f"--eval-fraction {cfg.eval_fraction} must be between 0 and 1 (e.g. 0.1)")
@@ -84,9 +85,10 @@ def _run(cfg: BuildPrefsConfig) -> Path | None:
 def _sampled(cfg: BuildPrefsConfig):
     import random
 
-    from rlkit import artifacts, checkpoints, data, engines, prefs
+    from rlkit import engines
     from rlkit.errors import RlkitError
-    from rlkit.tasks import get_task, task_inputs
+    from rlkit.io import artifacts, checkpoints, data
+    from rlkit.tasks import get_task, prefs, task_inputs
 
     task = get_task(cfg.task)
     cfg = replace(cfg, task=task.spec)
@@ -124,8 +126,9 @@ def _sampled(cfg: BuildPrefsConfig):
 
 
 def _imported(cfg: BuildPrefsConfig):
-    from rlkit import data, prefs
     from rlkit.errors import RlkitError
+    from rlkit.io import data
+    from rlkit.tasks import prefs
 
     src = data.load_source(cfg.source, "prefs", {"prompt": cfg.prompt_column, "chosen": cfg.chosen_column,
                                                   "rejected": cfg.rejected_column})

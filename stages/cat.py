@@ -35,7 +35,7 @@ def _settings(m: dict) -> tuple:
 
 
 def run(cfg: CatConfig) -> Path | None:
-    from rlkit import artifacts
+    from rlkit.io import artifacts
 
     with artifacts.claim_out(cfg.out, "table", {"TABLE": list(cfg.inputs)}):
         return _run(cfg)
@@ -44,8 +44,8 @@ def run(cfg: CatConfig) -> Path | None:
 def _run(cfg: CatConfig) -> Path | None:
     import pyarrow as pa
 
-    from rlkit import artifacts, shards
     from rlkit.errors import RlkitError
+    from rlkit.io import artifacts, shards
 
     if len(cfg.inputs) < 1:
         raise RlkitError("no input tables; expected FILE [FILE ...] (the shards of one run, or tables of one kind)")

@@ -39,7 +39,7 @@ class EvalConfig:
 
 def run(cfg: EvalConfig) -> dict:
     """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
-    from rlkit import checkpoints
+    from rlkit.io import checkpoints
 
     with checkpoints.verifying(cfg.verify):
         return _run(cfg)
@@ -49,9 +49,10 @@ def _run(cfg: EvalConfig) -> dict:
     import json
     import sys
 
-    from rlkit import checkpoints, console, data, metrics_log
-    from rlkit.evaluate import greedy_eval
+    from rlkit import console
+    from rlkit.io import checkpoints, data, metrics_log
     from rlkit.tasks import get_task
+    from rlkit.tasks.evaluate import greedy_eval
 
     task = get_task(cfg.task)
     metrics_log.check_tensorboard(cfg.tensorboard)
@@ -72,7 +73,7 @@ def _run(cfg: EvalConfig) -> dict:
                      max_new_tokens=cfg.max_new_tokens, batch_tokens=cfg.batch_tokens)
     responses = ev.pop("responses")
     if cfg.rm is not None:
-        from rlkit.reward_model import load_reward_model, score_texts
+        from rlkit.tasks.reward_model import load_reward_model, score_texts
 
         rm, rm_tok = load_reward_model(cfg.rm, cfg.trust_remote_code)
         scores = score_texts(rm, rm_tok, prompts, responses, cfg.batch_tokens)

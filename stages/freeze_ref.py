@@ -37,7 +37,7 @@ class FreezeRefConfig:
 
 def run(cfg: FreezeRefConfig) -> Path:
     """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
-    from rlkit import artifacts, checkpoints
+    from rlkit.io import artifacts, checkpoints
 
     with artifacts.claim_out(cfg.out, "model", {"--policy": cfg.policy}), checkpoints.verifying(cfg.verify):
         return _run(cfg)
@@ -46,8 +46,10 @@ def run(cfg: FreezeRefConfig) -> Path:
 def _run(cfg: FreezeRefConfig) -> Path:
     from dataclasses import replace
 
-    from rlkit import artifacts, checkpoints, console, lora
+    from rlkit import console
     from rlkit.errors import RlkitError
+    from rlkit.io import artifacts, checkpoints
+    from rlkit.training import lora
 
     if cfg.dtype is not None and cfg.dtype not in checkpoints.DTYPES:
         raise RlkitError(f"--dtype {cfg.dtype!r} is not one of {', '.join(checkpoints.DTYPES)}")
@@ -84,8 +86,9 @@ def _run(cfg: FreezeRefConfig) -> Path:
 
 def _link_dtype(cfg: FreezeRefConfig) -> str:
     """The dtype --link freezes in: the policy's stored one (--dtype, when given, must be it)."""
-    from rlkit import checkpoints, lora
     from rlkit.errors import RlkitError
+    from rlkit.io import checkpoints
+    from rlkit.training import lora
 
     if lora.is_adapter_dir(cfg.policy):
         raise RlkitError(f"freeze-ref --link: {cfg.policy} is a LoRA checkpoint, whose weights exist only merged "
@@ -109,8 +112,8 @@ def _link(cfg: FreezeRefConfig, tmp: Path, manifest: dict) -> dict:
     import os
     import shutil
 
-    from rlkit import artifacts, checkpoints
     from rlkit.errors import RlkitError
+    from rlkit.io import artifacts, checkpoints
 
     for f in sorted(cfg.policy.iterdir()):
         if f.is_dir() or f.name == artifacts.MODEL_MANIFEST:

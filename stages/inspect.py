@@ -27,7 +27,7 @@ class InspectConfig:
 
 def is_current(path: Path) -> bool:
     """True when `path` is an rlkit artifact and none of its recorded file inputs changed since."""
-    from rlkit import artifacts
+    from rlkit.io import artifacts
 
     manifest = artifacts.read_manifest(path) if path.exists() else None
     if manifest is None:
@@ -39,7 +39,7 @@ def is_current(path: Path) -> bool:
 
 
 def _lineage(manifest: dict | None, depth: int = 0) -> list[dict[str, Any]]:
-    from rlkit import artifacts
+    from rlkit.io import artifacts
 
     out: list[dict[str, Any]] = []
     if not manifest or depth > 32:
@@ -64,8 +64,9 @@ def run(cfg: InspectConfig) -> dict[str, Any]:
     import json
     import sys
 
-    from rlkit import artifacts, checkpoints, console
+    from rlkit import console
     from rlkit.errors import RlkitError
+    from rlkit.io import artifacts, checkpoints
 
     p = cfg.path
     if cfg.check:
@@ -84,7 +85,7 @@ def run(cfg: InspectConfig) -> dict[str, Any]:
         manifest = checkpoints.load_manifest(p)
         info: dict[str, Any] = {"path": str(p), "type": "model", **checkpoints.safetensors_summary(p)}
         cfg_path = p / "config.json"
-        from rlkit import lora
+        from rlkit.training import lora
 
         if lora.is_adapter_dir(p):  # the adapter; the architecture is its base's
             entry = (manifest or {}).get("lora") or {}
@@ -159,8 +160,8 @@ def run(cfg: InspectConfig) -> dict[str, Any]:
 def _verify_now(p: Path, manifest: dict | None) -> None:
     """`--verify`: read every weights file now (no cache) and fail in one line unless each matches the
     sha256 its rlkit.json records."""
-    from rlkit import artifacts, checkpoints
     from rlkit.errors import RlkitError
+    from rlkit.io import artifacts, checkpoints
 
     want = (manifest or {}).get("weights_sha256")
     if not want:

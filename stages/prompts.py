@@ -28,14 +28,14 @@ class PromptsConfig:
 
 
 def run(cfg: PromptsConfig) -> Path | None:
-    from rlkit import artifacts
+    from rlkit.io import artifacts
 
     with artifacts.claim_out(cfg.out, "table", {"--task": cfg.task}):
         return _run(cfg)
 
 
 def _run(cfg: PromptsConfig) -> Path | None:
-    from rlkit import artifacts
+    from rlkit.io import artifacts
     from rlkit.tasks import get_task, task_inputs
 
     task = get_task(cfg.task)

@@ -217,7 +217,7 @@ def _html(png: bytes, rows: list[dict], runs: list[Run], title: str) -> str:
 
 
 def run(cfg: ReportConfig) -> Path:
-    from rlkit import artifacts
+    from rlkit.io import artifacts
 
     inputs = {"metrics": [p for _, p in parse_runs(cfg.metrics)]}
     with artifacts.claim_out(cfg.out, "file", inputs):
@@ -229,8 +229,9 @@ def _run(cfg: ReportConfig) -> Path:
 
     from rich.table import Table
 
-    from rlkit import artifacts, console
+    from rlkit import console
     from rlkit.errors import RlkitError
+    from rlkit.io import artifacts
 
     if cfg.out.suffix.lower() not in FORMATS:
         raise RlkitError(f"--out {cfg.out}: unknown format {cfg.out.suffix or '(none)'!r}; expected one of "

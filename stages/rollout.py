@@ -5,7 +5,7 @@ Reads a policy checkpoint and prompts (a task's train split, or --prompts FILE).
 table, streamed batch by batch: prompt and completion token ids, the sampling policy's log-prob of
 each completion token (pi_old, at the sampling temperature), the finish reason, the checkpoint's
 fingerprint and step, and each reward component as a `reward/<name>` column: `reward/verifier` (the
-task's), and one per `--reward-fn NAME=FILE.py:FUNC` (the user's function, `rlkit.reward_fns`; its
+task's), and one per `--reward-fn NAME=FILE.py:FUNC` (the user's function, `rlkit.tasks.reward_fns`; its
 signature is checked before the engine starts). Same seed and inputs give the same table. Sampling goes
 through the `rlkit.engines` protocol: `--engine` names a registered engine (hf, vllm) or auto, and the
 engine's name is recorded in the manifest, where `engines.capabilities(name)` tells what its log-probs are worth.
@@ -60,9 +60,9 @@ class RolloutConfig:
     enforce_eager: bool = False
     vllm_lora: str = "adapter"  # a LoRA checkpoint on vLLM: adapter (vLLM's LoRA) or merge (merged weights)
     chunk_prompts: int = 64
-    shard: str | None = None  # "i/N": this job's share of the prompts (whole chunks), see rlkit.shards
+    shard: str | None = None  # "i/N": this job's share of the prompts (whole chunks), see rlkit.io.shards
     # --follow DIR: stream batches of `batch_prompts` prompts forever, switching to DIR's newest step
-    # between batches (see rlkit.follow and `update --follow`)
+    # between batches (see rlkit.io.follow and `update --follow`)
     follow: Path | None = None
     batch_prompts: int | None = None  # default 64
     max_lag: int = 1  # batch b starts once DIR's newest step is >= (start step) + b - max_lag
@@ -76,7 +76,7 @@ class RolloutConfig:
 
 def run(cfg: RolloutConfig) -> Path | None:
     """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
-    from rlkit import artifacts, checkpoints
+    from rlkit.io import artifacts, checkpoints
 
     inputs = {"--policy": cfg.policy, "--prompts": cfg.prompts, "--task": cfg.task, "--reward-fn": cfg.reward_fn,
               "--follow": cfg.follow}
@@ -87,9 +87,10 @@ def run(cfg: RolloutConfig) -> Path | None:
 def _run(cfg: RolloutConfig) -> Path | None:
     import pyarrow as pa
 
-    from rlkit import artifacts, checkpoints, console, data, engines, reward_fns, shards
+    from rlkit import console, engines
     from rlkit.errors import RlkitError
-    from rlkit.tasks import get_task, task_inputs
+    from rlkit.io import artifacts, checkpoints, data, shards
+    from rlkit.tasks import get_task, reward_fns, task_inputs
 
     task = get_task(cfg.task)
     fns = reward_fns.load_all(cfg.reward_fn, taken=("verifier",), timeout=cfg.reward_timeout)  # checked now
@@ -154,9 +155,10 @@ def _run_follow(cfg: RolloutConfig, task, out: Path | None, fns=()) -> Path | No
 
     import pyarrow as pa
 
-    from rlkit import artifacts, checkpoints, console, data, engines, follow, reward_fns
+    from rlkit import console, engines
     from rlkit.errors import DownstreamClosed, RlkitError
-    from rlkit.tasks import task_inputs
+    from rlkit.io import artifacts, checkpoints, data, follow
+    from rlkit.tasks import reward_fns, task_inputs
 
     if cfg.shard or cfg.num_prompts is not None:
         raise RlkitError("--follow streams batches of --batch-prompts prompts without end; --num-prompts and --shard "
@@ -270,8 +272,8 @@ def _switch(engine: Engine, s, root: Path, base_tok: str, policy: Path, tries: i
     is replaced by the then newest. -> (the step loaded, seconds the reload took)."""
     import time
 
-    from rlkit import checkpoints, follow
     from rlkit.errors import RlkitError
+    from rlkit.io import checkpoints, follow
 
     for attempt in range(tries):
         try:
@@ -337,7 +339,7 @@ def _task_chunks(task, tokenizer, cfg: RolloutConfig, span: range):
     the prompts before its span (the stream is sequential in its seed)."""
     import itertools
 
-    from rlkit import data
+    from rlkit.io import data
 
     it = itertools.islice(task.iter_examples("train", cfg.seed), span.start, span.stop)
     for c0 in range(span.start, span.stop, cfg.chunk_prompts):
@@ -352,7 +354,7 @@ def _task_chunks(task, tokenizer, cfg: RolloutConfig, span: range):
 def _file_chunks(source, tokenizer, span: range, chunk: int):
     """Yield rows `span` of a prompts file as _Chunks of `chunk` rows, each rendered (chat template) and
     tokenized when it is asked for."""
-    from rlkit import data
+    from rlkit.io import data
 
     for c0 in range(span.start, span.stop, chunk):
         part = source.rows(c0, min(span.stop, c0 + chunk))
@@ -432,7 +434,7 @@ def command(
     enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="vLLM: no CUDA graphs (faster start-up).")] = False,
     vllm_lora: Annotated[str, typer.Option(help="vLLM on a LoRA checkpoint: adapter (vLLM's LoRA: the base's weights plus the adapter per request; a --follow reload swaps adapters) or merge (the merged weights, written to a temporary directory: no LoRA kernels, a weights write per reload). The hf engine always merges.")] = "adapter",
     shard: Annotated[str | None, typer.Option(help="I/N: sample only this job's share of the prompts (0 <= I < N); `rlkit cat` joins the N shards into the table one job gives.")] = None,
-    follow: Annotated[Path | None, typer.Option("--follow", help="Persistent: stream batches of --batch-prompts prompts without end, each sampled by the newest complete step-NNNNNN/ in this directory (written by `update --follow`), loaded into the live engine between batches. See README 'Persistent stages'.")] = None,
+    follow: Annotated[Path | None, typer.Option("--follow", help="Persistent: stream batches of --batch-prompts prompts without end, each sampled by the newest complete step-NNNNNN/ in this directory (written by `update --follow`), loaded into the live engine between batches. See docs/follow.md)] = None,
     batch_prompts: Annotated[int | None, typer.Option(min=1, help="--follow: prompts per batch (default 64); batch b samples the prompts of `--seed SEED+b+1` (a --prompts file: its rows in turn).")] = None,
     max_lag: Annotated[int, typer.Option(min=0, help="--follow: batch b waits until the newest step is at least (start step) + b - K, so rows are at most K steps older than the policy they train; 0 is synchronous (the per-round pipeline's result).")] = 1,
     max_steps: Annotated[int | None, typer.Option(min=1, help="--follow: stop after the batch that trains step (--policy's step) + N.")] = None,

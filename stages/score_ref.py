@@ -5,13 +5,13 @@ Reads a rollouts table (stdin or --in) and a reference made by `freeze-ref`, who
 verified before use. Writes a 'scored' table: the input rows, in input order, plus `ref_logprobs`.
 Rows are bucketed by length within each incoming batch to cut padding, and each batch is written as
 soon as it is scored, so the stage streams. Log-probs use the rollout's sampling temperature, like
-pi_old, and are gathered without a second full-vocabulary tensor (`rlkit.logprobs`).
+pi_old, and are gathered without a second full-vocabulary tensor (`rlkit.ops.logprobs`).
 
 The reference must share the policy's tokenizer (the rollouts record its fingerprint). Reward models
 (`--rm NAME=DIR`, repeatable, from `rlkit train-rm`) use the same scorer pattern on the text of
 prompt + completion, re-tokenized with their own tokenizer (which may differ from the policy's), and
 add one `reward/rm:NAME` component each beside `verifier`. User reward functions
-(`--reward-fn NAME=FILE.py:FUNC`, repeatable, `rlkit.reward_fns`) add `reward/NAME` the same way,
+(`--reward-fn NAME=FILE.py:FUNC`, repeatable, `rlkit.tasks.reward_fns`) add `reward/NAME` the same way,
 batch by batch; their signatures are checked before the models load. Without --ref the output stays
 a 'rollouts' table (enough for `update --beta 0`).
 """
@@ -38,7 +38,7 @@ class ScoreRefConfig:
     device: str = "cpu"
     dtype: str = "auto"  # compute dtype: auto (fp32 on CPU, stored on GPU), stored, fp32
     batch_tokens: int = 16384
-    shard: str | None = None  # "i/N" of an input file, cut between groups; see rlkit.shards
+    shard: str | None = None  # "i/N" of an input file, cut between groups; see rlkit.io.shards
     trust_remote_code: bool = False
     verify: bool = True  # --no-verify: load without the weights' hash check (never for a reference)
     force: bool = False
@@ -55,8 +55,8 @@ def score_tokens(model, prompts: list[list[int]], comps: list[list[int]], pad_id
     """Per-token log-probs of each completion given its prompt, in input order (length-bucketed)."""
     import torch
 
-    from rlkit.data import token_batches
-    from rlkit.logprobs import completion_logprobs, pack_sequences
+    from rlkit.io.data import token_batches
+    from rlkit.ops.logprobs import completion_logprobs, pack_sequences
 
     out: list[list[float] | None] = [None] * len(prompts)
     device = next(model.parameters()).device
@@ -76,9 +76,10 @@ def _score_prefs(cfg, reader, model, tokenizer, out, inputs) -> Path | None:
     """A prefs table in, the same table out with the reference's summed log-prob of each response (DPO)."""
     import pyarrow as pa
 
-    from rlkit import artifacts, console
-    from rlkit.data import encode_responses
+    from rlkit import console
     from rlkit.errors import RlkitError
+    from rlkit.io import artifacts
+    from rlkit.io.data import encode_responses
 
     if model is None or cfg.rm or cfg.reward_fn:
         raise RlkitError("a prefs table is scored by the reference only (for DPO): pass --ref REF and no --rm or "
@@ -121,7 +122,7 @@ def parse_rms(specs: tuple[str, ...]) -> dict[str, Path]:
 
 def run(cfg: ScoreRefConfig) -> Path | None:
     """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
-    from rlkit import artifacts, checkpoints
+    from rlkit.io import artifacts, checkpoints
 
     inputs = {"--ref": cfg.ref, "--rm": [r.partition("=")[2] or r for r in cfg.rm], "--in": cfg.inp,
               "--reward-fn": cfg.reward_fn}
@@ -132,8 +133,10 @@ def run(cfg: ScoreRefConfig) -> Path | None:
 def _run(cfg: ScoreRefConfig) -> Path | None:
     import pyarrow as pa
 
-    from rlkit import artifacts, checkpoints, console, reward_fns, shards
+    from rlkit import console
     from rlkit.errors import DownstreamClosed, RlkitError
+    from rlkit.io import artifacts, checkpoints, shards
+    from rlkit.tasks import reward_fns
 
     rms = parse_rms(cfg.rm)
     fns = reward_fns.load_all(cfg.reward_fn, taken=rms, timeout=cfg.reward_timeout)  # checked before models load
@@ -159,7 +162,7 @@ def _run(cfg: ScoreRefConfig) -> Path | None:
     if cfg.ref is not None:
         compute = cfg.dtype if cfg.dtype != "auto" else ("fp32" if cfg.device == "cpu" else "stored")
         model, tokenizer, _ = checkpoints.load_reference(cfg.ref, cfg.device, cfg.trust_remote_code, compute)
-    from rlkit.reward_model import load_reward_model
+    from rlkit.tasks.reward_model import load_reward_model
 
     scorers = {name: load_reward_model(d, cfg.trust_remote_code) for name, d in rms.items()}
     reader = pending.result()
@@ -229,9 +232,10 @@ def _score_stream(cfg: ScoreRefConfig, batches, w_args, model, tokenizer, temper
     is an error unless `empty_ok` (a shard may be empty; a follow run that was already finished is)."""
     import pyarrow as pa
 
-    from rlkit import artifacts, reward_fns
     from rlkit.errors import RlkitError
-    from rlkit.reward_model import score_texts
+    from rlkit.io import artifacts
+    from rlkit.tasks import reward_fns
+    from rlkit.tasks.reward_model import score_texts
 
     with artifacts.write_table(*w_args) as w:
         for batch in batches:

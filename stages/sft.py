@@ -6,7 +6,7 @@ with `rlkit.json` (config, input fingerprints, weights sha256, metrics).
 
 Loss is on completion tokens only (prompt and padding masked); batches are packed by a token budget,
 not a fixed row count; AdamW with linear warmup and cosine decay. Ends with a greedy held-out
-evaluation when a task is known. Under torchrun it trains data-parallel (FSDP2, `rlkit.distributed`):
+evaluation when a task is known. Under torchrun it trains data-parallel (FSDP2, `rlkit.training.distributed`):
 each rank takes rows rank::N of every batch; rank 0 writes the gathered checkpoint.
 """
 
@@ -78,7 +78,7 @@ def _lr_lambda(total: int, warmup: int, min_ratio: float):
 
 def run(cfg: SftConfig) -> Path:
     """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
-    from rlkit import artifacts, checkpoints
+    from rlkit.io import artifacts, checkpoints
 
     model = cfg.model if cfg.model != "tiny" else None
     with artifacts.claim_out(cfg.out, "model", {"--model": model, "--data": cfg.data, "--task": cfg.task}), \
@@ -94,10 +94,11 @@ def _run(cfg: SftConfig) -> Path:
 
     import torch
 
-    from rlkit import artifacts, checkpoints, console, data, tiny
+    from rlkit import console, tiny
     from rlkit.errors import RlkitError
-    from rlkit.evaluate import greedy_eval
+    from rlkit.io import artifacts, checkpoints, data
     from rlkit.tasks import get_task, task_inputs
+    from rlkit.tasks.evaluate import greedy_eval
 
     if cfg.task is None and cfg.data is None:
         cfg = replace(cfg, task="arithmetic")
@@ -106,7 +107,8 @@ def _run(cfg: SftConfig) -> Path:
     if cfg.model != checkpoints.TINY:
         cfg = replace(cfg, tiny=None)
     artifacts.check_out(cfg.out, "model")
-    from rlkit import distributed, training
+    from rlkit import training
+    from rlkit.training import distributed
 
     cfg.train.check(distributed=distributed.launched())
     inputs = task_inputs(task) if task else {}

@@ -7,7 +7,7 @@ Loss -log sigmoid(s_chosen - s_rejected - margin). The figure to trust is held-o
 not the loss. Before any RL uses the model, a sanity report asks whether it learned the task or a
 shortcut: correlation of score with response length, short-correct vs long-wrong answers, and the
 score of an empty response; a high length correlation is warned about loudly. Under torchrun it
-trains data-parallel (FSDP2, `rlkit.distributed`); rank 0 writes the gathered model.
+trains data-parallel (FSDP2, `rlkit.training.distributed`); rank 0 writes the gathered model.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class TrainRmConfig:
     prefs: str
     out: Path
     epochs: int = 3
-    lr: float = 5e-5  # fine-tuning a pretrained policy: 5e-4 wrecked what SFT taught it (README, RLHF)
+    lr: float = 5e-5  # fine-tuning a pretrained policy: 5e-4 wrecked what SFT taught it (docs/rlhf.md)
     batch_size: int = 32
     margin: float = 0.0
     max_length: int = 256
@@ -56,7 +56,7 @@ class TrainRmConfig:
 
 def run(cfg: TrainRmConfig) -> Path:
     """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
-    from rlkit import artifacts, checkpoints
+    from rlkit.io import artifacts, checkpoints
 
     with artifacts.claim_out(cfg.out, "model", {"--base": cfg.base, "--prefs": cfg.prefs}), \
             checkpoints.verifying(cfg.verify):
@@ -68,14 +68,16 @@ def _run(cfg: TrainRmConfig) -> Path:
     import math
     import random
 
-    from rlkit import artifacts, checkpoints, console, data, prefs
+    from rlkit import console
     from rlkit.errors import RlkitError
+    from rlkit.io import artifacts, checkpoints, data
+    from rlkit.tasks import prefs
 
     checkpoints.check_model_dir(cfg.base, "base")
     artifacts.check_out(cfg.out, "model")
     if cfg.lr <= 0 or cfg.batch_size < 1 or cfg.epochs < 1:
         raise RlkitError("--lr must be > 0, --batch-size and --epochs >= 1")
-    from rlkit import distributed
+    from rlkit.training import distributed
 
     cfg.train.check(distributed=distributed.launched())
     src = data.load_source(cfg.prefs, "prefs", {})
@@ -93,8 +95,8 @@ def _run(cfg: TrainRmConfig) -> Path:
     import torch
 
     from rlkit import training
-    from rlkit.preference import bradley_terry_loss, pair_accuracy
-    from rlkit.reward_model import _forward_scores, encode_pairs, forward_scores, score_texts
+    from rlkit.ops.preference import bradley_terry_loss, pair_accuracy
+    from rlkit.tasks.reward_model import _forward_scores, encode_pairs, forward_scores, score_texts
 
     dp = distributed.init()  # None unless started by torchrun
     torch.manual_seed(cfg.seed)
@@ -195,14 +197,15 @@ def _load_base(cfg: TrainRmConfig):
     from transformers import AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
-    from rlkit import checkpoints, console
+    from rlkit import console
+    from rlkit.io import checkpoints
 
     checkpoints._quiet_transformers()
     tok = checkpoints.load_tokenizer(cfg.base, cfg.trust_remote_code)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "score.weight newly initialized" is the point here
     try:
-        from rlkit import lora
+        from rlkit.training import lora
 
         if lora.is_adapter_dir(cfg.base):  # LoRA trains on: a policy's adapter on its base, with a new score head
             model = lora.load(cfg.base, "seq-cls", trust_remote_code=cfg.trust_remote_code)
@@ -224,8 +227,8 @@ def sanity_report(model, tok, prompts, chosen, rejected, answers, sc, sr, max_le
 
     import torch
 
-    from rlkit import prefs
-    from rlkit.reward_model import score_texts
+    from rlkit.tasks import prefs
+    from rlkit.tasks.reward_model import score_texts
 
     responses = [*chosen, *rejected]
     scores = torch.tensor([*sc, *sr], dtype=torch.float64)

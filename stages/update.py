@@ -7,15 +7,15 @@ on stdin or --in. Writes the next checkpoint: weights, `rlkit.json` (step + 1, m
 `update` resumes, so N sequential processes equal one process doing N updates.
 
 The algorithms are plug-ins (`rlkit.algorithms`: each declares its defaults, input, advantages and
-loss terms) and `rlkit.trainer.Trainer` is the one training loop: --epochs passes of --minibatch-size
+loss terms) and `rlkit.training.trainer.Trainer` is the one training loop: --epochs passes of --minibatch-size
 sequences, so one rollout batch feeds many optimizer steps. For the clipped-ratio family the loss is
 PPO's clipped surrogate on pi_theta / pi_old with asymmetric clipping and a dual clip for negative
 advantages; the KL leash to pi_ref (never pi_old) is a loss term (k3+ by default: k3's value, the
-forward KL's gradient) or a reward penalty (k1 by default); `rlkit.kl` says which estimator belongs
+forward KL's gradient) or a reward penalty (k1 by default); `rlkit.ops.kl` says which estimator belongs
 where. This module is the I/O around it: flags, input, checkpoint, metrics (the screen, the manifest,
 --metrics FILE and --tensorboard DIR; among them `drift`, the policy's relative weight distance from
-the reference, `rlkit.drift`, with a warning above --max-drift), once or `--follow`. Under torchrun the
-update is data-parallel (FSDP2, `rlkit.distributed`): same result as one process, rank 0 writes.
+the reference, `rlkit.training.drift`, with a warning above --max-drift), once or `--follow`. Under torchrun the
+update is data-parallel (FSDP2, `rlkit.training.distributed`): same result as one process, rank 0 writes.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Annotated
 import typer
 
 from rlkit import algorithms
+from rlkit.algorithms.config import DEFAULT_DUAL_CLIP, RLConfig
 from rlkit.options import (
     Force,
     GradCheckpointing,
@@ -42,10 +43,9 @@ from rlkit.options import (
     TrustRemoteCode,
     train_options,
 )
-from rlkit.rl_config import DEFAULT_DUAL_CLIP, RLConfig
 from rlkit.training import TrainOptions
 
-DEFAULT_MAX_DRIFT = 0.05  # relative weight-space distance from the reference; see rlkit.drift
+DEFAULT_MAX_DRIFT = 0.05  # relative weight-space distance from the reference; see rlkit.training.drift
 DEFAULT_MAX_LAG = 1  # --follow: steps a row's sampling policy may lag behind the policy it trains
 # --follow: --tis-cap when not given, applied whenever pi_old is recomputed (lagged rows, a non-HF engine):
 # decoupled PPO clips against the proximal policy and weighs by proximal / behaviour, capped
@@ -66,7 +66,7 @@ class UpdateConfig:
     ref: Path | None = None  # for the drift figure; default: the reference score-ref used
     max_drift: float = DEFAULT_MAX_DRIFT
     # --follow: --out is a directory of step-NNNNNN/ checkpoints, one per --batch-prompts prompts of an
-    # unbounded input stream (see rlkit.follow)
+    # unbounded input stream (see rlkit.io.follow)
     follow: bool = False
     batch_prompts: int | None = None  # None: the upstream `rollout --follow`'s
     max_steps: int | None = None  # steps after --policy's at which the run ends
@@ -105,8 +105,8 @@ def distributed_launch() -> bool:
 
 
 def resolve(cfg: UpdateConfig) -> UpdateConfig:
-    """`cfg` with the algorithm's defaults filled in (`rlkit.rl_config.resolve`): what is trained and recorded."""
-    from rlkit.rl_config import resolve as resolve_rl
+    """`cfg` with the algorithm's defaults filled in (`rlkit.algorithms.config.resolve`): what is trained and recorded."""
+    from rlkit.algorithms.config import resolve as resolve_rl
 
     return replace(cfg, rl=resolve_rl(cfg.rl))
 
@@ -114,11 +114,11 @@ def resolve(cfg: UpdateConfig) -> UpdateConfig:
 def run(cfg: UpdateConfig) -> Path:
     """Resolves the algorithm's defaults, claims --out (see `artifacts.claim_out`: never over an input,
     one writer) and runs the stage."""
-    from rlkit import artifacts, checkpoints
+    from rlkit.io import artifacts, checkpoints
 
     cfg = resolve(cfg)
     inputs = {"--policy": cfg.policy, "--in": cfg.inp, "--ref": cfg.ref}
-    if cfg.follow:  # --out is a directory of steps with its own writer lock (rlkit.follow)
+    if cfg.follow:  # --out is a directory of steps with its own writer lock (rlkit.io.follow)
         artifacts.check_not_input(cfg.out, inputs)
         with checkpoints.verifying(cfg.verify):
             return _run(cfg)
@@ -127,8 +127,10 @@ def run(cfg: UpdateConfig) -> Path:
 
 
 def _run(cfg: UpdateConfig) -> Path:
-    from rlkit import artifacts, checkpoints, console, lora, metrics_log
-    from rlkit.trainer import Trainer
+    from rlkit import console
+    from rlkit.io import artifacts, checkpoints, metrics_log
+    from rlkit.training import lora
+    from rlkit.training.trainer import Trainer
 
     weights = parse_weights(cfg.reward)
     checkpoints.check_model_dir(cfg.policy, "policy")
@@ -150,13 +152,13 @@ def _run(cfg: UpdateConfig) -> Path:
     inp = algo.input()
     dp = None
     if distributed_launch():
-        from rlkit import distributed
+        from rlkit.training import distributed
 
         dp = distributed.init()
     pending = artifacts.open_table(cfg.inp, list(inp.kinds)) if dp is None or dp.main else None
     if cfg.follow:
         return _run_follow(cfg, inp, pending, weights)
-    from rlkit import distributed
+    from rlkit.training import distributed
 
     model, tokenizer = checkpoints.load_policy(cfg.policy, "fp32", cfg.trust_remote_code)
     t = Trainer(model, cfg.rl, tokenizer=tokenizer, train=cfg.train, base=cfg.policy, dp=dp,
@@ -195,8 +197,8 @@ def _reward_weights(loaded) -> dict:
 
 
 def _check_follow(cfg: UpdateConfig, algo) -> None:
-    from rlkit import follow
     from rlkit.errors import RlkitError
+    from rlkit.io import follow
 
     if "rollouts" not in algo.input.kinds:
         raise RlkitError(f"--follow trains on a stream of rollouts; --algo {cfg.rl.algo} is offline (run it without --follow)")
@@ -210,10 +212,12 @@ def _check_follow(cfg: UpdateConfig, algo) -> None:
 
 def _run_follow(cfg: UpdateConfig, inp, pending, weights: dict[str, float] | None) -> Path:
     """`update --follow`: one step per --batch-prompts prompts of the stream, published into --out."""
-    from rlkit import artifacts, checkpoints, console, follow, lora, metrics_log
+    from rlkit import console
     from rlkit.errors import RlkitError
-    from rlkit.follow_batches import Batcher
-    from rlkit.trainer import Trainer
+    from rlkit.io import artifacts, checkpoints, follow, metrics_log
+    from rlkit.training import lora
+    from rlkit.training.follow_batches import Batcher
+    from rlkit.training.trainer import Trainer
 
     root = cfg.out
     base_fp = artifacts.fingerprint(cfg.policy)
@@ -304,8 +308,8 @@ def _drift(cfg: UpdateConfig, params: dict, upstream_ref: str | None, cache: dic
     """{'drift': ...} of the policy's weights from --ref or the reference score-ref used; warns above --max-drift.
     `cache` (kept by the caller across steps) holds the hash-checked reference weights after the first call."""
     from rlkit import console
-    from rlkit.checkpoints import verify_reference
-    from rlkit.drift import load_weights, relative_drift
+    from rlkit.io.checkpoints import load_weights, verify_reference
+    from rlkit.training.drift import relative_drift
 
     ref = cfg.ref or (Path(upstream_ref) if upstream_ref else None)
     if ref is None:
@@ -381,7 +385,7 @@ def command(
     tensorboard: Annotated[Path | None, typer.Option(help="Also log the metrics as TensorBoard scalars under this directory (needs the tensorboard extra).")] = None,
     ref: Annotated[Path | None, typer.Option(help="Frozen reference for the drift figure (default: the one score-ref used).")] = None,
     max_drift: Annotated[float, typer.Option(min=0.0, help="Warn when the policy's relative weight distance from the reference exceeds this.")] = DEFAULT_MAX_DRIFT,
-    follow: Annotated[bool, typer.Option("--follow", help="Persistent: read an unbounded rollouts stream and write one checkpoint per --batch-prompts prompts as --out/step-NNNNNN/ (atomic; --out/latest names the newest); a rerun resumes from --out/latest. See README 'Persistent stages'.")] = False,
+    follow: Annotated[bool, typer.Option("--follow", help="Persistent: read an unbounded rollouts stream and write one checkpoint per --batch-prompts prompts as --out/step-NNNNNN/ (atomic; --out/latest names the newest); a rerun resumes from --out/latest. See docs/follow.md)] = False,
     batch_prompts: Annotated[int | None, typer.Option(min=1, help="--follow: prompts (whole groups) per update step; default: the upstream `rollout --follow`'s.")] = None,
     max_steps: Annotated[int | None, typer.Option(min=1, help="--follow: end the run cleanly once --out holds this many steps after --policy's.")] = None,
     keep: Annotated[int | None, typer.Option(min=1, help="--follow: prune all but the newest K steps (at least --max-lag + 2 are kept: rollout may be loading them).")] = None,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# The verified-weights cache (rlkit.artifacts.file_facts) of this test session, not the user's ~/.cache.
+# The verified-weights cache (rlkit.io.artifacts.file_facts) of this test session, not the user's ~/.cache.
 os.environ.setdefault("RLKIT_CACHE_DIR", tempfile.mkdtemp(prefix="rlkit-test-cache-"))
 
 
@@ -68,9 +68,9 @@ def ref_dir(sft_dir, tmp_path_factory) -> Path:
 def updates_in_one_process(model, tok, cfg, tables: list[Path]):
     """The updates `rlkit update` runs, one per rollouts table, in this process with one Trainer (optimizer
     kept in memory): what N sequential `update` processes must equal. -> the TrainerState after them."""
-    from rlkit import artifacts
     from rlkit.algorithms.inputs import build_batch
-    from rlkit.trainer import Trainer
+    from rlkit.io import artifacts
+    from rlkit.training.trainer import Trainer
 
     trainer = Trainer(model, cfg, tokenizer=tok)
     for src in tables:
@@ -85,7 +85,8 @@ def make_lora_checkpoint(base: Path, out: Path, seed: int, rank: int = 4) -> Pat
     zero (a fresh adapter has B = 0 and computes what its base does)."""
     import torch
 
-    from rlkit import artifacts, checkpoints, training
+    from rlkit import training
+    from rlkit.io import artifacts, checkpoints
     from rlkit.training import LoraOptions, TrainOptions
 
     model, tok = checkpoints.load_policy(base)
@@ -114,7 +115,7 @@ def vllm_ok() -> None:
 
 # The longest files first: with two pytest-xdist workers (by file) they then run beside the short ones
 # instead of alone at the end.
-_FIRST = ("test_e2e.py", "test_vllm.py", "test_follow_vllm.py", "test_lora_vllm.py", "test_follow.py", "test_lora.py",
+_FIRST = ("test_recipes.py", "test_vllm.py", "test_follow_vllm.py", "test_lora_vllm.py", "test_follow.py", "test_lora.py",
           "test_distributed.py")
 
 

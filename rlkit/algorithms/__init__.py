@@ -4,8 +4,8 @@ algorithm or family (`grpo.py` for the group-advantage policy gradients, `ppo.py
 and a line for --algo's help; the class declares its defaults (beta, where the KL goes,
 aggregation, clip range), the input it reads (`inputs.Rollouts` or `inputs.Prefs`), how it turns a
 batch into advantages and per-minibatch loss terms, any model it trains beside the policy (PPO's
-critic, with its save and load) and the metrics it adds. `rlkit.trainer.Trainer` runs every one of
-them through the same minibatch loop, and `rlkit.rl_config.resolve` applies their defaults. Entries
+critic, with its save and load) and the metrics it adds. `rlkit.training.trainer.Trainer` runs every one of
+them through the same minibatch loop, and `rlkit.algorithms.config.resolve` applies their defaults. Entries
 are imported on first use, so `rlkit --help` lists them without importing torch. Adding an algorithm
 is one module here plus one line below.
 """

@@ -1,4 +1,4 @@
-"""The `Algorithm` interface `rlkit.trainer.Trainer` drives, and the small records passed between them.
+"""The `Algorithm` interface `rlkit.training.trainer.Trainer` drives, and the small records passed between them.
 
 One update, as the trainer runs it:
 
@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from torch import Tensor
 
-from rlkit.rl_config import AlgoDefaults, RLConfig
+from rlkit.algorithms.config import AlgoDefaults, RLConfig
 
 if TYPE_CHECKING:
-    from rlkit.trainer import Trained, Trainer
+    from rlkit.training.trainer import Trained, Trainer
 
 
 class Context(NamedTuple):
@@ -45,7 +45,7 @@ class Plan:
     ctx: Context
     rows: Tensor  # (R,) long: the batch rows the epochs shuffle and train on
     # per loss term: what it averages over, rows (r,) -> weight (tokens, sequences, pairs); a data-parallel
-    # rank scales the term by its share of that weight (rlkit.distributed.split_rows). The first term's
+    # rank scales the term by its share of that weight (rlkit.training.distributed.split_rows). The first term's
     # split decides the rank's rows.
     weights: dict[str, Callable[[Tensor], Any]]
     metrics: dict[str, Any] = field(default_factory=dict)  # known before the first step

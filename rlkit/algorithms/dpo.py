@@ -2,7 +2,7 @@
 has scored with the reference's summed log-probs of each chosen and rejected response.
 
 The train pairs are shuffled into minibatches like rollouts are; each step's loss is the mean over
-its pairs of -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))) (`rlkit.preference.dpo_loss`,
+its pairs of -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))) (`rlkit.ops.preference.dpo_loss`,
 beta 0.1 by default). After the epochs, the implicit rewards and log-probs of every pair are reported
 per split, train and held out: reward margin and accuracy, and how far the chosen and the rejected
 log-probs moved from the reference's (both falling is likelihood displacement).
@@ -16,15 +16,15 @@ import torch
 from torch import Tensor
 
 from rlkit.algorithms.base import Algorithm, Context, Minibatch, Plan, StepOut
+from rlkit.algorithms.config import AlgoDefaults, RLConfig
 from rlkit.algorithms.inputs import PrefBatch, Prefs
 from rlkit.errors import RlkitError
-from rlkit.logprobs import completion_logprobs
-from rlkit.preference import dpo_loss
-from rlkit.rl_config import AlgoDefaults, RLConfig
+from rlkit.ops.logprobs import completion_logprobs
+from rlkit.ops.preference import dpo_loss
 from rlkit.training import Precision
 
 if TYPE_CHECKING:
-    from rlkit.trainer import Trainer
+    from rlkit.training.trainer import Trainer
 
 _SPLIT_METRICS = ("reward_margin", "reward_accuracy", "logp_chosen", "logp_rejected", "logp_chosen_delta",
                   "logp_rejected_delta")

@@ -1,7 +1,7 @@
 """The group-advantage policy gradients: grpo, dr-grpo, rloo, reinforce-pp.
 
 Same shape for all four: per-sequence advantages from the outcome rewards (an estimator from
-`rlkit.advantages.ADVANTAGES`; with `--kl-in reward` the reward first pays beta x the sequence's KL to
+`rlkit.ops.advantages.ADVANTAGES`; with `--kl-in reward` the reward first pays beta x the sequence's KL to
 the reference), broadcast over the completion's tokens into the clipped surrogate, with the KL to the
 reference as a loss term by default. They differ in the estimator and in the default aggregation
 (Dr. GRPO: token sums over a constant, no length bias).
@@ -14,17 +14,17 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from torch import Tensor
 
 from rlkit import console
-from rlkit.advantages import ADVANTAGES, GROUP_BASELINE
+from rlkit.algorithms.config import AlgoDefaults, RLConfig
 from rlkit.algorithms.inputs import RLBatch
 from rlkit.algorithms.policy_gradient import PGPlan, PolicyGradient
-from rlkit.rl_config import AlgoDefaults, RLConfig
+from rlkit.ops.advantages import ADVANTAGES, GROUP_BASELINE
 
 if TYPE_CHECKING:
-    from rlkit.trainer import Trainer
+    from rlkit.training.trainer import Trainer
 
 
 class GroupAdvantage(PolicyGradient):
-    estimator: ClassVar[str]  # its name in rlkit.advantages.ADVANTAGES
+    estimator: ClassVar[str]  # its name in rlkit.ops.advantages.ADVANTAGES
     shown = (*PolicyGradient.shown, "advantage_abs_mean")
 
     def advantages(self, trainer: Trainer, batch: RLBatch, old_logp: Tensor, kl_tok: Tensor | None, kl_coef: float,

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rlkit.algorithms.config import AlgoDefaults
 from rlkit.algorithms.grpo import GroupAdvantage
-from rlkit.rl_config import AlgoDefaults
 
 
 def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:

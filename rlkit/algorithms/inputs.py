@@ -12,10 +12,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from rlkit.algorithms.config import RLConfig
 from rlkit.errors import RlkitError, non_finite_cause
-from rlkit.logprobs import completion_logprobs, pack_sequences
-from rlkit.losses import importance_ess
-from rlkit.rl_config import RLConfig
+from rlkit.ops.logprobs import completion_logprobs, pack_sequences
+from rlkit.ops.losses import importance_ess
 from rlkit.training import Precision
 
 
@@ -112,7 +112,7 @@ def build_batch(table, pad_id: int, weights: dict[str, float] | None = None,
 
 def build_pref_batch(table, tokenizer) -> PrefBatch:
     """Tensors from a prefs table that `score-ref --ref` has scored."""
-    from rlkit.data import encode_responses
+    from rlkit.io.data import encode_responses
 
     for col in ("ref_chosen_logp", "ref_rejected_logp"):
         if col not in table.column_names or table.column(col).null_count:
@@ -161,7 +161,7 @@ def mismatch_metrics(old_logp: Tensor, engine_logp: Tensor, mask: Tensor, lags: 
 
 def batch_inputs(batch: RLBatch, old_logp: Tensor, recompute: bool, tis: Tensor | None, uses_ref: bool,
                  model=None) -> dict:
-    """What a policy step reads, root causes first, for `rlkit.trainer.non_finite_error`: the input
+    """What a policy step reads, root causes first, for `rlkit.training.trainer.non_finite_error`: the input
     table's columns that reach the loss (`uses_ref`: a KL term or penalty reads ref_logprobs), the
     rewards, `model`'s weights (the starting ones: pass it on an update's first step only, later a
     diverged step can have made them non-finite), the recomputed pi_old."""
@@ -192,7 +192,7 @@ class Rollouts:
             raise RlkitError(NO_REF)
 
     def check_upstream(self, upstream: dict, tokenizer, policy) -> None:
-        from rlkit import checkpoints
+        from rlkit.io import checkpoints
 
         want = upstream.get("tokenizer")
         if want and want != checkpoints.tokenizer_fingerprint(tokenizer):

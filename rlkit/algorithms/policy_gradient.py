@@ -14,17 +14,23 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor
 
-from rlkit.advantages import degenerate_groups
 from rlkit.algorithms.base import Algorithm, Context, Minibatch, Plan, StepOut
+from rlkit.algorithms.config import RLConfig
 from rlkit.algorithms.inputs import RLBatch, Rollouts, batch_inputs, mismatch_metrics, recompute_logprobs
 from rlkit.errors import RlkitError
-from rlkit.kl import kl_per_token
-from rlkit.logprobs import completion_logprobs
-from rlkit.losses import AGG_WEIGHTS, AGGREGATIONS, policy_token_loss, token_log_ratio, truncated_is_weights
-from rlkit.rl_config import RLConfig
+from rlkit.ops.advantages import degenerate_groups
+from rlkit.ops.kl import kl_per_token
+from rlkit.ops.logprobs import completion_logprobs
+from rlkit.ops.losses import (
+    AGG_WEIGHTS,
+    AGGREGATIONS,
+    policy_token_loss,
+    token_log_ratio,
+    truncated_is_weights,
+)
 
 if TYPE_CHECKING:
-    from rlkit.trainer import Trainer
+    from rlkit.training.trainer import Trainer
 
 SUMS = ("clipped", "dual_clipped", "policy_tokens", "ratio_sum", "entropy_sum", "entropy_tokens")
 MAXES = ("ratio_max", "ratio_neg_min")

@@ -10,7 +10,7 @@ loss instead); advantages come from GAE over the critic's values, whitened over 
 loss is PPO's clipped one, a token mean. `--target-kl` adapts the KL coefficient between updates
 (Ziegler et al. 2019); its state travels in `critic/kl_controller.json`.
 
-The math is in `rlkit.gae`, `rlkit.losses`, `rlkit.kl`; this module wires it to the models.
+The math is in `rlkit.ops.gae`, `rlkit.ops.losses`, `rlkit.ops.kl`; this module wires it to the models.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from rlkit.algorithms.config import AlgoDefaults, RLConfig
 from rlkit.algorithms.inputs import RLBatch
 from rlkit.algorithms.policy_gradient import PGPlan, PolicyGradient
-from rlkit.artifacts import MODEL_MANIFEST
-from rlkit.distributed import DataParallel
 from rlkit.errors import RlkitError
-from rlkit.gae import (
+from rlkit.io.artifacts import MODEL_MANIFEST
+from rlkit.ops.gae import (
     AdaptiveKLController,
     clipped_value_loss,
     explained_variance,
@@ -35,9 +35,10 @@ from rlkit.gae import (
     kl_penalised_token_rewards,
     masked_whiten,
 )
-from rlkit.losses import token_mean
-from rlkit.rl_config import AlgoDefaults, RLConfig
-from rlkit.trainer import (
+from rlkit.ops.losses import token_mean
+from rlkit.training import Precision
+from rlkit.training.distributed import DataParallel
+from rlkit.training.trainer import (
     TRAINER_DIR,
     Trained,
     TrainerState,
@@ -46,11 +47,10 @@ from rlkit.trainer import (
     save_trainer,
     trainer_tensors,
 )
-from rlkit.training import Precision
 
 if TYPE_CHECKING:
     from rlkit.algorithms.base import Minibatch
-    from rlkit.trainer import Trainer
+    from rlkit.training.trainer import Trainer
 
 CRITIC_DIR = "critic"
 KL_STATE = "kl_controller.json"
@@ -152,7 +152,7 @@ def load_critic(policy: Path, cfg: RLConfig, tokenizer, trust_remote_code: bool 
     from transformers import AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
-    from rlkit import checkpoints
+    from rlkit.io import checkpoints
 
     d = policy / CRITIC_DIR
     if d.is_dir():
@@ -169,7 +169,7 @@ def load_critic(policy: Path, cfg: RLConfig, tokenizer, trust_remote_code: bool 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # a fresh value head is "newly initialized" on purpose
     try:
-        from rlkit import lora
+        from rlkit.training import lora
 
         if lora.is_adapter_dir(src):  # a LoRA critic resumed, or started from a LoRA policy's or reward model's adapter
             critic = lora.load(src, "seq-cls", trust_remote_code=trust_remote_code)
@@ -193,7 +193,7 @@ def load_critic(policy: Path, cfg: RLConfig, tokenizer, trust_remote_code: bool 
 
         enable_gradient_checkpointing(critic)
     if dp is not None:
-        from rlkit.distributed import shard_model
+        from rlkit.training.distributed import shard_model
 
         critic = shard_model(critic, dp, _critic_values)
     opt = make_optimizer(critic, cfg.critic_lr or 2 * cfg.lr, cfg.weight_decay)
@@ -207,14 +207,14 @@ def load_critic(policy: Path, cfg: RLConfig, tokenizer, trust_remote_code: bool 
 
 def gather_critic(critic, opt, dp: DataParallel | None) -> tuple[dict | None, dict]:
     """(full weights or None, full optimizer tensors): collectives under `dp`, on every rank."""
-    from rlkit.distributed import full_model_state
+    from rlkit.training.distributed import full_model_state
 
     return (full_model_state(critic) if dp is not None else None), trainer_tensors(critic, opt, dp)
 
 
 def save_critic(critic, opt, cstate: TrainerState, ctrl: AdaptiveKLController | None, d: Path,
                 gathered: tuple[dict | None, dict] | None = None) -> None:
-    from rlkit import lora
+    from rlkit.training import lora
 
     full, tensors = gathered if gathered is not None else (None, None)
     if lora.state(critic) is not None:  # the adapter, and its base's path and hashes for the next update

@@ -1,4 +1,4 @@
-"""The `hf` engine: Hugging Face `generate` (`rlkit.generation`) on the policy loaded in this process, fp32, CPU
+"""The `hf` engine: Hugging Face `generate` (`rlkit.engines.generation`) on the policy loaded in this process, fp32, CPU
 or one GPU. Its log-probs are the trainer's own forward pass; a LoRA checkpoint runs merged. `--engine auto`'s
 fallback.
 """
@@ -35,7 +35,7 @@ class HFEngine:
 
     @classmethod
     def start(cls, policy: Path, opts: EngineOptions) -> HFEngine:
-        from rlkit import checkpoints
+        from rlkit.io import checkpoints
 
         if opts.dtype not in ("auto", "fp32"):
             raise RlkitError(f"--dtype {opts.dtype}: the hf engine samples in fp32 (pass --engine vllm for other dtypes)")
@@ -43,7 +43,7 @@ class HFEngine:
         return cls(model, tokenizer, opts.batch_tokens)
 
     def sample(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed) -> Generated:
-        from rlkit.generation import generate
+        from rlkit.engines.generation import generate
 
         return generate(self.model, self.tokenizer, prompt_ids, max_new_tokens=max_new_tokens, n=n, greedy=False,
                         temperature=temperature, top_p=top_p, seed=seed, batch_tokens=self.batch_tokens,
@@ -51,7 +51,7 @@ class HFEngine:
 
     def reload(self, model_dir: Path) -> float:
         """Copy checkpoint `model_dir`'s weights into the live model (a LoRA checkpoint: merged); the seconds."""
-        from rlkit.checkpoints import load_weights_into
+        from rlkit.io.checkpoints import load_weights_into
 
         t0 = time.perf_counter()
         load_weights_into(self.model, model_dir)

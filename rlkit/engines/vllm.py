@@ -46,7 +46,7 @@ class VLLMEngine:
     """`vllm.LLM` over the checkpoint directory; prompts go in as token ids, samples come back as
     token ids with the log-prob of each sampled token (`logprobs=0`: the sampled token only).
 
-    A LoRA checkpoint (`rlkit.lora`) runs on vLLM's LoRA support (the CPU backend's too): the engine loads
+    A LoRA checkpoint (`rlkit.training.lora`) runs on vLLM's LoRA support (the CPU backend's too): the engine loads
     the hash-verified base and sends the adapter as a `LoRARequest` with every generate call; a reload to
     another adapter on the same base swaps the request (no weights move). With `EngineOptions.lora` "merge",
     an adapter above vLLM's largest rank (512), or an adapter on another base than the weights the engine
@@ -76,7 +76,7 @@ class VLLMEngine:
 
     @classmethod
     def start(cls, policy: Path, opts: EngineOptions) -> VLLMEngine:
-        from rlkit import checkpoints
+        from rlkit.io import checkpoints
 
         return cls(policy, checkpoints.load_tokenizer(policy, opts.trust_remote_code), opts)
 
@@ -84,7 +84,7 @@ class VLLMEngine:
         err = vllm_import_error()
         if err:
             raise RlkitError(f"--engine vllm: vLLM does not import here ({err}); on a GPU: pip install 'rlkit[vllm]', "
-                             "on a CPU see the README's 'vLLM on a CPU'")
+                             "on a CPU see docs/install.md, 'vLLM on a CPU'")
         import torch
         from vllm import LLM
 
@@ -101,7 +101,7 @@ class VLLMEngine:
         self.lora_request = None  # the adapter sent with every generate call (a LoRA checkpoint on vLLM's LoRA)
         self._lora_ids, self._tmp = 0, None  # LoRARequest ids used; the temporary merged weights held now
         self.weights, lora_kw = self.policy, {}  # the plain weights (directory) loaded into the engine
-        from rlkit import lora
+        from rlkit.training import lora
 
         if lora.is_adapter_dir(self.policy):
             base, _ = lora.verify_base(self.policy)
@@ -123,7 +123,7 @@ class VLLMEngine:
         """LoRA checkpoint `d` merged into its base, in a fresh temporary directory (removed once replaced)."""
         import tempfile
 
-        from rlkit import lora
+        from rlkit.training import lora
 
         out = Path(tempfile.mkdtemp(prefix="rlkit-lora-merged-"))
         try:
@@ -192,7 +192,7 @@ class VLLMEngine:
         that fails inside vLLM leaves the engine half loaded: RlkitError, and the engine is of no further use."""
         import time
 
-        from rlkit import lora
+        from rlkit.training import lora
 
         model_dir = Path(model_dir).absolute()  # vLLM takes a path it cannot find for a Hugging Face Hub id
         if not model_dir.is_dir() or not any(model_dir.glob("*.safetensors")):

@@ -1,0 +1,65 @@
+"""Batched Hugging Face `generate`, what the `hf` engine samples with and `rlkit eval` decodes greedily with:
+left padding, KV cache, per-sequence stop at EOS, batches sized by a token budget, and optionally the
+log-prob of every sampled token. Returns the engines' `Generated`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rlkit.engines import Generated
+from rlkit.io.data import token_batches
+
+
+def generate(model, tokenizer, prompt_ids: Sequence[list[int]], *, max_new_tokens: int, n: int = 1,
+             greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
+             batch_tokens: int = 16384, logprobs: bool = False, ticker=None) -> Generated:
+    import torch
+    from transformers import GenerationConfig
+
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    gen_cfg = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=not greedy, pad_token_id=pad, eos_token_id=eos,
+        return_dict_in_generate=True, output_logits=logprobs,
+        **({} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": 0}),
+    )
+    device = next(model.parameters()).device
+    total = len(prompt_ids) * n
+    out_ids: list[list[int] | None] = [None] * total
+    out_fin: list[str | None] = [None] * total
+    out_lp: list[list[float] | None] = [None] * total
+    cost = [n * (len(p) + max_new_tokens) for p in prompt_ids]
+    was_training = model.training
+    model.eval()
+    try:
+        for b, batch in enumerate(token_batches(cost, batch_tokens)):
+            width = max(len(prompt_ids[i]) for i in batch)
+            ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for r, i in enumerate(batch):
+                p = prompt_ids[i]
+                ids[r, width - len(p):] = torch.tensor(p)
+                mask[r, width - len(p):] = 1
+            ids, mask = ids.repeat_interleave(n, 0).to(device), mask.repeat_interleave(n, 0).to(device)
+            torch.manual_seed(seed * 1_000_003 + b)
+            with torch.no_grad():
+                res = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg)
+            new = res.sequences[:, width:]
+            if logprobs:
+                logits = torch.stack(res.logits, dim=1).float()
+                if not greedy:
+                    logits = logits / temperature
+                lp = torch.log_softmax(logits, -1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+            for r in range(new.shape[0]):
+                row = new[r].tolist()
+                stop = row.index(eos) + 1 if eos in row else len(row)
+                k = batch[r // n] * n + r % n
+                out_ids[k] = row[:stop]
+                out_fin[k] = "eos" if stop <= len(row) and row[stop - 1] == eos else "length"
+                if logprobs:
+                    out_lp[k] = lp[r, :stop].tolist()
+            if ticker is not None:
+                ticker.advance(len(batch))
+    finally:
+        model.train(was_training)
+    return Generated(out_ids, out_fin, out_lp if logprobs else None)  # type: ignore[arg-type]

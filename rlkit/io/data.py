@@ -1,0 +1,230 @@
+"""Data sources, tokenization and token-budget batching.
+
+A data source is an rlkit table, a plain `.arrow`/`.parquet`/`.jsonl` file, or a `datasets` spec
+(`name[:config][@split]`), with column-mapping flags to rename the user's columns to rlkit's. When the
+data has a `messages` column and the tokenizer has a chat template, the template renders the prompt.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pyarrow as pa
+
+from rlkit.errors import RlkitError
+from rlkit.io import artifacts
+
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class Source:
+    """Canonical columns of a loaded data source, plus where it came from."""
+
+    table: pa.Table
+    fingerprint: str
+    label: str
+    chat: bool  # prompts come from a `messages` column through the chat template
+
+    def head(self, n: int | None) -> Source:
+        """The first `n` rows (all when n is None), so later steps render and tokenize only those."""
+        return self if n is None or n >= self.table.num_rows else replace(self, table=self.table.slice(0, n))
+
+    def rows(self, start: int, stop: int) -> Source:
+        """Rows [start, stop) (a zero-copy slice), so a stage renders and tokenizes one chunk at a time."""
+        return replace(self, table=self.table.slice(start, stop - start))
+
+
+def _quiet_datasets():
+    """`datasets`, without its per-load progress bars and info logs on stderr (stages print one line)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    return datasets
+
+
+def _read_any(source: str) -> tuple[pa.Table | None, str, bool]:
+    """(table, fingerprint, is_rlkit_table) for a file path or a datasets spec."""
+    p = Path(source)
+    if p.exists():
+        if p.is_dir():
+            raise RlkitError(f"{p} is a directory, expected a data file (.arrow, .parquet, .jsonl)")
+        suffix = p.suffix.lower()
+        if suffix == ".arrow":
+            if artifacts.read_manifest(p) is not None:
+                return None, "", True
+            import datasets
+
+            try:
+                table = datasets.Dataset.from_file(str(p)).data.table
+            except Exception as e:
+                raise RlkitError(f"{p} is not an Arrow table ({e})") from e
+        elif suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            try:
+                table = pq.read_table(p)
+            except (pa.ArrowException, OSError) as e:
+                raise RlkitError(f"{p} is not a Parquet file ({str(e).splitlines()[0]})") from e
+        elif suffix in (".jsonl", ".json"):
+            datasets = _quiet_datasets()
+
+            try:
+                table = datasets.load_dataset("json", data_files=str(p), split="train").data.table
+            except Exception as e:
+                raise RlkitError(f"{p}: cannot read JSON lines ({str(e).splitlines()[0]})") from e
+        else:
+            raise RlkitError(f"{p}: unsupported data file type {suffix!r}; expected .arrow, .parquet or .jsonl")
+        return table, artifacts.fingerprint(p), False
+    if source.startswith((".", "/", "~")) or p.suffix.lower() in (".arrow", ".parquet", ".jsonl", ".json"):
+        raise RlkitError(f"{source}: no such file")
+    datasets = _quiet_datasets()
+
+    spec, _, split = source.partition("@")
+    name, _, config = spec.partition(":")
+    try:
+        ds = datasets.load_dataset(name, config or None, split=split or "train")
+    except Exception as e:
+        raise RlkitError(f"cannot load dataset {source!r}: {str(e).splitlines()[0]}") from e
+    return ds.data.table, f"datasets:{source}:{ds._fingerprint}", False
+
+
+def load_source(source: str, kind: str, columns: Mapping[str, str | None]) -> Source:
+    """Load `source` as a `kind` table ('prompts' or 'sft'), renaming mapped columns first.
+
+    `-` reads an rlkit table from stdin (a pipe from an upstream stage).
+    `columns` maps rlkit column names (prompt, completion, answer) to the user's names.
+    """
+    table, fp, is_rlkit = (None, "", True) if source == "-" else _read_any(source)
+    if is_rlkit:
+        table, reader = artifacts.read_table(source, [kind])
+        return Source(table, reader.fingerprint, source, chat=False)
+    renames = {user: ours for ours, user in columns.items() if user and user != ours}
+    for user in renames:
+        if user not in table.column_names:
+            raise RlkitError(f"{source}: no column {user!r} (columns: {', '.join(table.column_names)})")
+    table = table.rename_columns([renames.get(c, c) for c in table.column_names])
+    chat = "messages" in table.column_names and "prompt" not in table.column_names
+    if chat:
+        msgs = table.column("messages").to_pylist()
+        if kind == "sft":
+            table = table.append_column("completion", pa.array([m[-1]["content"] if m else "" for m in msgs], pa.string()))
+        table = table.append_column("prompt", pa.array([""] * table.num_rows, pa.string()))
+    if "prompt_id" not in table.column_names:
+        stem = Path(source).stem or "row"
+        table = table.append_column("prompt_id", pa.array([f"{stem}-{i}" for i in range(table.num_rows)]))
+    if kind == "prefs" and "split" not in table.column_names:
+        table = table.append_column("split", pa.array([""] * table.num_rows, pa.string()))  # assigned by the caller
+    for col in ("answer", "completion", "prompt_id", "chosen", "rejected"):
+        if col in table.column_names and not pa.types.is_string(table.schema.field(col).type):
+            idx = table.column_names.index(col)
+            table = table.set_column(idx, col, pa.array([None if v is None else str(v) for v in table.column(col).to_pylist()], pa.string()))
+    artifacts.validate_schema(table.schema.remove_metadata(), [kind], source)
+    if table.num_rows == 0:
+        raise RlkitError(f"{source}: the table has no rows")
+    return Source(table, fp, source, chat=chat)
+
+
+def render_prompts(tokenizer, source: Source, for_sft: bool) -> list[str]:
+    """Prompt strings, through the chat template when the source is chat-formatted."""
+    if not source.chat:
+        return source.table.column("prompt").to_pylist()
+    if not getattr(tokenizer, "chat_template", None):
+        raise RlkitError(
+            f"{source.label} has a 'messages' column but the tokenizer has no chat template; "
+            "provide prompt/completion columns instead"
+        )
+    out = []
+    for msgs in source.table.column("messages").to_pylist():
+        # the final assistant turn is the completion (SFT) or the reference answer (eval): never in the prompt
+        turns = msgs[:-1] if msgs and (for_sft or msgs[-1].get("role") == "assistant") else msgs
+        out.append(tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False))
+    return out
+
+
+def encode_texts(tokenizer, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids of whole texts with the tokenizer's special tokens, but never two BOS in a row: a
+    prompt rendered by a chat template that writes the BOS itself (Llama, Gemma) would otherwise get a
+    second one from the tokenizer."""
+    ids = tokenizer(list(texts), add_special_tokens=True)["input_ids"]
+    bos = tokenizer.bos_token_id
+    return [x[1:] if bos is not None and len(x) > 1 and x[0] == x[1] == bos else x for x in ids]
+
+
+def encode_responses(tokenizer, prompts: Sequence[str], responses: Sequence[str]) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompt ids with the tokenizer's special tokens, response ids + eos): a finished response as
+    the policy would have generated it."""
+    p_ids = encode_texts(tokenizer, prompts)
+    r_ids = [x + [tokenizer.eos_token_id] for x in tokenizer(list(responses), add_special_tokens=False)["input_ids"]]
+    return p_ids, r_ids
+
+
+def encode_prompts(tokenizer, prompts: Sequence[str], chat: bool) -> list[list[int]]:
+    """Token ids of prompts; a chat template already contains the special tokens it wants."""
+    return tokenizer(list(prompts), add_special_tokens=not chat)["input_ids"]
+
+
+def encode_sft(tokenizer, prompt_ids: Sequence[list[int]], completions: Sequence[str], max_len: int
+               ) -> tuple[list[list[int]], list[int], int]:
+    """(ids, prompt lengths, truncated count): prompt ids + completion ids + eos, cut at max_len."""
+    comp = tokenizer(list(completions), add_special_tokens=False)["input_ids"]
+    ids, plens, truncated = [], [], 0
+    for p, c in zip(prompt_ids, comp, strict=True):
+        seq = [*p, *c, tokenizer.eos_token_id]
+        if len(seq) > max_len:
+            truncated += 1
+            seq = seq[:max_len]
+        if len(p) >= len(seq):
+            continue  # nothing left to learn from
+        ids.append(seq)
+        plens.append(len(p))
+    return ids, plens, truncated
+
+
+def token_batches(lengths: Sequence[int], budget: int, rng: random.Random | None = None) -> list[list[int]]:
+    """Group indices so that each batch's padded size (rows x longest row) stays within `budget`.
+
+    With `rng`, examples are shuffled, sorted by length inside windows (little padding, still
+    random) and the batches shuffled; without it, order is by length (inference).
+    """
+    idx = list(range(len(lengths)))
+    if rng is not None:
+        rng.shuffle(idx)
+        window = 64 * max(1, budget // max(1, max(lengths, default=1)))
+        idx = [i for w in range(0, len(idx), window) for i in sorted(idx[w:w + window], key=lengths.__getitem__)]
+    else:
+        idx.sort(key=lengths.__getitem__)
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    longest = 0
+    for i in idx:
+        longest_if = max(longest, lengths[i])
+        if cur and longest_if * (len(cur) + 1) > budget:
+            batches.append(cur)
+            cur, longest_if = [], lengths[i]
+        cur.append(i)
+        longest = longest_if
+    if cur:
+        batches.append(cur)
+    if rng is not None:
+        rng.shuffle(batches)
+    return batches
+
+
+def collate_sft(ids: Sequence[list[int]], plens: Sequence[int], pad_id: int):
+    """Right-padded (B, T) input_ids, attention_mask and labels (-100 on prompt and pad tokens)."""
+    import torch
+
+    T = max(len(s) for s in ids)
+    input_ids = torch.full((len(ids), T), pad_id, dtype=torch.long)
+    labels = torch.full((len(ids), T), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(ids), T), dtype=torch.long)
+    for b, (s, p) in enumerate(zip(ids, plens, strict=True)):
+        input_ids[b, : len(s)] = torch.tensor(s)
+        labels[b, p : len(s)] = torch.tensor(s[p:])
+        mask[b, : len(s)] = 1
+    return input_ids, mask, labels

@@ -1,0 +1,394 @@
+"""Tasks: prompt generators that carry their own verifier, chosen by name from a registry, or loaded
+from the user's code.
+
+A task spec is one of
+  `NAME[:key=value,...]`                 a built-in task (`arithmetic`, `math`) or one registered by an
+                                         installed package under the `rlkit.tasks` entry-point group
+  `path/to/file.py:CLASS[:key=value,...]`  a class in a Python file
+  `package.module:CLASS[:key=value,...]`   a class in an importable module
+e.g. `arithmetic:terms=2-5,max=20` or `my_tasks.py:Countdown:max=50`. Options reach a user class
+through its `from_options(dict)` classmethod when it has one, else as keyword arguments of its
+constructor, converted to the parameter's annotated type (int, float, bool, str).
+
+Every task follows the `Task` protocol below. A user class needs only `iter_examples(split, seed)`
+and `reward(response, answer)`; `UserTask` supplies the rest (`examples`, `completion` = the gold
+answer, `name`, `spec`) and checks what the class returns. A user task's identity in manifests
+includes the hash of the file that defines it (`task_inputs`), so editing it reruns the stages.
+
+A verifier is a reward function of (response, gold answer) -> float, so a verifier (RLVR) and a
+reward model (RLHF) are interchangeable reward components.
+
+Train and held-out prompts come from one deterministic partition of the problem space (a stable
+hash of the prompt text, `is_heldout`), so a held-out prompt can never be drawn for training,
+whatever the seeds. User tasks should split the same way.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import random
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from rlkit.errors import RlkitError
+from rlkit.tasks.base import (  # noqa: F401 (the task vocabulary, named from here too)
+    SPLITS,
+    VERBOSE,
+    VERIFIERS,
+    Example,
+    Task,
+    check_split,
+    is_heldout,
+    last_integer,
+)
+
+
+@dataclass(frozen=True)
+class Arithmetic:
+    """Sums like `<3+4+5>=` whose answer is the integer total.
+
+    Knobs: `terms` (range of the number of terms, e.g. 2-4), `max` (largest operand, 0..max), `heldout`
+    (fraction of the problem space held out) and `prose` (fraction of SFT targets written as a sentence,
+    "The total is 12.", instead of the bare number; the prompts are the same whatever `prose` is).
+    """
+
+    min_terms: int = 2
+    max_terms: int = 4
+    max_operand: int = 19
+    heldout_fraction: float = 0.1
+    prose: float = 0.0
+    name: str = field(default="arithmetic", init=False)
+    verifier: str = field(default="last-integer", init=False)
+
+    @classmethod
+    def from_options(cls, opts: dict[str, str]) -> Arithmetic:
+        kw: dict = {}
+        for k, v in opts.items():
+            if k == "terms":
+                lo, _, hi = v.partition("-")
+                kw["min_terms"], kw["max_terms"] = int(lo), int(hi or lo)
+            elif k == "max":
+                kw["max_operand"] = int(v)
+            elif k == "heldout":
+                kw["heldout_fraction"] = float(v)
+            elif k == "prose":
+                kw["prose"] = float(v)
+            else:
+                raise RlkitError(f"unknown option {k!r} for task arithmetic; expected terms=LO-HI, max=N, heldout=F, "
+                                 "prose=F")
+        t = cls(**kw)
+        if (not (1 <= t.min_terms <= t.max_terms) or t.max_operand < 1 or not (0 < t.heldout_fraction < 1)
+                or not (0 <= t.prose <= 1)):
+            raise RlkitError(f"bad arithmetic options {opts}: need 1 <= terms, low <= high, max >= 1, 0 < heldout < 1, "
+                             "0 <= prose <= 1")
+        return t
+
+    @property
+    def spec(self) -> str:
+        return self._problems_spec + (f",prose={self.prose}" if self.prose else "")
+
+    @property
+    def _problems_spec(self) -> str:  # what decides the prompts (not `prose`, which only shapes SFT targets)
+        return f"arithmetic:terms={self.min_terms}-{self.max_terms},max={self.max_operand},heldout={self.heldout_fraction}"
+
+    def _problem(self, rng: random.Random) -> tuple[str, str]:
+        terms = [rng.randint(0, self.max_operand) for _ in range(rng.randint(self.min_terms, self.max_terms))]
+        return f"<{'+'.join(map(str, terms))}>=", str(sum(terms))
+
+    def problem_space(self) -> int:
+        return sum((self.max_operand + 1) ** k for k in range(self.min_terms, self.max_terms + 1))
+
+    def iter_examples(self, split: str, seed: int, unique: bool = False) -> Iterator[Example]:
+        """Endless problems of `split`, deterministic in `seed`. Held-out ones are always unique."""
+        check_split(split)
+        unique = unique or split == "heldout"
+        want_heldout = split == "heldout"
+        rng = random.Random(f"{self._problems_spec}|{split}|{seed}")
+        seen: set[str] = set()
+        misses, i = 0, 0
+        while True:
+            prompt, answer = self._problem(rng)
+            if is_heldout(prompt, self.heldout_fraction) != want_heldout or (unique and prompt in seen):
+                misses += 1
+                if misses > 10_000 + 200 * i:
+                    raise RlkitError(
+                        f"task {self.spec}: ran out of distinct {split} prompts after {i} "
+                        f"(problem space {self.problem_space()}); ask for fewer or widen the task"
+                    )
+                continue
+            if unique:  # only a unique stream remembers its prompts: an endless one stays flat in memory
+                seen.add(prompt)
+            yield Example(f"{split}-{seed}-{i}", prompt, answer, split)
+            i += 1
+
+    def examples(self, split: str, n: int, seed: int, unique: bool = False) -> list[Example]:
+        return list(itertools.islice(self.iter_examples(split, seed, unique), n))
+
+    def completion(self, ex: Example) -> str:
+        """The SFT target for an example (the eos token is appended by the tokenization step): the bare
+        answer, or with probability `prose` (fixed per prompt) one of the VERBOSE sentences around it."""
+        if not self.prose:
+            return ex.answer
+        rng = random.Random(f"prose|{ex.prompt}")
+        return rng.choice(VERBOSE).format(ex.answer) if rng.random() < self.prose else ex.answer
+
+    def reward(self, response: str, answer: str) -> float:
+        return VERIFIERS[self.verifier](response, answer)
+
+
+def _math(opts: dict[str, str]) -> Task:
+    from rlkit.tasks.math import Math  # math-verify and the data reader load only when a stage uses it
+
+    return Math.from_options(opts)
+
+
+TASKS: dict[str, Callable[[dict[str, str]], Task]] = {"arithmetic": Arithmetic.from_options, "math": _math}
+ENTRY_POINT_GROUP = "rlkit.tasks"
+_USER_FORMS = "or a class in your code: path/to/file.py:CLASS or package.module:CLASS"
+
+
+def parse_options(rest: str, spec: str) -> dict[str, str]:
+    """`key=value,...` -> {key: value} (values may contain '=' and ':', not ',')."""
+    opts: dict[str, str] = {}
+    for part in filter(None, rest.split(",")):
+        k, eq, v = part.partition("=")
+        if not eq or not k.strip():
+            raise RlkitError(f"bad task option {part!r} in {spec!r}; expected key=value")
+        opts[k.strip()] = v.strip()
+    return opts
+
+
+def get_task(spec: str) -> Task:
+    """The task a spec names (see the module docstring for the forms); user classes come back checked
+    and wrapped in `UserTask`."""
+    from rlkit.tasks import user_code
+
+    name, _, rest = spec.partition(":")
+    if name in TASKS:
+        return TASKS[name](parse_options(rest, spec))
+    eps = _entry_points() if name.isidentifier() or "-" in name else {}
+    if name in eps:
+        try:
+            factory = eps[name].load()
+        except Exception as e:
+            raise RlkitError(f"task {name!r} (entry point {eps[name].value}): loading it raised "
+                             f"{user_code.one_line(e)}") from e
+        return _user_task(factory, name, name, parse_options(rest, spec))
+    parsed = user_code.parse_ref(spec)
+    if parsed is None:
+        known = ", ".join([*TASKS, *sorted(eps)])
+        raise RlkitError(f"unknown task {name!r}; known tasks: {known}; {_USER_FORMS}")
+    ref, rest = parsed
+    return _user_task(user_code.load(ref, "task class"), str(ref), ref.name, parse_options(rest or "", spec))
+
+
+def _entry_points() -> dict:
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name not in TASKS}
+
+
+def task_inputs(task: Task) -> dict[str, str]:
+    """What a task adds to a stage's input fingerprints: {'task': ...} for a task from the user's code
+    (the hash of its file) or from a data file (the data's), nothing for a generated built-in. A stage
+    whose task file or data changed is then not skipped as up to date."""
+    fp = getattr(task, "fingerprint", None)
+    return {"task": fp} if isinstance(fp, str) and fp else {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Tasks from the user's code
+
+_NEEDS = {"iter_examples": ("(split, seed)", ("train", 0)), "reward": ("(response, answer)", ("", ""))}
+
+
+@dataclass(frozen=True)
+class UserTask:
+    """A task object built from the user's class, completed to the `Task` protocol and checked as it
+    runs: examples must be `Example`s (or mappings with prompt and answer) of the split asked for,
+    completions strings, rewards finite numbers; anything else, or an exception inside, is one error
+    line naming the task."""
+
+    impl: object = field(compare=False)
+    spec: str
+    name: str
+    label: str = field(compare=False)  # how messages name it: 'my_tasks.py:Countdown'
+    fingerprint: str  # the defining file's hash, plus the object's own `fingerprint` (e.g. of its data)
+
+    def iter_examples(self, split: str, seed: int, unique: bool = False) -> Iterator[Example]:
+        from rlkit.tasks.user_code import one_line
+
+        check_split(split)
+        unique = unique or split == "heldout"
+        fn = self.impl.iter_examples
+        where = f"task {self.label}: iter_examples({split!r}, {seed})"
+        try:
+            it = iter(fn(split, seed, unique=unique) if _accepts(fn, "unique") else fn(split, seed))
+        except RlkitError:
+            raise
+        except Exception as e:
+            raise RlkitError(f"{where} raised {one_line(e)}") from e
+        seen: set[str] = set()
+        i = misses = 0
+        while True:
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            except RlkitError:
+                raise
+            except Exception as e:
+                raise RlkitError(f"{where} raised {one_line(e)} after {i} examples") from e
+            ex = _as_example(item, split, f"{split}-{seed}-{i}", where)
+            if unique and ex.prompt in seen:
+                misses += 1
+                if misses > 10_000 + 200 * i:
+                    raise RlkitError(f"{where} ran out of distinct prompts after {i}; ask for fewer")
+                continue
+            if unique:
+                seen.add(ex.prompt)
+            yield ex
+            i += 1
+
+    def examples(self, split: str, n: int, seed: int, unique: bool = False) -> list[Example]:
+        return list(itertools.islice(self.iter_examples(split, seed, unique), n))
+
+    def completion(self, ex: Example) -> str:
+        fn = getattr(self.impl, "completion", None)
+        if fn is None:
+            return ex.answer
+        out = self._call(fn, "completion", ex)
+        if not isinstance(out, str):
+            raise RlkitError(f"task {self.label}: completion() returned a {type(out).__name__} for prompt "
+                             f"{ex.prompt[:60]!r}, expected a str")
+        return out
+
+    def reward(self, response: str, answer: str) -> float:
+        from rlkit.tasks.user_code import as_number
+
+        out = self._call(self.impl.reward, "reward", response, answer)
+        v = as_number(out)
+        if v is None:
+            raise RlkitError(f"task {self.label}: reward() returned {out!r:.60} for response {response[:60]!r} "
+                             f"(answer {answer!r}), expected a finite number")
+        return v
+
+    def _call(self, fn, what: str, *args):
+        from rlkit.tasks.user_code import one_line
+
+        try:
+            return fn(*args)
+        except RlkitError:
+            raise
+        except Exception as e:
+            shown = ", ".join(repr(a)[:60] if isinstance(a, str) else f"<{type(a).__name__}>" for a in args)
+            raise RlkitError(f"task {self.label}: {what}({shown}) raised {one_line(e)}") from e
+
+
+def _user_task(factory: object, source: str, name: str, opts: dict[str, str]) -> UserTask:
+    """Build the user's task object from `factory` (a class or a function returning one) with `opts`,
+    and check it has what a task needs before any stage work starts."""
+    from rlkit.tasks import user_code
+
+    label = source
+    if not callable(factory):
+        raise RlkitError(f"task {label} is a {type(factory).__name__}, not a class")
+    from_options = getattr(factory, "from_options", None)
+    try:
+        obj = from_options(dict(opts)) if callable(from_options) else factory(**_typed_options(factory, opts, label))
+    except RlkitError:
+        raise
+    except Exception as e:
+        given = f" with {','.join(f'{k}={v}' for k, v in opts.items())}" if opts else ""
+        raise RlkitError(f"task {label}: creating it{given} raised {user_code.one_line(e)}") from e
+    lacks = [f"{m}{sig}" for m, (sig, _) in _NEEDS.items() if not callable(getattr(obj, m, None))]
+    if lacks:
+        raise RlkitError(f"task {label} lacks {' and '.join(lacks)}; a task class needs iter_examples(split, seed) "
+                         "yielding rlkit.tasks.Example and reward(response, answer) -> float (see rlkit.tasks.Task)")
+    for m, (sig, args) in _NEEDS.items():
+        _check_signature(getattr(obj, m), args, f"task {label}", m, sig)
+    if callable(getattr(obj, "completion", None)):
+        _check_signature(obj.completion, (None,), f"task {label}", "completion", "(example)")
+    own = getattr(obj, "fingerprint", None)
+    own = own() if callable(own) else own
+    fp = user_code.fingerprint(factory, label) + (f"+{own}" if isinstance(own, str) and own else "")
+    obj_name = getattr(obj, "name", None)
+    spec = source + (":" + ",".join(f"{k}={v}" for k, v in opts.items()) if opts else "")
+    return UserTask(obj, spec, obj_name if isinstance(obj_name, str) and obj_name else name, label, fp)
+
+
+def _check_signature(fn, args: tuple, where: str, method: str, want: str) -> None:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: it will tell when called
+    try:
+        sig.bind(*args)
+    except TypeError as e:
+        raise RlkitError(f"{where}: {method}{sig} cannot be called as {method}{want} ({e})") from None
+
+
+def _accepts(fn, keyword: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return keyword in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+_CONVERT: dict[str, Callable[[str], object]] = {"int": int, "float": float, "str": str}
+
+
+def _as_bool(v: str) -> bool:
+    if v.lower() in ("1", "true", "yes", "on"):
+        return True
+    if v.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{v!r} is not a boolean (true/false, 1/0, yes/no)")
+
+
+def _typed_options(factory, opts: Mapping[str, str], label: str) -> dict[str, object]:
+    """Task options as constructor keyword arguments, each converted to its parameter's annotated type."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return dict(opts)
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    out: dict[str, object] = {}
+    for k, v in opts.items():
+        if k not in named:
+            if takes_any:
+                out[k] = v
+                continue
+            raise RlkitError(f"unknown option {k!r} for task {label}; it takes "
+                             + (", ".join(f"{n}=..." for n in named) or "no options"))
+        ann = params[k].annotation
+        ann = getattr(ann, "__name__", ann) if not isinstance(ann, str) else ann.split("|")[0].strip()
+        try:
+            out[k] = _as_bool(v) if ann == "bool" else _CONVERT.get(ann, str)(v)
+        except ValueError as e:
+            raise RlkitError(f"task {label}: option {k}={v!r} is not a valid {ann} ({e})") from None
+    return out
+
+
+def _as_example(item: object, split: str, default_id: str, where: str) -> Example:
+    if isinstance(item, Example):
+        ex = item
+    elif isinstance(item, Mapping) and "prompt" in item and "answer" in item:
+        ex = Example(str(item.get("prompt_id") or default_id), item["prompt"], item["answer"],
+                     item.get("split") or split)
+    else:
+        raise RlkitError(f"{where} yielded a {type(item).__name__}; expected rlkit.tasks.Example(prompt_id, prompt, "
+                         "answer, split) or a dict with prompt and answer")
+    if not isinstance(ex.prompt, str) or not ex.prompt:
+        raise RlkitError(f"{where} yielded an example whose prompt is {ex.prompt!r}; expected a non-empty str")
+    if ex.answer is None:
+        raise RlkitError(f"{where} yielded an example without an answer (prompt {ex.prompt[:60]!r})")
+    if not isinstance(ex.answer, str):
+        ex = Example(ex.prompt_id, ex.prompt, str(ex.answer), ex.split)
+    if ex.split != split:
+        raise RlkitError(f"{where} yielded a {ex.split!r} example (prompt {ex.prompt[:60]!r}); a split's examples "
+                         "must be of that split")
+    return ex

@@ -1,0 +1,81 @@
+"""What every task shares: the example record, the Task protocol, splits and the built-in verifiers."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from rlkit.errors import RlkitError
+
+SPLITS = ("train", "heldout")
+VERBOSE = (  # the prose forms of an answer: SFT targets under `prose=F`, and build-prefs' verbose negatives
+    "The total is {}.",
+    "Adding the terms one by one gives {}.",
+    "Let me add them up carefully: the sum is {}.",
+    "Working left to right, the result is {}.",
+)
+_INT = re.compile(r"-?\d+")
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt_id: str
+    prompt: str
+    answer: str
+    split: str
+
+
+def last_integer(response: str, answer: str) -> float:
+    """1.0 if the last integer in the response equals the gold answer's last integer, else 0.0.
+
+    A chain of thought before the answer is fine; the final number decides.
+    """
+    got, gold = _INT.findall(response), _INT.findall(answer)
+    return float(bool(got) and bool(gold) and int(got[-1]) == int(gold[-1]))
+
+
+VERIFIERS: dict[str, Callable[[str, str], float]] = {"last-integer": last_integer}
+
+
+def is_heldout(text: str, fraction: float) -> bool:
+    """Whether `text` (a prompt, a question) falls in the held-out `fraction` of a stable hash partition."""
+    h = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+    return (h % 10_000) < fraction * 10_000
+
+
+class Task(Protocol):
+    """What every stage asks of a task (`get_task` returns one).
+
+    - `name`, `spec`: the task's name and the spec string that rebuilds it (`get_task(t.spec) == t`),
+      recorded in manifests;
+    - `iter_examples(split, seed, unique)`: Examples of split 'train' or 'heldout', deterministic in
+      `seed`; endless for a generator, or as many as the data holds when `unique`; the held-out split
+      is always unique and never shares a prompt with train;
+    - `examples(split, n, seed, unique)`: the first n of those, exactly (`rollout` streams `iter_examples`
+      chunk by chunk instead of building this list, so --num-prompts can be any count);
+    - `completion(example)`: the SFT target (the eos token is appended by the tokenization step);
+    - `reward(response, gold answer)`: the verifier, a finite float (1.0 = correct), never raising on
+      a malformed response.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def spec(self) -> str: ...
+
+    def iter_examples(self, split: str, seed: int, unique: bool = False) -> Iterator[Example]: ...
+
+    def examples(self, split: str, n: int, seed: int, unique: bool = False) -> list[Example]: ...
+
+    def completion(self, ex: Example) -> str: ...
+
+    def reward(self, response: str, answer: str) -> float: ...
+
+
+def check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise RlkitError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")

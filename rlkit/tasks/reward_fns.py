@@ -1,0 +1,252 @@
+"""Reward components from the user's own functions: `--reward-fn NAME=path/to/file.py:FUNC` (or
+`NAME=package.module:FUNC`, or without `NAME=`: named after FUNC) on `rollout` and `score-ref` adds a
+`reward/NAME` column beside `reward/verifier` and `reward/rm:*`; `update` sums the components (or
+weighs them with `--reward NAME=W`).
+
+A function says what it wants by its parameter names, and whether it takes one row or a batch:
+
+- one row per call: any of `prompt`, `completion`, `answer` (None when the data has none) and `row`
+  (a dict of every column of the row: prompt_id, group_id, sample_idx, finish_reason, prompt_ids,
+  completion_ids, other rewards ...); it returns a number;
+- a batch per call: the same names in the plural, `prompts`, `completions`, `answers`, `rows`; it
+  returns a sequence of numbers, one per row, in order (TRL's `def f(completions, **kwargs)` works);
+- `**kwargs` receives every column by its own name (values, or lists in the batched form).
+
+Parameters with defaults may have any other name. The signature is checked when the stage starts,
+before any sampling; the function runs in the stage's main thread. A value that is not a finite number
+(bool, int, float, numpy or torch scalar), a wrong-length batch, an exception inside the function, or a
+call that does not return within `--reward-timeout` seconds (default 60, 0: no limit) stops the stage
+with one line naming the function and the row, and nothing is written at --out.
+
+The time limit is a real-time timer (`setitimer(ITIMER_REAL)`) whose SIGALRM raises in the stage's main
+thread, so it stops a function looping in Python as well as one asleep or waiting; a call into C code
+that never comes back to Python cannot be stopped. rlkit arms the timer around each call only, and sets
+its SIGALRM handler only while it scores a batch of rows (the previous one is restored after); code that
+uses SIGALRM itself inside the function (e.g. math-verify's own timeouts) cancels the limit for the rest
+of that call.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import signal
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from rlkit.errors import RlkitError
+
+ROW_INPUTS = {"prompt": "prompt", "completion": "completion", "answer": "answer", "row": None}
+BATCH_INPUTS = {"prompts": "prompt", "completions": "completion", "answers": "answer", "rows": None}
+_NAME = re.compile(r"^[A-Za-z0-9_][\w.:-]*$")
+DEFAULT_TIMEOUT_S = 60.0  # --reward-timeout: seconds one call may run (0: no limit)
+CONVENTION = ("name its parameters prompt, completion, answer, row (one row per call, returning a number) or "
+              "prompts, completions, answers, rows (a batch per call, returning a list)")
+
+
+@dataclass(frozen=True)
+class RewardFn:
+    """A checked user reward function and how to call it."""
+
+    name: str  # the component: column reward/<name>
+    label: str  # what messages call it: 'rewards.py:brevity'
+    fn: Callable
+    batched: bool
+    takes: tuple[str, ...]  # the parameters rlkit fills (names from ROW_INPUTS or BATCH_INPUTS)
+    takes_kwargs: bool
+    fingerprint: str
+    timeout: float = DEFAULT_TIMEOUT_S  # seconds per call (0: no limit)
+
+    @property
+    def needs_all_columns(self) -> bool:
+        return self.takes_kwargs or "row" in self.takes or "rows" in self.takes
+
+    def score(self, cols: Mapping[str, Sequence], row0: int = 0) -> list[float]:
+        """Rewards for the rows of `cols` (column name -> values; prompt and completion at least), which
+        start at row `row0` of the output table (for the messages)."""
+        n = len(cols["completion"])
+        if n == 0:
+            return []
+        if self.batched:
+            kwargs = self._inputs(cols, None)
+            with _alarm_handler(self.timeout) as limit:
+                out = self._call(kwargs, _batch_label(cols, row0, n), limit)
+            if isinstance(out, str | bytes) or not hasattr(out, "__len__") or len(out) != n:
+                got = f"{len(out)} values" if hasattr(out, "__len__") and not isinstance(out, str | bytes) else repr(out)[:60]
+                raise RlkitError(f"--reward-fn {self.name} ({self.label}) returned {got} for the batch of rows "
+                                 f"{row0}-{row0 + n - 1}; a batched reward function returns one number per row ({n})")
+            values = list(out)
+        else:
+            with _alarm_handler(self.timeout) as limit:  # the handler once for these rows, a timer per call
+                values = [self._call(self._inputs(cols, i), _row_label(cols, i, row0), limit) for i in range(n)]
+        return [self._check(v, cols, i, row0) for i, v in enumerate(values)]
+
+    def _inputs(self, cols: Mapping[str, Sequence], i: int | None) -> dict:
+        """Keyword arguments for row i, or for the whole batch when i is None."""
+        def col(name: str):
+            values = cols.get(name)
+            if values is None:
+                values = [None] * len(cols["completion"])
+            return list(values) if i is None else values[i]
+
+        kw = {}
+        inputs = BATCH_INPUTS if self.batched else ROW_INPUTS
+        for p in self.takes:
+            if inputs[p] is not None:
+                kw[p] = col(inputs[p])
+            elif i is None:
+                names = list(cols)
+                kw[p] = [dict(zip(names, vals, strict=True)) for vals in zip(*(cols[c] for c in names), strict=True)]
+            else:
+                kw[p] = {c: cols[c][i] for c in cols}
+        if self.takes_kwargs:
+            kw.update({c: col(c) for c in cols if c not in kw})
+        return kw
+
+    def _call(self, kwargs: dict, where: str, limit: float = 0):
+        """The function's value on `kwargs`, stopped after `limit` seconds (0: no limit; see `_alarm_handler`)."""
+        from rlkit.tasks.user_code import one_line
+
+        try:
+            if limit:
+                signal.setitimer(signal.ITIMER_REAL, limit)
+            try:
+                return self.fn(**kwargs)
+            finally:
+                if limit:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+        except TimedOut as e:
+            raise RlkitError(f"--reward-fn {self.name} ({self.label}) did not return within {self.timeout:g} s on "
+                             f"{where}; raise --reward-timeout (0: no limit) or fix the function") from e
+        except RlkitError:
+            raise
+        except Exception as e:
+            raise RlkitError(f"--reward-fn {self.name} ({self.label}) raised {one_line(e)} on {where}") from e
+
+    def _check(self, value, cols: Mapping[str, Sequence], i: int, row0: int) -> float:
+        from rlkit.tasks.user_code import as_number
+
+        v = as_number(value)
+        if v is None:
+            raise RlkitError(f"--reward-fn {self.name} ({self.label}) returned {value!r:.60} for {_row_label(cols, i, row0)}; "
+                             "expected a finite number")
+        return v
+
+
+class TimedOut(BaseException):
+    """Raised inside a reward function whose call overran its time limit (a BaseException, so the
+    function's own `except Exception` does not swallow it)."""
+
+
+def _on_alarm(signum, frame) -> None:  # noqa: ARG001 (the signal handler's signature)
+    raise TimedOut
+
+
+@contextmanager
+def _alarm_handler(seconds: float) -> Iterator[float]:
+    """For the body, SIGALRM raises `TimedOut`; the previous handler is restored after. -> the limit each
+    call then arms with a real-time timer (`RewardFn._call`), whose alarm interrupts a busy Python loop and
+    a sleep alike: `seconds`, or 0 (no limit) outside the main thread, the only one that takes signals.
+    The handler is set once for many calls: setting it costs more than the timer."""
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield 0
+        return
+    old = signal.signal(signal.SIGALRM, _on_alarm)
+    try:
+        yield seconds
+    finally:
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        finally:
+            signal.signal(signal.SIGALRM, old)
+
+
+def _row_label(cols: Mapping[str, Sequence], i: int, row0: int) -> str:
+    extra = [f"{k} {cols[k][i]!r}" for k in ("prompt_id", "sample_idx") if cols.get(k) is not None]
+    return f"row {row0 + i}" + (f" ({', '.join(extra)})" if extra else "")
+
+
+def _batch_label(cols: Mapping[str, Sequence], row0: int, n: int) -> str:
+    ids = cols.get("prompt_id")
+    return f"the batch of rows {row0}-{row0 + n - 1}" + (f" (prompt_id {ids[0]!r} to {ids[-1]!r})" if ids else "")
+
+
+def load(spec: str, timeout: float = DEFAULT_TIMEOUT_S) -> RewardFn:
+    """`NAME=REF` or `REF` (REF: path/to/file.py:FUNC or package.module:FUNC) -> a checked RewardFn whose
+    calls may each run `timeout` seconds (0: no limit)."""
+    from rlkit.tasks import user_code
+
+    name, eq, ref_text = spec.partition("=")
+    if not eq or not _NAME.match(name.strip()):
+        name, ref_text = "", spec
+    name = name.strip()
+    parsed = user_code.parse_ref(ref_text.strip())
+    if parsed is None or parsed[1] is not None:
+        raise RlkitError(f"--reward-fn {spec!r}: expected NAME=path/to/file.py:FUNC or NAME=package.module:FUNC")
+    ref = parsed[0]
+    name = name or ref.name
+    fn = user_code.load(ref, "function")
+    label = str(ref)
+    if not callable(fn):
+        raise RlkitError(f"--reward-fn {name}: {label} is a {type(fn).__name__}, not a function")
+    batched, takes, takes_kwargs = _convention(fn, f"--reward-fn {name} ({label})")
+    return RewardFn(name, label, fn, batched, takes, takes_kwargs, user_code.fingerprint(fn, label), timeout)
+
+
+def _convention(fn: Callable, where: str) -> tuple[bool, tuple[str, ...], bool]:
+    """(batched, the parameters rlkit fills, takes **kwargs) from the signature, or one error line."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError) as e:
+        raise RlkitError(f"{where}: cannot read its signature ({e}); {CONVENTION}") from None
+    params = sig.parameters.values()
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params)
+    by_name = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    row = tuple(p.name for p in by_name if p.name in ROW_INPUTS)
+    batch = tuple(p.name for p in by_name if p.name in BATCH_INPUTS)
+    if row and batch:
+        raise RlkitError(f"{where}: its parameters mix one row ({', '.join(row)}) and a batch ({', '.join(batch)}); "
+                         f"{CONVENTION}")
+    unknown = [p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+               and p.name not in ROW_INPUTS and p.name not in BATCH_INPUTS]
+    if unknown:
+        raise RlkitError(f"{where}: rlkit cannot fill its parameter {unknown[0]!r} (signature {sig}); {CONVENTION}")
+    if not row and not batch:
+        raise RlkitError(f"{where}: its signature {sig} takes none of rlkit's inputs; {CONVENTION}")
+    return bool(batch), row or batch, takes_kwargs
+
+
+def load_all(specs: Iterable[str], taken: Iterable[str] = (), timeout: float = DEFAULT_TIMEOUT_S) -> list[RewardFn]:
+    """Load every --reward-fn, each call limited to `timeout` seconds (--reward-timeout, 0: no limit); a
+    name already used by another component (`taken`, e.g. 'verifier' or the input table's) or given twice
+    is an error."""
+    import math
+
+    if not (timeout >= 0 and math.isfinite(timeout)):
+        raise RlkitError(f"--reward-timeout {timeout:g} must be a number of seconds >= 0 (0: no limit)")
+    taken = set(taken)
+    out: list[RewardFn] = []
+    for spec in specs:
+        f = load(spec, timeout)
+        if f.name in taken or any(g.name == f.name for g in out):
+            raise RlkitError(f"--reward-fn {f.name} ({f.label}): there is already a reward component named "
+                             f"{f.name!r}; name it differently (--reward-fn OTHER={f.label})")
+        out.append(f)
+    return out
+
+
+def fingerprints(fns: Sequence[RewardFn]) -> dict[str, str]:
+    """Input fingerprints for a stage's manifest: editing a reward function's file reruns the stage."""
+    return {f"reward_fn:{f.name}": f.fingerprint for f in fns}
+
+
+def columns_of(batch, fns: Sequence[RewardFn]) -> dict[str, list]:
+    """The columns of an Arrow record batch that `fns` read, as Python lists."""
+    names = batch.schema.names
+    if any(f.needs_all_columns for f in fns):
+        want = names
+    else:
+        want = [c for c in ("prompt_id", "sample_idx", "prompt", "completion", "answer") if c in names]
+    return {c: batch.column(c).to_pylist() for c in want}

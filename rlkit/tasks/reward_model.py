@@ -1,0 +1,97 @@
+"""Reward models: a scalar head on the hidden state of the last non-pad token of prompt + response,
+stored as a plain Hugging Face `AutoModelForSequenceClassification` (num_labels=1).
+
+The forward-only scorer pattern shared with the reference (`score-ref`): load once, hash-check,
+score batches sorted by length, return scores in input order. A reward model reads *text*: it
+re-tokenizes prompt + response with its own tokenizer, so it may use a different tokenizer from
+the policy's (the reference may not: it scores the policy's own token ids).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from rlkit.errors import RlkitError
+
+
+def load_reward_model(src: str | Path, trust_remote_code: bool = False, num_labels_check: bool = True):
+    """(model, tokenizer) in eval mode with requires_grad off; the config's pad id matches the tokenizer's."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from rlkit.io import checkpoints
+    from rlkit.training import lora
+
+    checkpoints.check_model_dir(Path(src), "reward model")
+    checkpoints._quiet_transformers()
+    if lora.is_adapter_dir(src):  # a LoRA reward model: merged into its hash-verified base
+        if num_labels_check and lora.kind_of(Path(src)) != "seq-cls":
+            raise RlkitError(f"{src} is a LoRA policy, not a reward model; make one with `rlkit train-rm`")
+        model = lora.load(src, "seq-cls", merged=True, trust_remote_code=trust_remote_code)
+    else:
+        cfg = AutoConfig.from_pretrained(str(src), trust_remote_code=trust_remote_code)
+        if num_labels_check and getattr(cfg, "num_labels", None) != 1:
+            raise RlkitError(f"{src} is not a reward model (num_labels={getattr(cfg, 'num_labels', None)}); "
+                             "make one with `rlkit train-rm`")
+        model = AutoModelForSequenceClassification.from_pretrained(
+            str(src), dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True)
+    checkpoints.check_finite(model, src, "reward model")
+    tok = checkpoints.load_tokenizer(src, trust_remote_code)
+    model.config.pad_token_id = tok.pad_token_id
+    model.eval()
+    model.requires_grad_(False)
+    return model, tok
+
+
+def encode_pairs(tokenizer, prompts: Sequence[str], responses: Sequence[str], max_length: int) -> list[list[int]]:
+    """Token ids of prompt + response (the tokenizer's special tokens added), cut to the last `max_length`."""
+    from rlkit.io.data import encode_texts
+
+    ids = encode_texts(tokenizer, [p + r for p, r in zip(prompts, responses, strict=True)])
+    return [x[-max_length:] for x in ids]
+
+
+def forward_scores(model, ids: Sequence[Sequence[int]], pad_id: int):
+    """Scores (B,) float32 for a batch of token-id lists, right-padded; keeps the autograd graph."""
+    root = getattr(model, "_rlkit_fsdp_root", None)
+    if root is not None:  # FSDP2 (train-rm under torchrun): through the root unit, fn = _forward_scores
+        return root(ids, pad_id)
+    return _forward_scores(model, ids, pad_id)
+
+
+def _forward_scores(model, ids: Sequence[Sequence[int]], pad_id: int):
+    import torch
+
+    L = max(len(x) for x in ids)
+    input_ids = torch.full((len(ids), L), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(ids), L), dtype=torch.long)
+    for i, x in enumerate(ids):
+        input_ids[i, : len(x)] = torch.tensor(list(x), dtype=torch.long)
+        attn[i, : len(x)] = 1
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attn, use_cache=False).last_hidden_state  # (B, L, H)
+    last = attn.sum(1) - 1  # the last real token of each right-padded row
+    h = hidden[torch.arange(len(ids)), last]  # (B, H)
+    return model.score(h).squeeze(-1).float()
+
+
+def score_texts(model, tokenizer, prompts: Sequence[str], responses: Sequence[str], batch_tokens: int = 16384,
+                max_length: int = 1024) -> list[float]:
+    """Reward-model scores of prompt + response, in input order (batches sorted by length)."""
+    import torch
+
+    ids = encode_pairs(tokenizer, prompts, responses, max_length)
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    out = [0.0] * len(ids)
+    s = 0
+    with torch.no_grad():
+        while s < len(order):
+            e = s + 1
+            while e < len(order) and (e - s + 1) * len(ids[order[e]]) <= batch_tokens:
+                e += 1
+            batch = order[s:e]
+            for i, v in zip(batch, forward_scores(model, [ids[i] for i in batch], tokenizer.pad_token_id).tolist(),
+                            strict=True):
+                out[i] = v
+            s = e
+    return out

@@ -1,0 +1,188 @@
+"""Training numerics shared by `sft`, `train-rm` and `update`: precision, gradient checkpointing, LoRA.
+
+Precision (`--dtype`). rlkit keeps **fp32 master weights and fp32 AdamW state** and runs the forward
+and backward passes in bf16/fp16 under `torch.autocast` (verl's choice: FSDP `param_dtype=bf16`
+over fp32 parameters). Why not bf16 weights with an fp32 optimizer state:
+- the update is the fp32 AdamW step whatever the compute dtype, so an RL step of lr 1e-6 is not
+  rounded away (bf16 has an 8-bit mantissa: 1.0 + 1e-6 == 1.0);
+- the saved checkpoint is the fp32 master, so `update` resumes bit-exactly across processes, and
+  `freeze-ref --dtype bf16` still makes a half-size reference from it;
+- weights + gradients + AdamW cost 16 bytes per parameter either way once bf16 weights carry an
+  fp32 master copy, so what bf16 saves is activation memory (the larger share in RL, where
+  prompt + response batches are long), and that autocast saves.
+fp16 runs with a dynamic loss scale (`torch.amp.GradScaler`, CPU and CUDA); a step whose gradients
+overflow is skipped and counted, as with any scaler. Under torchrun fp16 is refused (FSDP2 would need
+a sharded scaler): use bf16 there.
+
+Gradient checkpointing (`--gradient-checkpointing`): transformers' `gradient_checkpointing_enable`
+with `use_reentrant=False` (works with FSDP2 and with frozen LoRA bases), enabled before sharding.
+
+LoRA (`--lora-rank R`): `rlkit.training.lora` (peft); the optimizer then holds the adapter only.
+Importable without torch: the option dataclasses are plain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+from rlkit.errors import RlkitError
+from rlkit.training.lora import LoraOptions, lora_options  # noqa: F401 (the options every trainer takes)
+
+DTYPES = ("fp32", "bf16", "fp16")
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """How a stage trains: compute dtype, gradient checkpointing, LoRA (None: full fine-tuning)."""
+
+    dtype: str = "fp32"
+    gradient_checkpointing: bool = False
+    lora: LoraOptions | None = None
+
+    def check(self, distributed: bool = False) -> None:
+        if self.dtype not in DTYPES:
+            raise RlkitError(f"--dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
+        if self.dtype == "fp16" and distributed:
+            raise RlkitError("--dtype fp16 under torchrun would need a sharded loss scaler, which rlkit does not run; "
+                             "use --dtype bf16 (no scaler needed)")
+        if self.lora is not None:
+            lo = self.lora
+            if lo.rank < 1:
+                raise RlkitError(f"--lora-rank {lo.rank}: must be >= 1 (leave it out for full fine-tuning)")
+            if lo.alpha is not None and lo.alpha <= 0:
+                raise RlkitError(f"--lora-alpha {lo.alpha}: must be > 0")
+            if not 0 <= lo.dropout < 1:
+                raise RlkitError(f"--lora-dropout {lo.dropout}: must be in [0, 1)")
+
+
+class Precision:
+    """Autocast and (fp16) loss scaling for one training loop.
+
+    Usage: `with prec.autocast(): loss = ...`, then `prec.backward(loss)` and
+    `prec.step([(params, opt, clip)])` instead of `loss.backward(); clip; opt.step()`."""
+
+    def __init__(self, dtype: str = "fp32", device_type: str = "cpu") -> None:
+        import torch
+
+        self.dtype, self.device_type = dtype, device_type
+        self.torch_dtype = getattr(torch, TORCH_DTYPES[dtype])
+        self.scaler = torch.amp.GradScaler(device_type) if dtype == "fp16" else None
+        self.skipped = 0  # fp16: optimizer steps skipped for overflowing gradients
+        if device_type == "cpu" and dtype != "fp32" and not _fast_cpu_half(dtype):
+            from rlkit import console
+
+            console.warn(f"--dtype {dtype} on a CPU without {dtype} matmul kernels (AVX512-BF16/AMX): it saves "
+                         "activation memory but trains many times slower than fp32 (docs/precision-lora.md)")
+
+    def autocast(self):
+        if self.dtype == "fp32":
+            return contextlib.nullcontext()
+        import torch
+
+        return torch.autocast(self.device_type, dtype=self.torch_dtype)
+
+    def backward(self, loss) -> None:
+        """loss.backward(), scaled under fp16."""
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def step(self, groups) -> tuple[list, bool]:
+        """After `backward`: per (parameters, optimizer, clip) group unscale (fp16), clip and step.
+        Returns (each group's gradient norm before clipping, stepped). Without a scaler, a non-finite
+        norm in any group steps nothing (stepped False: the caller aborts); under fp16 the scaler skips
+        the step on overflow and lowers the scale (stepped False, counted in `skipped`)."""
+        import torch
+
+        norms = []
+        for params, opt, clip in groups:
+            if self.scaler is not None:
+                self.scaler.unscale_(opt)
+            gn = torch.nn.utils.clip_grad_norm_([p for p in params if p.requires_grad], clip or float("inf"))
+            norms.append(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)  # a DTensor under FSDP2
+        if self.scaler is None:
+            if not all(bool(torch.isfinite(g)) for g in norms):
+                return norms, False
+            for _, opt, _ in groups:
+                opt.step()
+            return norms, True
+        before = self.scaler.get_scale()
+        for _, opt, _ in groups:
+            self.scaler.step(opt)  # skipped when its unscaled gradients hold inf/nan
+        self.scaler.update()
+        stepped = self.scaler.get_scale() >= before
+        self.skipped += not stepped
+        return norms, stepped
+
+    def state(self) -> dict:
+        """JSON-able state to resume with (the fp16 loss scale and its growth counter)."""
+        if self.scaler is None:
+            return {"dtype": self.dtype}
+        sd = self.scaler.state_dict()
+        return {"dtype": self.dtype, "scale": float(sd["scale"]), "growth_tracker": int(sd["_growth_tracker"])}
+
+    def load_state(self, s: dict | None) -> None:
+        if self.scaler is None or not s or "scale" not in s:
+            return
+        sd = self.scaler.state_dict()
+        sd.update(scale=s["scale"], _growth_tracker=s["growth_tracker"])
+        self.scaler.load_state_dict(sd)
+
+
+def _fast_cpu_half(dtype: str) -> bool:
+    import torch
+
+    try:
+        fn = torch.ops.mkldnn._is_mkldnn_bf16_supported if dtype == "bf16" else torch.ops.mkldnn._is_mkldnn_fp16_supported
+        return bool(fn())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """transformers' non-reentrant gradient checkpointing. rlkit's training forwards pass
+    use_cache=False themselves (a KV cache would hold every layer's keys and values); the saved
+    config keeps use_cache for generation."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise RlkitError(f"{type(model).__name__} does not support gradient checkpointing")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def prepare_model(model, opts: TrainOptions, kind: str = "causal-lm", base=None):
+    """Gradient checkpointing, then LoRA: a fresh adapter on `model`, whose weights were loaded from
+    directory `base` (None: built in memory, which LoRA refuses); a model already wrapped by peft (a
+    LoRA checkpoint resumed) is kept as it is, and --lora-* flags must then be its own settings. Call
+    before sharding (FSDP2) and before making the optimizer. `kind`: causal-lm | seq-cls."""
+    if opts.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    if opts.lora is not None:
+        from rlkit.training import lora
+
+        if not is_peft(model):
+            model = lora.wrap(model, opts.lora, kind, base)
+        else:
+            lora.check_same(model, opts.lora)
+    return model
+
+
+def is_peft(model) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def trainable_parameters(model) -> list:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def make_adamw(model, lr: float, weight_decay: float, betas=(0.9, 0.99), eps: float = 1e-8):
+    """AdamW over the trainable parameters only (LoRA: the adapter), weight decay off for norms and
+    biases. Parameter order is `named_parameters` order, so optimizer state is saved by name."""
+    import torch
+
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr, betas=betas, eps=eps,
+    )

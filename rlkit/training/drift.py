@@ -1,0 +1,44 @@
+"""Weight-space drift of the policy from the frozen reference: how far training has moved the weights.
+
+    drift = sum_t ||theta_t - ref_t||_2 / sum_t ||ref_t||_2      over the tensors both hold
+
+A policy that has not moved has drift 0; a few RL rounds on the tiny model move it by about 1e-3
+(see docs/monitoring.md). The reference may be bf16/fp16: the policy is rounded to the reference's dtype
+before the difference, so the rounding done by `freeze-ref` is not counted as drift (and changes
+smaller than that dtype's resolution are not either).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from torch import Tensor
+
+from rlkit.errors import RlkitError
+
+
+def relative_drift(params: Mapping[str, Tensor], ref: Mapping[str, Tensor]) -> float:
+    """sum ||p - r|| / sum ||r|| over the names in both, p rounded to r's dtype first. -> float >= 0."""
+    import torch
+
+    names = [n for n in ref if n in params]
+    if not names:
+        raise RlkitError("the policy and the reference share no weight names; is the reference for this model?")
+    num = den = 0.0
+    for n in names:
+        r = ref[n].detach().float()
+        p = params[n].detach().to(ref[n].dtype).float()
+        if p.shape != r.shape:
+            raise RlkitError(f"weight {n}: policy shape {tuple(p.shape)} vs reference {tuple(r.shape)}")
+        num += float(torch.linalg.vector_norm(p - r))
+        den += float(torch.linalg.vector_norm(r))
+    return num / den if den > 0 else 0.0
+
+
+def model_drift(model, ref_dir: Path) -> float:
+    """Drift of a loaded model's weights from a hash-checked reference directory."""
+    from rlkit.io.checkpoints import load_weights, verify_reference
+
+    verify_reference(ref_dir)
+    return relative_drift(dict(model.state_dict()), load_weights(ref_dir))

@@ -1,0 +1,226 @@
+"""Artifact round trips, schema rejections, end markers, fingerprints, atomic writes."""
+
+import os
+import subprocess
+
+import datasets
+import pyarrow as pa
+import pytest
+
+from rlkit.errors import RlkitError, TruncatedStream
+from rlkit.io import artifacts
+
+
+def _prompts(path, n=10, cfg=None, chunk=4):
+    m = artifacts.make_manifest("prompts", "prompts", cfg or {"n": n}, {})
+    with artifacts.write_table("prompts", path, m) as w:
+        for i in range(0, n, chunk):
+            ids = range(i, min(n, i + chunk))
+            w.write({"prompt_id": [f"p{j}" for j in ids], "prompt": [f"<{j}+1>=" for j in ids],
+                     "answer": [str(j + 1) for j in ids], "split": ["train"] * len(ids)})
+    return path
+
+
+def test_round_trip_with_manifest_and_plain_readers(tmp_path):
+    p = _prompts(tmp_path / "p.arrow", n=10)
+    table, reader = artifacts.read_table(p, ["prompts"])
+    assert table.num_rows == 10 and table.column("prompt")[3].as_py() == "<3+1>="
+    assert reader.manifest["kind"] == "prompts" and reader.manifest["schema_version"] == 1
+    assert reader.manifest["command"] == "prompts" and reader.manifest["config"] == {"n": 10}
+    assert reader.manifest["rlkit_version"] and reader.manifest["created"]
+    # plain pyarrow and datasets read the same file (the end marker is an empty batch)
+    assert pa.ipc.open_stream(p.read_bytes()).read_all().num_rows == 10
+    ds = datasets.Dataset.from_file(str(p))
+    assert ds.num_rows == 10 and ds[9]["answer"] == "10"
+
+
+def test_wrong_kind_names_both_kinds_and_the_producer(tmp_path):
+    p = tmp_path / "prefs.arrow"
+    m = artifacts.make_manifest("prefs", "build-prefs", {}, {})
+    with artifacts.write_table("prefs", p, m) as w:
+        w.write({"prompt_id": ["a"], "prompt": ["x"], "chosen": ["1"], "rejected": ["2"], "split": ["train"]})
+    with pytest.raises(RlkitError, match=r"is a 'prefs' table, expected a 'prompts' table \(made by `rlkit prompts`\)"):
+        artifacts.read_table(p, ["prompts"])
+
+
+def _plain(path, table):
+    with pa.ipc.new_stream(str(path), table.schema) as w:
+        w.write_table(table)
+    return path
+
+
+def test_missing_and_mistyped_columns(tmp_path):
+    p = _plain(tmp_path / "a.arrow", pa.table({"prompt_id": ["a"], "text": ["x"]}))
+    with pytest.raises(RlkitError, match=r"missing column 'prompt' \(string\).*`rlkit prompts`"):
+        artifacts.read_table(p, ["prompts"])
+    p = _plain(tmp_path / "b.arrow", pa.table({"prompt_id": ["a"], "prompt": [3]}))
+    with pytest.raises(RlkitError, match="column 'prompt' has type int64, expected string"):
+        artifacts.read_table(p, ["prompts"])
+
+
+def test_plain_table_with_the_right_columns_is_accepted(tmp_path):
+    p = _plain(tmp_path / "a.arrow", pa.table({"prompt_id": ["a"], "prompt": pa.array(["x"], pa.large_string())}))
+    table, reader = artifacts.read_table(p, ["prompts"])
+    assert table.num_rows == 1 and reader.manifest is None
+
+
+def test_empty_table_is_rejected_unless_allowed(tmp_path):
+    p = _prompts(tmp_path / "e.arrow", n=0)
+    with pytest.raises(RlkitError, match="has no rows"):
+        artifacts.read_table(p, ["prompts"])
+    assert artifacts.read_table(p, ["prompts"], require_rows=False)[0].num_rows == 0
+
+
+def test_stream_cut_at_a_batch_boundary_is_detected(tmp_path):
+    full = _prompts(tmp_path / "p.arrow", n=12).read_bytes()
+    # find a cut after the second batch: write the same batches without closing the writer
+    p = tmp_path / "cut.arrow"
+    m = artifacts.make_manifest("prompts", "prompts", {}, {})
+    schema = artifacts.kind("prompts").schema(manifest=m)
+    with open(p, "wb") as f:
+        writer = pa.ipc.new_stream(f, schema)
+        writer.write_batch(pa.record_batch([pa.array(["a"]), pa.array(["x"]), pa.array(["1"]), pa.array(["t"]),
+                                            pa.nulls(1, schema.field("messages").type)], schema=schema))
+        f.flush()  # no end marker, no EOS: what a killed producer leaves
+    # plain pyarrow reads this as a valid one-row stream; rlkit does not
+    assert pa.ipc.open_stream(p.read_bytes()).read_all().num_rows == 1
+    with pytest.raises(TruncatedStream, match="without rlkit's end marker"):
+        artifacts.read_table(p, ["prompts"])
+    p2 = tmp_path / "mid.arrow"
+    p2.write_bytes(full[: len(full) // 2])
+    with pytest.raises(TruncatedStream):
+        artifacts.read_table(p2, ["prompts"])
+
+
+def test_open_table_reads_ahead_so_a_piped_producer_never_blocks(tmp_path):
+    """A producer writing far more than a pipe buffer (64 KiB) finishes while the consumer is still
+    busy (importing torch, loading a model): the background thread drains the pipe into memory."""
+    src = _prompts(tmp_path / "big.arrow", n=20_000, chunk=1000)
+    assert src.stat().st_size > 8 * 65536
+    r, w = os.pipe()
+    producer = subprocess.Popen(["cat", str(src)], stdout=w)
+    os.close(w)
+    try:
+        pending = artifacts.open_table(f"/dev/fd/{r}", ["prompts"])
+        assert producer.wait(timeout=60) == 0  # finished with nobody consuming yet
+        reader = pending.result()
+        table = reader.read_all()
+    finally:
+        os.close(r)
+    assert table.num_rows == 20_000 and table.column("prompt_id")[19_999].as_py() == "p19999"
+    assert reader.manifest["kind"] == "prompts"
+
+
+def test_open_table_raises_open_and_stream_errors_at_the_consumer(tmp_path):
+    bad = tmp_path / "x.arrow"
+    bad.write_text("hello")
+    pending = artifacts.open_table(bad, ["prompts"])
+    with pytest.raises(RlkitError, match="not an Arrow IPC stream"):
+        pending.result()
+    full = _prompts(tmp_path / "p.arrow", n=12).read_bytes()
+    cut = tmp_path / "cut.arrow"
+    cut.write_bytes(full[: len(full) // 2])
+    reader = artifacts.open_table(cut, ["prompts"]).result()
+    with pytest.raises(TruncatedStream):
+        reader.read_all()
+
+
+def test_not_an_arrow_file(tmp_path):
+    p = tmp_path / "x.arrow"
+    p.write_text("hello")
+    with pytest.raises(RlkitError, match="not an Arrow IPC stream"):
+        artifacts.read_table(p, ["prompts"])
+    with pytest.raises(RlkitError, match="no such file"):
+        artifacts.read_table(tmp_path / "missing.arrow", ["prompts"])
+
+
+def test_failed_write_leaves_nothing_and_keeps_the_old_file(tmp_path):
+    p = _prompts(tmp_path / "p.arrow", n=5)
+    before = p.read_bytes()
+    with pytest.raises(KeyboardInterrupt):
+        with artifacts.write_table("prompts", p, artifacts.make_manifest("prompts", "prompts", {}, {})) as w:
+            w.write({"prompt_id": ["z"], "prompt": ["y"]})
+            raise KeyboardInterrupt
+    assert p.read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["p.arrow"]
+
+
+def test_atomic_dir_replaces_only_on_success(tmp_path):
+    out = tmp_path / "m"
+    with artifacts.atomic_dir(out) as d:
+        (d / "a").write_text("1")
+    with pytest.raises(RuntimeError):
+        with artifacts.atomic_dir(out) as d:
+            (d / "a").write_text("2")
+            raise RuntimeError
+    assert (out / "a").read_text() == "1" and sorted(os.listdir(tmp_path)) == ["m"]
+    with artifacts.atomic_dir(out) as d:
+        (d / "b").write_text("3")
+    assert sorted(os.listdir(out)) == ["b"] and sorted(os.listdir(tmp_path)) == ["m"]
+
+
+def test_check_out_refuses_foreign_files(tmp_path):
+    f = tmp_path / "notes.txt"
+    f.write_text("precious")
+    with pytest.raises(RlkitError, match="not an rlkit table; refusing to overwrite"):
+        artifacts.check_out(f, "table")
+    d = tmp_path / "somedir"
+    d.mkdir()
+    (d / "x").write_text("precious")
+    with pytest.raises(RlkitError, match="not an rlkit checkpoint"):
+        artifacts.check_out(d, "model")
+    with pytest.raises(RlkitError, match="is a file, expected a model directory"):
+        artifacts.check_out(f, "model")
+    artifacts.check_out(_prompts(tmp_path / "ok.arrow"), "table")  # an rlkit table may be replaced
+    artifacts.check_out(tmp_path / "new.arrow", "table")
+
+
+def test_fingerprint_follows_content_and_rewrites(tmp_path):
+    a = _prompts(tmp_path / "a.arrow", cfg={"x": 1})
+    fp = artifacts.fingerprint(a)
+    assert fp == artifacts.fingerprint(a)
+    _prompts(a, cfg={"x": 2})
+    assert artifacts.fingerprint(a) != fp
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    big = d / "model.safetensors"
+    big.write_bytes(b"0" * 10)
+    fd = artifacts.fingerprint(d)
+    big.write_bytes(b"1" * 10)
+    assert artifacts.fingerprint(d) != fd
+
+
+def test_big_files_are_fingerprinted_by_stat(tmp_path, monkeypatch):
+    monkeypatch.setattr(artifacts, "CONTENT_HASH_LIMIT", 4)
+    f = tmp_path / "w.safetensors"
+    f.write_bytes(b"0123456789")
+    fp = artifacts.fingerprint(f)
+    os.utime(f, ns=(1, 1))
+    assert artifacts.fingerprint(f) != fp  # a rewrite (new mtime) changes it without reading content
+
+
+def test_up_to_date_compares_command_config_and_inputs(tmp_path):
+    p = tmp_path / "p.arrow"
+    m = artifacts.make_manifest("prompts", "prompts", {"num": 3, "force": False}, {"src": "sha256:1"})
+    with artifacts.write_table("prompts", p, m) as w:
+        w.write({"prompt_id": ["a"], "prompt": ["b"]})
+    assert artifacts.up_to_date(p, "prompts", {"num": 3, "force": True}, {"src": "sha256:1"})
+    assert not artifacts.up_to_date(p, "prompts", {"num": 4}, {"src": "sha256:1"})
+    assert not artifacts.up_to_date(p, "prompts", {"num": 3}, {"src": "sha256:2"})
+    assert not artifacts.up_to_date(p, "sft", {"num": 3}, {"src": "sha256:1"})
+    assert not artifacts.up_to_date(tmp_path / "nope.arrow", "prompts", {"num": 3}, {})
+
+
+def test_rollout_kinds_carry_named_reward_components(tmp_path):
+    extra = [pa.field("reward/verifier", pa.float64())]
+    p = tmp_path / "r.arrow"
+    row = {"prompt_id": ["a"], "group_id": [0], "sample_idx": [0], "prompt": ["<1+1>="], "completion": ["2"],
+           "prompt_ids": [[1, 2]], "completion_ids": [[3]], "old_logprobs": [[-0.1]], "finish_reason": ["eos"],
+           "policy_fingerprint": ["sha256:x"], "policy_step": [0], "reward/verifier": [1.0]}
+    with artifacts.write_table("rollouts", p, artifacts.make_manifest("rollouts", "rollout", {}, {}), extra) as w:
+        w.write(row)
+    table, _ = artifacts.read_table(p, ["rollouts", "scored"])
+    assert artifacts.reward_columns(table.schema) == ["verifier"]
+    with pytest.raises(RlkitError, match="expected a 'scored' table"):
+        artifacts.read_table(p, ["scored"])

@@ -1,0 +1,350 @@
+"""The CLI as users run it: flags map into configs, and bad input gives one clear line, a non-zero
+exit code, nothing written at --out and nothing existing damaged."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from rlkit import algorithms
+from rlkit.cli import app
+
+from conftest import default_signals, one_error_line, rlkit_cmd, run_cli
+
+runner = CliRunner()
+
+
+def _capture(monkeypatch, module):
+    seen = []
+    monkeypatch.setattr(module, "run", lambda cfg: seen.append(cfg))
+    return seen
+
+
+def test_sft_flags_map_into_the_config(monkeypatch, tmp_path):
+    from rlkit.stages import sft
+
+    seen = _capture(monkeypatch, sft)
+    r = runner.invoke(app, ["sft", "--out", str(tmp_path / "o"), "--num-examples", "123", "--lr", "0.01",
+                            "--layers", "2", "--hidden", "64", "--batch-tokens", "777", "--seed", "5", "--force"])
+    assert r.exit_code == 0, r.output
+    (cfg,) = seen
+    assert (cfg.num_examples, cfg.lr, cfg.batch_tokens, cfg.seed, cfg.force) == (123, 0.01, 777, 5, True)
+    assert (cfg.tiny.layers, cfg.tiny.hidden, cfg.tiny.heads, cfg.tiny.intermediate) == (2, 64, 2, 256)
+    assert cfg.model == "tiny" and cfg.task is None and cfg.data is None
+
+
+def test_freeze_ref_and_eval_flags(monkeypatch, tmp_path):
+    from rlkit.stages import eval as eval_stage
+    from rlkit.stages import freeze_ref
+
+    seen = _capture(monkeypatch, freeze_ref)
+    assert runner.invoke(app, ["freeze-ref", "--policy", "p", "--out", "r", "--dtype", "fp16"]).exit_code == 0
+    assert seen[0].dtype == "fp16" and str(seen[0].policy) == "p"
+    seen = _capture(monkeypatch, eval_stage)
+    r = runner.invoke(app, ["eval", "--policy", "p", "--task", "arithmetic:terms=2-2", "--num", "7", "--json"])
+    assert r.exit_code == 0, r.output
+    assert seen[0].num == 7 and seen[0].as_json and seen[0].task == "arithmetic:terms=2-2"
+
+
+def test_update_flags_map_into_the_rl_config(monkeypatch, tmp_path):
+    from rlkit.stages import update
+
+    seen = _capture(monkeypatch, update)
+    base = ["update", "--policy", "p", "--out", str(tmp_path / "o")]
+    assert runner.invoke(app, base).exit_code == 0
+    rl = update.resolve(seen[-1]).rl  # what `run` trains with and records
+    assert (rl.kl_in, rl.kl_estimator, rl.dual_clip) == ("loss", "k3+", 3.0)  # the forward KL's gradient in the loss
+    assert runner.invoke(app, [*base, "--algo", "ppo"]).exit_code == 0
+    rl = update.resolve(seen[-1]).rl
+    assert (rl.kl_in, rl.kl_estimator) == ("reward", "k1")
+    assert runner.invoke(app, [*base, "--dual-clip", "0", "--kl-estimator", "k2"]).exit_code == 0
+    assert (seen[-1].rl.dual_clip, seen[-1].rl.kl_estimator) == (None, "k2")
+    assert runner.invoke(app, [*base, "--dual-clip", "2.5", "--algo", "dpo", "--beta", "0.3"]).exit_code == 0
+    assert (seen[-1].rl.dual_clip, update.resolve(seen[-1]).rl.beta) == (2.5, 0.3)  # a flag beats the default
+    r = runner.invoke(app, ["update", "--help"], env={"COLUMNS": "400"})
+    assert "k3+" in r.output and "nats per sequence" in r.output
+
+
+@pytest.mark.parametrize("algo", algorithms.names())
+def test_update_from_python_gets_the_cli_defaults(monkeypatch, tmp_path, algo):
+    """`run(UpdateConfig(...))` trains with exactly what `rlkit update --algo NAME` does: the command adds no
+    default of its own, and both resolve to the algorithm's registry defaults (what the manifest records)."""
+    from rlkit.algorithms.config import RLConfig
+    from rlkit.stages import update
+
+    seen = _capture(monkeypatch, update)
+    assert runner.invoke(app, ["update", "--policy", "p", "--out", str(tmp_path / "o"), "--algo", algo]).exit_code == 0
+    api = update.UpdateConfig(policy=Path("p"), out=tmp_path / "o", rl=RLConfig(algo=algo))
+    assert seen[-1] == api
+    cli, py = update.resolve(seen[-1]), update.resolve(api)
+    assert cli == py and update.resolve(py) == py  # resolving twice changes nothing
+    d = algorithms.get(algo).defaults
+    assert (py.rl.beta, py.rl.kl_in, py.rl.loss_agg, py.rl.clip_low, py.rl.clip_high) == (
+        d.beta, d.kl_in, d.loss_agg, d.clip_low, d.clip_high)
+    assert None not in (py.rl.kl_estimator, py.rl.beta, py.rl.kl_in, py.rl.loss_agg, py.rl.clip_low, py.rl.clip_high)
+
+
+def test_unknown_task(tmp_path):
+    line = one_error_line(run_cli("prompts", "--task", "chess", "--out", str(tmp_path / "p.arrow")))
+    assert "unknown task 'chess'" in line and "arithmetic" in line
+    assert not os.listdir(tmp_path)
+
+
+def test_missing_file_and_missing_policy(tmp_path):
+    line = one_error_line(run_cli("inspect", str(tmp_path / "nothing.arrow")))
+    assert "no such file" in line
+    line = one_error_line(run_cli("freeze-ref", "--policy", str(tmp_path / "nope"), "--out", str(tmp_path / "r")))
+    assert "policy directory" in line and "not found" in line
+    assert not (tmp_path / "r").exists()
+
+
+def test_wrong_kind_missing_column_and_empty_table(tmp_path, sft_dir):
+    import pyarrow as pa
+
+    from rlkit.io import artifacts
+
+    prefs = tmp_path / "prefs.arrow"
+    with artifacts.write_table("prefs", prefs, artifacts.make_manifest("prefs", "build-prefs", {}, {})) as w:
+        w.write({"prompt_id": ["a"], "prompt": ["<1+1>="], "chosen": ["2"], "rejected": ["3"], "split": ["train"]})
+    line = one_error_line(run_cli("eval", "--policy", str(sft_dir), "--prompts", str(prefs)))
+    assert "is a 'prefs' table, expected a 'prompts' table" in line
+
+    nocol = tmp_path / "nocol.arrow"
+    with pa.ipc.new_stream(str(nocol), pa.schema([("prompt_id", pa.string()), ("text", pa.string())])) as w:
+        w.write_table(pa.table({"prompt_id": ["a"], "text": ["x"]}))
+    line = one_error_line(run_cli("eval", "--policy", str(sft_dir), "--prompts", str(nocol)))
+    assert "missing column 'prompt'" in line
+
+    empty = tmp_path / "empty.arrow"
+    r = run_cli("prompts", "--num", "1", "--out", str(empty))
+    assert r.returncode == 0
+    with artifacts.write_table("prompts", empty, artifacts.make_manifest("prompts", "prompts", {}, {})):
+        pass
+    line = one_error_line(run_cli("eval", "--policy", str(sft_dir), "--prompts", str(empty)))
+    assert "has no rows" in line
+    line = one_error_line(run_cli("sft", "--data", str(empty), "--out", str(tmp_path / "s")))
+    assert "expected a 'sft' table" in line
+    assert not (tmp_path / "s").exists()
+
+
+def test_out_pointing_at_a_foreign_file_is_left_alone(tmp_path, sft_dir):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("precious")
+    line = one_error_line(run_cli("prompts", "--out", str(notes)))
+    assert "not an rlkit table; refusing to overwrite" in line
+    d = tmp_path / "mine"
+    d.mkdir()
+    (d / "thesis.tex").write_text("precious")
+    line = one_error_line(run_cli("freeze-ref", "--policy", str(sft_dir), "--out", str(d)))
+    assert "not an rlkit checkpoint" in line
+    assert notes.read_text() == "precious" and os.listdir(d) == ["thesis.tex"]
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    r = run_cli("prompts", "--task", "chess", "--out", str(tmp_path / "p.arrow"), "--debug")
+    assert r.returncode != 0 and b"Traceback" in r.stderr
+
+
+def test_refuses_to_write_a_table_to_a_terminal(monkeypatch):
+    import sys as _sys
+
+    from rlkit.errors import RlkitError
+    from rlkit.io import artifacts
+
+    monkeypatch.setattr(_sys.stdout, "isatty", lambda: True)
+    with pytest.raises(RlkitError, match="refusing to write an Arrow table to the terminal"):
+        artifacts.resolve_out(None)
+
+
+def test_prompts_stream_through_a_pipe_into_eval(tmp_path, sft_dir):
+    p1 = subprocess.Popen([*rlkit_cmd(), "prompts", "--split", "heldout", "--num", "40"], stdout=subprocess.PIPE)
+    r = subprocess.run([*rlkit_cmd(), "eval", "--policy", str(sft_dir), "--prompts", "-", "--json"],
+                       stdin=p1.stdout, capture_output=True)
+    p1.stdout.close()
+    assert p1.wait() == 0
+    assert r.returncode == 0, r.stderr
+    import json
+
+    res = json.loads(r.stdout)
+    assert res["n"] == 40 and res["n_scored"] == 40 and 0.0 <= res["accuracy"] <= 1.0
+
+
+def test_a_failed_upstream_fails_the_downstream(tmp_path, sft_dir):
+    p1 = subprocess.Popen([*rlkit_cmd(), "prompts", "--task", "chess"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    r = subprocess.run([*rlkit_cmd(), "eval", "--policy", str(sft_dir), "--prompts", "-", "--json"],
+                       stdin=p1.stdout, capture_output=True)
+    p1.stdout.close()
+    assert p1.wait() != 0
+    line = one_error_line(r)
+    assert "stdin holds no Arrow stream" in line
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_during_a_write_leaves_nothing(tmp_path, sig):
+    out = tmp_path / "big.arrow"
+    p = subprocess.Popen([*rlkit_cmd(), "prompts", "--task", "arithmetic:terms=3-6,max=99", "--num", "3000000",
+                          "--out", str(out)], stderr=subprocess.PIPE, preexec_fn=default_signals)
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(n.startswith(".big.arrow.tmp") for n in os.listdir(tmp_path)):
+        time.sleep(0.05)
+    assert any(n.startswith(".big.arrow.tmp") for n in os.listdir(tmp_path)), "writer never started"
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert b"interrupted" in err and os.listdir(tmp_path) == []
+
+
+def test_interrupted_sft_keeps_the_existing_checkpoint(tmp_path, sft_dir):
+    import shutil
+
+    from rlkit.io import artifacts
+
+    out = tmp_path / "sft"
+    shutil.copytree(sft_dir, out)
+    before = artifacts.fingerprint(out)
+    p = subprocess.Popen([*rlkit_cmd(), "sft", "--out", str(out), "--num-examples", "200000", "--force"],
+                         stderr=subprocess.PIPE, preexec_fn=default_signals)
+    time.sleep(6)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert artifacts.fingerprint(out) == before and sorted(os.listdir(tmp_path)) == ["sft"]
+
+
+def test_version():
+    r = subprocess.run([sys.executable, "-m", "rlkit", "--version"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("rlkit ")
+
+
+def test_stray_stdout_writes_cannot_corrupt_a_streamed_table(tmp_path):
+    """Once a stage claims stdout for its table, prints from the process or from processes it starts
+    (vLLM's engine workers log to stdout) go to stderr and the downstream reader gets a clean table."""
+    code = (
+        "import os, sys\n"
+        "from rlkit import artifacts\n"
+        "out = artifacts.resolve_out(None)\n"
+        "print('noise from the stage')\n"
+        "os.system('echo noise from a child process')\n"
+        "m = artifacts.make_manifest('prompts', 'prompts', {}, {})\n"
+        "with artifacts.write_table('prompts', out, m) as w:\n"
+        "    w.write({'prompt_id': ['a'], 'prompt': ['1+1='], 'answer': ['2'], 'split': ['train']})\n"
+        "print('more noise')\n"
+    )
+    producer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    table, err = producer.communicate(timeout=120)
+    assert producer.returncode == 0, err
+    assert b"noise from the stage" in err and b"noise from a child process" in err and b"more noise" in err
+    p = tmp_path / "t.arrow"
+    p.write_bytes(table)
+    from rlkit.io import artifacts
+
+    t, _ = artifacts.read_table(p, ["prompts"])
+    assert t.column("prompt").to_pylist() == ["1+1="]
+
+
+# ---------------------------------------------------------------- usage errors: click's own message, exit 2
+
+
+def _usage_error(r: subprocess.CompletedProcess) -> str:
+    """A bad command line: exit 2, click's usage message (`Usage: ...`, the --help hint, `Error: ...`; click
+    gives a missing option value the last line alone), no traceback."""
+    err = r.stderr.decode()
+    assert r.returncode == 2, err
+    assert "Traceback" not in err and "unexpected" not in err and "rlkit: error" not in err, err
+    assert err.startswith(("Usage: rlkit", "Error: ")) and "Error: " in err, err
+    return err
+
+
+@pytest.mark.parametrize("args, said", [
+    (["rollout", "--num-prompt", "3"], ["No such option: --num-prompt", "Did you mean --num-prompts?",
+                                        "Try 'rlkit rollout --help' for help."]),
+    (["rollout", "--n", "abc"], ["Invalid value for '--n'", "valid integer", "'abc'"]),
+    (["update", "--out", "o"], ["Missing option '--policy'", "Try 'rlkit update --help'"]),
+    (["update", "--policy", "p", "--out", "o", "--epochs", "0"], ["Invalid value for '--epochs'", "Usage: rlkit update"]),
+    (["sft", "--lr"], ["Option '--lr' requires an argument"]),
+    (["rollot"], ["No such command 'rollot'", "Did you mean 'rollout'?"]),
+])
+def test_usage_errors_are_clicks_message_and_exit_2(tmp_path, args, said):
+    err = _usage_error(run_cli(*args, cwd=tmp_path))
+    for s in said:
+        assert s in err, (s, err)
+    assert os.listdir(tmp_path) == []
+
+
+def test_no_option_takes_a_fixed_set_of_choices():
+    """No choice-typed option (Literal/Enum) to test a bad choice on: --algo, --dtype, --kl-in ... are strings the
+    stage checks (one `rlkit: error:` line). A choice option added later gets click's message like the rest."""
+    from rlkit.cli import command
+
+    for name, cmd in command().commands.items():
+        for p in cmd.params:
+            assert not p.type_descriptor.is_choice, (name, p.name)
+
+
+def test_help_and_version_exit_0():
+    for args in (["--help"], ["update", "--help"], ["--version"]):
+        r = run_cli(*args)
+        assert r.returncode == 0 and r.stdout and not r.stderr, (args, r.stderr)
+
+
+def test_typer_is_the_pinned_version():
+    """The usage-error handling above follows typer's internals (0.29 raises the exceptions of its own copy of
+    click): the suite must run on the typer that constraints.txt pins, so an upgrade is a deliberate change."""
+    from importlib.metadata import version
+
+    from conftest import REPO
+
+    pins = dict(line.split("==") for line in (REPO / "constraints.txt").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    assert version("typer") == pins["typer"].strip()
+
+
+# ---------------------------------------------------------------- NaN and inf are refused for every float option
+
+
+def _float_params():
+    """(command, parameter) for every option whose annotation holds a float, found apart from rlkit.cli's own test."""
+    import typing
+
+    from rlkit.cli import command
+
+    def has_float(a):
+        return a is float or any(has_float(x) for x in typing.get_args(a))
+
+    group = command()
+    for cmd in (group, *group.commands.values()):
+        for p in cmd.params:
+            if has_float(p.type_descriptor.annotation):
+                yield cmd, p
+
+
+def test_every_float_option_refuses_nan_and_inf():
+    import typer
+
+    found = list(_float_params())
+    names = {(c.name, p.opts[0]) for c, p in found}
+    assert len(found) >= 25 and {("update", "--lr"), ("update", "--clip-high"), ("rollout", "--temperature"),
+                                 ("sft", "--lr"), ("train-rm", "--margin")} <= names, names
+    for cmd, p in found:
+        for bad in ("nan", "inf", "-inf"):
+            with pytest.raises(typer.BadParameter, match=f"'{bad}' is not a finite number"):
+                p.callback(None, p, float(bad))
+        assert p.callback(None, p, 0.25) == 0.25 and p.callback(None, p, None) is None, (cmd.name, p.opts)
+
+
+@pytest.mark.parametrize("args, option", [
+    (["update", "--policy", "p", "--out", "o", "--lr", "nan"], "--lr"),
+    (["update", "--policy", "p", "--out", "o", "--clip-high", "NaN"], "--clip-high"),
+    (["rollout", "--policy", "p", "--temperature", "nan"], "--temperature"),
+    (["sft", "--out", "o", "--warmup", "inf"], "--warmup"),
+])
+def test_nan_and_inf_options_are_refused_before_any_work(tmp_path, args, option):
+    """Before anything is read or written: the missing policy `p` would otherwise be the error."""
+    err = _usage_error(run_cli(*args, cwd=tmp_path))
+    assert f"Invalid value for '{option}'" in err and "is not a finite number" in err, err
+    assert os.listdir(tmp_path) == []
