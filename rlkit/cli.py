@@ -169,11 +169,7 @@ def _exit_if_reader_blocked(rc: int) -> None:
             pass
     from rlkit.io import artifacts
 
-    if artifacts._STDOUT is not None:
-        try:
-            artifacts._STDOUT.flush()
-        except (OSError, ValueError):
-            pass
+    artifacts.flush_stdout_sink()
     os._exit(rc)
 
 

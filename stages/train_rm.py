@@ -96,7 +96,7 @@ def _run(cfg: TrainRmConfig) -> Path:
 
     from rlkit import training
     from rlkit.ops.preference import bradley_terry_loss, pair_accuracy
-    from rlkit.tasks.reward_model import _forward_scores, encode_pairs, forward_scores, score_texts
+    from rlkit.tasks.reward_model import encode_pairs, forward_scores, forward_scores_local, score_texts
 
     dp = distributed.init()  # None unless started by torchrun
     torch.manual_seed(cfg.seed)
@@ -104,7 +104,7 @@ def _run(cfg: TrainRmConfig) -> Path:
     model = training.prepare_model(model, cfg.train, "seq-cls", base=cfg.base)
     prec = training.Precision(cfg.train.dtype, dp.device.type if dp is not None else "cpu")
     if dp is not None:
-        model = distributed.shard_model(model, dp, _forward_scores)
+        model = distributed.shard_model(model, dp, forward_scores_local)
         console.info(f"train-rm: data-parallel over {dp.world} processes ({dp.device.type}, FSDP2)")
     chosen = encode_pairs(tok, t["prompt"], t["chosen"], cfg.max_length)
     rejected = encode_pairs(tok, t["prompt"], t["rejected"], cfg.max_length)
@@ -200,7 +200,7 @@ def _load_base(cfg: TrainRmConfig):
     from rlkit import console
     from rlkit.io import checkpoints
 
-    checkpoints._quiet_transformers()
+    checkpoints.quiet_transformers()
     tok = checkpoints.load_tokenizer(cfg.base, cfg.trust_remote_code)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "score.weight newly initialized" is the point here

@@ -728,6 +728,15 @@ def downstream_closed() -> bool:
     return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in p.poll(0))
 
 
+def flush_stdout_sink() -> None:
+    """Flush the claimed stdout, if any (a stage leaving at once must not lose its last batch)."""
+    if _STDOUT is not None:
+        try:
+            _STDOUT.flush()
+        except (OSError, ValueError):
+            pass
+
+
 def drop_stdout_sink() -> None:
     """Point the claimed stdout at /dev/null: its reader is gone, and whatever is still buffered must
     not fail again (or print Python's 'Exception ignored' lines) at exit."""
@@ -1042,7 +1051,3 @@ def read_table(src: str | Path | None, kinds: Sequence[str], require_rows: bool 
     r = TableReader(src, kinds)
     return r.read_all(require_rows), r
 
-
-def reward_columns(schema: pa.Schema) -> list[str]:
-    """Names of the reward components in a rollouts/scored table (without the `reward/` prefix)."""
-    return [n.split("/", 1)[1] for n in schema.names if n.startswith("reward/")]

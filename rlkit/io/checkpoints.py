@@ -204,7 +204,7 @@ def save_model(model, tokenizer, tmp: Path, manifest: dict[str, Any], state_dict
     its adapter in PEFT's layout, and the manifest's `lora` entry names its base and the base's hashes."""
     from rlkit.training import lora
 
-    _quiet_transformers()
+    quiet_transformers()
     if lora.state(model) is not None:
         manifest = {**manifest, "lora": lora.save(model, tmp, state_dict)}
     else:
@@ -226,7 +226,7 @@ def _weights_dtype(sd: dict) -> str:
     return "+".join(names.get(d, d) for d in found)
 
 
-def _quiet_transformers() -> None:
+def quiet_transformers() -> None:
     """No per-load progress bars on stderr: stages print their own one-line summaries."""
     from transformers.utils import logging as hf_logging
 
@@ -252,7 +252,7 @@ def load_policy(src: str | Path, dtype: str = "fp32", trust_remote_code: bool = 
     import torch
     from transformers import AutoModelForCausalLM
 
-    _quiet_transformers()
+    quiet_transformers()
     p = Path(src)
     if p.exists() or str(src).startswith((".", "/")):
         check_model_dir(p, "policy")
@@ -326,7 +326,7 @@ def load_reference(d: Path, device: str = "cpu", trust_remote_code: bool = False
     from transformers import AutoModelForCausalLM
 
     m = verify_reference(d)
-    _quiet_transformers()
+    quiet_transformers()
     dtype = DTYPES[m["config"]["dtype"]] if compute_dtype == "stored" else DTYPES[compute_dtype]
     model = AutoModelForCausalLM.from_pretrained(
         str(d), dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code, use_safetensors=True,

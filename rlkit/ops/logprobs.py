@@ -114,11 +114,11 @@ def completion_logprobs(model, input_ids: Tensor, attn: Tensor, targets: Tensor,
     """
     root = getattr(model, "_rlkit_fsdp_root", None)
     if root is not None:  # FSDP2: go through the root unit's forward, whose hooks gather and reduce its weights
-        return root(input_ids, attn, targets, start, temperature, with_entropy)  # fn = _completion_logprobs
-    return _completion_logprobs(model, input_ids, attn, targets, start, temperature, with_entropy)
+        return root(input_ids, attn, targets, start, temperature, with_entropy)  # fn = completion_logprobs_local
+    return completion_logprobs_local(model, input_ids, attn, targets, start, temperature, with_entropy)
 
 
-def _completion_logprobs(model, input_ids: Tensor, attn: Tensor, targets: Tensor, start: Tensor,
+def completion_logprobs_local(model, input_ids: Tensor, attn: Tensor, targets: Tensor, start: Tensor,
                          temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
     C = targets.shape[1]
     hidden = model.base_model(input_ids=input_ids, attention_mask=attn, use_cache=False).last_hidden_state  # (B, L, H)

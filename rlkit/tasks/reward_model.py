@@ -24,7 +24,7 @@ def load_reward_model(src: str | Path, trust_remote_code: bool = False, num_labe
     from rlkit.training import lora
 
     checkpoints.check_model_dir(Path(src), "reward model")
-    checkpoints._quiet_transformers()
+    checkpoints.quiet_transformers()
     if lora.is_adapter_dir(src):  # a LoRA reward model: merged into its hash-verified base
         if num_labels_check and lora.kind_of(Path(src)) != "seq-cls":
             raise RlkitError(f"{src} is a LoRA policy, not a reward model; make one with `rlkit train-rm`")
@@ -55,12 +55,12 @@ def encode_pairs(tokenizer, prompts: Sequence[str], responses: Sequence[str], ma
 def forward_scores(model, ids: Sequence[Sequence[int]], pad_id: int):
     """Scores (B,) float32 for a batch of token-id lists, right-padded; keeps the autograd graph."""
     root = getattr(model, "_rlkit_fsdp_root", None)
-    if root is not None:  # FSDP2 (train-rm under torchrun): through the root unit, fn = _forward_scores
+    if root is not None:  # FSDP2 (train-rm under torchrun): through the root unit, fn = forward_scores_local
         return root(ids, pad_id)
-    return _forward_scores(model, ids, pad_id)
+    return forward_scores_local(model, ids, pad_id)
 
 
-def _forward_scores(model, ids: Sequence[Sequence[int]], pad_id: int):
+def forward_scores_local(model, ids: Sequence[Sequence[int]], pad_id: int):
     import torch
 
     L = max(len(x) for x in ids)

@@ -242,9 +242,9 @@ def _base_model(base: Path, kind: str, trust_remote_code: bool):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
-    from rlkit.io.checkpoints import _quiet_transformers
+    from rlkit.io.checkpoints import quiet_transformers
 
-    _quiet_transformers()
+    quiet_transformers()
     if kind == "causal-lm":
         return AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32, trust_remote_code=trust_remote_code,
                                                     use_safetensors=True)
@@ -348,10 +348,10 @@ def adapter_rank(d: Path) -> int:
 
 def write_merged(d: Path, out: Path, trust_remote_code: bool = False) -> Path:
     """LoRA checkpoint `d` merged into its base, written as a plain Hugging Face directory `out`."""
-    from rlkit.io.checkpoints import _quiet_transformers, load_tokenizer
+    from rlkit.io.checkpoints import load_tokenizer, quiet_transformers
 
     model = load(d, "causal-lm", merged=True, trust_remote_code=trust_remote_code)
-    _quiet_transformers()
+    quiet_transformers()
     model.save_pretrained(out, safe_serialization=True)
     load_tokenizer(d, trust_remote_code).save_pretrained(out)
     return out

@@ -150,10 +150,10 @@ class Trainer:
         model = training.prepare_model(model, train, "causal-lm", base=base)
         if dp is not None:
             from rlkit import console
-            from rlkit.ops.logprobs import _completion_logprobs
+            from rlkit.ops.logprobs import completion_logprobs_local
             from rlkit.training import distributed
 
-            model = distributed.shard_model(model, dp, _completion_logprobs)
+            model = distributed.shard_model(model, dp, completion_logprobs_local)
             console.info(f"update: data-parallel over {dp.world} processes ({dp.device.type}, FSDP2)")
         self.model = model
         self.opt = make_optimizer(model, self.cfg.lr, self.cfg.weight_decay)
