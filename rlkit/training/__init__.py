@@ -169,10 +169,6 @@ def is_peft(model) -> bool:
     return hasattr(model, "peft_config")
 
 
-def trainable_parameters(model) -> list:
-    return [p for p in model.parameters() if p.requires_grad]
-
-
 def make_adamw(model, lr: float, weight_decay: float, betas=(0.9, 0.99), eps: float = 1e-8):
     """AdamW over the trainable parameters only (LoRA: the adapter), weight decay off for norms and
     biases. Parameter order is `named_parameters` order, so optimizer state is saved by name."""
