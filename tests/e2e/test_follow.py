@@ -116,7 +116,7 @@ def test_prune_keeps_the_newest(tmp_path):
 def test_lock_refuses_a_second_writer_and_dies_with_its_holder(tmp_path):
     root = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; from rlkit import follow\n"
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from rlkit.io import follow\n"
          f"with follow.writer_lock(Path({str(root)!r})):\n    print('held', flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True)
     try:

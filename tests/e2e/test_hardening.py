@@ -87,13 +87,13 @@ def test_the_lock_is_kernel_held_and_reentrant(tmp_path):
     out = tmp_path / "o"
     with artifacts.claim_out(out, "model"), artifacts.claim_out(out, "model"):  # one process: re-entrant
         assert (tmp_path / ".o.lock").read_text().strip() == str(os.getpid())
-        code = ("import sys\nfrom pathlib import Path\nfrom rlkit import artifacts\nfrom rlkit.errors import RlkitError\n"
+        code = ("import sys\nfrom pathlib import Path\nfrom rlkit.io import artifacts\nfrom rlkit.errors import RlkitError\n"
                 f"try:\n    artifacts._lock(Path({str(out)!r}))\nexcept RlkitError as e:\n    print(e)\n")
         r = subprocess.run([rlkit_cmd()[0], "-c", code], capture_output=True, text=True, timeout=60)
         assert f"(pid {os.getpid()})" in r.stdout
     assert os.listdir(tmp_path) == []  # released and removed
     # a holder killed with SIGKILL leaves the file, never the lock
-    p = subprocess.Popen([rlkit_cmd()[0], "-c", "from pathlib import Path\nfrom rlkit import artifacts\n"
+    p = subprocess.Popen([rlkit_cmd()[0], "-c", "from pathlib import Path\nfrom rlkit.io import artifacts\n"
                           f"artifacts._lock(Path({str(out)!r}))\nimport time\nprint('held', flush=True)\n"
                           "time.sleep(600)"], stdout=subprocess.PIPE)
     assert p.stdout.readline().strip() == b"held"

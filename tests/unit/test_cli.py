@@ -226,7 +226,7 @@ def test_stray_stdout_writes_cannot_corrupt_a_streamed_table(tmp_path):
     (vLLM's engine workers log to stdout) go to stderr and the downstream reader gets a clean table."""
     code = (
         "import os, sys\n"
-        "from rlkit import artifacts\n"
+        "from rlkit.io import artifacts\n"
         "out = artifacts.resolve_out(None)\n"
         "print('noise from the stage')\n"
         "os.system('echo noise from a child process')\n"
