@@ -144,7 +144,18 @@ def _show_usage_error(e) -> None:
     e.show()
 
 
-def _on_sigterm(signum, frame):  # noqa: ARG001
+def _on_sigterm(signum, frame):
+    """SIGTERM ends a stage as Ctrl-C does: an exception that unwinds it, removing any half-written --out.
+    Python swallows an exception raised inside a finalizer (`__del__`: "Exception ignored in ..."), and
+    the stage would run on: there the signal is sent again a moment later, when the finalizer is done."""
+    f = frame
+    while f is not None:
+        if f.f_code.co_name == "__del__":
+            import threading
+
+            threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
+            return
+        f = f.f_back
     raise KeyboardInterrupt("terminated")
 
 

@@ -183,32 +183,6 @@ def test_importance_ess_by_hand():
 
 
 @pytest.mark.slow
-def test_k0_follow_pipe_equals_the_per_round_pipeline(sft_dir, ref_dir, tmp_path):
-    """K=0 is synchronous: same seeds, same weights as `recipes/rlvr.sh`'s one-process-per-stage rounds."""
-    root = tmp_path / "ckpts"
-    r = _pipe(sft_dir, ref_dir, root, lag=0, steps=2)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "weights reloaded" in r.stderr and "the downstream stage ended" in r.stderr
-    policy = sft_dir
-    for i in (1, 2):
-        cmd = " ".join(rlkit_cmd())
-        script = (f"set -euo pipefail\n{cmd} rollout --policy {policy} --num-prompts {P} --n {N} --seed {100 + i} "
-                  f"| {cmd} score-ref --ref {ref_dir} | {cmd} update --policy {policy} --out {tmp_path}/round-{i} "
-                  f"{' '.join(UPDATE)}\n")
-        rr = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=300)
-        assert rr.returncode == 0, rr.stderr[-2000:]
-        policy = tmp_path / f"round-{i}"
-    a, b = _weights(root / "step-000002"), _weights(tmp_path / "round-2")
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
-    moved = max(float((a[k] - _weights(sft_dir)[k]).abs().max()) for k in a)
-    assert moved > 1e-4  # the comparison is not between two untouched copies of the SFT weights
-    rows = [json.loads(line) for line in (tmp_path / "ckpts.metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in rows] == [1, 2] and all(m["lag_max"] == 0 for m in rows)
-
-
-@pytest.mark.slow
 def test_k1_pipe_resumes_without_losing_or_repeating_a_step(sft_dir, ref_dir, tmp_path):
     root = tmp_path / "ckpts"
     r = _pipe(sft_dir, ref_dir, root, lag=1, steps=2, extra_update="--keep 2")
@@ -337,8 +311,7 @@ def test_follow_bad_input_one_line_each(sft_dir, ref_dir, tmp_path):
     finally:
         first.kill()
         first.wait()
-    r = run_cli(*update, "--out", str(root2), "--in", str(scored), "--max-steps", "1")
-    assert r.returncode == 0, r.stderr.decode()[-2000:]  # a SIGKILLed writer leaves no stale lock
+    # (that a SIGKILLed writer leaves no stale lock: test_lock_refuses_a_second_writer_and_dies_with_its_holder)
 
 
 @pytest.mark.slow

