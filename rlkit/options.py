@@ -37,8 +37,10 @@ TrustRemoteCode = Annotated[
 PromptColumn = Annotated[str, typer.Option("--prompt-column", help="Column of the data that holds the prompt.")]
 AnswerColumn = Annotated[str, typer.Option("--answer-column", help="Column of the data that holds the gold answer.")]
 NoVerify = Annotated[bool, typer.Option("--no-verify", help="Load policy and reward-model checkpoints without checking their weights against the sha256 in rlkit.json (a frozen reference is always checked). Checks are cached per file version, so leaving them on costs one read per checkpoint.")]
+# Where the models run (every stage that runs one): see rlkit.devices
+Device = Annotated[str, typer.Option("--device", help="Where the models run: auto (cuda:LOCAL_RANK under torchrun, else cuda when a GPU is visible, else cpu), cpu, cuda or cuda:N.")]
 # Training numerics (sft, train-rm, update): see rlkit.training
-TrainDtype = Annotated[str, typer.Option("--dtype", help="Compute dtype: fp32, bf16 or fp16. bf16/fp16 run the forward and backward under autocast over fp32 master weights and fp32 AdamW state (the saved checkpoint is fp32); fp16 adds a dynamic loss scale. See docs/precision-lora.md.")]
+TrainDtype = Annotated[str, typer.Option("--dtype", help="Compute dtype: auto (bf16 on a GPU with bf16 kernels, fp32 on the CPU), fp32, bf16 or fp16. bf16/fp16 run the forward and backward under autocast over fp32 master weights and fp32 AdamW state (the saved checkpoint is fp32); fp16 adds a dynamic loss scale. See docs/precision-lora.md.")]
 GradCheckpointing = Annotated[bool, typer.Option("--gradient-checkpointing", help="Recompute activations in backward (transformers' non-reentrant gradient checkpointing): less memory, ~30% more compute.")]
 LoraRank = Annotated[int | None, typer.Option("--lora-rank", help="Train a LoRA adapter of this rank (peft) instead of every weight; the checkpoint holds the adapter in PEFT's layout plus the base model's path and hashes.")]
 LoraAlpha = Annotated[float | None, typer.Option("--lora-alpha", help="LoRA scaling alpha (default 2 x --lora-rank).")]

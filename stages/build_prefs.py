@@ -17,7 +17,7 @@ from typing import Annotated
 
 import typer
 
-from rlkit.options import Force, NoVerify, OutTable, PromptColumn, Seed, Task, TrustRemoteCode
+from rlkit.options import Device, Force, NoVerify, OutTable, PromptColumn, Seed, Task, TrustRemoteCode
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ class BuildPrefsConfig:
     chosen_column: str = "chosen"
     rejected_column: str = "rejected"
     seed: int = 0
+    device: str = "auto"  # where the policy samples: auto | cpu | cuda | cuda:N (rlkit.devices)
     trust_remote_code: bool = False
     verify: bool = True  # --no-verify: load without the weights' hash check (never for a reference)
     force: bool = False
@@ -43,8 +44,10 @@ class BuildPrefsConfig:
 
 def run(cfg: BuildPrefsConfig) -> Path | None:
     """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
+    from rlkit import devices
     from rlkit.io import artifacts, checkpoints
 
+    devices.parse(cfg.device)
     with artifacts.claim_out(cfg.out, "table", {"--policy": cfg.policy, "--from": cfg.source, "--task": cfg.task}), \
             checkpoints.verifying(cfg.verify):
         return _run(cfg)
@@ -103,7 +106,8 @@ def _sampled(cfg: BuildPrefsConfig):
     else:
         if cfg.temperature <= 0:
             raise RlkitError("--temperature must be > 0")
-        engine = engines.create("hf", cfg.policy, engines.EngineOptions(trust_remote_code=cfg.trust_remote_code))
+        engine = engines.create("hf", cfg.policy, engines.EngineOptions(trust_remote_code=cfg.trust_remote_code,
+                                                                        device=cfg.device))
         tokenizer = engine.tokenizer
         gen = engine.sample(data.encode_prompts(tokenizer, [e.prompt for e in ex], False), n=cfg.n,
                             temperature=cfg.temperature, top_p=1.0, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
@@ -160,6 +164,7 @@ def command(
     chosen_column: Annotated[str, typer.Option(help="Column of --from holding the preferred response.")] = "chosen",
     rejected_column: Annotated[str, typer.Option(help="Column of --from holding the other response.")] = "rejected",
     seed: Seed = 0,
+    device: Device = "auto",
     out: OutTable = None,
     trust_remote_code: TrustRemoteCode = False,
     no_verify: NoVerify = False,
@@ -169,4 +174,5 @@ def command(
     run(BuildPrefsConfig(out=out, policy=policy, task=task, num_prompts=num_prompts, n=n, temperature=temperature,
                          max_new_tokens=max_new_tokens, eval_fraction=eval_fraction, bias=bias, source=source,
                          prompt_column=prompt_column, chosen_column=chosen_column, rejected_column=rejected_column,
-                         seed=seed, trust_remote_code=trust_remote_code, verify=not no_verify, force=force))
+                         seed=seed, device=device, trust_remote_code=trust_remote_code, verify=not no_verify,
+                         force=force))

@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from rlkit.options import AnswerColumn, NoVerify, PolicyDir, PromptColumn, Seed, Task, TrustRemoteCode
+from rlkit.options import AnswerColumn, Device, NoVerify, PolicyDir, PromptColumn, Seed, Task, TrustRemoteCode
 
 
 @dataclass(frozen=True)
@@ -33,14 +33,17 @@ class EvalConfig:
     tensorboard: Path | None = None
     label: str | None = None
     rm: Path | None = None  # also report the mean reward-model score of the same responses
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (rlkit.devices)
     trust_remote_code: bool = False
     verify: bool = True  # --no-verify: load without the weights' hash check (never for a reference)
 
 
 def run(cfg: EvalConfig) -> dict:
     """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
+    from rlkit import devices
     from rlkit.io import checkpoints
 
+    devices.parse(cfg.device)
     with checkpoints.verifying(cfg.verify):
         return _run(cfg)
 
@@ -49,7 +52,7 @@ def _run(cfg: EvalConfig) -> dict:
     import json
     import sys
 
-    from rlkit import console
+    from rlkit import console, devices
     from rlkit.io import checkpoints, data, metrics_log
     from rlkit.tasks import get_task
     from rlkit.tasks.evaluate import greedy_eval
@@ -60,7 +63,9 @@ def _run(cfg: EvalConfig) -> dict:
     source = None
     if cfg.prompts:
         source = data.load_source(cfg.prompts, "prompts", {"prompt": cfg.prompt_column, "answer": cfg.answer_column})
+    dev = devices.resolve(cfg.device)
     model, tokenizer = checkpoints.load_policy(cfg.policy, "fp32", cfg.trust_remote_code, merged=True)  # LoRA: merged
+    model.to(dev)
     if source is not None:
         source = source.head(cfg.num)
         prompts = data.render_prompts(tokenizer, source, for_sft=False)
@@ -69,13 +74,14 @@ def _run(cfg: EvalConfig) -> dict:
     else:
         held = task.examples("heldout", cfg.num, cfg.seed)
         prompts, answers = [e.prompt for e in held], [e.answer for e in held]
+    devices.announce("eval", dev, "fp32")
     ev = greedy_eval(model, tokenizer, prompts, answers, task.reward, chat=bool(source and source.chat),
                      max_new_tokens=cfg.max_new_tokens, batch_tokens=cfg.batch_tokens)
     responses = ev.pop("responses")
     if cfg.rm is not None:
         from rlkit.tasks.reward_model import load_reward_model, score_texts
 
-        rm, rm_tok = load_reward_model(cfg.rm, cfg.trust_remote_code)
+        rm, rm_tok = load_reward_model(cfg.rm, cfg.trust_remote_code, device=dev)
         scores = score_texts(rm, rm_tok, prompts, responses, cfg.batch_tokens)
         ev["rm_score_mean"] = sum(scores) / len(scores)
     result = {
@@ -127,10 +133,11 @@ def command(
     label: Annotated[str | None, typer.Option(help="A name recorded with the figures (e.g. 'round-3').")] = None,
     rm: Annotated[Path | None, typer.Option("--rm", help="Reward model DIR: also report the mean score it gives the same responses.")] = None,
     seed: Seed = 0,
+    device: Device = "auto",
     trust_remote_code: TrustRemoteCode = False,
     no_verify: NoVerify = False,
 ) -> None:
     """Greedy held-out accuracy, response length and sample responses of a policy."""
     run(EvalConfig(policy=policy, task=task, prompts=prompts, prompt_column=prompt_column, answer_column=answer_column,
                    num=num, max_new_tokens=max_new_tokens, batch_tokens=batch_tokens, seed=seed, as_json=as_json,
-                   metrics=metrics, tensorboard=tensorboard, label=label, rm=rm, trust_remote_code=trust_remote_code, verify=not no_verify))
+                   metrics=metrics, tensorboard=tensorboard, label=label, rm=rm, device=device, trust_remote_code=trust_remote_code, verify=not no_verify))

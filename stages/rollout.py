@@ -9,6 +9,10 @@ task's), and one per `--reward-fn NAME=FILE.py:FUNC` (the user's function, `rlki
 signature is checked before the engine starts). Same seed and inputs give the same table. Sampling goes
 through the `rlkit.engines` protocol: `--engine` names a registered engine (hf, vllm) or auto, and the
 engine's name is recorded in the manifest, where `engines.capabilities(name)` tells what its log-probs are worth.
+`--device` (auto: the GPU when there is one) is where the hf engine runs and what vLLM, which picks its own GPU, is
+checked against; the device is said once on stderr and recorded in the manifest. On a GPU shared with score-ref,
+`--colocate DIR` sizes vLLM's memory share (`rlkit.engines.memory`), and `--follow --max-lag 0` puts vLLM to sleep
+while update trains (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import typer
 
 from rlkit.options import (
     AnswerColumn,
+    Device,
     Force,
     NoVerify,
     OutTable,
@@ -72,28 +77,50 @@ class RolloutConfig:
     trust_remote_code: bool = False
     verify: bool = True  # --no-verify: load without the weights' hash check (never for a reference)
     force: bool = False
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (rlkit.devices); vllm runs on its own GPU, checked against this
+    # models other stages run on the same GPU meanwhile (score-ref's --ref, --rm): vLLM's memory share leaves them room
+    colocate: tuple[Path, ...] = ()
 
 
 def run(cfg: RolloutConfig) -> Path | None:
     """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
     from rlkit.io import artifacts, checkpoints
 
+    _check_device(cfg.device)  # a bad --device is one line before anything is claimed or written
     inputs = {"--policy": cfg.policy, "--prompts": cfg.prompts, "--task": cfg.task, "--reward-fn": cfg.reward_fn,
-              "--follow": cfg.follow}
+              "--follow": cfg.follow, "--colocate": cfg.colocate}
     with artifacts.claim_out(cfg.out, "table", inputs), checkpoints.verifying(cfg.verify):
         return _run(cfg)
+
+
+def _check_device(spec: str) -> None:
+    """--device's spelling, and `cuda` where torch sees no GPU: one line each (exit 2). Initialises no CUDA context
+    (vLLM, started later in this process, could otherwise not fork its engine process)."""
+    from rlkit import devices
+
+    kind, _ = devices.parse(spec)
+    if kind == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            devices.resolve(spec)  # raises: CUDA is not available here
 
 
 def _run(cfg: RolloutConfig) -> Path | None:
     import pyarrow as pa
 
-    from rlkit import console, engines
+    from rlkit import console, devices, engines
+    from rlkit.engines import memory
     from rlkit.errors import RlkitError
     from rlkit.io import artifacts, checkpoints, data, shards
     from rlkit.tasks import get_task, reward_fns, task_inputs
 
     task = get_task(cfg.task)
     fns = reward_fns.load_all(cfg.reward_fn, taken=("verifier",), timeout=cfg.reward_timeout)  # checked now
+    if cfg.colocate and cfg.gpu_memory_utilization:
+        raise RlkitError("--colocate sizes vLLM's --gpu-memory-utilization from the models it names; pass one of them")
+    for d in cfg.colocate:
+        memory.model_bytes(d)  # a model directory with weights: checked now, whatever the engine and device
     engines.check(cfg.engine, _engine_options(cfg))  # a known name; a named engine takes these options
     if cfg.temperature <= 0 or not (0 < cfg.top_p <= 1):
         raise RlkitError("sampling needs --temperature > 0 and 0 < --top-p <= 1 (use `rlkit eval` for greedy)")
@@ -130,6 +157,7 @@ def _run(cfg: RolloutConfig) -> Path | None:
 
     engine = _start_engine(cfg, cfg.policy)
     tokenizer = engine.tokenizer
+    device = _engine_device(engine, cfg)
     chunks = _first_made(_file_chunks(source, tokenizer, span, cfg.chunk_prompts) if source
                          else _task_chunks(task, tokenizer, cfg, span))
     if not scored:
@@ -138,13 +166,14 @@ def _run(cfg: RolloutConfig) -> Path | None:
     fp, step = inputs["policy"], checkpoints.policy_step(cfg.policy)
     manifest = artifacts.make_manifest("rollouts", "rollout", cfg, inputs,
                                        tokenizer=checkpoints.tokenizer_fingerprint(tokenizer), engine=engine.name,
+                                       **devices.manifest_entry(device),
                                        **shards.manifest_entry(cfg.shard, span, total, artifacts.jsonable(cfg), inputs))
     with artifacts.write_table("rollouts", out, manifest, extra) as w, \
             console.progress("rollout", len(span) * cfg.n) as bar:
         # chunks keep their global position and seed whatever the shard, so shards concatenate into the
         # table one job gives
         _sample(cfg, engine, tokenizer, task, w, bar, chunks, cfg.seed, 0, fp, step, scored, fns)
-    engine.close()
+        engine.close()  # before the stream ends: downstream's end of input means the engine's GPU memory is free
     return out
 
 
@@ -155,7 +184,7 @@ def _run_follow(cfg: RolloutConfig, task, out: Path | None, fns=()) -> Path | No
 
     import pyarrow as pa
 
-    from rlkit import console, engines
+    from rlkit import console, devices, engines
     from rlkit.errors import DownstreamClosed, RlkitError
     from rlkit.io import artifacts, checkpoints, data, follow
     from rlkit.tasks import reward_fns, task_inputs
@@ -194,10 +223,17 @@ def _run_follow(cfg: RolloutConfig, task, out: Path | None, fns=()) -> Path | No
     if done:  # an empty, complete stream: downstream sees the run is over without an engine start
         tokenizer = checkpoints.load_tokenizer(start, cfg.trust_remote_code)
         engine = None
+        device = devices.resolve(cfg.device)
     else:
         engine = _start_engine(cfg, start)
         tokenizer = engine.tokenizer
+        device = _engine_device(engine, cfg)
     start_secs = time.monotonic() - t0
+    # --max-lag 0 on one GPU: the engine gives its GPU memory back while update trains on the batch it wrote
+    sleeps = engine is not None and cfg.max_lag == 0 and engines.capabilities(engine.name).supports_sleep
+    if sleeps and device.type != "cuda":
+        console.info(f"rollout: {engine.name}'s sleep mode needs a GPU; the engine stays awake between batches")
+        sleeps = False
     console.info(f"rollout: following {root} from {start} (step {step}); engine up in {start_secs:.1f}s")
     if source is not None:
         t = source.table
@@ -214,9 +250,12 @@ def _run_follow(cfg: RolloutConfig, task, out: Path | None, fns=()) -> Path | No
     # no rows without an engine: the name recorded then is the fallback's, as it has always been
     manifest = artifacts.make_manifest("rollouts", "rollout", cfg, inputs, tokenizer=base_tok,
                                        engine=engine.name if engine is not None else engines.FALLBACK,
+                                       **devices.manifest_entry(device),
                                        follow={"dir": str(root), "start_step": step, "base_step": base_step})
     fp = artifacts.fingerprint(start)
     reloads: list[float] = []
+    wakes: list[float] = []
+    asleep = False
     try:
         with artifacts.write_table("rollouts", out, manifest, extra) as w:
             while cfg.max_steps is None or b < cfg.max_steps:
@@ -226,6 +265,11 @@ def _run_follow(cfg: RolloutConfig, task, out: Path | None, fns=()) -> Path | No
                     s = follow.wait_for(root, need, stop=artifacts.downstream_closed)
                     if s is None:
                         raise DownstreamClosed("rollout")
+                if asleep:
+                    t1 = time.monotonic()
+                    engine.wake_up()
+                    asleep = False
+                    wakes.append(time.monotonic() - t1)
                 if s is not None and s.step > step:
                     s, secs = _switch(engine, s, root, base_tok, cfg.policy)
                     step, fp = s.step, artifacts.fingerprint(s.path)
@@ -245,6 +289,11 @@ def _run_follow(cfg: RolloutConfig, task, out: Path | None, fns=()) -> Path | No
                     chunks = _list_chunks(range(P), cfg.chunk_prompts, ids, answers, texts, prompt_ids)
                     _sample(cfg, engine, tokenizer, task, w, bar, chunks, seed, b * P, fp, step, scored, fns)
                 b += 1
+                if sleeps and (cfg.max_steps is None or b < cfg.max_steps):
+                    asleep = engine.sleep()  # the batch is written: its GPU memory is update's until the next step
+                    if asleep and not wakes:
+                        console.info("rollout: --max-lag 0: the engine sleeps between batches (its GPU memory is free "
+                                     "while update trains)")
             console.info(f"rollout: --max-steps {cfg.max_steps} reached; the stream ends")
     except (BrokenPipeError, DownstreamClosed):
         artifacts.drop_stdout_sink()
@@ -254,6 +303,10 @@ def _run_follow(cfg: RolloutConfig, task, out: Path | None, fns=()) -> Path | No
             reloads.sort()
             console.info(f"rollout: {len(reloads)} weight reloads, median {reloads[len(reloads) // 2]:.3f}s, max "
                          f"{reloads[-1]:.3f}s; one engine start ({start_secs:.1f}s)")
+        if wakes:
+            wakes.sort()
+            console.info(f"rollout: {len(wakes)} wake-ups from sleep mode, median {wakes[len(wakes) // 2]:.3f}s, max "
+                         f"{wakes[-1]:.3f}s")
         if engine is not None:
             engine.close()
     return out
@@ -296,17 +349,29 @@ def _engine_options(cfg: RolloutConfig):
 
     return engines.EngineOptions(seed=cfg.seed, trust_remote_code=cfg.trust_remote_code, batch_tokens=cfg.batch_tokens,
                                  tp=cfg.tp, gpu_memory_utilization=cfg.gpu_memory_utilization, dtype=cfg.dtype,
-                                 max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager, lora=cfg.vllm_lora)
+                                 max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager, lora=cfg.vllm_lora,
+                                 device=cfg.device, colocate=tuple(cfg.colocate),
+                                 sleep=cfg.follow is not None and cfg.max_lag == 0)
 
 
 def _start_engine(cfg: RolloutConfig, policy: Path) -> Engine:
-    """The engine --engine names (auto: resolved, and why said on stderr), started on checkpoint `policy`;
-    its `tokenizer` is the checkpoint's."""
-    from rlkit import console, engines
+    """The engine --engine names (auto: resolved, and why said on stderr), started on checkpoint `policy`, its
+    device said on stderr; its `tokenizer` is the checkpoint's."""
+    from rlkit import console, devices, engines
 
     chosen, why = engines.choose(cfg.engine)
     console.info(f"rollout: engine {chosen} ({why})")
-    return engines.create(chosen, policy, _engine_options(cfg))
+    engine = engines.create(chosen, policy, _engine_options(cfg))
+    devices.announce("rollout", _engine_device(engine, cfg), getattr(engine, "dtype", None))
+    return engine
+
+
+def _engine_device(engine: Engine, cfg: RolloutConfig):
+    """The torch.device the engine runs on (an engine that does not say: --device resolved)."""
+    from rlkit import devices
+
+    dev = getattr(engine, "device", None)
+    return dev if dev is not None else devices.resolve(cfg.device)
 
 
 @dataclass(frozen=True)
@@ -428,7 +493,8 @@ def command(
     engine: Annotated[str, typer.Option(help="Rollout engine: hf, vllm, or auto (vLLM when it imports and a GPU is present, else hf).")] = "auto",
     batch_tokens: Annotated[int, typer.Option(min=16, help="Token budget per generation batch (hf engine).")] = 16384,
     tp: Annotated[int, typer.Option("--tp", min=1, help="vLLM tensor-parallel size (GPUs per engine).")] = 1,
-    gpu_memory_utilization: Annotated[float | None, typer.Option(min=0.01, max=1.0, help="vLLM memory fraction (default 0.9 on a GPU, 0.3 on vLLM's CPU backend).")] = None,
+    gpu_memory_utilization: Annotated[float | None, typer.Option(min=0.01, max=1.0, help="vLLM memory fraction (on a GPU default: what --colocate's models leave, capped at 0.9, or 0.5 without --colocate; 0.3 on vLLM's CPU backend). See docs/gpu.md.")] = None,
+    colocate: Annotated[list[Path] | None, typer.Option("--colocate", help="A model another stage of the pipe runs on this GPU at the same time, e.g. score-ref's --ref and --rm (repeatable): rollout's vLLM leaves room for it (its weights x 1.25, plus 2 GiB for CUDA contexts) when it sizes --gpu-memory-utilization. See docs/gpu.md.")] = None,
     dtype: Annotated[str, typer.Option(help="vLLM weights/compute dtype: auto (the checkpoint's), float32, bfloat16, float16.")] = "auto",
     max_model_len: Annotated[int | None, typer.Option(min=16, help="vLLM context length (default: the model's).")] = None,
     enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="vLLM: no CUDA graphs (faster start-up).")] = False,
@@ -441,6 +507,7 @@ def command(
     reward_fn: RewardFn = None,
     reward_timeout: RewardTimeout = 60.0,
     seed: Seed = 0,
+    device: Device = "auto",
     out: OutTable = None,
     trust_remote_code: TrustRemoteCode = False,
     no_verify: NoVerify = False,
@@ -455,4 +522,5 @@ def command(
                       follow=follow,
                       batch_prompts=batch_prompts, max_lag=max_lag, max_steps=max_steps,
                       reward_fn=tuple(reward_fn or ()), reward_timeout=reward_timeout,
-                      trust_remote_code=trust_remote_code, verify=not no_verify, force=force))
+                      trust_remote_code=trust_remote_code, verify=not no_verify, force=force, device=device,
+                      colocate=tuple(colocate or ())))

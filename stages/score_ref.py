@@ -24,7 +24,7 @@ from typing import Annotated
 
 import typer
 
-from rlkit.options import Force, InTable, NoVerify, OutTable, RewardFn, RewardTimeout, TrustRemoteCode
+from rlkit.options import Device, Force, InTable, NoVerify, OutTable, RewardFn, RewardTimeout, TrustRemoteCode
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class ScoreRefConfig:
     reward_timeout: float = 60.0  # seconds one --reward-fn call may run (0: no limit)
     inp: str | None = None
     out: Path | None = None
-    device: str = "cpu"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (rlkit.devices): the reference's and the reward models'
     dtype: str = "auto"  # compute dtype: auto (fp32 on CPU, stored on GPU), stored, fp32
     batch_tokens: int = 16384
     shard: str | None = None  # "i/N" of an input file, cut between groups; see rlkit.io.shards
@@ -55,18 +55,19 @@ def score_tokens(model, prompts: list[list[int]], comps: list[list[int]], pad_id
     """Per-token log-probs of each completion given its prompt, in input order (length-bucketed)."""
     import torch
 
+    from rlkit import devices
     from rlkit.io.data import token_batches
     from rlkit.ops.logprobs import completion_logprobs, pack_sequences
 
     out: list[list[float] | None] = [None] * len(prompts)
-    device = next(model.parameters()).device
+    device = devices.model_device(model)
     lengths = [len(p) + len(c) for p, c in zip(prompts, comps, strict=True)]
     for idx in token_batches(lengths, batch_tokens):
-        ids, attn, targets, cmask, start = pack_sequences([prompts[i] for i in idx], [comps[i] for i in idx], pad_id)
+        ids, attn, targets, _, start = pack_sequences([prompts[i] for i in idx], [comps[i] for i in idx], pad_id)
         with torch.no_grad():
-            lp, _ = completion_logprobs(model, ids.to(device), attn.to(device), targets.to(device), start.to(device),
+            lp, _ = completion_logprobs(model, *devices.to_device((ids, attn, targets, start), device),
                                         temperature=temperature)
-        lp = lp.cpu()
+        lp = lp.cpu()  # one copy to the host per forward batch
         for r, i in enumerate(idx):
             out[i] = lp[r, : len(comps[i])].tolist()
     return out  # type: ignore[return-value]
@@ -84,10 +85,15 @@ def _score_prefs(cfg, reader, model, tokenizer, out, inputs) -> Path | None:
     if model is None or cfg.rm or cfg.reward_fn:
         raise RlkitError("a prefs table is scored by the reference only (for DPO): pass --ref REF and no --rm or "
                          "--reward-fn")
-    manifest = artifacts.make_manifest("prefs", "score-ref", cfg, inputs)
+    from rlkit import devices
+
+    manifest = artifacts.make_manifest("prefs", "score-ref", cfg, inputs,
+                                       **devices.manifest_entry(devices.model_device(model)))
     rows = 0
     with artifacts.write_table("prefs", out, manifest) as w:
         for batch in reader:
+            if rows == 0:
+                devices.announce("score-ref", devices.model_device(model), None)
             cols = {name: batch.column(name) for name in batch.schema.names}
             prompts = batch.column("prompt").to_pylist()
             for side in ("chosen", "rejected"):
@@ -122,8 +128,10 @@ def parse_rms(specs: tuple[str, ...]) -> dict[str, Path]:
 
 def run(cfg: ScoreRefConfig) -> Path | None:
     """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
+    from rlkit import devices
     from rlkit.io import artifacts, checkpoints
 
+    devices.parse(cfg.device)
     inputs = {"--ref": cfg.ref, "--rm": [r.partition("=")[2] or r for r in cfg.rm], "--in": cfg.inp,
               "--reward-fn": cfg.reward_fn}
     with artifacts.claim_out(cfg.out, "table", inputs), checkpoints.verifying(cfg.verify):
@@ -133,7 +141,7 @@ def run(cfg: ScoreRefConfig) -> Path | None:
 def _run(cfg: ScoreRefConfig) -> Path | None:
     import pyarrow as pa
 
-    from rlkit import console
+    from rlkit import console, devices
     from rlkit.errors import DownstreamClosed, RlkitError
     from rlkit.io import artifacts, checkpoints, shards
     from rlkit.tasks import reward_fns
@@ -152,6 +160,7 @@ def _run(cfg: ScoreRefConfig) -> Path | None:
         raise RlkitError(f"--dtype {cfg.dtype!r} is not one of auto, stored, fp32")
     out = artifacts.resolve_out(cfg.out)
     artifacts.check_out(out, "table")
+    dev = devices.resolve(cfg.device) if cfg.ref is not None or rms else None  # reward functions run on the host
     if cfg.ref is not None:
         checkpoints.verify_reference(cfg.ref)
     for d in rms.values():
@@ -160,11 +169,11 @@ def _run(cfg: ScoreRefConfig) -> Path | None:
     pending = artifacts.open_table(cfg.inp, ["rollouts", "scored", "prefs"])
     model = tokenizer = None
     if cfg.ref is not None:
-        compute = cfg.dtype if cfg.dtype != "auto" else ("fp32" if cfg.device == "cpu" else "stored")
-        model, tokenizer, _ = checkpoints.load_reference(cfg.ref, cfg.device, cfg.trust_remote_code, compute)
+        compute = cfg.dtype if cfg.dtype != "auto" else ("fp32" if dev.type == "cpu" else "stored")
+        model, tokenizer, _ = checkpoints.load_reference(cfg.ref, dev, cfg.trust_remote_code, compute)
     from rlkit.tasks.reward_model import load_reward_model
 
-    scorers = {name: load_reward_model(d, cfg.trust_remote_code) for name, d in rms.items()}
+    scorers = {name: load_reward_model(d, cfg.trust_remote_code, device=dev) for name, d in rms.items()}
     reader = pending.result()
     inputs = {"in": reader.fingerprint, **({"ref": artifacts.fingerprint(cfg.ref)} if cfg.ref else {}),
               **{name: artifacts.fingerprint(d) for name, d in rms.items()}, **reward_fns.fingerprints(fns)}
@@ -204,7 +213,8 @@ def _run(cfg: ScoreRefConfig) -> Path | None:
                                        rollout=upstream.get("rollout") or upstream.get("config"), temperature=temperature,
                                        engine=upstream.get("engine"), reward_models={n: str(d) for n, d in rms.items()},
                                        reward_fns={f.name: f.label for f in fns},
-                                       reference=str(cfg.ref) if cfg.ref else upstream.get("reference"), **shard)
+                                       reference=str(cfg.ref) if cfg.ref else upstream.get("reference"), **shard,
+                                       **(devices.manifest_entry(dev) if dev is not None else {}))
     lp_type = artifacts.kind("scored").schema().field("ref_logprobs").type
     following = bool((upstream.get("rollout") or upstream.get("config") or {}).get("follow"))
     if following and not cfg.shard:
@@ -214,7 +224,8 @@ def _run(cfg: ScoreRefConfig) -> Path | None:
     try:
         rows = _score_stream(cfg, batches, w_args=(out_kind, out, manifest, extra), model=model, tokenizer=tokenizer,
                              temperature=temperature, scorers=scorers, lp_type=lp_type, reader=reader,
-                             empty_ok=bool(shard) or following, fns=fns)
+                             empty_ok=bool(shard) or following, fns=fns,
+                             started=(lambda: devices.announce("score-ref", dev, None)) if dev is not None else None)
     except BrokenPipeError:
         if not following:
             raise
@@ -227,9 +238,10 @@ def _run(cfg: ScoreRefConfig) -> Path | None:
 
 
 def _score_stream(cfg: ScoreRefConfig, batches, w_args, model, tokenizer, temperature, scorers, lp_type, reader,
-                  empty_ok: bool, fns=()) -> int:
+                  empty_ok: bool, fns=(), started=None) -> int:
     """Score `batches` one by one, writing each as soon as it is scored; -> rows written. An empty input
-    is an error unless `empty_ok` (a shard may be empty; a follow run that was already finished is)."""
+    is an error unless `empty_ok` (a shard may be empty; a follow run that was already finished is).
+    `started()` is called once, when the first batch arrives (the stage's device line)."""
     import pyarrow as pa
 
     from rlkit.errors import RlkitError
@@ -239,6 +251,9 @@ def _score_stream(cfg: ScoreRefConfig, batches, w_args, model, tokenizer, temper
 
     with artifacts.write_table(*w_args) as w:
         for batch in batches:
+            if started is not None:
+                started()
+                started = None
             cols = {name: batch.column(name) for name in batch.schema.names}
             if model is not None:
                 ref_lp = score_batch(model, batch, tokenizer.pad_token_id, temperature, cfg.batch_tokens)
@@ -264,7 +279,7 @@ def command(
     reward_timeout: RewardTimeout = 60.0,
     inp: InTable = None,
     out: OutTable = None,
-    device: Annotated[str, typer.Option(help="Device for the reference: cpu, cuda, cuda:1, ...")] = "cpu",
+    device: Device = "auto",
     dtype: Annotated[str, typer.Option(help="Compute dtype: auto (fp32 on CPU, the frozen dtype on GPU), stored or fp32.")] = "auto",
     batch_tokens: Annotated[int, typer.Option(min=16, help="Token budget per forward batch.")] = 16384,
     shard: Annotated[str | None, typer.Option(help="I/N: score only this job's share of --in FILE, cut between groups; `rlkit cat` joins the N outputs.")] = None,

@@ -19,6 +19,7 @@ from typing import Annotated
 import typer
 
 from rlkit.options import (
+    Device,
     Force,
     GradCheckpointing,
     LoraAlpha,
@@ -58,6 +59,7 @@ class SftConfig:
     seed: int = 0
     tiny: TinyConfig = field(default_factory=TinyConfig)
     train: TrainOptions = field(default_factory=TrainOptions)  # --dtype, --gradient-checkpointing, --lora-*
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (rlkit.devices)
     trust_remote_code: bool = False
     verify: bool = True  # --no-verify: load without the weights' hash check (never for a reference)
     metrics: Path | None = None
@@ -78,8 +80,10 @@ def _lr_lambda(total: int, warmup: int, min_ratio: float):
 
 def run(cfg: SftConfig) -> Path:
     """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
+    from rlkit import devices
     from rlkit.io import artifacts, checkpoints
 
+    devices.parse(cfg.device)
     model = cfg.model if cfg.model != "tiny" else None
     with artifacts.claim_out(cfg.out, "model", {"--model": model, "--data": cfg.data, "--task": cfg.task}), \
             checkpoints.verifying(cfg.verify):
@@ -111,6 +115,11 @@ def _run(cfg: SftConfig) -> Path:
     from rlkit.training import distributed
 
     cfg.train.check(distributed=distributed.launched())
+    from rlkit import devices
+
+    dev = devices.resolve(cfg.device)
+    cfg = replace(cfg, train=cfg.train.on(dev))  # --dtype auto made concrete: what is trained and recorded
+    train = cfg.train
     inputs = task_inputs(task) if task else {}
     if cfg.model != checkpoints.TINY and Path(cfg.model).exists():
         checkpoints.check_model_dir(Path(cfg.model), "base model")
@@ -122,7 +131,7 @@ def _run(cfg: SftConfig) -> Path:
     if artifacts.skip_if_current(cfg.out, "sft", cfg, inputs):
         return cfg.out
 
-    dp = distributed.init()  # None unless started by torchrun
+    dp = distributed.init(cfg.device)  # None unless started by torchrun
     torch.manual_seed(cfg.seed)
     if cfg.model == checkpoints.TINY:
         tokenizer = tiny.build_tokenizer()
@@ -131,8 +140,8 @@ def _run(cfg: SftConfig) -> Path:
     else:  # fp32 master weights whatever --dtype (rlkit.training)
         model, tokenizer = checkpoints.load_policy(cfg.model, "fp32", cfg.trust_remote_code)
         base = Path(cfg.model) if Path(cfg.model).is_dir() else None
-    model = training.prepare_model(model, cfg.train, "causal-lm", base=base)
-    prec = training.Precision(cfg.train.dtype, dp.device.type if dp is not None else "cpu")
+    model = training.prepare_model(model, train, "causal-lm", base=base)
+    prec = training.Precision(train.dtype, dev.type)
 
     if source is not None:
         prompts = data.render_prompts(tokenizer, source, for_sft=True)
@@ -150,6 +159,7 @@ def _run(cfg: SftConfig) -> Path:
     if truncated:
         console.warn(f"{truncated} examples longer than --max-len {cfg.max_len} were truncated")
 
+    devices.announce("sft", dev, train.dtype)  # once the data is known good: work starts
     rng = random.Random(cfg.seed)
     lengths = [len(s) for s in ids]
     epochs = [data.token_batches(lengths, cfg.batch_tokens, rng) for _ in range(cfg.epochs)]
@@ -157,6 +167,9 @@ def _run(cfg: SftConfig) -> Path:
     if dp is not None:
         model = distributed.shard_model(model, dp)
         console.info(f"sft: data-parallel over {dp.world} processes ({dp.device.type}, FSDP2)")
+    else:
+        model.to(dev)
+    devices.reset_peak_memory(dev)
     opt = training.make_adamw(model, cfg.lr, cfg.weight_decay, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total, max(1, int(cfg.warmup * total)), cfg.min_lr_ratio))
     model.train()
@@ -169,18 +182,24 @@ def _run(cfg: SftConfig) -> Path:
                     batch, share = distributed.split_rows(batch, dp, lambda rows: sum(len(ids[i]) - plens[i] for i in rows))
                 input_ids, mask, labels = data.collate_sft([ids[i] for i in batch], [plens[i] for i in batch],
                                                            tokenizer.pad_token_id)
+                n_tokens = int(mask.sum())  # on the host, before the batch moves
+                input_ids, mask, labels = devices.to_device((input_ids, mask, labels), dev)
+                opt.zero_grad(set_to_none=True)
                 with prec.autocast():
                     loss = model(input_ids=input_ids, attention_mask=mask, labels=labels, use_cache=False).loss.float() * share
-                value = loss.item() if dp is None else distributed.all_sum([loss.item() / dp.world], dp)[0]
+                prec.backward(loss)
+                groups = [(model.parameters(), opt, cfg.grad_clip)]
+                norms = prec.clip(groups)
+                value, norm = devices.host([loss, *norms])  # the step's one host sync
+                if dp is not None:
+                    value = distributed.all_sum([value / dp.world], dp)[0]
                 if not math.isfinite(value):
                     # the failure path only: were the starting weights finite? (later, a diverged step may have made them not)
                     from rlkit.errors import non_finite_cause
 
                     why = non_finite_cause({"the starting weights": model}) if sched.last_epoch == 0 else None
                     raise RlkitError(f"non-finite SFT loss at step {sched.last_epoch}; " + (why or f"lower --lr (now {cfg.lr})"))
-                opt.zero_grad(set_to_none=True)
-                prec.backward(loss)
-                _, stepped = prec.step([(model.parameters(), opt, cfg.grad_clip)])
+                stepped = prec.apply(groups, math.isfinite(norm))
                 if not stepped and prec.scaler is None:
                     # the failure path only: were the starting weights finite? (later, a diverged step may have made them not)
                     from rlkit.errors import non_finite_cause
@@ -188,7 +207,7 @@ def _run(cfg: SftConfig) -> Path:
                     why = non_finite_cause({"the starting weights": model}) if sched.last_epoch == 0 else None
                     raise RlkitError(f"non-finite gradient at SFT step {sched.last_epoch}; " + (why or f"lower --lr (now {cfg.lr})"))
                 sched.step()
-                tokens += int(mask.sum()) if share else 0
+                tokens += n_tokens if share else 0
                 ema = value if ema is None else 0.95 * ema + 0.05 * value
                 bar.advance(1, loss=ema, **{"tok/s": int(tokens / (time.monotonic() - t0))})
     train_s = time.monotonic() - t0
@@ -198,6 +217,7 @@ def _run(cfg: SftConfig) -> Path:
                "train_seconds": round(train_s, 2), "tokens_per_s": round(tokens / train_s, 1)}
     if prec.scaler is not None:
         metrics.update(loss_scale=prec.scaler.get_scale(), skipped_steps=prec.skipped)
+    metrics.update(devices.peak_memory(dev))
     if task is not None:
         held = task.examples("heldout", cfg.eval_num, cfg.seed)
         ev = greedy_eval(model, tokenizer, [e.prompt for e in held], [e.answer for e in held], task.reward,
@@ -208,7 +228,7 @@ def _run(cfg: SftConfig) -> Path:
     full = distributed.full_model_state(model) if dp is not None else None  # gathered: a collective
     if distributed.stand_down(dp, metrics):
         return cfg.out
-    manifest = artifacts.make_manifest("model", "sft", cfg, inputs, step=0, metrics=metrics)
+    manifest = artifacts.make_manifest("model", "sft", cfg, inputs, step=0, metrics=metrics, **devices.manifest_entry(dev))
     with artifacts.atomic_dir(cfg.out) as tmp:
         checkpoints.save_model(model, tokenizer, tmp, manifest, state_dict=full)
     if cfg.metrics is not None:
@@ -241,7 +261,8 @@ def command(
     eval_num: Annotated[int, typer.Option(min=1, help="Held-out prompts for the final greedy evaluation.")] = SftConfig.eval_num,
     layers: Annotated[int, typer.Option(help="tiny model: transformer layers.")] = TinyConfig.layers,
     hidden: Annotated[int, typer.Option(help="tiny model: hidden width.")] = TinyConfig.hidden,
-    dtype: TrainDtype = "fp32",
+    device: Device = "auto",
+    dtype: TrainDtype = "auto",
     gradient_checkpointing: GradCheckpointing = False,
     lora_rank: LoraRank = None,
     lora_alpha: LoraAlpha = None,
@@ -258,7 +279,7 @@ def command(
         out=out, model=model, task=task, data=data, prompt_column=prompt_column, completion_column=completion_column,
         num_examples=num_examples, epochs=epochs, lr=lr, warmup=warmup, weight_decay=weight_decay,
         batch_tokens=batch_tokens, max_len=max_len, eval_num=eval_num, seed=seed,
-        train=train_options(dtype, gradient_checkpointing, lora_rank, lora_alpha, lora_dropout, lora_targets),
+        train=train_options(dtype, gradient_checkpointing, lora_rank, lora_alpha, lora_dropout, lora_targets), device=device,
         tiny=TinyConfig(layers=layers, hidden=hidden, heads=max(1, hidden // 32), intermediate=4 * hidden),
         trust_remote_code=trust_remote_code, verify=not no_verify, metrics=metrics, force=force,
     ))

@@ -12,13 +12,14 @@ trains data-parallel (FSDP2, `rlkit.training.distributed`); rank 0 writes the ga
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from rlkit.options import (
+    Device,
     Force,
     GradCheckpointing,
     LoraAlpha,
@@ -49,6 +50,7 @@ class TrainRmConfig:
     max_length: int = 256
     seed: int = 0
     train: TrainOptions = field(default_factory=TrainOptions)  # --dtype, --gradient-checkpointing, --lora-*
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (rlkit.devices)
     trust_remote_code: bool = False
     verify: bool = True  # --no-verify: load without the weights' hash check (never for a reference)
     force: bool = False
@@ -56,6 +58,9 @@ class TrainRmConfig:
 
 def run(cfg: TrainRmConfig) -> Path:
     """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
+    from rlkit import devices
+
+    devices.parse(cfg.device)
     from rlkit.io import artifacts, checkpoints
 
     with artifacts.claim_out(cfg.out, "model", {"--base": cfg.base, "--prefs": cfg.prefs}), \
@@ -80,6 +85,11 @@ def _run(cfg: TrainRmConfig) -> Path:
     from rlkit.training import distributed
 
     cfg.train.check(distributed=distributed.launched())
+    from rlkit import devices
+
+    dev = devices.resolve(cfg.device)
+    cfg = replace(cfg, train=cfg.train.on(dev))  # --dtype auto made concrete: what is trained and recorded
+    train_opts = cfg.train
     src = data.load_source(cfg.prefs, "prefs", {})
     inputs = {"base": artifacts.fingerprint(cfg.base), "prefs": src.fingerprint}
     if artifacts.skip_if_current(cfg.out, "train-rm", cfg, inputs):
@@ -98,17 +108,21 @@ def _run(cfg: TrainRmConfig) -> Path:
     from rlkit.ops.preference import bradley_terry_loss, pair_accuracy
     from rlkit.tasks.reward_model import encode_pairs, forward_scores, forward_scores_local, score_texts
 
-    dp = distributed.init()  # None unless started by torchrun
+    dp = distributed.init(cfg.device)  # None unless started by torchrun
     torch.manual_seed(cfg.seed)
     model, tok = _load_base(cfg)
-    model = training.prepare_model(model, cfg.train, "seq-cls", base=cfg.base)
-    prec = training.Precision(cfg.train.dtype, dp.device.type if dp is not None else "cpu")
+    model = training.prepare_model(model, train_opts, "seq-cls", base=cfg.base)
+    prec = training.Precision(train_opts.dtype, dev.type)
     if dp is not None:
         model = distributed.shard_model(model, dp, forward_scores_local)
         console.info(f"train-rm: data-parallel over {dp.world} processes ({dp.device.type}, FSDP2)")
+    else:
+        model.to(dev)
+    devices.reset_peak_memory(dev)
     chosen = encode_pairs(tok, t["prompt"], t["chosen"], cfg.max_length)
     rejected = encode_pairs(tok, t["prompt"], t["rejected"], cfg.max_length)
     opt = training.make_adamw(model, cfg.lr, 0.01, betas=(0.9, 0.99))
+    devices.announce("train-rm", dev, train_opts.dtype)  # once the data is known good: work starts
     steps = cfg.epochs * -(-len(train) // cfg.batch_size)
     rng = random.Random(cfg.seed)
     losses, step = [], 0
@@ -120,11 +134,19 @@ def _run(cfg: TrainRmConfig) -> Path:
                 share = 1.0
                 if dp is not None:  # this rank's pairs; the loss is a mean over pairs
                     idx, share = distributed.split_rows(idx, dp, len)
+                opt.zero_grad(set_to_none=True)
+                for g in opt.param_groups:  # linear decay to 10%
+                    g["lr"] = cfg.lr * (1 - 0.9 * step / max(1, steps))
                 with prec.autocast():
                     scores = forward_scores(model, [chosen[i] for i in idx] + [rejected[i] for i in idx],
                                             tok.pad_token_id)
                 loss = bradley_terry_loss(scores[: len(idx)], scores[len(idx):], cfg.margin).mean() * share
-                value = loss.item() if dp is None else distributed.all_sum([loss.item() / dp.world], dp)[0]
+                prec.backward(loss)
+                groups = [(model.parameters(), opt, 1.0)]
+                norms = prec.clip(groups)
+                value, norm = devices.host([loss, *norms])  # the step's one host sync
+                if dp is not None:
+                    value = distributed.all_sum([value / dp.world], dp)[0]
                 if not math.isfinite(value):
                     # the failure path only: were the starting weights finite? (later, a diverged step may have made them not)
                     from rlkit.errors import non_finite_cause
@@ -132,11 +154,7 @@ def _run(cfg: TrainRmConfig) -> Path:
                     why = non_finite_cause({"the starting weights": model}) if step == 0 else None
                     raise RlkitError(f"non-finite loss at step {step}; nothing was written"
                                      + (f": {why}" if why else f" (lower --lr, now {cfg.lr})"))
-                opt.zero_grad(set_to_none=True)
-                for g in opt.param_groups:  # linear decay to 10%
-                    g["lr"] = cfg.lr * (1 - 0.9 * step / max(1, steps))
-                prec.backward(loss)
-                _, stepped = prec.step([(model.parameters(), opt, 1.0)])
+                stepped = prec.apply(groups, math.isfinite(norm))
                 if not stepped and prec.scaler is None:
                     # the failure path only: were the starting weights finite? (later, a diverged step may have made them not)
                     from rlkit.errors import non_finite_cause
@@ -156,6 +174,7 @@ def _run(cfg: TrainRmConfig) -> Path:
         "heldout_pair_accuracy": pair_accuracy(torch.tensor(sc), torch.tensor(sr)),
         "heldout_mean_margin": sum(c - r for c, r in zip(sc, sr, strict=True)) / len(held),
         "final_loss": sum(losses[-10:]) / len(losses[-10:]),
+        **devices.peak_memory(dev),
     }
     if "negative" in t:  # build-prefs says how each pair was made: one overall figure can hide a kind at chance
         kinds: dict[str, list[bool]] = {}
@@ -168,7 +187,8 @@ def _run(cfg: TrainRmConfig) -> Path:
     full = distributed.full_model_state(model) if dp is not None else None  # gathered: a collective
     if distributed.stand_down(dp, metrics):
         return cfg.out
-    manifest = artifacts.make_manifest("reward-model", "train-rm", cfg, inputs, metrics=metrics, sanity=sanity)
+    manifest = artifacts.make_manifest("reward-model", "train-rm", cfg, inputs, metrics=metrics, sanity=sanity,
+                                       **devices.manifest_entry(dev))
     with artifacts.atomic_dir(cfg.out) as tmp:
         checkpoints.save_model(model, tok, tmp, manifest, state_dict=full)
     _show(metrics, sanity)
@@ -282,7 +302,8 @@ def command(
     margin: Annotated[float, typer.Option(help="Bradley-Terry margin: -log sigmoid(s_c - s_r - margin).")] = 0.0,
     max_length: Annotated[int, typer.Option(min=8, help="Longest prompt + response in tokens (keeps the end).")] = 256,
     seed: Seed = 0,
-    dtype: TrainDtype = "fp32",
+    device: Device = "auto",
+    dtype: TrainDtype = "auto",
     gradient_checkpointing: GradCheckpointing = False,
     lora_rank: LoraRank = None,
     lora_alpha: LoraAlpha = None,
@@ -296,4 +317,4 @@ def command(
     run(TrainRmConfig(base=base, prefs=prefs, out=out, epochs=epochs, lr=lr, batch_size=batch_size, margin=margin,
                       max_length=max_length, seed=seed,
                       train=train_options(dtype, gradient_checkpointing, lora_rank, lora_alpha, lora_dropout, lora_targets),
-                      trust_remote_code=trust_remote_code, verify=not no_verify, force=force))
+                      device=device, trust_remote_code=trust_remote_code, verify=not no_verify, force=force))

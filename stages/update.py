@@ -29,6 +29,7 @@ import typer
 from rlkit import algorithms
 from rlkit.algorithms.config import DEFAULT_DUAL_CLIP, RLConfig
 from rlkit.options import (
+    Device,
     Force,
     GradCheckpointing,
     InTable,
@@ -59,6 +60,7 @@ class UpdateConfig:
     inp: str | None = None
     rl: RLConfig = field(default_factory=RLConfig)
     train: TrainOptions = field(default_factory=TrainOptions)  # --dtype, --gradient-checkpointing, --lora-*
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (rlkit.devices)
     reward: tuple[str, ...] = ()  # NAME=WEIGHT; empty: every component with weight 1
     length_penalty: float = 0.0  # reward -= length_penalty * completion tokens
     metrics: Path | None = None
@@ -114,8 +116,10 @@ def resolve(cfg: UpdateConfig) -> UpdateConfig:
 def run(cfg: UpdateConfig) -> Path:
     """Resolves the algorithm's defaults, claims --out (see `artifacts.claim_out`: never over an input,
     one writer) and runs the stage."""
+    from rlkit import devices
     from rlkit.io import artifacts, checkpoints
 
+    devices.parse(cfg.device)
     cfg = resolve(cfg)
     inputs = {"--policy": cfg.policy, "--in": cfg.inp, "--ref": cfg.ref}
     if cfg.follow:  # --out is a directory of steps with its own writer lock (rlkit.io.follow)
@@ -127,7 +131,7 @@ def run(cfg: UpdateConfig) -> Path:
 
 
 def _run(cfg: UpdateConfig) -> Path:
-    from rlkit import console
+    from rlkit import console, devices
     from rlkit.io import artifacts, checkpoints, metrics_log
     from rlkit.training import lora
     from rlkit.training.trainer import Trainer
@@ -143,6 +147,8 @@ def _run(cfg: UpdateConfig) -> Path:
     # all stages then start up at once, and upstream streams into memory instead of a full pipe.
     cfg.rl.check()
     cfg.train.check(distributed=distributed_launch())
+    dev = devices.resolve(cfg.device)
+    cfg = replace(cfg, train=cfg.train.on(dev))  # --dtype auto made concrete: what is trained and recorded
     metrics_log.check_tensorboard(cfg.tensorboard)
     if cfg.ref is not None:
         checkpoints.verify_reference(cfg.ref)
@@ -154,26 +160,35 @@ def _run(cfg: UpdateConfig) -> Path:
     if distributed_launch():
         from rlkit.training import distributed
 
-        dp = distributed.init()
+        dp = distributed.init(cfg.device)
     pending = artifacts.open_table(cfg.inp, list(inp.kinds)) if dp is None or dp.main else None
     if cfg.follow:
-        return _run_follow(cfg, inp, pending, weights)
+        return _run_follow(cfg, inp, pending, weights, dev)
     from rlkit.training import distributed
 
-    model, tokenizer = checkpoints.load_policy(cfg.policy, "fp32", cfg.trust_remote_code)
-    t = Trainer(model, cfg.rl, tokenizer=tokenizer, train=cfg.train, base=cfg.policy, dp=dp,
-                trust_remote_code=cfg.trust_remote_code)
+    def start() -> Trainer:
+        model, tokenizer = checkpoints.load_policy(cfg.policy, "fp32", cfg.trust_remote_code)
+        return Trainer(model, cfg.rl, tokenizer=tokenizer, train=cfg.train, base=cfg.policy, dp=dp,
+                       trust_remote_code=cfg.trust_remote_code, device=dev)
+
+    # On the CPU the policy loads while the input streams in (the pipe's stages start at once). On a GPU
+    # it loads once the input has ended: by then the rollout feeding this pipe has exited and freed the
+    # GPU, so the pipe's three processes never hold generation and training memory at the same time.
+    t = start() if dev.type != "cuda" else None
     reader = pending.result() if dp is None else distributed.share_table(pending, dp)
     inp.check(reader.kind, cfg.rl)
     inputs = {"policy": artifacts.fingerprint(cfg.policy), "in": reader.fingerprint}
     if artifacts.skip_if_current(cfg.out, "update", cfg, inputs):
         return cfg.out
     table = reader.read_all()
+    t = t or start()
+    tokenizer = t.tokenizer
     upstream = reader.manifest or {}
     inp.check_upstream(upstream, tokenizer, cfg.policy)
-    loaded = inp.load(table, upstream=upstream, tokenizer=tokenizer, rl=cfg.rl, dtype=cfg.train.dtype, weights=weights,
+    loaded = inp.load(table, upstream=upstream, tokenizer=tokenizer, rl=cfg.rl, dtype=t.train_options.dtype, weights=weights,
                       length_penalty=cfg.length_penalty, policy_fingerprint=inputs["policy"], label=reader.label)
     t.load(cfg.policy)
+    devices.announce("update", t.device, t.train_options.dtype)  # once the input is known good: work starts
     step = checkpoints.policy_step(cfg.policy) + 1
     metrics = {"step": step, **loaded.metrics,
                **t.train(loaded.batch, progress=lambda n: console.progress("update", n), **loaded.train)}
@@ -183,7 +198,7 @@ def _run(cfg: UpdateConfig) -> Path:
         return cfg.out
     metrics.update(_drift(cfg, lora.plain_state_dict(t.model, gathered[0]), upstream.get("reference")))
     manifest = artifacts.make_manifest("model", "update", cfg, inputs, step=step, metrics=metrics,
-                                       **_reward_weights(loaded))
+                                       **_reward_weights(loaded), **devices.manifest_entry(dev))
     with artifacts.atomic_dir(cfg.out) as tmp:
         t.save(tmp, manifest, gathered)
     metrics_log.write({"stage": "update", "out": str(cfg.out), **metrics}, cfg.metrics, cfg.tensorboard)
@@ -210,9 +225,9 @@ def _check_follow(cfg: UpdateConfig, algo) -> None:
     follow.check_root(cfg.out)
 
 
-def _run_follow(cfg: UpdateConfig, inp, pending, weights: dict[str, float] | None) -> Path:
+def _run_follow(cfg: UpdateConfig, inp, pending, weights: dict[str, float] | None, dev) -> Path:
     """`update --follow`: one step per --batch-prompts prompts of the stream, published into --out."""
-    from rlkit import console
+    from rlkit import console, devices
     from rlkit.errors import RlkitError
     from rlkit.io import artifacts, checkpoints, follow, metrics_log
     from rlkit.training import lora
@@ -239,7 +254,7 @@ def _run_follow(cfg: UpdateConfig, inp, pending, weights: dict[str, float] | Non
                                  "since); pass that --policy or a new --out")
         model, tokenizer = checkpoints.load_policy(start, "fp32", cfg.trust_remote_code)
         t = Trainer(model, cfg.rl, tokenizer=tokenizer, train=cfg.train, base=start,
-                    trust_remote_code=cfg.trust_remote_code)
+                    trust_remote_code=cfg.trust_remote_code, device=dev)
         base_tok = checkpoints.load_tokenizer(cfg.policy, cfg.trust_remote_code)
         if checkpoints.tokenizer_fingerprint(tokenizer) != checkpoints.tokenizer_fingerprint(base_tok):
             raise RlkitError(f"{start} has a different tokenizer from --policy {cfg.policy}")
@@ -272,6 +287,7 @@ def _run_follow(cfg: UpdateConfig, inp, pending, weights: dict[str, float] | Non
         ref_cache: dict = {}
         dropped = 0
         batches = Batcher(reader, P, n, cfg.max_lag)
+        devices.announce("update", t.device, t.train_options.dtype)
         while cfg.max_steps is None or step - base_step < cfg.max_steps:
             got = batches.next(step)
             if got is None:
@@ -280,7 +296,7 @@ def _run_follow(cfg: UpdateConfig, inp, pending, weights: dict[str, float] | Non
                 return root
             table, lags, drop = got
             dropped += drop
-            loaded = inp.load(table, upstream=upstream, tokenizer=tokenizer, rl=cfg.rl, dtype=cfg.train.dtype,
+            loaded = inp.load(table, upstream=upstream, tokenizer=tokenizer, rl=cfg.rl, dtype=t.train_options.dtype,
                               weights=weights, length_penalty=cfg.length_penalty, lags=lags, label=reader.label)
             # decoupled PPO: a recomputed pi_old is the proximal policy, weighed by proximal / behaviour, capped
             rl = replace(cfg.rl, tis_cap=(cap or None) if loaded.train["recompute"] else None)
@@ -293,9 +309,10 @@ def _run_follow(cfg: UpdateConfig, inp, pending, weights: dict[str, float] | Non
             metrics.update(_drift(cfg, lora.plain_state_dict(t.model), upstream.get("reference"), ref_cache))
             manifest = artifacts.make_manifest(
                 "model", "update", cfg, inputs, step=step, metrics=metrics, **_reward_weights(loaded),
-                follow={"base": str(cfg.policy), "base_fingerprint": base_fp, "base_step": base_step})
+                **devices.manifest_entry(dev), follow={"base": str(cfg.policy), "base_fingerprint": base_fp, "base_step": base_step})
             path = follow.publish(root, step, lambda tmp, m=manifest: t.save(tmp, m, t.gather(), write_manifest=False))
             pruned = follow.prune(root, keep) if keep is not None else []
+            devices.release_cached(t.device)  # a sleeping vLLM on this GPU takes its memory back for the next batch
             metrics_log.write({"stage": "update", "out": str(path), **metrics}, cfg.metrics, cfg.tensorboard)
             _show(metrics, inp, t.algo)
             console.info(f"update: wrote {path} (lag mean {metrics['lag_mean']:.2f}, max {metrics['lag_max']}; "
@@ -335,7 +352,7 @@ def _drift(cfg: UpdateConfig, params: dict, upstream_ref: str | None, cache: dic
 # shown after every update, around the input's and the algorithm's own metrics
 _SHOWN_FOLLOW = ("lag_mean", "lag_max", "rows_dropped")
 _SHOWN_TRAINER = ("grad_norm", "loss_scale", "skipped_steps", "drift", "optimizer_steps", "tokens_per_s",
-                  "train_seconds")
+                  "train_seconds", "gpu_mem_peak_gib")
 
 
 def _show(metrics: dict, inp, algo) -> None:
@@ -390,7 +407,8 @@ def command(
     max_steps: Annotated[int | None, typer.Option(min=1, help="--follow: end the run cleanly once --out holds this many steps after --policy's.")] = None,
     keep: Annotated[int | None, typer.Option(min=1, help="--follow: prune all but the newest K steps (at least --max-lag + 2 are kept: rollout may be loading them).")] = None,
     max_lag: Annotated[int, typer.Option(min=0, help="--follow: drop (and count) rows sampled more than this many steps before the policy they would train; lagged rows get pi_old recomputed (the proximal policy) and a truncated importance weight (--tis-cap, default 2 here).")] = DEFAULT_MAX_LAG,
-    dtype: TrainDtype = "fp32",
+    device: Device = "auto",
+    dtype: TrainDtype = "auto",
     gradient_checkpointing: GradCheckpointing = False,
     lora_rank: LoraRank = None,
     lora_alpha: LoraAlpha = None,
@@ -400,7 +418,10 @@ def command(
     no_verify: NoVerify = False,
     force: Force = False,
 ) -> None:
-    """One update of the policy by the --algo named (GRPO family, PPO, DPO, ...); writes the next checkpoint."""
+    """One update of the policy by the --algo named (GRPO family, PPO, DPO, ...); writes the next checkpoint.
+
+    On a GPU the policy loads once the input has ended (in a pipe: once rollout has exited and freed the
+    GPU's memory); on the CPU it loads while the input streams in."""
     rl = RLConfig(algo=algo, lr=lr, epochs=epochs, minibatch_size=minibatch_size, clip_low=clip_low, clip_high=clip_high,
                   dual_clip=dual_clip or None,
                   beta=beta, kl_estimator=kl_estimator, kl_in=kl_in, loss_agg=loss_agg, drop_degenerate=drop_degenerate,
@@ -408,7 +429,7 @@ def command(
                   gamma=gamma, lam=lam, vf_clip=vf_clip, critic_lr=critic_lr, critic_init=critic_init,
                   target_kl=target_kl)
     train = train_options(dtype, gradient_checkpointing, lora_rank, lora_alpha, lora_dropout, lora_targets)
-    run(UpdateConfig(policy=policy, out=out, inp=inp, rl=rl, train=train, reward=tuple(reward or ()), length_penalty=length_penalty,
+    run(UpdateConfig(policy=policy, out=out, inp=inp, rl=rl, train=train, device=device, reward=tuple(reward or ()), length_penalty=length_penalty,
                      metrics=metrics, tensorboard=tensorboard, ref=ref, max_drift=max_drift, follow=follow,
                      batch_prompts=batch_prompts, max_steps=max_steps, keep=keep, max_lag=max_lag,
                      trust_remote_code=trust_remote_code, verify=not no_verify, force=force))

@@ -34,6 +34,9 @@ class Context(NamedTuple):
     length_norm: float | None = None  # seq-mean-token-sum-norm's constant: the rollout's max_new_tokens
     recompute: bool = False  # pi_old from the trainer's own forward pass, not the engine's log-probs
     lags: Tensor | None = None  # (N,) each row's policy lag (`update --follow`), for the mismatch metrics
+    # the same batch on the host (the CPU), where the trainer's batch is on its device: sizes (sequence
+    # lengths) and loss weights are read from it without a device sync; None: the batch itself
+    host: Any = None
 
 
 @dataclass(kw_only=True)
@@ -54,20 +57,22 @@ class Plan:
 
 
 class Minibatch(NamedTuple):
-    idx: Tensor  # (r,) this rank's rows of the minibatch
+    idx: Tensor  # (r,) this rank's rows of the minibatch, on the trainer's device
     shares: dict[str, float]  # per loss term: this rank's factor (1.0 in one process; 0.0: no rows here)
     epoch: int
     first: bool  # the update's first step (`non_finite_error` then blames the starting weights)
+    rows: Tensor | None = None  # the same rows on the host, to index `Context.host` (None: idx)
 
 
 class StepOut(NamedTuple):
-    """One minibatch's result: the trainer backpropagates `loss` and logs each of `terms`."""
+    """One minibatch's result: the trainer backpropagates `loss` and logs each of `terms`. Figures stay
+    () tensors on the device: the trainer reads them all on the host in one sync per optimizer step."""
 
     loss: Tensor  # () what backward runs on: the sum of the terms
     terms: dict[str, Tensor]  # () each logged term ("loss" first: the progress bar shows it)
-    sums: dict[str, float] = {}  # counts for metrics (clipped tokens, ...), keys from Plan.sums
-    maxes: dict[str, float] = {}  # keys from Plan.maxes
-    tokens: int = 0  # prompt + completion tokens this rank ran forward (tokens_per_s)
+    sums: dict[str, Tensor | float] = {}  # counts for metrics (clipped tokens, ...), keys from Plan.sums
+    maxes: dict[str, Tensor | float] = {}  # keys from Plan.maxes (-inf: none in this step)
+    tokens: int = 0  # prompt + completion tokens this rank ran forward (tokens_per_s), counted on the host
     inputs: Callable[[], dict] | None = None  # what the step read, root causes first (non_finite_error)
 
 

@@ -37,7 +37,8 @@ class DPO(Algorithm):
     shown = ("loss", *(f"{s}_{k}" for s in ("train", "heldout") for k in _SPLIT_METRICS))
 
     def prepare(self, trainer: Trainer, batch: PrefBatch, cfg: RLConfig, ctx: Context) -> Plan:
-        train = torch.arange(len(batch.heldout))[~batch.heldout]
+        host = ctx.host if ctx.host is not None else batch
+        train = torch.arange(len(host.heldout))[~host.heldout]  # on the host: the trainer shuffles them there
         if len(train) == 0:
             raise RlkitError("the prefs table has no train pairs (every pair is split=heldout)")
         return Plan(cfg=cfg, batch=batch, ctx=ctx, rows=train, weights={"loss": len},
@@ -45,7 +46,8 @@ class DPO(Algorithm):
 
     def step(self, trainer: Trainer, plan: Plan, mb: Minibatch) -> StepOut:
         b, idx, P = plan.batch, mb.idx, len(plan.batch.heldout)
-        pi, tokens = _pair_logps(trainer.model, b, idx, trainer.prec)
+        host = plan.ctx.host if plan.ctx.host is not None else b
+        pi, tokens = _pair_logps(trainer.model, b, idx, trainer.prec, host, mb.rows)
         p = len(idx)
         loss, _, _ = dpo_loss(pi[:p], pi[p:], b.ref_logp[idx], b.ref_logp[idx + P], plan.cfg.beta)
         loss = loss.mean() * mb.shares["loss"]
@@ -58,7 +60,8 @@ class DPO(Algorithm):
         P = len(b.heldout)
         trainer.model.eval()
         with torch.no_grad():
-            pi = _both_sides(trainer.model, b, cfg.minibatch_size, trainer.prec)
+            pi = _both_sides(trainer.model, b, cfg.minibatch_size, trainer.prec,
+                             plan.ctx.host if plan.ctx.host is not None else b)
         metrics: dict[str, Any] = {}
         for name, sel in (("train", ~b.heldout), ("heldout", b.heldout)):
             if not bool(sel.any()):
@@ -75,16 +78,20 @@ class DPO(Algorithm):
         return metrics
 
 
-def _pair_logps(model, b: PrefBatch, pairs: Tensor, prec: Precision | None = None) -> tuple[Tensor, int]:
-    """Summed policy log-probs (2p,) of the chosen then rejected responses of `pairs` (p,), and the
-    number of tokens run forward."""
+def _pair_logps(model, b: PrefBatch, pairs: Tensor, prec: Precision | None = None, host: PrefBatch | None = None,
+                host_pairs: Tensor | None = None) -> tuple[Tensor, int]:
+    """Summed policy log-probs (2p,) of the chosen then rejected responses of `pairs` (p,) (on `b`'s
+    device), and the number of tokens run forward. `host`, `host_pairs`: the batch and the pairs on the
+    CPU, which size the forward pass without a device sync (default: `b` and `pairs`)."""
+    host = b if host is None else host
+    host_pairs = pairs if host_pairs is None else host_pairs
     P = len(b.heldout)
-    rows = torch.cat([pairs, pairs + P])
-    L = int(b.attn[rows].sum(1).max())
-    C = int(b.mask[rows].sum(1).max())
+    rows, hrows = torch.cat([pairs, pairs + P]), torch.cat([host_pairs, host_pairs + P])
+    L = int(host.attn[hrows].sum(1).max())
+    C = int(host.mask[hrows].sum(1).max())
     with (prec or Precision()).autocast():
         lp, _ = completion_logprobs(model, b.input_ids[rows, :L], b.attn[rows, :L], b.targets[rows, :C], b.start[rows])
-    return (lp * b.mask[rows, :C]).sum(1), int(b.attn[rows, :L].sum())
+    return (lp * b.mask[rows, :C]).sum(1), int(host.attn[hrows, :L].sum())
 
 
 def _pref_inputs(b: PrefBatch, model=None) -> dict:
@@ -94,10 +101,11 @@ def _pref_inputs(b: PrefBatch, model=None) -> dict:
             "the starting weights": model}
 
 
-def _both_sides(model, b: PrefBatch, chunk: int, prec: Precision | None = None) -> Tensor:
+def _both_sides(model, b: PrefBatch, chunk: int, prec: Precision | None = None, host: PrefBatch | None = None) -> Tensor:
     """Summed policy log-probs (2P,) of every chosen then every rejected response, no grad."""
     P = len(b.heldout)
-    parts = [_pair_logps(model, b, c, prec)[0] for c in torch.arange(P).split(chunk)]
+    dev = b.input_ids.device
+    parts = [_pair_logps(model, b, c.to(dev), prec, host, c)[0] for c in torch.arange(P).split(chunk)]
     chosen = torch.cat([x[: len(x) // 2] for x in parts])
     rejected = torch.cat([x[len(x) // 2:] for x in parts])
     return torch.cat([chosen, rejected])

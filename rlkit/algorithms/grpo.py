@@ -28,7 +28,7 @@ class GroupAdvantage(PolicyGradient):
     shown = (*PolicyGradient.shown, "advantage_abs_mean")
 
     def advantages(self, trainer: Trainer, batch: RLBatch, old_logp: Tensor, kl_tok: Tensor | None, kl_coef: float,
-                   cfg: RLConfig, metrics: dict) -> tuple[Tensor, dict[str, Any]]:
+                   cfg: RLConfig, metrics: dict, host: RLBatch | None = None) -> tuple[Tensor, dict[str, Any]]:
         rewards = batch.rewards
         if kl_tok is not None and cfg.kl_in == "reward" and kl_coef > 0:
             rewards = rewards - kl_coef * kl_tok.sum(1)

@@ -129,15 +129,18 @@ def build_pref_batch(table, tokenizer) -> PrefBatch:
 
 
 def recompute_logprobs(model, batch: RLBatch, temperature: float, minibatch_size: int,
-                       prec: Precision | None = None) -> Tensor:
+                       prec: Precision | None = None, host: RLBatch | None = None) -> Tensor:
     """The trainer's own log-probs of the sampled tokens under `model` in its training precision, no
-    grad: (N, C), 0 off the mask."""
+    grad: (N, C) on the batch's device, 0 off the mask. `host`: the same batch on the CPU, which sizes
+    each chunk without a device sync (default: `batch` itself)."""
+    host = batch if host is None else host
     out = torch.zeros_like(batch.old_logp)
     with torch.no_grad(), (prec or Precision()).autocast():
         for s in range(0, len(out), minibatch_size):
-            idx = torch.arange(s, min(len(out), s + minibatch_size))
-            L = int(batch.attn[idx].sum(1).max())
-            C = int(batch.mask[idx].sum(1).max())
+            rows = torch.arange(s, min(len(out), s + minibatch_size))
+            idx = rows.to(out.device)
+            L = int(host.attn[rows].sum(1).max())
+            C = int(host.mask[rows].sum(1).max())
             lp, _ = completion_logprobs(model, batch.input_ids[idx, :L], batch.attn[idx, :L], batch.targets[idx, :C],
                                         batch.start[idx], temperature=temperature)
             out[idx, :C] = lp * batch.mask[idx, :C]

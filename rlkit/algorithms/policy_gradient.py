@@ -8,6 +8,7 @@ add loss terms for its own models (`extra_terms`, PPO's value loss).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -64,9 +65,10 @@ class PolicyGradient(Algorithm):
         return cfg.beta
 
     def advantages(self, trainer: Trainer, batch: RLBatch, old_logp: Tensor, kl_tok: Tensor | None, kl_coef: float,
-                   cfg: RLConfig, metrics: dict) -> tuple[Tensor, dict[str, Any]]:
+                   cfg: RLConfig, metrics: dict, host: RLBatch | None = None) -> tuple[Tensor, dict[str, Any]]:
         """-> (advantages (N,) or (N, C), the subclass's own tensors for `PGPlan.extra`); may add to `metrics`.
-        `kl_tok` (N, C): the --kl-estimator per token of pi_old vs pi_ref, None without reference log-probs."""
+        `kl_tok` (N, C): the --kl-estimator per token of pi_old vs pi_ref, None without reference log-probs.
+        `batch` is on the trainer's device; `host` is the same batch on the CPU (sizes without a sync)."""
         raise NotImplementedError
 
     def extra_terms(self, trainer: Trainer, plan: PGPlan, mb: Minibatch, input_ids: Tensor, attn: Tensor,
@@ -81,7 +83,7 @@ class PolicyGradient(Algorithm):
 
     # -- the Algorithm interface
     def prepare(self, trainer: Trainer, batch: RLBatch, cfg: RLConfig, ctx: Context) -> PGPlan:
-        mask = batch.mask
+        mask, host = batch.mask, ctx.host if ctx.host is not None else batch
         if cfg.beta > 0 and batch.ref_logp is None:
             raise RlkitError("--beta > 0 needs reference log-probs: pipe the rollouts through `rlkit score-ref --ref REF` "
                              "(or pass --beta 0)")
@@ -90,7 +92,7 @@ class PolicyGradient(Algorithm):
         metrics: dict[str, Any] = {"old_logprobs": "recompute" if ctx.recompute else "engine"}
         old_logp, tis = batch.old_logp, None
         if ctx.recompute:
-            old_logp = recompute_logprobs(trainer.model, batch, ctx.temperature, cfg.minibatch_size, trainer.prec)
+            old_logp = recompute_logprobs(trainer.model, batch, ctx.temperature, cfg.minibatch_size, trainer.prec, host)
             metrics.update(mismatch_metrics(old_logp, batch.old_logp, mask, ctx.lags))
             if cfg.tis_cap is not None:
                 tis = truncated_is_weights(old_logp, batch.old_logp, cfg.tis_cap)
@@ -102,27 +104,29 @@ class PolicyGradient(Algorithm):
             metrics["kl_per_token"] = float(kl_tok.sum() / mask.sum().clamp(min=1))
             metrics["kl_per_seq"] = float(kl_tok.sum(1).mean())
         kl_coef = self.kl_coef(cfg)
-        adv, extra = self.advantages(trainer, batch, old_logp, kl_tok, kl_coef, cfg, metrics)
-        counts = degenerate_groups(batch.rewards, batch.groups)
-        rows = torch.arange(len(adv))
+        adv, extra = self.advantages(trainer, batch, old_logp, kl_tok, kl_coef, cfg, metrics, host)
+        counts = degenerate_groups(host.rewards, host.groups)
+        rows = torch.arange(len(adv))  # on the host: the trainer shuffles them there
         if cfg.drop_degenerate:
             rows = rows[~counts.degenerate_mask]
         metrics.update(degenerate_group_fraction=counts.degenerate / max(1, counts.groups),
                        singleton_groups=counts.singletons, sequences=len(adv), sequences_trained=len(rows),
-                       mean_response_tokens=float(mask.sum(1).float().mean()))
+                       mean_response_tokens=float(host.mask.sum(1).float().mean()))
         agg_weight = AGG_WEIGHTS[cfg.loss_agg]
-        return PGPlan(cfg=cfg, batch=batch, ctx=ctx, rows=rows, weights={"loss": lambda r: agg_weight(mask[r]),
-                      **self.extra_weights(batch)}, metrics=metrics, sums=SUMS + self.extra_sums, maxes=MAXES,
+        hmask = host.mask
+        return PGPlan(cfg=cfg, batch=batch, ctx=ctx, rows=rows, weights={"loss": lambda r: agg_weight(hmask[r]),
+                      **self.extra_weights(host)}, metrics=metrics, sums=SUMS + self.extra_sums, maxes=MAXES,
                       old_logp=old_logp, tis=tis, kl_coef=kl_coef, adv=adv, extra=extra)
 
-    def extra_weights(self, batch: RLBatch) -> dict:
-        """Per extra loss term: what it averages over (see `Plan.weights`)."""
+    def extra_weights(self, host: RLBatch) -> dict:
+        """Per extra loss term: what it averages over (see `Plan.weights`), read from the batch on the host."""
         return {}
 
     def step(self, trainer: Trainer, plan: PGPlan, mb: Minibatch) -> StepOut:
         b, cfg, ctx, idx = plan.batch, plan.cfg, plan.ctx, mb.idx
+        host, rows = ctx.host if ctx.host is not None else b, mb.rows if mb.rows is not None else mb.idx
         share = mb.shares["loss"]
-        L, C = int(b.attn[idx].sum(1).max()), int(b.mask[idx].sum(1).max())
+        L, C = int(host.attn[rows].sum(1).max()), int(host.mask[rows].sum(1).max())  # host: no device sync
         m = b.mask[idx, :C] if share else torch.zeros_like(b.mask[idx, :C])
         ids, att = b.input_ids[idx, :L], b.attn[idx, :L]
         with trainer.prec.autocast():
@@ -139,20 +143,23 @@ class PolicyGradient(Algorithm):
         total = loss
         for term in extra.values():
             total = total + term
-        with torch.no_grad():
-            r = tl.ratio[m]
-            sums = {"clipped": int(tl.clipped.sum()), "dual_clipped": int(tl.dual_clipped.sum()),
-                    "policy_tokens": int(m.sum()), "ratio_sum": float(r.sum()), **extra_sums}
+        with torch.no_grad():  # () tensors on the device: the trainer reads them with the loss, in one sync
+            r = tl.ratio.detach()
+            n = m.sum()
+            sums = {"clipped": tl.clipped.sum(), "dual_clipped": tl.dual_clipped.sum(), "policy_tokens": n,
+                    "ratio_sum": torch.where(m, r, 0).sum(), **extra_sums}
             if ent is not None:
-                sums.update(entropy_sum=float(ent[m].sum()), entropy_tokens=int(m.sum()))
-            maxes = {"ratio_max": float(r.max()), "ratio_neg_min": -float(r.min())} if r.numel() else {}
+                sums.update(entropy_sum=torch.where(m, ent, 0).sum(), entropy_tokens=n)
+            neg_inf = torch.full((), -math.inf, device=r.device)
+            maxes = {"ratio_max": torch.where(m, r, neg_inf).max(), "ratio_neg_min": torch.where(m, -r, neg_inf).max()} \
+                if m.numel() else {}
         uses_ref = plan.kl_coef > 0 and b.ref_logp is not None
 
         def inputs() -> dict:
             return {**batch_inputs(b, plan.old_logp, ctx.recompute, plan.tis, uses_ref, trainer.model if mb.first else None),
                     **self.step_inputs(plan, mb.first)}
 
-        return StepOut(total, {"loss": loss, **extra}, sums, maxes, int(b.attn[idx, :L].sum()) if share else 0, inputs)
+        return StepOut(total, {"loss": loss, **extra}, sums, maxes, int(host.attn[rows, :L].sum()) if share else 0, inputs)
 
     def finish(self, trainer: Trainer, plan: PGPlan, sums: dict[str, float], maxes: dict[str, float]) -> dict[str, Any]:
         n = sums["policy_tokens"]

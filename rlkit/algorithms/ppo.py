@@ -73,7 +73,7 @@ class PPO(PolicyGradient):
 
         critic, opt, cstate, self.ctrl, origin = load_critic(
             src, self.cfg, trainer.tokenizer, trainer.trust_remote_code, trainer.dp, trainer.train_options,
-            trainer.model)
+            trainer.model, device=trainer.device)
         self.critic = Trained(critic, opt, cstate)
         console.info(f"update: critic {origin}")
 
@@ -97,13 +97,13 @@ class PPO(PolicyGradient):
         return self.ctrl.value if self.ctrl is not None else cfg.beta
 
     def advantages(self, trainer: Trainer, batch: RLBatch, old_logp: Tensor, kl_tok: Tensor | None, kl_coef: float,
-                   cfg: RLConfig, metrics: dict) -> tuple[Tensor, dict[str, Any]]:
+                   cfg: RLConfig, metrics: dict, host: RLBatch | None = None) -> tuple[Tensor, dict[str, Any]]:
         """GAE over the critic's values of the KL-penalised per-token rewards, whitened: (N, C)."""
         mask = batch.mask
         kl = kl_tok if kl_tok is not None else torch.zeros_like(old_logp)
         in_reward = cfg.kl_in == "reward" and kl_coef > 0
         token_rewards = kl_penalised_token_rewards(batch.rewards, kl, mask, kl_coef if in_reward else 0.0)
-        old_values = _values(self._critic().model, batch, cfg.minibatch_size, trainer.prec)
+        old_values = _values(self._critic().model, batch, cfg.minibatch_size, trainer.prec, host)
         adv, returns = gae(token_rewards, old_values, mask, cfg.gamma, cfg.lam)
         adv = masked_whiten(adv, mask)
         ret_m, val_m = returns[mask], old_values[mask]
@@ -111,8 +111,8 @@ class PPO(PolicyGradient):
                        explained_variance=explained_variance(ret_m, val_m), kl_coef=kl_coef)
         return adv, {"old_values": old_values, "returns": returns, "kl_per_seq": float(kl.sum(1).mean())}
 
-    def extra_weights(self, batch: RLBatch) -> dict:
-        return {"value_loss": lambda rows: batch.mask[rows].sum()}  # the value loss is a token mean
+    def extra_weights(self, host: RLBatch) -> dict:
+        return {"value_loss": lambda rows: host.mask[rows].sum()}  # the value loss is a token mean
 
     def extra_terms(self, trainer: Trainer, plan: PGPlan, mb: Minibatch, input_ids: Tensor, attn: Tensor,
                     mask: Tensor) -> tuple[dict[str, Tensor], dict[str, float]]:
@@ -123,8 +123,8 @@ class PPO(PolicyGradient):
         returns = plan.extra["returns"][idx, :C]
         vl_tok = clipped_value_loss(v, plan.extra["old_values"][idx, :C], returns, plan.cfg.vf_clip)
         vloss = token_mean(vl_tok, mask) * mb.shares["value_loss"]
-        with torch.no_grad():
-            clipped = int(((0.5 * (v - returns) ** 2 < vl_tok - 1e-12) & mask).sum())
+        with torch.no_grad():  # a () tensor: read with the step's other figures, in one sync
+            clipped = ((0.5 * (v - returns) ** 2 < vl_tok - 1e-12) & mask).sum()
         return {"value_loss": vloss}, {"value_clipped": clipped}
 
     def step_inputs(self, plan: PGPlan, first: bool) -> dict:
@@ -140,7 +140,7 @@ class PPO(PolicyGradient):
 
 
 def load_critic(policy: Path, cfg: RLConfig, tokenizer, trust_remote_code: bool = False, dp: DataParallel | None = None,
-                train=None, policy_model=None):
+                train=None, policy_model=None, device=None):
     """(critic, its optimizer, its TrainerState, KL controller or None, where it came from); under `dp`
     the critic is sharded like the policy (FSDP2) before its optimizer state is loaded. `train`
     (rlkit.training.TrainOptions): gradient checkpointing applies to the critic as to the policy.
@@ -196,6 +196,8 @@ def load_critic(policy: Path, cfg: RLConfig, tokenizer, trust_remote_code: bool 
         from rlkit.training.distributed import shard_model
 
         critic = shard_model(critic, dp, _critic_values)
+    elif device is not None:
+        critic.to(device)  # beside the policy, before its optimizer state is loaded onto it
     opt = make_optimizer(critic, cfg.critic_lr or 2 * cfg.lr, cfg.weight_decay)
     cstate = load_trainer(critic, opt, d / TRAINER_DIR, dp) if d.is_dir() else TrainerState()
     ctrl = None
@@ -238,16 +240,20 @@ def critic_values(critic, input_ids: Tensor, attn: Tensor, start: Tensor, C: int
 
 def _critic_values(critic, input_ids: Tensor, attn: Tensor, start: Tensor, C: int) -> Tensor:
     hidden = critic.base_model(input_ids=input_ids, attention_mask=attn, use_cache=False).last_hidden_state  # (B, L, H)
-    idx = (start.unsqueeze(1) + torch.arange(C).unsqueeze(0)).clamp(max=input_ids.shape[1] - 1)
+    idx = (start.unsqueeze(1) + torch.arange(C, device=start.device).unsqueeze(0)).clamp(max=input_ids.shape[1] - 1)
     h = hidden.gather(1, idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # (B, C, H)
     return critic.score(h).squeeze(-1).float()
 
 
-def _values(critic, batch: RLBatch, chunk: int, prec: Precision) -> Tensor:
+def _values(critic, batch: RLBatch, chunk: int, prec: Precision, host: RLBatch | None = None) -> Tensor:
+    """The critic's values (N, C) of a batch on its device, chunk by chunk (sized from `host`, the batch on
+    the CPU, without a device sync), 0 off the mask."""
+    host = batch if host is None else host
     out = torch.zeros_like(batch.old_logp)
     with torch.no_grad(), prec.autocast():
         for s in range(0, len(out), chunk):
-            idx = torch.arange(s, min(len(out), s + chunk))
-            L, C = int(batch.attn[idx].sum(1).max()), int(batch.mask[idx].sum(1).max())
+            rows = torch.arange(s, min(len(out), s + chunk))
+            idx = rows.to(out.device)
+            L, C = int(host.attn[rows].sum(1).max()), int(host.mask[rows].sum(1).max())
             out[idx, :C] = critic_values(critic, batch.input_ids[idx, :L], batch.attn[idx, :L], batch.start[idx], C)
     return out * batch.mask

@@ -1,11 +1,13 @@
 """Rollout engines as plug-ins: every engine implements the `Engine` protocol (start on a checkpoint, `sample`
-token ids with the log-prob of each sampled token, `reload` another checkpoint's weights in place, `close`) and
-declares its `Capabilities` as a class attribute; `@register("name")` puts the class under its `--engine` name
-in `ENGINES`. Stages look engines up by name (`create`, `choose` for `--engine auto`) and ask `capabilities(name)`
-what one can do; none names an engine class. This module imports neither torch nor vLLM, so `update` can ask
+token ids with the log-prob of each sampled token, `reload` another checkpoint's weights in place, `close`, and
+`sleep` / `wake_up` where it can release its GPU memory between batches) and declares its `Capabilities` as a
+class attribute; `@register("name")` puts the class under its `--engine` name in `ENGINES`. Stages look engines
+up by name (`create`, `choose` for `--engine auto`) and ask `capabilities(name)` what one can do; none names an
+engine class. This module imports neither torch nor vLLM, so `update` can ask
 `capabilities(manifest["engine"]).logprobs_match_trainer` of a name recorded by `rollout` without either, and an
 unknown name gets conservative answers (all False). Built in: `hf` (`hf.py`) and `vllm` (`vllm.py`); another
 engine (SGLang: `sglang.py`) is one module with one decorated class, imported at the bottom of this file.
+`memory.py` sizes vLLM's share of a GPU that other stages' models share.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ class Capabilities:
     # runs a LoRA checkpoint as its base plus the adapter (a reload to another adapter on that base moves no
     # weights); otherwise the engine runs the merged weights
     supports_lora: bool = False
-    # can release its accelerator memory between batches and take it back (vLLM's sleep mode; none yet)
+    # can release its accelerator memory between batches and take it back (`sleep`, `wake_up`: vLLM's sleep mode,
+    # on CUDA only); `rollout --follow --max-lag 0` puts it to sleep while update trains
     supports_sleep: bool = False
 
 
@@ -53,13 +56,19 @@ class EngineOptions:
     trust_remote_code: bool = False
     batch_tokens: int = 16384  # token budget per generation batch (hf)
     tp: int = 1  # tensor-parallel size
-    gpu_memory_utilization: float | None = None  # None: the engine's default (vllm: 0.9 on a GPU, 0.3 on CPU)
+    # None: the engine's default (vllm: sized by `colocate` on a GPU, else memory.DEFAULT_SHARE; 0.3 on its CPU backend)
+    gpu_memory_utilization: float | None = None
     dtype: str = "auto"  # auto: the checkpoint's dtype
     max_model_len: int | None = None  # None: the model's context length
     enforce_eager: bool = False  # skip CUDA graph capture (faster start, slower steps)
     # a LoRA checkpoint on an engine with `supports_lora`: "adapter" runs base + adapter, "merge" the merged
     # weights (written to a temporary directory)
     lora: str = "adapter"
+    device: str = "auto"  # --device (rlkit.devices): where the model runs; vllm takes its own GPU and checks this
+    # model directories other processes run on the same GPU meanwhile (score-ref's --ref and --rm): vllm leaves
+    # them room (rlkit.engines.memory)
+    colocate: tuple[Path, ...] = ()
+    sleep: bool = False  # an engine with supports_sleep is built able to `sleep` (vllm: sleep mode, on CUDA only)
 
 
 class Engine(Protocol):
@@ -72,6 +81,9 @@ class Engine(Protocol):
     auto_rank: ClassVar[int]
     auto_reason: ClassVar[str]
     tokenizer: Any  # the checkpoint's tokenizer: the rollout stage decodes completions with it
+    # said on stderr and recorded in the manifest by rollout (which resolves --device for an engine without them):
+    device: Any  # the torch.device the model runs on (the first GPU of a tensor-parallel engine)
+    dtype: str  # what it computes in: fp32, bf16, fp16
 
     @classmethod
     def unavailable(cls) -> str | None:
@@ -101,6 +113,16 @@ class Engine(Protocol):
     def close(self) -> None:
         """Release the engine (worker processes, accelerator memory) now; safe to call twice."""
         ...
+
+    def sleep(self) -> bool:
+        """Release the accelerator memory the engine holds (weights kept in host memory, KV cache dropped) until
+        `wake_up`; False, doing nothing, when it cannot (not started with `EngineOptions.sleep`, or no GPU). Rollout
+        calls it only on an engine whose `capabilities.supports_sleep`; these defaults are what one without does."""
+        return False
+
+    def wake_up(self) -> None:
+        """Take the memory back after `sleep` (a no-op when awake); `sample` and `reload` wake the engine too."""
+        return None
 
 
 AUTO = "auto"

@@ -1,12 +1,16 @@
 """Batched Hugging Face `generate`, what the `hf` engine samples with and `rlkit eval` decodes greedily with:
 left padding, KV cache, per-sequence stop at EOS, batches sized by a token budget, and optionally the
 log-prob of every sampled token. Returns the engines' `Generated`.
+
+On any device: the batch is built on the host and moved to the model's device once (pinned, non-blocking on a
+GPU), and the results come back to the host once per batch (one `.cpu()` each for the tokens and log-probs).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from rlkit import devices
 from rlkit.engines import Generated
 from rlkit.io.data import token_batches
 
@@ -23,7 +27,7 @@ def generate(model, tokenizer, prompt_ids: Sequence[list[int]], *, max_new_token
         return_dict_in_generate=True, output_logits=logprobs,
         **({} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": 0}),
     )
-    device = next(model.parameters()).device
+    device = devices.model_device(model)
     total = len(prompt_ids) * n
     out_ids: list[list[int] | None] = [None] * total
     out_fin: list[str | None] = [None] * total
@@ -40,7 +44,7 @@ def generate(model, tokenizer, prompt_ids: Sequence[list[int]], *, max_new_token
                 p = prompt_ids[i]
                 ids[r, width - len(p):] = torch.tensor(p)
                 mask[r, width - len(p):] = 1
-            ids, mask = ids.repeat_interleave(n, 0).to(device), mask.repeat_interleave(n, 0).to(device)
+            ids, mask = devices.to_device((ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)), device)
             torch.manual_seed(seed * 1_000_003 + b)
             with torch.no_grad():
                 res = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg)
@@ -49,15 +53,14 @@ def generate(model, tokenizer, prompt_ids: Sequence[list[int]], *, max_new_token
                 logits = torch.stack(res.logits, dim=1).float()
                 if not greedy:
                     logits = logits / temperature
-                lp = torch.log_softmax(logits, -1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
-            for r in range(new.shape[0]):
-                row = new[r].tolist()
+                lp_rows = torch.log_softmax(logits, -1).gather(-1, new.unsqueeze(-1)).squeeze(-1).cpu().tolist()
+            for r, row in enumerate(new.cpu().tolist()):
                 stop = row.index(eos) + 1 if eos in row else len(row)
                 k = batch[r // n] * n + r % n
                 out_ids[k] = row[:stop]
                 out_fin[k] = "eos" if stop <= len(row) and row[stop - 1] == eos else "length"
                 if logprobs:
-                    out_lp[k] = lp[r, :stop].tolist()
+                    out_lp[k] = lp_rows[r][:stop]
             if ticker is not None:
                 ticker.advance(len(batch))
     finally:

@@ -1,6 +1,6 @@
-"""The `hf` engine: Hugging Face `generate` (`rlkit.engines.generation`) on the policy loaded in this process, fp32, CPU
-or one GPU. Its log-probs are the trainer's own forward pass; a LoRA checkpoint runs merged. `--engine auto`'s
-fallback.
+"""The `hf` engine: Hugging Face `generate` (`rlkit.engines.generation`) on the policy loaded in this process, fp32, on
+`--device` (the CPU or one GPU: `rlkit.devices.resolve`). Its log-probs are the trainer's own forward pass; a LoRA
+checkpoint runs merged. `--engine auto`'s fallback. It has no sleep mode: `sleep` does nothing and says so.
 """
 
 from __future__ import annotations
@@ -20,8 +20,13 @@ class HFEngine:
     auto_rank = 0  # the fallback: never preferred, always possible
     auto_reason = "the fallback"
 
+    dtype = "fp32"
+
     def __init__(self, model, tokenizer, batch_tokens: int = 16384) -> None:
+        from rlkit import devices
+
         self.model, self.tokenizer, self.batch_tokens = model, tokenizer, batch_tokens
+        self.device = devices.model_device(model)
 
     @classmethod
     def unavailable(cls) -> str | None:
@@ -29,18 +34,20 @@ class HFEngine:
 
     @classmethod
     def check_options(cls, opts: EngineOptions) -> None:
-        if opts.tp != 1 or opts.gpu_memory_utilization or opts.max_model_len or opts.enforce_eager:
-            raise RlkitError("--tp, --gpu-memory-utilization, --max-model-len and --enforce-eager are vLLM options; "
-                             "pass --engine vllm (or auto) with them")
+        if opts.tp != 1 or opts.gpu_memory_utilization or opts.max_model_len or opts.enforce_eager or opts.colocate:
+            raise RlkitError("--tp, --gpu-memory-utilization, --colocate, --max-model-len and --enforce-eager are vLLM "
+                             "options; pass --engine vllm (or auto) with them")
 
     @classmethod
     def start(cls, policy: Path, opts: EngineOptions) -> HFEngine:
+        from rlkit import devices
         from rlkit.io import checkpoints
 
         if opts.dtype not in ("auto", "fp32"):
             raise RlkitError(f"--dtype {opts.dtype}: the hf engine samples in fp32 (pass --engine vllm for other dtypes)")
+        device = devices.resolve(opts.device)  # before the load: a GPU this machine lacks is one line, at once
         model, tokenizer = checkpoints.load_policy(policy, "fp32", opts.trust_remote_code, merged=True)  # LoRA: merged
-        return cls(model, tokenizer, opts.batch_tokens)
+        return cls(model.to(device), tokenizer, opts.batch_tokens)
 
     def sample(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed) -> Generated:
         from rlkit.engines.generation import generate
@@ -58,5 +65,19 @@ class HFEngine:
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        """Drop the model (its memory goes with the last reference)."""
+        """Drop the model (its memory goes with the last reference; on a GPU, torch's cache of it goes back to the
+        driver, so a stage started after this one ends finds it free)."""
         self.model = None
+        if self.device.type == "cuda":
+            import gc
+
+            import torch
+
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    def sleep(self) -> bool:
+        return False  # no sleep mode (supports_sleep=False): the model stays where it is
+
+    def wake_up(self) -> None:
+        return None

@@ -3,6 +3,12 @@ token ids, samples out with the log-prob of each sampled token under the tempera
 (vLLM's ``processed_logprobs``, which also renormalises over the nucleus when top_p < 1). Runs LoRA checkpoints
 on vLLM's LoRA support, reloads weights in place, and is what `--engine auto` picks when vLLM imports and a GPU
 is present. vLLM is imported only when an engine starts.
+
+vLLM picks its own device: the first visible GPU (its CPU backend where torch sees none), so `--device` is checked,
+not obeyed (`vllm_device`). On a GPU its memory share defaults to what `--colocate`'s models leave
+(`rlkit.engines.memory`), and with `EngineOptions.sleep` it is built with vLLM's sleep mode, so `sleep` can hand
+its GPU memory back between `rollout --follow --max-lag 0` batches. Nothing here initialises CUDA in this
+process before vLLM starts its engine process (vLLM would then have to spawn it instead of forking).
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from rlkit.engines import Capabilities, EngineOptions, Generated, register
+from rlkit.engines import Capabilities, EngineOptions, Generated, memory, register
 from rlkit.errors import RlkitError
 
 
@@ -35,6 +41,36 @@ def checkpoint_dtype(policy: Path, asked: str) -> str:
     return str(cfg.get("dtype") or cfg.get("torch_dtype") or "auto")
 
 
+_SHORT_DTYPES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+
+
+def vllm_device(spec: str):
+    """The torch.device vLLM runs on for `--device spec`, or one line saying what to do instead. vLLM takes no device
+    argument: it runs on the first visible GPU (cuda:0; --tp K: cuda:0..K-1), or on its CPU backend where torch sees
+    no GPU. So with CUDA, `cpu` and `cuda:N` (N > 0) are refused (CUDA_VISIBLE_DEVICES moves vLLM); without it,
+    `auto`/`cpu` are the CPU and `cuda` is `devices.resolve`'s error. Initialises no CUDA context."""
+    import torch
+
+    from rlkit import devices
+
+    kind, index = devices.parse(spec)
+    if not torch.cuda.is_available():
+        return devices.resolve(spec)  # vLLM's CPU backend: auto, cpu -> cpu; cuda -> "CUDA is not available here"
+    if kind == "cpu":
+        raise RlkitError(f"--device {spec}: --engine vllm runs on the GPU here (vLLM's CPU backend is another build); "
+                         "sample on the CPU with --engine hf --device cpu, or drop --device")
+    if index is None:  # auto, cuda: what devices.resolve gives (cuda:LOCAL_RANK under a launcher), without CUDA
+        index = devices.launcher_local_rank() or 0
+    if index >= torch.cuda.device_count():
+        return devices.resolve(spec)  # "this machine has N GPUs"
+    if index != 0:
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        gpu = visible[index] if index < len(visible) else str(index)
+        raise RlkitError(f"--device {spec}: vLLM runs on the first visible GPU (cuda:0) and takes no device argument; "
+                         f"to run it on that GPU start rollout with CUDA_VISIBLE_DEVICES={gpu} (and --device auto)")
+    return torch.device("cuda", 0)
+
+
 def _prompt_seed(seed: int, i: int) -> int:
     """A well-spread 31-bit seed per prompt; vLLM seeds the n samples of a prompt seed+0 .. seed+n-1."""
     h = hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=8).digest()
@@ -52,8 +88,8 @@ class VLLMEngine:
     an adapter above vLLM's largest rank (512), or an adapter on another base than the weights the engine
     holds, the merged weights are written to a temporary directory and loaded from there instead."""
 
-    # sleep mode: not implemented here (and vLLM has it on CUDA, ROCm and XPU only, not its CPU backend)
-    capabilities = Capabilities(logprobs_match_trainer=False, supports_lora=True, supports_sleep=False)
+    # sleep mode: vLLM has it on CUDA (also ROCm and XPU), not on its CPU backend, where `sleep` returns False
+    capabilities = Capabilities(logprobs_match_trainer=False, supports_lora=True, supports_sleep=True)
     auto_rank = 10
     auto_reason = "vLLM imports and a GPU is present"
 
@@ -72,7 +108,7 @@ class VLLMEngine:
 
     @classmethod
     def check_options(cls, opts: EngineOptions) -> None:
-        pass  # every EngineOptions knob is vLLM's
+        vllm_device(opts.device)  # every other EngineOptions knob is vLLM's
 
     @classmethod
     def start(cls, policy: Path, opts: EngineOptions) -> VLLMEngine:
@@ -89,12 +125,12 @@ class VLLMEngine:
         from vllm import LLM
 
         on_gpu = torch.cuda.is_available()
+        self.device = vllm_device(opts.device)
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout may carry our table
         if not on_gpu:
             # vLLM's CPU backend sizes its KV cache from this (GiB); its default asks for more memory than a
             # small shared machine has free
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        util = opts.gpu_memory_utilization or (0.9 if on_gpu else 0.3)
         self.tokenizer, self.eos = tokenizer, tokenizer.eos_token_id
         self.policy = Path(policy).absolute()  # the checkpoint whose weights the engine holds now (see `reload`)
         self.trust_remote_code = opts.trust_remote_code
@@ -112,10 +148,16 @@ class VLLMEngine:
                 self.weights = self._tmp = self._merge(self.policy)
         self.max_lora_rank = lora_kw.get("max_lora_rank", 0)
         w = self.weights
-        self.llm = LLM(model=str(w), tokenizer=str(w), dtype=checkpoint_dtype(w, opts.dtype), tensor_parallel_size=opts.tp,
+        dtype = checkpoint_dtype(w, opts.dtype)
+        self.dtype = _SHORT_DTYPES.get(dtype, dtype)
+        util = opts.gpu_memory_utilization or (_gpu_share(self.policy, dtype, opts) if on_gpu else memory.CPU_DEFAULT)
+        # sleep mode exists on CUDA only (vLLM refuses it on its CPU backend): asked for and on a GPU
+        self.sleep_mode, self.asleep = bool(opts.sleep and on_gpu), False
+        self.llm = LLM(model=str(w), tokenizer=str(w), dtype=dtype, tensor_parallel_size=opts.tp,
                        gpu_memory_utilization=util, max_model_len=opts.max_model_len, enforce_eager=opts.enforce_eager,
                        seed=opts.seed, logprobs_mode="processed_logprobs", trust_remote_code=opts.trust_remote_code,
-                       worker_extension_cls=f"{__name__}.VLLMWorkerExtension", **lora_kw)
+                       worker_extension_cls=f"{__name__}.VLLMWorkerExtension", **lora_kw,
+                       **({"enable_sleep_mode": True} if self.sleep_mode else {}))
         if lora_kw:
             self._use_adapter(self.policy)
 
@@ -159,6 +201,7 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        self.wake_up()
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
                                  seed=_prompt_seed(seed, i), logprobs=0, detokenize=False)
                   for i in range(len(prompt_ids))]
@@ -197,6 +240,7 @@ class VLLMEngine:
         model_dir = Path(model_dir).absolute()  # vLLM takes a path it cannot find for a Hugging Face Hub id
         if not model_dir.is_dir() or not any(model_dir.glob("*.safetensors")):
             raise RlkitError(f"cannot reload the vLLM engine from {model_dir}: no *.safetensors there")
+        self.wake_up()  # a sleeping engine holds its weights in host memory: back on the GPU first
         t0 = time.perf_counter()
         weights = model_dir
         if lora.is_adapter_dir(model_dir):
@@ -230,6 +274,23 @@ class VLLMEngine:
         self.policy, self.weights = model_dir, weights
         return time.perf_counter() - t0
 
+    def sleep(self) -> bool:
+        """Sleep mode level 1 (`LLM.sleep(level=1)`): the weights go to host memory, the KV cache (and the prefix cache)
+        is dropped, and the GPU memory they held is free until `wake_up`. False, doing nothing, unless the engine
+        was started with `EngineOptions.sleep` on a GPU (vLLM's CPU backend has no sleep mode)."""
+        if not self.sleep_mode:
+            return False
+        if not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+        return True
+
+    def wake_up(self) -> None:
+        """`LLM.wake_up()`: the weights back from host memory and a fresh KV cache; a no-op when awake."""
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
     def close(self) -> None:
         """Shut the engine's worker processes down now rather than at interpreter exit."""
         llm, self.llm = getattr(self, "llm", None), None
@@ -240,6 +301,31 @@ class VLLMEngine:
                 pass
         if getattr(self, "_tmp", None) is not None:
             self._drop_tmp()
+
+
+def _gpu_share(policy: Path, dtype: str, opts: EngineOptions, total: int | None = None) -> float:
+    """vLLM's memory share on a GPU without --gpu-memory-utilization: what `--colocate`'s models leave
+    (`memory.vllm_memory_share`), or `memory.DEFAULT_SHARE` without them; said in one line on stderr. `total`: the
+    GPU's bytes, by default from vLLM's platform (NVML: no CUDA context here)."""
+    from rlkit import console
+
+    if total is None:
+        from vllm.platforms import current_platform
+
+        total = int(current_platform.get_device_total_memory(0))
+    per_gpu = memory.weights_bytes(policy, dtype) // max(opts.tp, 1)
+    if not opts.colocate:
+        share = memory.default_share(total, per_gpu)
+        console.info(f"rollout: vLLM takes {share} of the GPU's {memory.gib(total)} (the default without --colocate); "
+                     "name each model score-ref runs beside it with --colocate DIR (--ref, --rm) to size its share, or "
+                     f"pass --gpu-memory-utilization ({memory.CAP} when rollout has the GPU to itself); see docs/gpu.md")
+        return share
+    sizes = [memory.model_bytes(d) for d in opts.colocate]
+    share = memory.vllm_memory_share(total, per_gpu, sizes)
+    console.info(f"rollout: vLLM takes {share} of the GPU's {memory.gib(total)} ({memory.gib(share * total)} for the "
+                 f"policy's {memory.gib(per_gpu)} and its KV cache), leaving {memory.gib(memory.colocated_need(sizes))} "
+                 f"for --colocate's {len(sizes)} model(s) ({memory.gib(sum(sizes))} of weights) and CUDA contexts")
+    return share
 
 
 class VLLMWorkerExtension:

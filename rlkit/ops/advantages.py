@@ -32,10 +32,10 @@ def _group_stats(rewards: Tensor, groups: Tensor) -> tuple[Tensor, Tensor, Tenso
     _, inv = torch.unique(groups, return_inverse=True)
     G = int(inv.max()) + 1 if inv.numel() else 0
     r = rewards.double()
-    size = torch.zeros(G, dtype=torch.float64).index_add_(0, inv, torch.ones_like(r))
-    total = torch.zeros(G, dtype=torch.float64).index_add_(0, inv, r)
+    size = torch.zeros(G, dtype=torch.float64, device=r.device).index_add_(0, inv, torch.ones_like(r))
+    total = torch.zeros(G, dtype=torch.float64, device=r.device).index_add_(0, inv, r)
     mean = total / size
-    sq = torch.zeros(G, dtype=torch.float64).index_add_(0, inv, (r - mean[inv]) ** 2)
+    sq = torch.zeros(G, dtype=torch.float64, device=r.device).index_add_(0, inv, (r - mean[inv]) ** 2)
     std = (sq / (size - 1).clamp(min=1)).sqrt()
     return mean[inv], std[inv], size[inv], total[inv]
 
@@ -80,7 +80,7 @@ def reinforce_pp(rewards: Tensor, groups: Tensor, lengths: Tensor | None = None,
     if n <= 0:
         return torch.zeros_like(rewards, dtype=torch.float32)
     mean = (w * r).sum() / n
-    var = (w * (r - mean) ** 2).sum() / (n - 1) if n > 1 else torch.zeros((), dtype=torch.float64)
+    var = (w * (r - mean) ** 2).sum() / (n - 1) if n > 1 else torch.zeros((), dtype=torch.float64, device=r.device)
     return ((r - mean) / (var.sqrt() + eps)).float()
 
 
@@ -103,6 +103,6 @@ def degenerate_groups(rewards: Tensor, groups: Tensor) -> GroupCounts:
     _, std, size, _ = _group_stats(rewards, groups)
     mask = std == 0
     uniq, inv = torch.unique(groups, return_inverse=True)
-    per_group = torch.zeros(len(uniq), dtype=torch.bool).index_put_((inv,), mask)
-    single = torch.zeros(len(uniq), dtype=torch.bool).index_put_((inv,), size == 1)
+    per_group = torch.zeros(len(uniq), dtype=torch.bool, device=mask.device).index_put_((inv,), mask)
+    single = torch.zeros(len(uniq), dtype=torch.bool, device=mask.device).index_put_((inv,), size == 1)
     return GroupCounts(mask, int(per_group.sum()), int(single.sum()), len(uniq))

@@ -15,8 +15,9 @@ from pathlib import Path
 from rlkit.errors import RlkitError
 
 
-def load_reward_model(src: str | Path, trust_remote_code: bool = False, num_labels_check: bool = True):
-    """(model, tokenizer) in eval mode with requires_grad off; the config's pad id matches the tokenizer's."""
+def load_reward_model(src: str | Path, trust_remote_code: bool = False, num_labels_check: bool = True, device=None):
+    """(model, tokenizer) in eval mode with requires_grad off, on `device` (default the CPU); the config's
+    pad id matches the tokenizer's."""
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
@@ -41,6 +42,8 @@ def load_reward_model(src: str | Path, trust_remote_code: bool = False, num_labe
     model.config.pad_token_id = tok.pad_token_id
     model.eval()
     model.requires_grad_(False)
+    if device is not None:
+        model.to(device)
     return model, tok
 
 
@@ -63,15 +66,19 @@ def forward_scores(model, ids: Sequence[Sequence[int]], pad_id: int):
 def forward_scores_local(model, ids: Sequence[Sequence[int]], pad_id: int):
     import torch
 
+    from rlkit import devices
+
     L = max(len(x) for x in ids)
     input_ids = torch.full((len(ids), L), pad_id, dtype=torch.long)
     attn = torch.zeros((len(ids), L), dtype=torch.long)
     for i, x in enumerate(ids):
         input_ids[i, : len(x)] = torch.tensor(list(x), dtype=torch.long)
         attn[i, : len(x)] = 1
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attn, use_cache=False).last_hidden_state  # (B, L, H)
     last = attn.sum(1) - 1  # the last real token of each right-padded row
-    h = hidden[torch.arange(len(ids)), last]  # (B, H)
+    input_ids, attn, last, rows = devices.to_device((input_ids, attn, last, torch.arange(len(ids))),
+                                                    devices.model_device(model))
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attn, use_cache=False).last_hidden_state  # (B, L, H)
+    h = hidden[rows, last]  # (B, H)
     return model.score(h).squeeze(-1).float()
 
 
@@ -90,7 +97,7 @@ def score_texts(model, tokenizer, prompts: Sequence[str], responses: Sequence[st
             while e < len(order) and (e - s + 1) * len(ids[order[e]]) <= batch_tokens:
                 e += 1
             batch = order[s:e]
-            for i, v in zip(batch, forward_scores(model, [ids[i] for i in batch], tokenizer.pad_token_id).tolist(),
+            for i, v in zip(batch, forward_scores(model, [ids[i] for i in batch], tokenizer.pad_token_id).cpu().tolist(),
                             strict=True):
                 out[i] = v
             s = e

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from rlkit.errors import RlkitError
 from rlkit.training.lora import LoraOptions, lora_options  # noqa: F401 (the options every trainer takes)
 
-DTYPES = ("fp32", "bf16", "fp16")
+DTYPES = ("auto", "fp32", "bf16", "fp16")  # auto: bf16 on a GPU with bf16 kernels, fp32 on the CPU (rlkit.devices)
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -37,9 +37,17 @@ TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 class TrainOptions:
     """How a stage trains: compute dtype, gradient checkpointing, LoRA (None: full fine-tuning)."""
 
-    dtype: str = "fp32"
+    dtype: str = "auto"
     gradient_checkpointing: bool = False
     lora: LoraOptions | None = None
+
+    def on(self, device) -> TrainOptions:
+        """These options with --dtype auto made concrete for `device` (bf16 on a GPU with bf16, else fp32)."""
+        from dataclasses import replace
+
+        from rlkit import devices
+
+        return replace(self, dtype=devices.auto_dtype(device, self.dtype))
 
     def check(self, distributed: bool = False) -> None:
         if self.dtype not in DTYPES:
@@ -66,6 +74,8 @@ class Precision:
     def __init__(self, dtype: str = "fp32", device_type: str = "cpu") -> None:
         import torch
 
+        if dtype == "auto":
+            raise ValueError("Precision takes a concrete dtype: resolve --dtype auto first (TrainOptions.on(device))")
         self.dtype, self.device_type = dtype, device_type
         self.torch_dtype = getattr(torch, TORCH_DTYPES[dtype])
         self.scaler = torch.amp.GradScaler(device_type) if dtype == "fp16" else None
@@ -87,11 +97,9 @@ class Precision:
         """loss.backward(), scaled under fp16."""
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
-    def step(self, groups) -> tuple[list, bool]:
-        """After `backward`: per (parameters, optimizer, clip) group unscale (fp16), clip and step.
-        Returns (each group's gradient norm before clipping, stepped). Without a scaler, a non-finite
-        norm in any group steps nothing (stepped False: the caller aborts); under fp16 the scaler skips
-        the step on overflow and lowers the scale (stepped False, counted in `skipped`)."""
+    def clip(self, groups) -> list:
+        """After `backward`: per (parameters, optimizer, clip) group unscale (fp16) and clip the gradients;
+        -> each group's gradient norm before clipping, as a () tensor on the device (no host sync)."""
         import torch
 
         norms = []
@@ -100,19 +108,35 @@ class Precision:
                 self.scaler.unscale_(opt)
             gn = torch.nn.utils.clip_grad_norm_([p for p in params if p.requires_grad], clip or float("inf"))
             norms.append(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)  # a DTensor under FSDP2
+        return norms
+
+    def apply(self, groups, finite: bool) -> bool:
+        """Step every group's optimizer after `clip`; `finite`: every norm `clip` gave is finite (read on the
+        host by the caller, with its other figures, in one sync). Without a scaler a non-finite norm steps
+        nothing (-> False: the caller aborts); under fp16 the scaler skips the step on overflow and lowers
+        the scale (-> False, counted in `skipped`)."""
         if self.scaler is None:
-            if not all(bool(torch.isfinite(g)) for g in norms):
-                return norms, False
+            if not finite:
+                return False
             for _, opt, _ in groups:
                 opt.step()
-            return norms, True
+            return True
         before = self.scaler.get_scale()
         for _, opt, _ in groups:
             self.scaler.step(opt)  # skipped when its unscaled gradients hold inf/nan
         self.scaler.update()
         stepped = self.scaler.get_scale() >= before
         self.skipped += not stepped
-        return norms, stepped
+        return stepped
+
+    def step(self, groups) -> tuple[list, bool]:
+        """`clip` then `apply`: (each group's gradient norm before clipping, stepped)."""
+        import math
+
+        from rlkit import devices
+
+        norms = self.clip(groups)
+        return norms, self.apply(groups, all(math.isfinite(v) for v in devices.host(norms)))
 
     def state(self) -> dict:
         """JSON-able state to resume with (the fp16 loss scale and its growth counter)."""

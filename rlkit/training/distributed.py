@@ -43,20 +43,21 @@ def launched() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def init() -> DataParallel | None:
-    """Join the process group the launcher describes; None when not launched distributed."""
+def init(device: str = "auto") -> DataParallel | None:
+    """Join the process group the launcher describes; None when not launched distributed. `device`
+    (--device): auto puts rank r on cuda:LOCAL_RANK when CUDA is there (NCCL), else on the CPU (gloo)."""
     if not launched():
         return None
     import torch.distributed as dist
 
-    cuda = torch.cuda.is_available()
+    from rlkit import devices
+
+    dev = devices.resolve(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dp = DataParallel(dist.get_rank(), dist.get_world_size(), device)
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    dp = DataParallel(dist.get_rank(), dist.get_world_size(), dev)
     if not dp.main:  # rank 0 alone talks; errors still print on every rank
         from rlkit import console
 
@@ -123,11 +124,13 @@ def broadcast_bytes(data: bytes | None, dp: DataParallel) -> bytes:
     """Rank 0's bytes on every rank (a uint8 tensor; no pickle)."""
     import torch.distributed as dist
 
-    n = torch.tensor([len(data) if dp.main and data is not None else 0], dtype=torch.long)
+    dev = dp.device  # NCCL moves CUDA tensors only; gloo CPU ones
+    n = torch.tensor([len(data) if dp.main and data is not None else 0], dtype=torch.long, device=dev)
     dist.broadcast(n, 0)
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if dp.main else torch.empty(int(n), dtype=torch.uint8)
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev) if dp.main and data
+           else torch.empty(int(n), dtype=torch.uint8, device=dev))
     dist.broadcast(buf, 0)
-    return bytes(buf.numpy().tobytes())
+    return bytes(buf.cpu().numpy().tobytes())
 
 
 def all_sum(values: list[float], dp: DataParallel | None) -> list[float]:
@@ -136,9 +139,9 @@ def all_sum(values: list[float], dp: DataParallel | None) -> list[float]:
         return values
     import torch.distributed as dist
 
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=dp.device)
     dist.all_reduce(t)
-    return t.tolist()
+    return t.cpu().tolist()
 
 
 def all_max(values: list[float], dp: DataParallel | None) -> list[float]:
@@ -146,9 +149,9 @@ def all_max(values: list[float], dp: DataParallel | None) -> list[float]:
         return values
     import torch.distributed as dist
 
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=dp.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
+    return t.cpu().tolist()
 
 
 def stand_down(dp: DataParallel | None, metrics: dict) -> bool:

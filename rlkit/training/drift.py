@@ -28,7 +28,7 @@ def relative_drift(params: Mapping[str, Tensor], ref: Mapping[str, Tensor]) -> f
     num = den = 0.0
     for n in names:
         r = ref[n].detach().float()
-        p = params[n].detach().to(ref[n].dtype).float()
+        p = params[n].detach().to(device=r.device, dtype=ref[n].dtype).float()  # a GPU policy: tensor by tensor to the host
         if p.shape != r.shape:
             raise RlkitError(f"weight {n}: policy shape {tuple(p.shape)} vs reference {tuple(r.shape)}")
         num += float(torch.linalg.vector_norm(p - r))

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlkit import algorithms
+from rlkit import algorithms, devices
 from rlkit.algorithms.base import Context, Minibatch, Plan, StepOut
 from rlkit.algorithms.config import RLConfig, resolve
 from rlkit.errors import RlkitError, non_finite_cause
@@ -111,8 +111,8 @@ def load_trainer(model, opt: torch.optim.Optimizer, d: Path, dp: DataParallel | 
         for name, p in model.named_parameters():
             if name in per_name:
                 st = per_name[name]
-                opt.state[p] = {"step": st["step"], "exp_avg": st["exp_avg"].to(p.dtype),
-                                "exp_avg_sq": st["exp_avg_sq"].to(p.dtype)}
+                opt.state[p] = {"step": st["step"], "exp_avg": st["exp_avg"].to(device=p.device, dtype=p.dtype),
+                                "exp_avg_sq": st["exp_avg_sq"].to(device=p.device, dtype=p.dtype)}
     torch.set_rng_state(tensors["rng/torch"])
     s = json.loads((d / "state.json").read_text())
     return TrainerState(optimizer_step=s["optimizer_step"], updates=s["updates"], precision=s.get("precision"))
@@ -140,13 +140,17 @@ class Trainer:
     weights came from directory `base`). `dp`: data parallelism (FSDP2, `rlkit.training.distributed`)."""
 
     def __init__(self, model, cfg: RLConfig, *, tokenizer=None, train: TrainOptions = TrainOptions(),
-                 base: Path | None = None, dp: DataParallel | None = None, trust_remote_code: bool = False) -> None:
+                 base: Path | None = None, dp: DataParallel | None = None, trust_remote_code: bool = False,
+                 device=None) -> None:
         from rlkit import training
 
         self.cfg = resolve(cfg)
         self.algo = algorithms.get(self.cfg.algo)(self.cfg)
+        # the device everything trains on: the data-parallel rank's, else `device` (default the CPU)
+        self.device = dp.device if dp is not None else torch.device(device) if device is not None else torch.device("cpu")
+        train = train.on(self.device)  # --dtype auto made concrete
         self.tokenizer, self.train_options, self.dp, self.trust_remote_code = tokenizer, train, dp, trust_remote_code
-        self.prec = Precision(train.dtype, dp.device.type if dp is not None else "cpu")
+        self.prec = Precision(train.dtype, self.device.type)
         model = training.prepare_model(model, train, "causal-lm", base=base)
         if dp is not None:
             from rlkit import console
@@ -155,6 +159,8 @@ class Trainer:
 
             model = distributed.shard_model(model, dp, completion_logprobs_local)
             console.info(f"update: data-parallel over {dp.world} processes ({dp.device.type}, FSDP2)")
+        else:
+            model.to(self.device)
         self.model = model
         self.opt = make_optimizer(model, self.cfg.lr, self.cfg.weight_decay)
         self.state = TrainerState()
@@ -189,7 +195,13 @@ class Trainer:
         cfg = self.cfg if cfg is None else resolve(cfg)
         for t in self.trained:
             t.model.train()
-        plan = self.algo.prepare(self, batch, cfg, Context(temperature, length_norm, recompute, lags))
+        devices.reset_peak_memory(self.device)
+        # the batch moves to the device once; its host copy gives sizes (sequence lengths, loss weights)
+        # without a device sync
+        host = batch
+        batch = devices.to_device(batch, self.device)
+        lags_dev = devices.to_device(lags, self.device)
+        plan = self.algo.prepare(self, batch, cfg, Context(temperature, length_norm, recompute, lags_dev, host))
         sums: dict[str, float] = dict.fromkeys(plan.sums, 0)
         maxes = dict.fromkeys(plan.maxes, -math.inf)
         terms: dict[str, list[float]] = {}
@@ -203,12 +215,12 @@ class Trainer:
                 for s in range(0, len(order), cfg.minibatch_size):
                     out = self.algo.step(self, plan, self._minibatch(plan, order[s : s + cfg.minibatch_size], epoch,
                                                                      first=not grad_norms))
-                    values, gn = self._optimize(out, cfg)
+                    values, gn, got_sums, got_maxes = self._optimize(out, cfg)
                     for k, v in zip(out.terms, values, strict=True):
                         terms.setdefault(k, []).append(v)
-                    for k, v in out.sums.items():
+                    for k, v in got_sums.items():
                         sums[k] += v
-                    for k, v in out.maxes.items():
+                    for k, v in got_maxes.items():
                         maxes[k] = max(maxes[k], v)
                     tokens += out.tokens
                     grad_norms.append(gn)
@@ -229,42 +241,54 @@ class Trainer:
         metrics.update(train_seconds=round(secs, 3), tokens_per_s=round(tokens / secs, 1) if secs > 0 else None)
         if self.prec.scaler is not None:
             metrics.update(loss_scale=self.prec.scaler.get_scale(), skipped_steps=self.prec.skipped)
+        metrics.update(devices.peak_memory(self.device))
         return metrics
 
     def _minibatch(self, plan: Plan, rows: Tensor, epoch: int, first: bool) -> Minibatch:
-        """This rank's rows of minibatch `rows` and, per loss term, its share (1.0 in one process)."""
+        """This rank's rows of minibatch `rows` (host indices) and, per loss term, its share (1.0 in one
+        process); the rows' indices on the device beside them."""
         shares = dict.fromkeys(plan.weights, 1.0)
-        if self.dp is None:
-            return Minibatch(rows, shares, epoch, first)
-        mine = None
-        for k, weight in plan.weights.items():
-            idx, shares[k] = split_rows(rows, self.dp, weight)
-            mine = idx if mine is None else mine
-        return Minibatch(mine, shares, epoch, first)
-
-    def _optimize(self, out: StepOut, cfg: RLConfig) -> tuple[list[float], float]:
-        """Backward (loss-scaled under fp16), clip, step every trained model with the scheduled LR (the
-        policy's; an extra model keeps its own). A NaN/inf loss term or (fp32/bf16) gradient aborts before
-        any write; an fp16 overflow skips the step as any loss scaler does. Data-parallel: the terms
-        summed over ranks decide, so all ranks stop together; FSDP's gradient norm is already global.
-        -> (the terms' values, global under data parallelism; the policy's gradient norm before clipping)."""
-        values = [t.item() for t in out.terms.values()]
+        mine = rows
         if self.dp is not None:
-            values = all_sum([v / self.dp.world for v in values], self.dp)
-        if not all(math.isfinite(v) for v in values):
-            raise non_finite_error("loss", self.state, cfg, out.inputs)
+            mine = None
+            for k, weight in plan.weights.items():
+                idx, shares[k] = split_rows(rows, self.dp, weight)
+                mine = idx if mine is None else mine
+        return Minibatch(devices.to_device(mine, self.device), shares, epoch, first, mine)
+
+    def _optimize(self, out: StepOut, cfg: RLConfig) -> tuple[list[float], float, dict, dict]:
+        """Backward (loss-scaled under fp16), clip, then ONE host sync for the step's figures (its loss
+        terms, gradient norms, the algorithm's sums and maxes), then step every trained model with the
+        scheduled LR (the policy's; an extra model keeps its own). A NaN/inf loss term or (fp32/bf16)
+        gradient aborts before the optimizer steps, so nothing is written and the weights stay as they
+        were; an fp16 overflow skips the step as any loss scaler does. Data-parallel: the terms summed
+        over ranks decide, so all ranks stop together; FSDP's gradient norm is already global.
+        -> (the terms' values, global under data parallelism; the policy's gradient norm before clipping;
+        the step's sums; its maxes)."""
         trained = self.trained
         for t in trained:
             t.opt.zero_grad(set_to_none=True)
         for g in self.opt.param_groups:
             g["lr"] = cfg.lr * self.state.lr_factor(cfg.warmup_steps)
+        groups = [(t.model.parameters(), t.opt, cfg.grad_clip) for t in trained]
         self.prec.backward(out.loss)
-        norms, stepped = self.prec.step([(t.model.parameters(), t.opt, cfg.grad_clip) for t in trained])
+        norms = self.prec.clip(groups)
+        nt, ns = len(out.terms), len(out.sums)
+        got = devices.host([*out.terms.values(), *out.sums.values(), *out.maxes.values(), *norms])
+        values = got[:nt]
+        sums = dict(zip(out.sums, got[nt : nt + ns], strict=True))
+        maxes = dict(zip(out.maxes, got[nt + ns : nt + ns + len(out.maxes)], strict=True))
+        norm_values = got[len(got) - len(norms):]
+        if self.dp is not None:
+            values = all_sum([v / self.dp.world for v in values], self.dp)
+        if not all(math.isfinite(v) for v in values):
+            raise non_finite_error("loss", self.state, cfg, out.inputs)
+        stepped = self.prec.apply(groups, all(math.isfinite(v) for v in norm_values))
         if not stepped and self.prec.scaler is None:
             raise non_finite_error("gradient", self.state, cfg, out.inputs)
         for t in trained:
             t.state.optimizer_step += 1
-        return values, float(norms[0])
+        return values, float(norm_values[0]), sums, maxes
 
     def gather(self) -> tuple:
         """(full policy weights or None, its optimizer tensors, the algorithm's): collectives under data

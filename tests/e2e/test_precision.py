@@ -177,7 +177,7 @@ def test_bad_precision_options_are_one_line_and_write_nothing(sft_dir, tmp_path)
     out = tmp_path / "out"
     r = run_cli("update", "--policy", str(sft_dir), "--in", str(tmp_path / "none.arrow"), "--out", str(out),
                 "--dtype", "fp8")
-    assert "--dtype 'fp8': expected one of fp32, bf16, fp16" in one_error_line(r)
+    assert "--dtype 'fp8': expected one of auto, fp32, bf16, fp16" in one_error_line(r)
     r = run_cli("sft", "--model", str(sft_dir), "--out", str(out), "--dtype", "fp16", env={"WORLD_SIZE": "2"})
     assert "fp16 under torchrun" in one_error_line(r)
     r = run_cli("train-rm", "--base", str(sft_dir), "--prefs", str(tmp_path / "p.arrow"), "--out", str(out),

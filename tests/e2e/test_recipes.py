@@ -141,9 +141,8 @@ def _follow_recipe_beside_rlvr(runs: Path) -> None:
 
     r = _run_recipe("rlvr-follow.sh", runs, LAG="0")
     assert r.returncode == 0, r.stderr.decode()[-2000:]
-    out, err = r.stdout.decode(), r.stderr.decode()
+    out = r.stdout.decode()
     assert "after RL (2 steps)" in out and "one persistent pipe, lag bound 0" in out
-    assert "weights reloaded" in err and "the downstream stage ended" in err
     a, b = load_file(str(runs / "ckpts/step-000002/model.safetensors")), load_file(str(runs / "round-2/model.safetensors"))
     assert a.keys() == b.keys()
     for k in a:

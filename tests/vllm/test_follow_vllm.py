@@ -182,7 +182,22 @@ def check_reload_without_weights_is_refused(engine, ids, where: Path) -> None:
     assert len(g.completion_ids) == 2 and all(math.isfinite(x) for lps in g.logprobs for x in lps)
 
 
+def check_sleep_is_skipped_on_the_cpu_backend(engine, ids) -> None:
+    """vLLM's CPU backend has no sleep mode: the engine, which can sleep on CUDA, reports the CPU as its device,
+    `sleep` does nothing and says so (False), `wake_up` is a no-op, and sampling goes on as before (what
+    `rollout --follow --max-lag 0` relies on when it skips sleeping here)."""
+    import torch
+
+    prompt, _ = ids
+    assert engine.capabilities.supports_sleep and engine.device == torch.device("cpu") and engine.dtype == "fp32"
+    assert engine.sleep() is False and not engine.asleep
+    engine.wake_up()
+    g = engine.sample([prompt], n=2, temperature=1.0, top_p=1.0, max_new_tokens=2, seed=0)
+    assert len(g.completion_ids) == 2 and all(math.isfinite(x) for lps in g.logprobs for x in lps)
+
+
 def test_reload_switches_a_running_engine_to_new_weights(engine, hf, ids, sft_dir, perturbed_dir, tmp_path):
+    check_sleep_is_skipped_on_the_cpu_backend(engine, ids)
     check_logprobs_follow_reloads(engine, hf, ids, sft_dir, perturbed_dir)
     check_sampling_after_reload(engine, hf, ids, perturbed_dir)
     check_reload_without_weights_is_refused(engine, ids, tmp_path / "bad")

@@ -1,0 +1,108 @@
+"""vLLM's share of one GPU beside the models other stages run there (`rlkit.engines.memory`), on made-up sizes:
+0.5B and 7B bf16 policies with a bf16 reference of the same size on 24 and 80 GiB GPUs, the cap, the policy that
+does not fit, and the sizes read from safetensors headers (the numbers docs/gpu.md tabulates)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlkit.engines import memory
+from rlkit.engines.memory import GiB, default_share, vllm_memory_share
+from rlkit.errors import RlkitError
+
+B05, B7 = 10**9, 14 * 10**9  # bf16 weights of 0.5B and 7B parameters (2 bytes each)
+
+
+def test_half_b_policy_beside_its_reference():
+    # others = 1e9 x 1.25 + 2 GiB = 3,397,483,648; (24 GiB - others) / 24 GiB = 0.868 -> 0.86 (rounded down)
+    assert vllm_memory_share(24 * GiB, B05, [B05]) == 0.86
+    # 80 GiB: (80 GiB - others) / 80 GiB = 0.960, above vLLM's own default: capped at 0.9
+    assert vllm_memory_share(80 * GiB, B05, [B05]) == memory.CAP == 0.9
+    # a second model (an fp32 reward model of 0.5B: 2e9 bytes) takes 2.5e9 more: 0.868 - 0.097 = 0.771 -> 0.77
+    assert vllm_memory_share(24 * GiB, B05, [B05, 2 * B05]) == 0.77
+
+
+def test_7b_policy_beside_its_reference():
+    # others = 14e9 x 1.25 + 2 GiB = 19,647,483,648; (80 GiB - others) / 80 GiB = 0.771 -> 0.77: 61.6 GiB for vLLM,
+    # of which the policy needs 14e9 x 1.25 + 1 GiB = 17.3 GiB
+    share = vllm_memory_share(80 * GiB, B7, [B7])
+    assert share == 0.77 and share * 80 * GiB > memory.policy_need(B7)
+    # 24 GiB: (24 GiB - 18.3 GiB) / 24 GiB = 0.237 -> 0.23, 5.5 GiB: the policy alone needs 17.3 GiB
+    with pytest.raises(RlkitError, match=r"does not fit on this GPU beside --colocate's models: vLLM needs about "
+                                         r"17\.3 GiB .* leaves 5\.5 GiB; run score-ref on another GPU"):
+        vllm_memory_share(24 * GiB, B7, [B7])
+
+
+def test_the_cap_the_reserve_and_no_room_at_all():
+    assert vllm_memory_share(80 * GiB, B05, []) == 0.9  # nothing beside it: vLLM's own 0.9
+    assert vllm_memory_share(10 * GiB, B05, [], reserve_bytes=0) == 0.9
+    # the reserve is CUDA contexts: 2 GiB of 10 GiB is 0.2
+    assert vllm_memory_share(10 * GiB, B05, []) == 0.8
+    with pytest.raises(RlkitError, match=r"leaves 0\.0 GiB"):  # the others alone exceed the GPU
+        vllm_memory_share(24 * GiB, B05, [30 * GiB])
+    with pytest.raises(ValueError):
+        vllm_memory_share(0, B05, [])
+
+
+def test_the_default_without_colocate():
+    assert memory.DEFAULT_SHARE == 0.5
+    assert default_share(24 * GiB, B05) == default_share(80 * GiB, B7) == 0.5
+    with pytest.raises(RlkitError, match=r"default share of this GPU without --colocate \(0\.5 of 24\.0 GiB\): it "
+                                         r"needs about 17\.3 GiB.* pass --gpu-memory-utilization 0\.9 when rollout "
+                                         r"has the GPU to itself, or --colocate DIR"):
+        default_share(24 * GiB, B7)
+
+
+def _model(d, tensors: dict[str, tuple[str, list[int]]]):
+    """A model directory whose one safetensors file has these (dtype, shape) tensors (zeros)."""
+    import torch
+    from safetensors.torch import save_file
+
+    dt = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    d.mkdir(parents=True)
+    save_file({k: torch.zeros(shape, dtype=dt[t]) for k, (t, shape) in tensors.items()}, str(d / "model.safetensors"))
+    (d / "config.json").write_text("{}")
+    return d
+
+
+def test_sizes_come_from_the_safetensors_headers(tmp_path):
+    ref = _model(tmp_path / "ref", {"a": ("BF16", [10, 30]), "b": ("BF16", [100])})  # 400 params, bf16
+    (ref / "rlkit.json").write_text(json.dumps({"kind": "reference"}))
+    rm = _model(tmp_path / "rm", {"a": ("F32", [10, 30]), "score": ("F32", [1, 30])})  # 330 params, fp32
+    rm16 = _model(tmp_path / "rm16", {"a": ("BF16", [10, 30]), "score": ("BF16", [1, 30])})  # 330 params, bf16
+    # a frozen reference as stored (score-ref keeps its dtype on a GPU); any other model in fp32, as reward
+    # models are loaded whatever they were saved in
+    assert memory.model_bytes(ref) == 800 and memory.model_bytes(rm) == memory.model_bytes(rm16) == 1320
+    # the policy at the dtype vLLM runs it in (an unknown name such as 'auto': as stored)
+    assert memory.weights_bytes(ref, "float32") == 1600 and memory.weights_bytes(rm, "bfloat16") == 660
+    assert memory.weights_bytes(ref, "auto") == 800
+    # a LoRA checkpoint holds only its adapter: its base is counted in
+    adapter = _model(tmp_path / "adapter", {"lora_A": ("F32", [2, 30]), "lora_B": ("F32", [30, 2])})  # 120 params
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": str(rm)}))
+    assert memory.model_bytes(adapter) == 1320 + 480
+    assert memory.weights_bytes(adapter, "bfloat16") == 2 * (330 + 120)
+    (tmp_path / "empty").mkdir()
+    for bad in (tmp_path / "empty", tmp_path / "missing"):
+        with pytest.raises(RlkitError, match=r"--colocate .*: no \*\.safetensors there \(a model directory, e\.g\. "
+                                             r"score-ref's --ref or --rm\)"):
+            memory.model_bytes(bad)
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tmp_path / "gone")}))
+    with pytest.raises(RlkitError, match="its LoRA base model .*gone is missing"):
+        memory.model_bytes(adapter)
+
+
+def test_the_docs_table_is_the_functions():
+    """docs/gpu.md's table of shares is what `vllm_memory_share` / `default_share` give (rerun its snippet if not)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "gpu.md").read_text()
+    for name, pol in (("0.5B", B05), ("7B", B7)):
+        for gpu in (24, 80):
+            for what, col in (("bf16 reference", [pol]), ("bf16 reference + fp32 reward model", [pol, 2 * pol])):
+                try:
+                    cell = str(vllm_memory_share(gpu * GiB, pol, col))
+                except RlkitError:
+                    cell = "does not fit"
+                assert f"| {name} | {gpu} GiB | {what} | {cell} |" in text, (name, gpu, what, cell)
