@@ -12,13 +12,16 @@ The reference must share the policy's tokenizer (the rollouts record its fingerp
 prompt + completion, re-tokenized with their own tokenizer (which may differ from the policy's), and
 add one `reward/rm:NAME` component each beside `verifier`. User reward functions
 (`--reward-fn NAME=FILE.py:FUNC`, repeatable, `rlkit.tasks.reward_fns`) add `reward/NAME` the same way,
-batch by batch; their signatures are checked before the models load. Without --ref the output stays
-a 'rollouts' table (enough for `update --beta 0`).
+batch by batch; their signatures are checked before the models load. With none of --ref, --rm and
+--reward-fn, the reference is the one the sampling policy was trained against: `update` records it in
+every checkpoint it writes (`reference` in `rlkit.json`, path and fingerprint), so the card's
+`rlkit rollout --policy ckpt/ --n 8 | rlkit score-ref` works from the first RL round on. With --rm or
+--reward-fn alone the output stays a 'rollouts' table (enough for `update --beta 0`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated
 
@@ -109,6 +112,32 @@ def _score_prefs(cfg, reader, model, tokenizer, out, inputs) -> Path | None:
     return out
 
 
+def recorded_reference(upstream: dict) -> tuple[Path, Path]:
+    """(the reference, the policy that records it) for rollouts sampled by a policy `update` trained: its
+    manifest names the reference its input was scored against. Checked against the fingerprint recorded
+    then; an SFT checkpoint records none: the error says how to make one and pass it."""
+    from rlkit.errors import RlkitError
+    from rlkit.io import artifacts, checkpoints
+
+    cfg = upstream.get("rollout") or upstream.get("config") or {}
+    policy = cfg.get("policy")
+    nothing = ("nothing to score with: pass --ref REF (reference log-probs), --rm NAME=DIR and/or "
+               "--reward-fn NAME=FILE.py:FUNC")
+    if not policy or not Path(policy).is_dir():
+        raise RlkitError(nothing + " (the input does not name a policy whose reference could be used)")
+    entry = (checkpoints.load_manifest(Path(policy)) or {}).get("reference")
+    if not isinstance(entry, dict) or not entry.get("path"):
+        raise RlkitError(f"{nothing}. The policy that sampled these rollouts, {policy}, records no reference (an SFT "
+                         f"checkpoint has none): make one with `rlkit freeze-ref --policy {policy} --out ref/` and pass "
+                         "`--ref ref/`")
+    ref = Path(entry["path"])
+    if not ref.is_dir():
+        raise RlkitError(f"{policy} was trained against the reference {ref}, which is not there any more; pass --ref REF")
+    if entry.get("fingerprint") and artifacts.fingerprint(ref) != entry["fingerprint"]:
+        raise RlkitError(f"the reference {ref} has changed since {policy} was trained against it; pass --ref REF")
+    return ref, Path(policy)
+
+
 def parse_rms(specs: tuple[str, ...]) -> dict[str, Path]:
     """`--rm NAME=DIR` (or `--rm DIR`, named after the folder) -> {component name: dir}."""
     from rlkit.errors import RlkitError
@@ -153,9 +182,11 @@ def _run(cfg: ScoreRefConfig) -> Path | None:
         if cfg.inp is None or cfg.inp == "-":
             raise RlkitError("--shard cuts an input file between groups: pass --in FILE (a piped-in shard of "
                              "`rollout --shard` needs no --shard here)")
-    if cfg.ref is None and not rms and not fns:
-        raise RlkitError("nothing to score with: pass --ref REF (reference log-probs), --rm NAME=DIR and/or "
-                         "--reward-fn NAME=FILE.py:FUNC")
+    recorded = None
+    if cfg.ref is None and not rms and not fns:  # the reference the sampling policy was trained against
+        pending = artifacts.open_table(cfg.inp, ["rollouts", "scored", "prefs"])
+        recorded = recorded_reference(pending.result().manifest or {})
+        cfg = replace(cfg, ref=recorded[0])
     if cfg.dtype not in ("auto", "stored", "fp32"):
         raise RlkitError(f"--dtype {cfg.dtype!r} is not one of auto, stored, fp32")
     out = artifacts.resolve_out(cfg.out)
@@ -165,8 +196,10 @@ def _run(cfg: ScoreRefConfig) -> Path | None:
         checkpoints.verify_reference(cfg.ref)
     for d in rms.values():
         checkpoints.check_model_dir(d, "reward model")
-    # the input opens and streams into memory on a thread while torch imports and the models load
-    pending = artifacts.open_table(cfg.inp, ["rollouts", "scored", "prefs"])
+    if recorded is not None:
+        console.info(f"score-ref: reference {recorded[0]} (recorded by {recorded[1]})")
+    else:  # the input opens and streams into memory on a thread while torch imports and the models load
+        pending = artifacts.open_table(cfg.inp, ["rollouts", "scored", "prefs"])
     model = tokenizer = None
     if cfg.ref is not None:
         compute = cfg.dtype if cfg.dtype != "auto" else ("fp32" if dev.type == "cpu" else "stored")
@@ -273,7 +306,7 @@ def _score_stream(cfg: ScoreRefConfig, batches, w_args, model, tokenizer, temper
 
 
 def command(
-    ref: Annotated[Path | None, typer.Option("--ref", help="Frozen reference directory (made by `rlkit freeze-ref`).")] = None,
+    ref: Annotated[Path | None, typer.Option("--ref", help="Frozen reference directory (made by `rlkit freeze-ref`). Without --ref, --rm and --reward-fn: the reference the sampling policy was trained against (recorded by `update` in its checkpoint).")] = None,
     rm: Annotated[list[str] | None, typer.Option("--rm", help="Reward model NAME=DIR (repeatable; or DIR, named after it): adds reward/rm:NAME.")] = None,
     reward_fn: RewardFn = None,
     reward_timeout: RewardTimeout = 60.0,

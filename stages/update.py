@@ -198,13 +198,26 @@ def _run(cfg: UpdateConfig) -> Path:
         return cfg.out
     metrics.update(_drift(cfg, lora.plain_state_dict(t.model, gathered[0]), upstream.get("reference")))
     manifest = artifacts.make_manifest("model", "update", cfg, inputs, step=step, metrics=metrics,
-                                       **_reward_weights(loaded), **devices.manifest_entry(dev))
+                                       **_reward_weights(loaded), **devices.manifest_entry(dev),
+                                       **_reference_entry(upstream, cfg.policy))
     with artifacts.atomic_dir(cfg.out) as tmp:
         t.save(tmp, manifest, gathered)
     metrics_log.write({"stage": "update", "out": str(cfg.out), **metrics}, cfg.metrics, cfg.tensorboard)
     _show(metrics, inp, t.algo)
     distributed.barrier(dp)
     return cfg.out
+
+
+def _reference_entry(upstream: dict, policy: Path) -> dict:
+    """{'reference': {'path', 'fingerprint'}}: the frozen reference this checkpoint was trained against, so
+    that `score-ref` without --ref can find it: the input's (score-ref's --ref), else the one --policy records."""
+    from rlkit.io import artifacts, checkpoints
+
+    ref, fp = upstream.get("reference"), (upstream.get("inputs") or {}).get("ref")
+    if ref:
+        return {"reference": {"path": str(Path(ref).absolute()), "fingerprint": fp or artifacts.fingerprint(ref)}}
+    recorded = (checkpoints.load_manifest(policy) or {}).get("reference")
+    return {"reference": recorded} if isinstance(recorded, dict) else {}
 
 
 def _reward_weights(loaded) -> dict:
@@ -309,7 +322,7 @@ def _run_follow(cfg: UpdateConfig, inp, pending, weights: dict[str, float] | Non
             metrics.update(_drift(cfg, lora.plain_state_dict(t.model), upstream.get("reference"), ref_cache))
             manifest = artifacts.make_manifest(
                 "model", "update", cfg, inputs, step=step, metrics=metrics, **_reward_weights(loaded),
-                **devices.manifest_entry(dev), follow={"base": str(cfg.policy), "base_fingerprint": base_fp, "base_step": base_step})
+                **devices.manifest_entry(dev), **_reference_entry(upstream, cfg.policy), follow={"base": str(cfg.policy), "base_fingerprint": base_fp, "base_step": base_step})
             path = follow.publish(root, step, lambda tmp, m=manifest: t.save(tmp, m, t.gather(), write_manifest=False))
             pruned = follow.prune(root, keep) if keep is not None else []
             devices.release_cached(t.device)  # a sleeping vLLM on this GPU takes its memory back for the next batch

@@ -135,7 +135,7 @@ def test_every_recipe_runs_scaled_down(recipe, tmp_path):
 
 def _follow_recipe_beside_rlvr(runs: Path) -> None:
     """recipes/rlvr-follow.sh in the same RUNS (same SFT checkpoint and reference, skipped as up to date): at
-    LAG=0 one persistent pipe gives the weights rlvr.sh's per-round pipes gave; LAG=1 runs, and a rerun skips."""
+    LAG=0 one persistent pipe gives the weights rlvr.sh's per-round pipes gave; LAG=1 runs with the live evaluation."""
     import torch
     from safetensors.torch import load_file
 
@@ -157,8 +157,6 @@ def _follow_recipe_beside_rlvr(runs: Path) -> None:
     steps = [m for m in rows if m["stage"] == "update" and "lag_max" in m][-2:]
     assert [m["step"] for m in steps] == [1, 2] and [m["lag_max"] for m in steps] == [0, 1]
     assert [m["step"] for m in rows if m["stage"] == "eval"][-1] == 2
-    r = _run_recipe("rlvr-follow.sh", runs, LAG="1", EVAL_LIVE="1")
-    assert r.returncode == 0 and "skipping the pipe" in r.stderr.decode()
 
 
 def test_a_local_hugging_face_model_with_chat_data(tmp_path):

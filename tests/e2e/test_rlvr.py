@@ -1,9 +1,12 @@
 """The RLVR loop on the real tiny model: rollout | score-ref | update over real pipes."""
 
 import json
+import os
 import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -67,7 +70,7 @@ def test_old_logprobs_match_the_trainers_forward_pass(sft_dir, tmp_path):
 
 
 def test_the_pipe_from_the_users_card(sft_dir, ref_dir, tmp_path):
-    out = tmp_path / "ckpt2"
+    out = tmp_path / "ckpt"
     metrics = tmp_path / "m.jsonl"
     p1 = subprocess.Popen([*rlkit_cmd(), "rollout", "--policy", str(sft_dir), "--n", "8", "--task", "arithmetic",
                            "--num-prompts", "32"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -93,6 +96,25 @@ def test_the_pipe_from_the_users_card(sft_dir, ref_dir, tmp_path):
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert (out / "trainer" / "optimizer.safetensors").is_file()
     assert not list(out.glob("*.bin")) and not list(out.rglob("*.pt"))
+    assert m["reference"] == {"path": str(ref_dir.absolute()), "fingerprint": artifacts.fingerprint(ref_dir)}
+
+    # the card's line as written, without --ref: score-ref scores with the reference ckpt/ was trained against
+    card = "rlkit rollout --policy ckpt/ --n 8 | rlkit score-ref | rlkit update --policy ckpt/ --out ckpt2/"
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    r = subprocess.run(["bash", "-c", f"set -euo pipefail; {card}"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"score-ref: reference {ref_dir.absolute()} (recorded by ckpt)" in r.stderr
+    m2 = json.loads((tmp_path / "ckpt2" / "rlkit.json").read_text())
+    assert m2["step"] == 2 and m2["reference"] == m["reference"] and m2["metrics"]["kl_per_token"] >= 0
+
+    # an SFT checkpoint records no reference: the error says how to make one
+    roll = tmp_path / "sft-rollouts.arrow"
+    assert run_cli("rollout", "--policy", str(sft_dir), "--num-prompts", "2", "--n", "2", "--out",
+                   str(roll)).returncode == 0
+    line = one_error_line(run_cli("score-ref", "--in", str(roll), "--out", str(tmp_path / "s.arrow")))
+    assert f"`rlkit freeze-ref --policy {sft_dir} --out ref/` and pass `--ref ref/`" in line, line
+    assert not (tmp_path / "s.arrow").exists()
 
 
 def test_truncated_upstream_fails_downstream_and_writes_nothing(sft_dir, ref_dir, tmp_path):

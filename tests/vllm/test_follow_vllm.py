@@ -196,7 +196,21 @@ def check_sleep_is_skipped_on_the_cpu_backend(engine, ids) -> None:
     assert len(g.completion_ids) == 2 and all(math.isfinite(x) for lps in g.logprobs for x in lps)
 
 
+def check_seeded_sampling_is_reproducible(engine, ids) -> None:
+    """The same prompts and seed give the same samples and log-probs (each prompt's seed comes from --seed and
+    its position, so a rollout rerun gives the same table); another seed gives other samples."""
+    prompt, _ = ids
+    prompts = [prompt, prompt[:40], prompt[:20]]
+    a, b = (engine.sample(prompts, n=4, temperature=1.0, top_p=1.0, max_new_tokens=6, seed=11) for _ in range(2))
+    assert a.completion_ids == b.completion_ids
+    for x, y in zip(a.logprobs, b.logprobs, strict=True):
+        assert x == pytest.approx(y, abs=1e-6)
+    c = engine.sample(prompts, n=4, temperature=1.0, top_p=1.0, max_new_tokens=6, seed=12)
+    assert c.completion_ids != a.completion_ids
+
+
 def test_reload_switches_a_running_engine_to_new_weights(engine, hf, ids, sft_dir, perturbed_dir, tmp_path):
+    check_seeded_sampling_is_reproducible(engine, ids)
     check_sleep_is_skipped_on_the_cpu_backend(engine, ids)
     check_logprobs_follow_reloads(engine, hf, ids, sft_dir, perturbed_dir)
     check_sampling_after_reload(engine, hf, ids, perturbed_dir)
