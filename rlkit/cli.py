@@ -176,8 +176,23 @@ def _on_sigterm(signum, frame):
 
 def main(argv: list[str] | None = None) -> int:
     rc = _main(argv)
+    _leave_process_group()
     _exit_if_reader_blocked(rc)
     return rc
+
+
+def _leave_process_group() -> None:
+    """Under torchrun: destroy the process group before the interpreter exits. Left to interpreter exit, the
+    group's communication threads are torn down in no set order and a rank can abort ("terminate called
+    without an active exception", exit -6) after its stage has finished."""
+    if "torch.distributed" not in sys.modules:
+        return
+    try:
+        from rlkit.training import distributed
+
+        distributed.shutdown()
+    except Exception:  # noqa: BLE001 (the stage's result is decided; nothing here may change the exit code)
+        pass
 
 
 def _exit_if_reader_blocked(rc: int) -> None:
