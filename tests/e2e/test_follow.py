@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from rlkit.errors import RlkitError
 from rlkit.io import artifacts, follow
 
-from conftest import one_error_line, rlkit_cmd, run_cli
+from conftest import one_error_line, rlkit_cmd, run_cli, stage
 
 P, N = 8, 4  # prompts per step, samples per prompt: small, so a step takes about a second here
 UPDATE = ["--minibatch-size", "16", "--epochs", "2", "--seed", "0"]
@@ -45,12 +45,11 @@ def _pipe(sft, ref, root: Path, *, lag: int, steps: int, seed: int = 100, extra_
 
 
 def _scored(sft, ref, out: Path, prompts: int, seed: int) -> Path:
-    """A scored table of `prompts` x N rows, made by a real `rollout | score-ref` pipe."""
-    cmd = " ".join(rlkit_cmd())
-    r = subprocess.run(["bash", "-c", f"set -euo pipefail; {cmd} rollout --policy {sft} --num-prompts {prompts} "
-                        f"--n {N} --seed {seed} | {cmd} score-ref --ref {ref} --out {out}"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+    """A scored table of `prompts` x N rows: rollout, then score-ref, in this process (`stage`)."""
+    roll = out.with_name(out.stem + "-rollouts.arrow")
+    stage("rollout", "--policy", str(sft), "--num-prompts", str(prompts), "--n", str(N), "--seed", str(seed),
+          "--out", str(roll))
+    stage("score-ref", "--ref", str(ref), "--in", str(roll), "--out", str(out))
     return out
 
 

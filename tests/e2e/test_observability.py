@@ -12,7 +12,7 @@ from rlkit.io import checkpoints
 from rlkit.io.checkpoints import load_weights
 from rlkit.training.drift import model_drift, relative_drift
 
-from conftest import one_error_line, run_cli
+from conftest import one_error_line, run_cli, stage
 
 
 def test_relative_drift_by_hand():
@@ -44,10 +44,8 @@ def test_drift_grows_with_updates_and_metrics_reach_tensorboard(sft_dir, ref_dir
     assert model_drift(model, ref_dir) == 0.0  # the unchanged policy, against its own bf16 reference
 
     scored = tmp_path / "scored.arrow"
-    r = run_cli("rollout", "--policy", str(sft_dir), "--num-prompts", "16", "--n", "4", "--out", str(tmp_path / "r.arrow"))
-    assert r.returncode == 0, r.stderr
-    r = run_cli("score-ref", "--ref", str(ref_dir), "--in", str(tmp_path / "r.arrow"), "--out", str(scored))
-    assert r.returncode == 0, r.stderr
+    stage("rollout", "--policy", str(sft_dir), "--num-prompts", "16", "--n", "4", "--out", str(tmp_path / "r.arrow"))
+    stage("score-ref", "--ref", str(ref_dir), "--in", str(tmp_path / "r.arrow"), "--out", str(scored))
     metrics, tb = tmp_path / "m.jsonl", tmp_path / "tb"
     flags = ["--in", str(scored), "--lr", "1e-3", "--metrics", str(metrics), "--tensorboard", str(tb)]
     r = run_cli("update", "--policy", str(sft_dir), "--out", str(tmp_path / "u1"), *flags)

@@ -19,7 +19,7 @@ from rlkit.ops.logprobs import gather_logprobs
 from rlkit.training import Precision, TrainOptions
 from rlkit.training.trainer import Trainer
 
-from conftest import one_error_line, run_cli
+from conftest import one_error_line, run_cli, stage
 
 
 def test_half_precision_logprobs_keep_no_fp32_copy_and_match_autograd():
@@ -74,9 +74,8 @@ def test_fp16_loss_scaler_skips_an_overflowing_step_and_counts_it():
 
 
 def _rollouts(sft_dir, out, seed, num=12, n=4):
-    r = run_cli("rollout", "--policy", str(sft_dir), "--num-prompts", str(num), "--n", str(n), "--seed", str(seed),
-                "--out", str(out))
-    assert r.returncode == 0, r.stderr
+    stage("rollout", "--policy", str(sft_dir), "--num-prompts", str(num), "--n", str(n), "--seed", str(seed),
+          "--out", str(out))
     return out
 
 
@@ -149,15 +148,13 @@ def test_every_training_stage_runs_in_bf16_with_checkpointing(sft_dir, ref_dir, 
     assert m["metrics"]["train_loss"] == m["metrics"]["train_loss"]  # finite, not NaN
 
     prefs = tmp_path / "prefs.arrow"
-    r = run_cli("build-prefs", "--policy", str(sft_dir), "--num-prompts", "24", "--out", str(prefs))
-    assert r.returncode == 0, r.stderr
+    stage("build-prefs", "--policy", str(sft_dir), "--num-prompts", "24", "--out", str(prefs))
     r = run_cli("train-rm", "--base", str(sft_dir), "--prefs", str(prefs), "--epochs", "1", "--out",
                 str(tmp_path / "rm"), *half)
     assert r.returncode == 0, r.stderr
 
     roll = _rollouts(sft_dir, tmp_path / "r.arrow", seed=4, num=8)
-    scored = run_cli("score-ref", "--ref", str(ref_dir), "--in", str(roll), "--out", str(tmp_path / "s.arrow"))
-    assert scored.returncode == 0, scored.stderr
+    stage("score-ref", "--ref", str(ref_dir), "--in", str(roll), "--out", str(tmp_path / "s.arrow"))
     r = run_cli("update", "--policy", str(sft_dir), "--in", str(tmp_path / "s.arrow"), "--algo", "ppo",
                 "--minibatch-size", "16", "--out", str(tmp_path / "ppo"), *half)
     assert r.returncode == 0, r.stderr
@@ -165,8 +162,7 @@ def test_every_training_stage_runs_in_bf16_with_checkpointing(sft_dir, ref_dir, 
     m = json.loads((tmp_path / "ppo" / "rlkit.json").read_text())["metrics"]
     assert m["old_logprobs"] == "recompute" and m["value_loss"] == m["value_loss"]
 
-    sp = run_cli("score-ref", "--ref", str(ref_dir), "--in", str(prefs), "--out", str(tmp_path / "sp.arrow"))
-    assert sp.returncode == 0, sp.stderr
+    stage("score-ref", "--ref", str(ref_dir), "--in", str(prefs), "--out", str(tmp_path / "sp.arrow"))
     r = run_cli("update", "--policy", str(sft_dir), "--algo", "dpo", "--in", str(tmp_path / "sp.arrow"),
                 "--out", str(tmp_path / "dpo"), *half)
     assert r.returncode == 0, r.stderr

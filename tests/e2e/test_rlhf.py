@@ -14,7 +14,7 @@ from rlkit.io import artifacts
 from rlkit.tasks import get_task
 from rlkit.tasks import prefs as prefs_lib
 
-from conftest import one_error_line, run_cli
+from conftest import one_error_line, run_cli, stage
 
 pytestmark = pytest.mark.slow
 
@@ -112,7 +112,7 @@ def test_a_length_biased_reward_model_is_flagged(sft_dir, tmp_path):
 
 def test_reward_models_score_as_named_components_and_update_weighs_them(sft_dir, ref_dir, rm_dir, tmp_path):
     roll = tmp_path / "r.arrow"
-    assert run_cli("rollout", "--policy", str(sft_dir), "--num-prompts", "8", "--n", "4", "--out", str(roll)).returncode == 0
+    stage("rollout", "--policy", str(sft_dir), "--num-prompts", "8", "--n", "4", "--out", str(roll))
     scored = tmp_path / "s.arrow"
     r = run_cli("score-ref", "--ref", str(ref_dir), "--rm", f"helpful={rm_dir}", "--rm", str(rm_dir), "--in", str(roll),
                 "--out", str(scored))
@@ -257,11 +257,9 @@ def test_ppo_keeps_a_critic_in_the_checkpoint_and_resumes_it(sft_dir, ref_dir, r
 
     def scored(policy, seed):
         roll = tmp_path / f"r{seed}.arrow"
-        assert run_cli("rollout", "--policy", str(policy), "--num-prompts", "8", "--n", "4", "--seed", str(seed),
-                       "--out", str(roll)).returncode == 0
+        stage("rollout", "--policy", str(policy), "--num-prompts", "8", "--n", "4", "--seed", str(seed), "--out", str(roll))
         out = tmp_path / f"s{seed}.arrow"
-        r = run_cli("score-ref", "--ref", str(ref_dir), "--rm", f"rm={rm_dir}", "--in", str(roll), "--out", str(out))
-        assert r.returncode == 0, r.stderr
+        stage("score-ref", "--ref", str(ref_dir), "--rm", f"rm={rm_dir}", "--in", str(roll), "--out", str(out))
         return out
 
     m = tmp_path / "m.jsonl"
@@ -312,8 +310,7 @@ def test_sequential_ppo_updates_equal_one_process(sft_dir, tmp_path):
     rolls = []
     for seed in (1, 2):
         p = tmp_path / f"r{seed}.arrow"
-        assert run_cli("rollout", "--policy", str(sft_dir), "--num-prompts", "12", "--n", "4", "--seed", str(seed),
-                       "--out", str(p)).returncode == 0
+        stage("rollout", "--policy", str(sft_dir), "--num-prompts", "12", "--n", "4", "--seed", str(seed), "--out", str(p))
         rolls.append(p)
     flags = ["--algo", "ppo", "--beta", "0", "--minibatch-size", "16", "--epochs", "2", "--lr", "1e-3"]
     for src, pol, out in ((rolls[0], sft_dir, tmp_path / "u1"), (rolls[1], tmp_path / "u1", tmp_path / "u2")):

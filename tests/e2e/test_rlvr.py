@@ -14,15 +14,15 @@ import torch
 
 from rlkit.io import artifacts, checkpoints
 
-from conftest import one_error_line, rlkit_cmd, run_cli, updates_in_one_process
+from conftest import one_error_line, rlkit_cmd, run_cli, stage, updates_in_one_process
 
 pytestmark = pytest.mark.slow
 
 
 def _rollouts(sft_dir, out, seed=0, num=16, n=4, extra=()):
-    r = run_cli("rollout", "--policy", str(sft_dir), "--num-prompts", str(num), "--n", str(n), "--seed", str(seed),
-                "--out", str(out), *extra)
-    assert r.returncode == 0, r.stderr
+    """A rollouts table, made in this process (`stage`)."""
+    stage("rollout", "--policy", str(sft_dir), "--num-prompts", str(num), "--n", str(n), "--seed", str(seed),
+          "--out", str(out), *extra)
     return out
 
 
@@ -33,7 +33,9 @@ def _table_rows(path):
 
 def test_rollout_schema_and_determinism(sft_dir, tmp_path):
     a = _rollouts(sft_dir, tmp_path / "a.arrow", seed=3)
-    b = _rollouts(sft_dir, tmp_path / "b.arrow", seed=3)
+    b = tmp_path / "b.arrow"  # the command, in its own process: the same table
+    r = run_cli("rollout", "--policy", str(sft_dir), "--num-prompts", "16", "--n", "4", "--seed", "3", "--out", str(b))
+    assert r.returncode == 0, r.stderr
     c = _rollouts(sft_dir, tmp_path / "c.arrow", seed=4)
     rows = _table_rows(a)
     assert len(rows) == 16 * 4

@@ -11,7 +11,7 @@ from rlkit.algorithms.config import RLConfig
 from rlkit.errors import RlkitError, non_finite_cause
 from rlkit.io import artifacts
 
-from conftest import one_error_line, run_cli
+from conftest import one_error_line, run_cli, stage
 
 
 def _last_error_line(r) -> str:
@@ -141,8 +141,7 @@ def _edit(src, dst, column, fn):
 @pytest.mark.slow
 def test_update_names_the_non_finite_column_of_its_input(sft_dir, tmp_path):
     roll = tmp_path / "r.arrow"
-    r = run_cli("rollout", "--policy", str(sft_dir), "--num-prompts", "4", "--n", "4", "--out", str(roll))
-    assert r.returncode == 0, r.stderr
+    stage("rollout", "--policy", str(sft_dir), "--num-prompts", "4", "--n", "4", "--out", str(roll))
     out = tmp_path / "u"
     update = ("update", "--policy", str(sft_dir), "--out", str(out), "--beta", "0", "--old-logprobs", "engine")
 
