@@ -3,6 +3,9 @@
 #   docker run --gpus all --rm -v "$PWD/runs:/runs" rlkit:0.1.0 rollout --policy /runs/sft --n 8 --out /runs/r.arrow
 #   docker run --gpus all --rm --ipc=host -v "$PWD/runs:/runs" --entrypoint torchrun rlkit:0.1.0 \
 #     --nproc-per-node 8 -m rlkit update --policy /runs/sft --in /runs/scored.arrow --out /runs/round-1
+# Hub ids (`--model Qwen/Qwen2.5-0.5B-Instruct`) download into the container's Hugging Face cache; mount one
+# to keep them (-v "$HOME/.cache/huggingface:/home/rlkit/.cache/huggingface"), and add -e HF_HUB_OFFLINE=1
+# to run from that cache alone on a machine without network.
 # The base image brings CUDA, a CUDA build of torch and vLLM that match each other; rlkit adds its own
 # dependencies on top (pip keeps the image's torch and vllm when they satisfy rlkit's ranges).
 FROM vllm/vllm-openai:v0.11.0
@@ -10,8 +13,7 @@ FROM vllm/vllm-openai:v0.11.0
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    HF_HUB_OFFLINE=1
+    PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /opt/rlkit
 COPY pyproject.toml README.md ./

@@ -18,6 +18,7 @@ import typer
 
 from rlkit import __version__
 from rlkit.errors import DownstreamClosed, RlkitError
+from rlkit.options import ConfigFile, LogLevel, Quiet
 from rlkit.stages import (
     build_prefs,
     cat,
@@ -74,9 +75,12 @@ _COMMAND = None
 
 
 def command():
-    """The click command tree of `app`, built once, in which every float option (a float in a list or
-    tuple too) refuses NaN and inf with click's usage error, before any stage starts: a NaN passes
-    every `x < 0` range check, and no option gives NaN or inf a meaning."""
+    """The click command tree of `app`, built once, in which
+    - every float option (a float in a list or tuple too) refuses NaN and inf with click's usage error,
+      before any stage starts: a NaN passes every `x < 0` range check, and no option gives NaN or inf a meaning;
+    - every command takes `--config FILE` (rlkit.config_file): the file's values become the command's
+      defaults (click's `default_map`), so the command line wins over the file; and `--log-level`, `-q`;
+    - every command records its options, as given or defaulted, in the manifests it writes."""
     global _COMMAND
     if _COMMAND is None:
         group = typer.main.get_command(app)
@@ -84,8 +88,42 @@ def command():
             for p in cmd.params:
                 if _takes_floats(p):
                     p.callback = _finite(p.callback)
+        config, log_level, quiet = _shared_options()
+        for cmd in getattr(group, "commands", {}).values():
+            if not any("--config" in getattr(p, "opts", ()) for p in cmd.params):  # inspect's own --config flag
+                cmd.params.insert(0, config)
+            cmd.params += [log_level, quiet]
+            cmd.callback = _recording(cmd)
         _COMMAND = group
     return _COMMAND
+
+
+def _shared_options() -> list:
+    """The options every command takes, built by typer once and shared: `--config FILE` (options.ConfigFile:
+    eager, read before every other option, whose defaults it sets), `--log-level` and `-q/--quiet`."""
+    template = typer.Typer(add_completion=False)
+
+    @template.command()
+    def _c(_config: ConfigFile = None, _log_level: LogLevel = "info", _quiet: Quiet = False):
+        pass
+
+    return typer.main.get_command(template).params
+
+
+def _recording(cmd):
+    """`cmd`'s callback, run with its options recorded for the manifests it writes (keyed by the long
+    option's name: `in`, `minibatch_size`)."""
+    keys = {p.name: next((o[2:].replace("-", "_") for o in getattr(p, "opts", ()) if o.startswith("--")), p.name)
+            for p in cmd.params if p.name}
+    inner = cmd.callback
+
+    def run(**kwargs):
+        from rlkit.io.artifacts import command_options  # pyarrow: loaded when a stage runs, not for --help
+
+        with command_options({keys.get(k, k): v for k, v in kwargs.items()}):
+            return inner(**kwargs)
+
+    return run
 
 
 def _takes_floats(param) -> bool:

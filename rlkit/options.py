@@ -7,6 +7,39 @@ from typing import Annotated
 
 import typer
 
+from rlkit import config_file
+
+ConfigFile = Annotated[
+    Path | None,
+    typer.Option("--config", is_eager=True, expose_value=False, callback=config_file.apply, help=config_file.CONFIG_HELP),
+]
+def _log_level(ctx, param, value: str) -> None:
+    from rlkit import console
+
+    if value not in console.LEVELS:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(console.LEVELS)}", ctx=ctx, param=param)
+    ctx.meta["rlkit_log_level"] = value
+    _apply_level(ctx)
+
+
+def _quiet(ctx, param, value: bool) -> None:
+    if value:
+        ctx.meta["rlkit_quiet"] = True
+        _apply_level(ctx)
+
+
+def _apply_level(ctx) -> None:
+    """-q is --log-level warning, and wins over a lower --log-level, in whichever order they come."""
+    from rlkit import console
+
+    level = ctx.meta.get("rlkit_log_level", "info")
+    if ctx.meta.get("rlkit_quiet") and console.LEVELS.index(level) < console.LEVELS.index("warning"):
+        level = "warning"
+    console.set_level(level)
+
+
+LogLevel = Annotated[str, typer.Option("--log-level", is_eager=True, expose_value=False, callback=_log_level, help="debug, info, warning or error: rlkit's messages at this level and above on stderr; library logs (transformers, vLLM, datasets, torch) go through the same handler at warning, or at debug/error when asked. Errors always print; data on stdout is never touched.")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", is_eager=True, expose_value=False, callback=_quiet, help="Only warnings and errors (no progress, no summaries): --log-level warning.")]
 OutDir = Annotated[Path, typer.Option("--out", "-o", help="Output directory (written atomically).")]
 OutTable = Annotated[
     Path | None,

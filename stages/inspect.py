@@ -23,6 +23,7 @@ class InspectConfig:
     verify: bool = False
     as_json: bool = False
     check: bool = False
+    config: bool = False
 
 
 def is_current(path: Path) -> bool:
@@ -69,6 +70,8 @@ def run(cfg: InspectConfig) -> dict[str, Any]:
     from rlkit.io import artifacts, checkpoints
 
     p = cfg.path
+    if cfg.config:
+        return _print_config(p)
     if cfg.check:
         current = is_current(p)
         console.info(f"{p}: {'current' if current else 'missing or stale'}")
@@ -157,6 +160,27 @@ def run(cfg: InspectConfig) -> dict[str, Any]:
     return info
 
 
+def _print_config(p: Path) -> dict[str, Any]:
+    """`--config`: the options the artifact's command ran with, as a file `--config` reads (stdout)."""
+    import sys
+
+    from rlkit import config_file
+    from rlkit.errors import RlkitError
+    from rlkit.io import artifacts
+
+    if not p.exists():
+        raise RlkitError(f"{p}: no such file or directory")
+    manifest = artifacts.read_manifest(p)
+    if manifest is None:
+        raise RlkitError(f"{p} is not an rlkit artifact (neither a model directory nor an rlkit Arrow table)")
+    options = manifest.get("options")
+    if options is None:
+        raise RlkitError(f"{p} records no command-line options (made from Python, or by an older rlkit); "
+                         f"its settings are under config in `rlkit inspect {p} --json`")
+    sys.stdout.write(config_file.options_toml(manifest["command"], options, str(p)))
+    return options
+
+
 def _verify_now(p: Path, manifest: dict | None) -> None:
     """`--verify`: read every weights file now (no cache) and fail in one line unless each matches the
     sha256 its rlkit.json records."""
@@ -179,6 +203,7 @@ def command(
     verify: Annotated[bool, typer.Option("--verify", help="Read the weights now and compare their sha256 with the manifest; exit 2 on a mismatch (also with --check and --json).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON to stdout instead of tables.")] = False,
     check: Annotated[bool, typer.Option("--check", help="Only tell whether PATH exists and its inputs are unchanged: exit 0 if so, 1 if not (for scripts).")] = False,
+    config: Annotated[bool, typer.Option("--config", help="Print the options the command that made PATH ran with, as a TOML file that `--config` reads (`rlkit inspect CKPT --config > run.toml`, then e.g. `rlkit update --config run.toml --out next/`).")] = False,
 ) -> None:
     """Show an artifact's manifest, schema, rows, size, hash and lineage."""
-    run(InspectConfig(path=path, rows=rows, verify=verify, as_json=as_json, check=check))
+    run(InspectConfig(path=path, rows=rows, verify=verify, as_json=as_json, check=check, config=config))

@@ -93,7 +93,7 @@ def _score_prefs(cfg, reader, model, tokenizer, out, inputs) -> Path | None:
     manifest = artifacts.make_manifest("prefs", "score-ref", cfg, inputs,
                                        **devices.manifest_entry(devices.model_device(model)))
     rows = 0
-    with artifacts.write_table("prefs", out, manifest) as w:
+    with artifacts.write_table("prefs", out, manifest) as w, console.progress("score-ref", None, unit="pairs") as bar:
         for batch in reader:
             if rows == 0:
                 devices.announce("score-ref", devices.model_device(model), None)
@@ -105,6 +105,7 @@ def _score_prefs(cfg, reader, model, tokenizer, out, inputs) -> Path | None:
                 cols[f"ref_{side}_logp"] = pa.array([sum(x) for x in lps], pa.float64())
             w.write(pa.record_batch([cols[f.name] if f.name in cols else pa.nulls(batch.num_rows, f.type)
                                      for f in w.schema], schema=w.schema))
+            bar.advance(batch.num_rows)
             rows += batch.num_rows
         if rows == 0:
             raise RlkitError(f"{reader.label}: the prefs table has no rows")
@@ -277,12 +278,13 @@ def _score_stream(cfg: ScoreRefConfig, batches, w_args, model, tokenizer, temper
     `started()` is called once, when the first batch arrives (the stage's device line)."""
     import pyarrow as pa
 
+    from rlkit import console
     from rlkit.errors import RlkitError
     from rlkit.io import artifacts
     from rlkit.tasks import reward_fns
     from rlkit.tasks.reward_model import score_texts
 
-    with artifacts.write_table(*w_args) as w:
+    with artifacts.write_table(*w_args) as w, console.progress("score-ref", None, unit="rows") as bar:
         for batch in batches:
             if started is not None:
                 started()
@@ -300,6 +302,7 @@ def _score_stream(cfg: ScoreRefConfig, batches, w_args, model, tokenizer, temper
                     cols[f"reward/{f.name}"] = pa.array(f.score(rows, row0=w.rows), pa.float64())
             w.write(pa.record_batch([cols[f.name] if f.name in cols else pa.nulls(batch.num_rows, f.type)
                                      for f in w.schema], schema=w.schema))
+            bar.advance(batch.num_rows)
         if reader.rows == 0 and not empty_ok:
             raise RlkitError(f"{reader.label}: the rollouts table has no rows")
     return w.rows

@@ -54,6 +54,7 @@ class TrainRmConfig:
     trust_remote_code: bool = False
     verify: bool = True  # --no-verify: load without the weights' hash check (never for a reference)
     force: bool = False
+    metrics: Path | None = None  # append the run's metrics as one JSON line
 
 
 def run(cfg: TrainRmConfig) -> Path:
@@ -191,6 +192,10 @@ def _run(cfg: TrainRmConfig) -> Path:
                                        **devices.manifest_entry(dev))
     with artifacts.atomic_dir(cfg.out) as tmp:
         checkpoints.save_model(model, tok, tmp, manifest, state_dict=full)
+    if cfg.metrics is not None:
+        from rlkit.io import metrics_log
+
+        metrics_log.write({"stage": "train-rm", "out": str(cfg.out), "step": 0, **metrics}, cfg.metrics)
     _show(metrics, sanity)
     console.info(f"train-rm: -> {cfg.out}  " + json.dumps({"heldout_pair_accuracy": round(metrics["heldout_pair_accuracy"], 4)}))
     distributed.barrier(dp)
@@ -302,6 +307,7 @@ def command(
     margin: Annotated[float, typer.Option(help="Bradley-Terry margin: -log sigmoid(s_c - s_r - margin).")] = 0.0,
     max_length: Annotated[int, typer.Option(min=8, help="Longest prompt + response in tokens (keeps the end).")] = 256,
     seed: Seed = 0,
+    metrics: Annotated[Path | None, typer.Option(help="Append the run's metrics (held-out pair accuracy, loss, ...) as one JSON line to this file.")] = None,
     device: Device = "auto",
     dtype: TrainDtype = "auto",
     gradient_checkpointing: GradCheckpointing = False,
@@ -317,4 +323,5 @@ def command(
     run(TrainRmConfig(base=base, prefs=prefs, out=out, epochs=epochs, lr=lr, batch_size=batch_size, margin=margin,
                       max_length=max_length, seed=seed,
                       train=train_options(dtype, gradient_checkpointing, lora_rank, lora_alpha, lora_dropout, lora_targets),
-                      device=device, trust_remote_code=trust_remote_code, verify=not no_verify, force=force))
+                      device=device, trust_remote_code=trust_remote_code, verify=not no_verify, force=force,
+                      metrics=metrics))

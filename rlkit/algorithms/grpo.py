@@ -17,7 +17,7 @@ from rlkit import console
 from rlkit.algorithms.config import AlgoDefaults, RLConfig
 from rlkit.algorithms.inputs import RLBatch
 from rlkit.algorithms.policy_gradient import PGPlan, PolicyGradient
-from rlkit.ops.advantages import ADVANTAGES, GROUP_BASELINE
+from rlkit.ops.advantages import ADVANTAGES, GROUP_BASELINE, GroupCounts
 
 if TYPE_CHECKING:
     from rlkit.training.trainer import Trainer
@@ -35,6 +35,15 @@ class GroupAdvantage(PolicyGradient):
         adv = ADVANTAGES[self.estimator](rewards, batch.groups, lengths=batch.mask.sum(1))
         metrics["advantage_abs_mean"] = float(adv.abs().mean())
         return adv, {}
+
+    def check_signal(self, counts: GroupCounts) -> None:
+        """At least 90% of the groups of two or more samples with all-equal rewards: their advantages are 0,
+        so the batch teaches (almost) nothing. One line, with what to change."""
+        multi, flat = counts.groups - counts.singletons, counts.degenerate - counts.singletons
+        if self.estimator in GROUP_BASELINE and multi > 0 and flat >= 0.9 * multi:
+            console.warn(f"update: {flat} of {multi} groups ({flat / multi:.0%}) have all-equal rewards and give no "
+                         f"learning signal under --algo {self.name}; sample more varied completions (rollout "
+                         "--temperature, a larger --n) or use an easier task")
 
     def finish(self, trainer: Trainer, plan: PGPlan, sums: dict[str, float], maxes: dict[str, float]) -> dict[str, Any]:
         singletons = plan.metrics["singleton_groups"]

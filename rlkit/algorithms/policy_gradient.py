@@ -19,7 +19,7 @@ from rlkit.algorithms.base import Algorithm, Context, Minibatch, Plan, StepOut
 from rlkit.algorithms.config import RLConfig
 from rlkit.algorithms.inputs import RLBatch, Rollouts, batch_inputs, mismatch_metrics, recompute_logprobs
 from rlkit.errors import RlkitError
-from rlkit.ops.advantages import degenerate_groups
+from rlkit.ops.advantages import GroupCounts, degenerate_groups
 from rlkit.ops.kl import kl_per_token
 from rlkit.ops.logprobs import completion_logprobs
 from rlkit.ops.losses import (
@@ -112,11 +112,16 @@ class PolicyGradient(Algorithm):
         metrics.update(degenerate_group_fraction=counts.degenerate / max(1, counts.groups),
                        singleton_groups=counts.singletons, sequences=len(adv), sequences_trained=len(rows),
                        mean_response_tokens=float(host.mask.sum(1).float().mean()))
+        self.check_signal(counts)
         agg_weight = AGG_WEIGHTS[cfg.loss_agg]
         hmask = host.mask
         return PGPlan(cfg=cfg, batch=batch, ctx=ctx, rows=rows, weights={"loss": lambda r: agg_weight(hmask[r]),
                       **self.extra_weights(host)}, metrics=metrics, sums=SUMS + self.extra_sums, maxes=MAXES,
                       old_logp=old_logp, tis=tis, kl_coef=kl_coef, adv=adv, extra=extra)
+
+    def check_signal(self, counts: GroupCounts) -> None:
+        """Hook, called with the batch's group counts: an algorithm whose advantages need reward differences
+        inside a group warns when most groups have none."""
 
     def extra_weights(self, host: RLBatch) -> dict:
         """Per extra loss term: what it averages over (see `Plan.weights`), read from the batch on the host."""

@@ -12,6 +12,7 @@ Model directories are Hugging Face ``save_pretrained`` layouts plus ``rlkit.json
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import json
 import os
@@ -141,14 +142,32 @@ def jsonable(value: Any) -> Any:
     return value
 
 
+# The options of the `rlkit` command running in this process, as given or defaulted (set by rlkit.cli around
+# the stage; None when a stage runs from Python): recorded in every manifest it makes, so that
+# `rlkit inspect OUT --config` can write them back as a --config file.
+_OPTIONS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("rlkit_command_options", default=None)
+
+
+@contextmanager
+def command_options(options: Mapping[str, Any]) -> Iterator[None]:
+    token = _OPTIONS.set(jsonable(options))
+    try:
+        yield
+    finally:
+        _OPTIONS.reset(token)
+
+
 def make_manifest(kind: str, command: str, config: Any, inputs: Mapping[str, str], **extra: Any) -> dict:
-    """The manifest every artifact carries: what made it, from what, with which settings."""
+    """The manifest every artifact carries: what made it, from what, with which settings (and, made from the
+    command line, the command's options)."""
     k = KINDS.get(kind)
+    options = _OPTIONS.get()
     return {
         "kind": kind,
         "schema_version": k.version if k else 1,
         "command": command,
         "config": jsonable(config),
+        **({"options": options} if options is not None else {}),
         "inputs": dict(inputs),
         "rlkit_version": __version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

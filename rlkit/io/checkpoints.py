@@ -227,10 +227,13 @@ def _weights_dtype(sd: dict) -> str:
 
 
 def quiet_transformers() -> None:
-    """No per-load progress bars on stderr: stages print their own one-line summaries."""
+    """No per-load progress bars on stderr (stages print their own one-line summaries), and transformers'
+    log records go to Python's root logger: the command's one handler (rlkit.console.set_level)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
 
 
 def load_tokenizer(src: str | Path, trust_remote_code: bool = False):

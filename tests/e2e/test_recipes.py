@@ -86,7 +86,7 @@ def _run_recipe(name: str, runs: Path, **knobs: str):
 
 
 def test_every_recipe_is_tested():
-    assert set(RECIPES) == {"quickstart.sh", "rlvr.sh", "rlhf.sh", "reward-hacking.sh", "math.sh"}, \
+    assert set(RECIPES) == {"quickstart.sh", "rlvr.sh", "rlhf.sh", "reward-hacking.sh", "math.sh", "config.sh"}, \
         "a new recipe needs a test here"
     assert {p.name for p in (REPO / "recipes").glob("*.sh")} - set(RECIPES) == {"rlvr-follow.sh"}
 
@@ -98,11 +98,12 @@ def test_every_recipe_runs_scaled_down(recipe, tmp_path):
     # one round is enough to check the plumbing; math: a short SFT too
     # rlhf: one round; reward-hacking: one round of two of its beta runs
     knobs = {"reward-hacking.sh": {"ROUNDS": "1", "BETAS": "0.05 0"}, "rlhf.sh": {"ROUNDS": "1"},
-             "math.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "200", "N": "2"}}
+             "math.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "200", "N": "2"}, "config.sh": {"ROUNDS": "1"}}
     r = _run_recipe(recipe, runs, **knobs.get(recipe, {}))
     assert r.returncode == 0, f"{recipe}: {r.stderr.decode()[-2000:]}"
     # every RL recipe leaves one metrics file with held-out accuracy after every round, and its report
-    metrics = {"rlvr.sh": "metrics.jsonl", "rlhf.sh": "rlhf-metrics.jsonl", "math.sh": "metrics.jsonl"}.get(recipe)
+    metrics = {"rlvr.sh": "metrics.jsonl", "rlhf.sh": "rlhf-metrics.jsonl", "math.sh": "metrics.jsonl",
+               "config.sh": "metrics.jsonl"}.get(recipe)
     if metrics:
         rows = [json.loads(x) for x in (runs / metrics).read_text().splitlines()]
         rounds = int(knobs.get(recipe, {}).get("ROUNDS", 2))
@@ -115,6 +116,12 @@ def test_every_recipe_runs_scaled_down(recipe, tmp_path):
         ev = json.loads((runs / "eval-round-1.json").read_text())
         assert ev["n"] == sft["metrics"]["heldout_n"] and ev["samples"][0]["prompt"].startswith("Question: ")
         assert "after RL (1 rounds)" in r.stdout.decode()
+    if recipe == "config.sh":  # settings from recipes/rlvr.toml, the knobs' flags over them, written back
+        opts = json.loads((runs / "round-1" / "rlkit.json").read_text())["options"]
+        assert opts["lr"] == 5e-5 and opts["minibatch_size"] == 128 and opts["kl_estimator"] == "k3+"  # the file's
+        rolled = json.loads((runs / "round-1" / "rlkit.json").read_text())["metrics"]["sequences"]
+        assert rolled == 16 * 4  # PROMPTS x N from the command line, not the file's 512 x 8
+        assert "[update]" in r.stdout.decode() and "minibatch_size = 128" in r.stdout.decode()
     if recipe == "reward-hacking.sh":  # beta runs from one SFT checkpoint, one report of them all
         for beta in ("0.05", "0"):
             rows = [json.loads(x) for x in (runs / f"beta-{beta}" / "metrics.jsonl").read_text().splitlines()]

@@ -102,12 +102,14 @@ def test_a_length_biased_reward_model_is_flagged(sft_dir, tmp_path):
     assert run_cli("build-prefs", "--bias", "length", "--num-prompts", "160", "--eval-fraction", "0.2",
                    "--out", str(biased)).returncode == 0
     r = run_cli("train-rm", "--base", str(sft_dir), "--prefs", str(biased), "--out", str(tmp_path / "rm"),
-                "--epochs", "2")
+                "--epochs", "2", "--metrics", str(tmp_path / "m.jsonl"))
     assert r.returncode == 0, r.stderr
     m = json.loads((tmp_path / "rm" / "rlkit.json").read_text())
     assert m["sanity"]["length_correlation"] > 0.5 and m["sanity"]["length_bias_warning"] is True
     assert m["metrics"]["heldout_pair_accuracy"] > 0.9  # length is easy to learn
     assert "LENGTH BIAS" in r.stderr.decode()
+    row = json.loads((tmp_path / "m.jsonl").read_text())  # --metrics: one line, the manifest's figures
+    assert row["stage"] == "train-rm" and row["heldout_pair_accuracy"] == m["metrics"]["heldout_pair_accuracy"]
 
 
 def test_reward_models_score_as_named_components_and_update_weighs_them(sft_dir, ref_dir, rm_dir, tmp_path):

@@ -1,0 +1,124 @@
+"""--config FILE (TOML/YAML) on every command, and `rlkit inspect PATH --config` writing it back."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from rlkit import config_file
+from rlkit.cli import command
+from rlkit.io import artifacts
+
+from conftest import run_cli, stage
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+
+def _params(name: str) -> list:
+    return command().commands[name].params
+
+
+def test_every_command_but_inspect_takes_config_and_inspect_has_its_flag():
+    group = command()
+    for name, cmd in group.commands.items():
+        opts = [p for p in cmd.params if "--config" in getattr(p, "opts", ())]
+        assert len(opts) == 1, name
+        assert opts[0].is_flag == (name == "inspect"), name
+
+
+def test_keys_by_name_or_option_spelling_and_command_tables():
+    others = {n: c.params for n, c in command().commands.items() if n != "update"}
+    data = {"minibatch-size": 8, "in": "r.arrow", "seed": 3, "num_prompts": 64,  # num_prompts: rollout's
+            "update": {"lr": 0.5, "reward": ["verifier=1"]}, "rollout": {"n": 2}}
+    got = config_file.defaults_for(data, "update", _params("update"), others)
+    assert got == {"minibatch_size": 8, "inp": "r.arrow", "seed": 3, "lr": 0.5, "reward": ["verifier=1"]}
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ({"minibatch": 8}, "unknown key 'minibatch': `rlkit update` has no option --minibatch; did you mean 'minibatch_size'?"),
+    ({"update": {"num_prompts": 8}}, "unknown key '[update] num_prompts'"),  # in the command's own table: strict
+    ({"updte": {"lr": 1}}, "[updte] is not a command's table"),
+    ({"update": {"lr": {"x": 1}}}, "key '[update] lr': expected a value, not a table"),
+])
+def test_an_unknown_key_names_itself_and_the_closest_option(data, message):
+    others = {n: c.params for n, c in command().commands.items() if n != "update"}
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        config_file.defaults_for(data, "update", _params("update"), others)
+
+
+def test_read_toml_and_yaml_and_refuse_the_rest(tmp_path):
+    (tmp_path / "a.toml").write_text('lr = 0.5\nreward = ["a=1"]\n')
+    (tmp_path / "a.yaml").write_text("lr: 0.5\nreward: [a=1]\n")
+    assert config_file.read(tmp_path / "a.toml") == config_file.read(tmp_path / "a.yaml") == {"lr": 0.5, "reward": ["a=1"]}
+    (tmp_path / "bad.toml").write_text("lr = \n")
+    with pytest.raises(ValueError, match="not valid TOML"):
+        config_file.read(tmp_path / "bad.toml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match="expected a table"):
+        config_file.read(tmp_path / "list.yaml")
+    (tmp_path / "a.json").write_text("{}")
+    with pytest.raises(ValueError, match="expected a .toml, .yaml or .yml file"):
+        config_file.read(tmp_path / "a.json")
+
+
+def test_options_toml_reads_back_as_the_same_values():
+    opts = {"policy": "runs/sft", "in": "r \"1\".arrow", "lr": 5e-05, "epochs": 2, "follow": False, "reward": ["verifier=1", "rm:h=0.5"],
+            "beta": None, "tis_cap": None, "lora_targets": None, "clip_high": 0.28}
+    text = config_file.options_toml("update", opts, "ckpt")
+    back = tomllib.loads(text)["update"]
+    assert back == {k: v for k, v in opts.items() if v is not None}
+
+
+def test_the_command_line_wins_over_the_file_and_inspect_writes_it_back(tmp_path):
+    (tmp_path / "run.toml").write_text('task = "arithmetic"\nseed = 7\n[prompts]\nnum = 6\nsplit = "heldout"\n')
+    a = tmp_path / "a.arrow"
+    r = run_cli("prompts", "--config", str(tmp_path / "run.toml"), "--num", "4", "--out", str(a))
+    assert r.returncode == 0, r.stderr
+    m = artifacts.read_manifest(a)
+    assert "config" not in m["options"]  # the file's values are recorded, not the file
+    assert m["options"]["num"] == 4 and m["options"]["seed"] == 7 and m["options"]["split"] == "heldout"
+    t, _ = artifacts.read_table(a, ["prompts"])
+    assert t.num_rows == 4
+
+    r = run_cli("inspect", str(a), "--config")
+    assert r.returncode == 0, r.stderr
+    (tmp_path / "back.toml").write_text(r.stdout.decode())
+    b = tmp_path / "b.arrow"
+    r = run_cli("prompts", "--config", str(tmp_path / "back.toml"), "--out", str(b))
+    assert r.returncode == 0, r.stderr
+    tb, _ = artifacts.read_table(b, ["prompts"])
+    assert tb.to_pylist() == t.to_pylist()
+
+    r = run_cli("prompts", "--config", str(tmp_path / "nope.toml"), "--out", str(tmp_path / "c.arrow"))
+    assert r.returncode == 2 and b"cannot read it" in r.stderr and not (tmp_path / "c.arrow").exists()
+    (tmp_path / "typo.toml").write_text("nmu = 3\n")
+    r = run_cli("prompts", "--config", str(tmp_path / "typo.toml"), "--out", str(tmp_path / "c.arrow"))
+    assert r.returncode == 2 and "did you mean 'num'?" in r.stderr.decode() and not (tmp_path / "c.arrow").exists()
+    assert json.loads(run_cli("inspect", str(a), "--json").stdout)["manifest"]["options"]["num"] == 4
+
+
+@pytest.mark.slow
+def test_update_from_its_checkpoints_config_gives_the_same_weights(sft_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    roll = tmp_path / "r.arrow"
+    stage("rollout", "--policy", str(sft_dir), "--num-prompts", "8", "--n", "4", "--seed", "2", "--out", str(roll))
+    u1, u2 = tmp_path / "u1", tmp_path / "u2"
+    r = run_cli("update", "--policy", str(sft_dir), "--in", str(roll), "--out", str(u1), "--lr", "1e-3", "--beta", "0",
+                "--minibatch-size", "8", "--seed", "5", "--length-penalty", "0.05")
+    assert r.returncode == 0, r.stderr
+    r = run_cli("inspect", str(u1), "--config")
+    assert r.returncode == 0, r.stderr
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(r.stdout.decode())
+    assert tomllib.loads(cfg.read_text())["update"]["minibatch_size"] == 8
+    r = run_cli("update", "--config", str(cfg), "--out", str(u2))
+    assert r.returncode == 0, r.stderr
+    a, b, w0 = (load_file(str(d / "model.safetensors")) for d in (u1, u2, sft_dir))
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    assert any(not (a[k] == w0[k]).all() for k in a)  # it trained
