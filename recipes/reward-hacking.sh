@@ -41,7 +41,7 @@ rlkit sft --task "$SFT_TASK" --num-examples "$SFT_EXAMPLES" --eval-num "$EVAL_NU
 rlkit build-prefs --policy "$RUNS/sft" --task "$TASK" --num-prompts "$PREF_PROMPTS" --n "$PREF_N" --bias length \
   --max-new-tokens "$MAX_NEW_TOKENS" \
   --seed "$SEED" --out "$RUNS/prefs-length-biased.arrow"
-rlkit train-rm --base "$RUNS/sft" --prefs "$RUNS/prefs-length-biased.arrow" --epochs "$RM_EPOCHS" --seed "$SEED" \
+rlkit train-rm --model "$RUNS/sft" --prefs "$RUNS/prefs-length-biased.arrow" --epochs "$RM_EPOCHS" --seed "$SEED" \
   --out "$RUNS/rm-length-biased"
 rlkit freeze-ref --policy "$RUNS/sft" --out "$RUNS/ref" --dtype bf16
 
@@ -50,7 +50,7 @@ sft_eval="$RUNS/eval-sft.jsonl"
 sft_knobs="sft_task=$SFT_TASK sft_examples=$SFT_EXAMPLES task=$TASK eval_num=$EVAL_NUM max_new=$MAX_NEW_TOKENS pref_prompts=$PREF_PROMPTS pref_n=$PREF_N rm_epochs=$RM_EPOCHS seed=$SEED"
 if [ ! -s "$sft_eval" ] || [ "$(cat "$sft_eval.knobs" 2>/dev/null)" != "$sft_knobs" ]; then
   rm -f "$sft_eval" "$sft_eval.tmp"
-  rlkit eval --policy "$RUNS/sft" --task "$TASK" --num "$EVAL_NUM" --max-new-tokens "$MAX_NEW_TOKENS" --rm "$RUNS/rm-length-biased" \
+  rlkit eval --policy "$RUNS/sft" --task "$TASK" --num-prompts "$EVAL_NUM" --max-new-tokens "$MAX_NEW_TOKENS" --rm "$RUNS/rm-length-biased" \
     --label sft --metrics "$sft_eval.tmp" --json > /dev/null
   mv "$sft_eval.tmp" "$sft_eval"
   echo "$sft_knobs" > "$sft_eval.knobs"
@@ -79,7 +79,7 @@ for beta in $BETAS; do
         | rlkit score-ref --ref "$RUNS/ref" --rm "lenbias=$RUNS/rm-length-biased" \
         | rlkit update --algo "$ALGO" --policy "$policy" --out "$out" --lr "$LR" --epochs "$EPOCHS" \
             --minibatch-size "$MINIBATCH" --beta "$beta" --reward rm:lenbias=1 --seed "$SEED" --metrics "$metrics"
-      rlkit eval --policy "$out" --task "$TASK" --num "$EVAL_NUM" --max-new-tokens "$MAX_NEW_TOKENS" --rm "$RUNS/rm-length-biased" --label "round-$i" \
+      rlkit eval --policy "$out" --task "$TASK" --num-prompts "$EVAL_NUM" --max-new-tokens "$MAX_NEW_TOKENS" --rm "$RUNS/rm-length-biased" --label "round-$i" \
         --metrics "$metrics" --json > /dev/null
       echo "$knobs" > "$out.knobs"
     fi

@@ -50,9 +50,9 @@ METRICS="$RUNS/rlhf-metrics.jsonl"
 rlkit sft --task "$TASK" --num-examples "$SFT_EXAMPLES" --eval-num "$EVAL_NUM" --seed "$SEED" --out "$RUNS/sft"
 rlkit build-prefs --policy "$RUNS/sft" --task "$TASK" --num-prompts "$PREF_PROMPTS" --n "$PREF_N" --seed "$SEED" \
   --out "$RUNS/prefs.arrow"
-rlkit train-rm --base "$RUNS/sft" --prefs "$RUNS/prefs.arrow" --epochs "$RM_EPOCHS" --seed "$SEED" --out "$RUNS/rm"
+rlkit train-rm --model "$RUNS/sft" --prefs "$RUNS/prefs.arrow" --epochs "$RM_EPOCHS" --seed "$SEED" --out "$RUNS/rm"
 rlkit freeze-ref --policy "$RUNS/sft" --out "$RUNS/ref" --dtype bf16
-rlkit eval --policy "$RUNS/sft" --task "$TASK" --num "$EVAL_NUM" --rm "$RUNS/rm" --label sft --json \
+rlkit eval --policy "$RUNS/sft" --task "$TASK" --num-prompts "$EVAL_NUM" --rm "$RUNS/rm" --label sft --json \
   --metrics "$METRICS" > "$RUNS/rlhf-eval-sft.json"
 
 knobs="task=$TASK prompts=$PROMPTS n=$N max_new=$MAX_NEW_TOKENS lr=$LR epochs=$EPOCHS mb=$MINIBATCH beta=$BETA target_kl=$TARGET_KL reward=$REWARD critic=$CRITIC_INIT seed=$SEED"
@@ -75,7 +75,7 @@ for i in $(seq 1 "$ROUNDS"); do
   fi
   policy="$out"
   if [ ! -s "$RUNS/rlhf-eval-round-$i.json" ]; then  # held-out accuracy and RM score after every round
-    rlkit eval --policy "$out" --task "$TASK" --num "$EVAL_NUM" --rm "$RUNS/rm" --label "ppo-round-$i" --json \
+    rlkit eval --policy "$out" --task "$TASK" --num-prompts "$EVAL_NUM" --rm "$RUNS/rm" --label "ppo-round-$i" --json \
       --metrics "$METRICS" > "$RUNS/rlhf-eval-round-$i.json.tmp"
     mv "$RUNS/rlhf-eval-round-$i.json.tmp" "$RUNS/rlhf-eval-round-$i.json"
   fi

@@ -54,7 +54,7 @@ timed() {
 
 timed sft rlkit sft --task "$TASK" --num-examples "$SFT_EXAMPLES" --eval-num "$EVAL_NUM" --seed "$SEED" --out "$RUNS/sft"
 timed freeze-ref rlkit freeze-ref --policy "$RUNS/sft" --out "$RUNS/ref" --dtype bf16
-timed eval-sft rlkit eval --policy "$RUNS/sft" --task "$TASK" --num "$EVAL_NUM" --label sft --json \
+timed eval-sft rlkit eval --policy "$RUNS/sft" --task "$TASK" --num-prompts "$EVAL_NUM" --label sft --json \
   --metrics "$RUNS/metrics.jsonl" > "$RUNS/eval-sft.json"
 
 CKPTS="$RUNS/ckpts"
@@ -69,7 +69,7 @@ last_step() { local l; l=$(readlink "$CKPTS/latest" 2>/dev/null) || { echo 0; re
 eval_step() {
   local i=$1
   [ -s "$RUNS/eval-step-$i.json" ] && return 0
-  rlkit eval --policy "$CKPTS/$(printf 'step-%06d' "$i")" --task "$TASK" --num "$EVAL_NUM" --label "step-$i" --json \
+  rlkit eval --policy "$CKPTS/$(printf 'step-%06d' "$i")" --task "$TASK" --num-prompts "$EVAL_NUM" --label "step-$i" --json \
     --metrics "$RUNS/metrics.jsonl" > "$RUNS/eval-step-$i.json.tmp"
   mv "$RUNS/eval-step-$i.json.tmp" "$RUNS/eval-step-$i.json"
 }

@@ -50,7 +50,7 @@ timed() {
 timed sft rlkit sft --model "$MODEL" --task "$TASK" --num-examples "$SFT_EXAMPLES" --eval-num "$EVAL_NUM" --seed "$SEED" \
   --out "$RUNS/sft"
 timed freeze-ref rlkit freeze-ref --policy "$RUNS/sft" --out "$RUNS/ref" --dtype bf16
-timed eval-sft rlkit eval --policy "$RUNS/sft" --task "$TASK" --num "$EVAL_NUM" --max-new-tokens "$MAX_NEW_TOKENS" --label sft --json \
+timed eval-sft rlkit eval --policy "$RUNS/sft" --task "$TASK" --num-prompts "$EVAL_NUM" --max-new-tokens "$MAX_NEW_TOKENS" --label sft --json \
   --metrics "$RUNS/metrics.jsonl" > "$RUNS/eval-sft.json"
 
 knobs="task=$TASK prompts=$PROMPTS n=$N max_new=$MAX_NEW_TOKENS algo=$ALGO lr=$LR epochs=$EPOCHS mb=$MINIBATCH beta=$BETA kl=$KL temp=$TEMPERATURE drop=$DROP_DEGENERATE dual=$DUAL_CLIP seed=$SEED"
@@ -77,7 +77,7 @@ for i in $(seq 1 "$ROUNDS"); do
   # held-out accuracy after every round, beside the update's reward, KL and length in the same metrics file
   if [ ! -s "$RUNS/eval-round-$i.json" ]; then
     t0=$(now)
-    rlkit eval --policy "$out" --task "$TASK" --num "$EVAL_NUM" --max-new-tokens "$MAX_NEW_TOKENS" --label "round-$i" --json \
+    rlkit eval --policy "$out" --task "$TASK" --num-prompts "$EVAL_NUM" --max-new-tokens "$MAX_NEW_TOKENS" --label "round-$i" --json \
       --metrics "$RUNS/metrics.jsonl" > "$RUNS/eval-round-$i.json.tmp"
     mv "$RUNS/eval-round-$i.json.tmp" "$RUNS/eval-round-$i.json"
     eval_secs=$(awk -v e="${eval_secs:-0}" -v a="$t0" -v b="$(now)" 'BEGIN{printf "%.2f", e+b-a}')

@@ -18,7 +18,7 @@ import typer
 
 from rlkit import __version__
 from rlkit.errors import DownstreamClosed, RlkitError
-from rlkit.options import ConfigFile, LogLevel, Quiet
+from rlkit.options import HELP_PANELS_FROM, PANEL_OF, ConfigFile, LogLevel, Quiet, modernize
 from rlkit.stages import (
     build_prefs,
     cat,
@@ -39,7 +39,7 @@ app = typer.Typer(
     help="Composable stages for RL post-training of language models. Tables are Arrow streams; "
     "models are Hugging Face directories; stages chain over pipes.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # rlkit --install-completion [bash|zsh|fish|powershell]
     pretty_exceptions_enable=False,
 )
 
@@ -80,7 +80,8 @@ def command():
       before any stage starts: a NaN passes every `x < 0` range check, and no option gives NaN or inf a meaning;
     - every command takes `--config FILE` (rlkit.config_file): the file's values become the command's
       defaults (click's `default_map`), so the command line wins over the file; and `--log-level`, `-q`;
-    - every command records its options, as given or defaulted, in the manifests it writes."""
+    - every command records its options, as given or defaulted, in the manifests it writes;
+    - the options of a command with many are grouped in --help (options.PANELS)."""
     global _COMMAND
     if _COMMAND is None:
         group = typer.main.get_command(app)
@@ -94,6 +95,10 @@ def command():
                 cmd.params.insert(0, config)
             cmd.params += [log_level, quiet]
             cmd.callback = _recording(cmd)
+            if len(cmd.params) > HELP_PANELS_FROM:
+                for p in cmd.params:
+                    if getattr(p, "rich_help_panel", None) is None and p.name in PANEL_OF and p not in (config, log_level, quiet):
+                        p.rich_help_panel = PANEL_OF[p.name]
         _COMMAND = group
     return _COMMAND
 
@@ -256,6 +261,7 @@ def _main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get("RLKIT_DEBUG", "") not in ("", "0") or "--debug" in args
     args = [a for a in args if a != "--debug"]
+    args = modernize(args, lambda line: print(line, file=sys.stderr))
     signal.signal(signal.SIGTERM, _on_sigterm)
     # Stages in a pipe share the cores: idle OpenMP threads must sleep, not spin (before torch loads).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -41,7 +41,8 @@ def set_level(name: str) -> None:
         os.environ[var] = case(lib)
     os.environ["VLLM_CONFIGURE_LOGGING"] = "0"  # vLLM's loggers propagate to the root logger's handler
     root = logging.getLogger()
-    root.handlers[:] = [RichHandler(console=err, show_time=False, show_path=False, markup=False)]
+    if not any(isinstance(h, RichHandler) for h in root.handlers):  # once per process
+        root.addHandler(RichHandler(console=_warnings, show_time=False, show_path=False, markup=False))
     root.setLevel(getattr(logging, lib.upper()))
 
 

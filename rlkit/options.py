@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -73,12 +73,86 @@ NoVerify = Annotated[bool, typer.Option("--no-verify", help="Load policy and rew
 # Where the models run (every stage that runs one): see rlkit.devices
 Device = Annotated[str, typer.Option("--device", help="Where the models run: auto (cuda:LOCAL_RANK under torchrun, else cuda when a GPU is visible, else cpu), cpu, cuda or cuda:N.")]
 # Training numerics (sft, train-rm, update): see rlkit.training
-TrainDtype = Annotated[str, typer.Option("--dtype", help="Compute dtype: auto (bf16 on a GPU with bf16 kernels, fp32 on the CPU), fp32, bf16 or fp16. bf16/fp16 run the forward and backward under autocast over fp32 master weights and fp32 AdamW state (the saved checkpoint is fp32); fp16 adds a dynamic loss scale. See docs/precision-lora.md.")]
+TrainDtype = Annotated[Literal["auto", "fp32", "bf16", "fp16"], typer.Option("--dtype", help="Compute dtype: auto (bf16 on a GPU with bf16 kernels, fp32 on the CPU), fp32, bf16 or fp16. bf16/fp16 run the forward and backward under autocast over fp32 master weights and fp32 AdamW state (the saved checkpoint is fp32); fp16 adds a dynamic loss scale. See docs/precision-lora.md.")]
 GradCheckpointing = Annotated[bool, typer.Option("--gradient-checkpointing", help="Recompute activations in backward (transformers' non-reentrant gradient checkpointing): less memory, ~30% more compute.")]
 LoraRank = Annotated[int | None, typer.Option("--lora-rank", help="Train a LoRA adapter of this rank (peft) instead of every weight; the checkpoint holds the adapter in PEFT's layout plus the base model's path and hashes.")]
 LoraAlpha = Annotated[float | None, typer.Option("--lora-alpha", help="LoRA scaling alpha (default 2 x --lora-rank).")]
 LoraDropout = Annotated[float, typer.Option("--lora-dropout", help="LoRA dropout on the adapter's input.")]
 LoraTargets = Annotated[str | None, typer.Option("--lora-targets", help="Comma-separated module names to adapt, e.g. q_proj,v_proj (default: every linear layer of the blocks, not the output head).")]
+
+
+# One name per concept across the commands. Old spellings keep working, hidden from --help, with one
+# deprecation line each (rlkit.cli rewrites them before parsing): command -> {old option: new option}.
+RENAMED: dict[str, dict[str, str]] = {
+    "prompts": {"--num": "--num-prompts", "-n": "--num-prompts"},
+    "eval": {"--num": "--num-prompts", "-n": "--num-prompts"},
+    "sft": {"--max-len": "--max-length", "--warmup": "--warmup-ratio"},
+    "train-rm": {"--base": "--model"},
+}
+# ... and old values of an option: command -> {option: {old value: new value}}.
+RENAMED_VALUES: dict[str, dict[str, dict[str, str]]] = {
+    "rollout": {"--dtype": {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}},
+}
+
+
+# `--help` groups the options of every command with more than HELP_PANELS_FROM of them into these panels
+# (rich_help_panel), by parameter name; tests/unit/test_vocabulary.py checks that none is left out.
+HELP_PANELS_FROM = 12
+PANELS: dict[str, tuple[str, ...]] = {
+    "Model": ("policy", "model", "base", "ref", "rm", "layers", "hidden", "trust_remote_code", "no_verify"),
+    "Data": ("task", "data", "prompts", "prompt_column", "completion_column", "answer_column", "chosen_column",
+             "rejected_column", "source", "prefs", "inp", "split", "num", "num_prompts", "num_examples", "n",
+             "eval_num", "eval_fraction", "bias", "max_len", "max_length", "reward_fn", "reward_timeout"),
+    "Algorithm": ("algo", "clip_low", "clip_high", "dual_clip", "loss_agg", "drop_degenerate", "reward",
+                  "length_penalty", "gamma", "lam", "vf_clip", "critic_lr", "critic_init", "old_logprobs", "tis_cap",
+                  "margin"),
+    "KL": ("beta", "kl_estimator", "kl_in", "target_kl", "max_drift"),
+    "Optimization": ("lr", "epochs", "minibatch_size", "batch_size", "batch_tokens", "grad_clip", "warmup_steps",
+                     "warmup", "weight_decay", "seed"),
+    "Sampling": ("temperature", "top_p", "max_new_tokens"),
+    "Engine": ("engine", "tp", "gpu_memory_utilization", "colocate", "max_model_len", "enforce_eager", "vllm_lora",
+               "shard"),
+    "Precision & memory": ("device", "dtype", "gradient_checkpointing"),
+    "LoRA": ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets"),
+    "Follow": ("follow", "batch_prompts", "max_lag", "max_steps", "keep"),
+    "Output & tracking": ("out", "metrics", "tensorboard", "as_json", "label", "force"),
+    "Run": ("_config", "_log_level", "_quiet"),
+}
+PANEL_OF = {name: panel for panel, names in PANELS.items() for name in names}
+
+
+def modernize(args: list[str], warn) -> list[str]:
+    """`args` (a command line after `rlkit`) with the old spellings of RENAMED and RENAMED_VALUES replaced;
+    `warn(line)` is called once per old spelling met. Stops at `--`."""
+    out = list(args)
+    cmd = next((a for a in out if not a.startswith("-")), None)
+    names, values = RENAMED.get(cmd or "", {}), RENAMED_VALUES.get(cmd or "", {})
+    if not (names or values):
+        return out
+    said: set[str] = set()
+    i = out.index(cmd) + 1
+    while i < len(out):
+        a = out[i]
+        if a == "--":
+            break
+        opt, eq, val = a.partition("=") if a.startswith("--") else (a, "", "")
+        if opt in names:
+            if opt not in said:
+                warn(f"rlkit {cmd}: {opt} is deprecated; use {names[opt]}")
+                said.add(opt)
+            opt = names[opt]
+            out[i] = f"{opt}{eq}{val}" if eq else opt
+        if opt in values:
+            j, v = (i, val) if eq else (i + 1, out[i + 1] if i + 1 < len(out) else None)
+            new = values[opt].get(v) if v is not None else None
+            if new is not None:
+                if f"{opt}={v}" not in said:
+                    warn(f"rlkit {cmd}: {opt} {v} is deprecated; use {opt} {new}")
+                    said.add(f"{opt}={v}")
+                out[j] = f"{opt}={new}" if eq else new
+            i = j
+        i += 1
+    return out
 
 
 def train_options(dtype: str, gradient_checkpointing: bool, lora_rank: int | None, lora_alpha: float | None,

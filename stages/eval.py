@@ -124,7 +124,7 @@ def command(
     prompts: Annotated[str | None, typer.Option(help="Prompts file (.arrow/.parquet/.jsonl), '-' for a table on stdin, or a datasets spec, instead of the task's held-out split.")] = None,
     prompt_column: PromptColumn = "prompt",
     answer_column: AnswerColumn = "answer",
-    num: Annotated[int, typer.Option("--num", "-n", min=1, help="Number of held-out prompts.")] = EvalConfig.num,
+    num: Annotated[int, typer.Option("--num-prompts", min=1, help="Number of held-out prompts.")] = EvalConfig.num,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Longest response, in tokens.")] = EvalConfig.max_new_tokens,
     batch_tokens: Annotated[int, typer.Option(min=16, help="Token budget per generation batch.")] = EvalConfig.batch_tokens,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON to stdout instead of tables.")] = False,

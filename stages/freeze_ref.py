@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -137,7 +137,7 @@ def _link(cfg: FreezeRefConfig, tmp: Path, manifest: dict) -> dict:
 def command(
     policy: PolicyDir,
     out: OutDir,
-    dtype: Annotated[str | None, typer.Option(help="Reference dtype: fp32, bf16 or fp16 (default bf16; with --link the stored one).")] = None,
+    dtype: Annotated[Literal["fp32", "bf16", "fp16"] | None, typer.Option(help="Reference dtype: fp32, bf16 or fp16 (default bf16; with --link the stored one).")] = None,
     link: Annotated[bool, typer.Option("--link", help="Hard-link the policy's weights instead of writing a copy (no extra disk: the reference of a LoRA run is its base); same filesystem, stored dtype, still hash-checked. Not for a LoRA checkpoint, which freezes merged.")] = False,
     trust_remote_code: TrustRemoteCode = False,
     no_verify: NoVerify = False,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -66,8 +66,8 @@ def _run(cfg: PromptsConfig) -> Path | None:
 
 def command(
     task: Task = "arithmetic",
-    split: Annotated[str, typer.Option(help="Which split: train or heldout (they never overlap).")] = "train",
-    num: Annotated[int, typer.Option("--num", "-n", min=1, help="Number of rows.")] = 1000,
+    split: Annotated[Literal["train", "heldout"], typer.Option(help="Which split: train or heldout (they never overlap).")] = "train",
+    num: Annotated[int, typer.Option("--num-prompts", min=1, help="Number of rows.")] = 1000,
     sft: Annotated[bool, typer.Option("--sft", help="Write prompt/completion pairs (an 'sft' table) instead.")] = False,
     seed: Seed = 0,
     out: OutTable = None,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
@@ -495,7 +495,7 @@ def command(
     tp: Annotated[int, typer.Option("--tp", min=1, help="vLLM tensor-parallel size (GPUs per engine).")] = 1,
     gpu_memory_utilization: Annotated[float | None, typer.Option(min=0.01, max=1.0, help="vLLM memory fraction (on a GPU default: what --colocate's models leave, capped at 0.9, or 0.5 without --colocate; 0.3 on vLLM's CPU backend). See docs/gpu.md.")] = None,
     colocate: Annotated[list[Path] | None, typer.Option("--colocate", help="A model another stage of the pipe runs on this GPU at the same time, e.g. score-ref's --ref and --rm (repeatable): rollout's vLLM leaves room for it (its weights x 1.25, plus 2 GiB for CUDA contexts) when it sizes --gpu-memory-utilization. See docs/gpu.md.")] = None,
-    dtype: Annotated[str, typer.Option(help="vLLM weights/compute dtype: auto (the checkpoint's), float32, bfloat16, float16.")] = "auto",
+    dtype: Annotated[Literal["auto", "fp32", "bf16", "fp16"], typer.Option(help="Sampling dtype: auto (the checkpoint's), fp32, bf16 or fp16 (the hf engine samples in fp32; other dtypes need --engine vllm).")] = "auto",
     max_model_len: Annotated[int | None, typer.Option(min=16, help="vLLM context length (default: the model's).")] = None,
     enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="vLLM: no CUDA graphs (faster start-up).")] = False,
     vllm_lora: Annotated[str, typer.Option(help="vLLM on a LoRA checkpoint: adapter (vLLM's LoRA: the base's weights plus the adapter per request; a --follow reload swaps adapters) or merge (the merged weights, written to a temporary directory: no LoRA kernels, a weights write per reload). The hf engine always merges.")] = "adapter",

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -316,7 +316,7 @@ def command(
     inp: InTable = None,
     out: OutTable = None,
     device: Device = "auto",
-    dtype: Annotated[str, typer.Option(help="Compute dtype: auto (fp32 on CPU, the frozen dtype on GPU), stored or fp32.")] = "auto",
+    dtype: Annotated[Literal["auto", "stored", "fp32"], typer.Option(help="Compute dtype: auto (fp32 on CPU, the frozen dtype on GPU), stored or fp32.")] = "auto",
     batch_tokens: Annotated[int, typer.Option(min=16, help="Token budget per forward batch.")] = 16384,
     shard: Annotated[str | None, typer.Option(help="I/N: score only this job's share of --in FILE, cut between groups; `rlkit cat` joins the N outputs.")] = None,
     trust_remote_code: TrustRemoteCode = False,

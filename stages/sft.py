@@ -155,9 +155,9 @@ def _run(cfg: SftConfig) -> Path:
     prompt_ids = data.encode_prompts(tokenizer, prompts, chat)
     ids, plens, truncated = data.encode_sft(tokenizer, prompt_ids, completions, cfg.max_len)
     if not ids:
-        raise RlkitError("no training examples left after tokenization (every prompt reaches --max-len)")
+        raise RlkitError("no training examples left after tokenization (every prompt reaches --max-length)")
     if truncated:
-        console.warn(f"{truncated} examples longer than --max-len {cfg.max_len} were truncated")
+        console.warn(f"{truncated} examples longer than --max-length {cfg.max_len} were truncated")
 
     devices.announce("sft", dev, train.dtype)  # once the data is known good: work starts
     rng = random.Random(cfg.seed)
@@ -254,10 +254,10 @@ def command(
     num_examples: Annotated[int, typer.Option(min=1, help="Train examples drawn from the task (without --data).")] = SftConfig.num_examples,
     epochs: Annotated[int, typer.Option(min=1, help="Passes over the training data.")] = SftConfig.epochs,
     lr: Annotated[float, typer.Option(help="Peak learning rate (AdamW).")] = SftConfig.lr,
-    warmup: Annotated[float, typer.Option(help="Fraction of steps for linear warmup.")] = SftConfig.warmup,
+    warmup: Annotated[float, typer.Option("--warmup-ratio", help="Fraction of steps for linear warmup.")] = SftConfig.warmup,
     weight_decay: Annotated[float, typer.Option(help="AdamW weight decay (not on norms and biases).")] = SftConfig.weight_decay,
     batch_tokens: Annotated[int, typer.Option(min=16, help="Token budget per batch (rows x longest row).")] = SftConfig.batch_tokens,
-    max_len: Annotated[int, typer.Option(min=2, help="Longest training sequence; longer ones are truncated.")] = SftConfig.max_len,
+    max_len: Annotated[int, typer.Option("--max-length", min=2, help="Longest training sequence; longer ones are truncated.")] = SftConfig.max_len,
     eval_num: Annotated[int, typer.Option(min=1, help="Held-out prompts for the final greedy evaluation.")] = SftConfig.eval_num,
     layers: Annotated[int, typer.Option(help="tiny model: transformer layers.")] = TinyConfig.layers,
     hidden: Annotated[int, typer.Option(help="tiny model: hidden width.")] = TinyConfig.hidden,

@@ -64,7 +64,7 @@ def run(cfg: TrainRmConfig) -> Path:
     devices.parse(cfg.device)
     from rlkit.io import artifacts, checkpoints
 
-    with artifacts.claim_out(cfg.out, "model", {"--base": cfg.base, "--prefs": cfg.prefs}), \
+    with artifacts.claim_out(cfg.out, "model", {"--model": cfg.base, "--prefs": cfg.prefs}), \
             checkpoints.verifying(cfg.verify):
         return _run(cfg)
 
@@ -298,7 +298,7 @@ def _show(metrics: dict, sanity: dict) -> None:
 
 
 def command(
-    base: Annotated[Path, typer.Option("--base", help="Checkpoint to start from (usually the SFT policy).")],
+    base: Annotated[Path, typer.Option("--model", help="Checkpoint to start from (usually the SFT policy).")],
     prefs: Annotated[str, typer.Option("--prefs", help="Preference table from `rlkit build-prefs` (or .parquet/.jsonl with prompt/chosen/rejected/split).")],
     out: OutDir,
     epochs: Annotated[int, typer.Option(min=1, help="Passes over the train pairs.")] = 3,

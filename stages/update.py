@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -47,6 +47,7 @@ from rlkit.options import (
 from rlkit.training import TrainOptions
 
 DEFAULT_MAX_DRIFT = 0.05  # relative weight-space distance from the reference; see rlkit.training.drift
+AlgoName = Literal[tuple(algorithms.names())]  # every registered --algo, shown and checked by click
 DEFAULT_MAX_LAG = 1  # --follow: steps a row's sampling policy may lag behind the policy it trains
 # --follow: --tis-cap when not given, applied whenever pi_old is recomputed (lagged rows, a non-HF engine):
 # decoupled PPO clips against the proximal policy and weighs by proximal / behaviour, capped
@@ -386,7 +387,7 @@ def command(
     policy: PolicyDir,
     out: OutDir,
     inp: InTable = None,
-    algo: Annotated[str, typer.Option(help=f"The algorithm ({algorithms.help_text()}). Each sets its own defaults for --beta, --kl-in, --loss-agg, --clip-low and --clip-high.")] = RLConfig.algo,
+    algo: Annotated[AlgoName, typer.Option(help=f"The algorithm ({algorithms.help_text()}). Each sets its own defaults for --beta, --kl-in, --loss-agg, --clip-low and --clip-high.")] = RLConfig.algo,
     lr: Annotated[float, typer.Option(help="AdamW learning rate (default suits the tiny model; ~1e-6 for 1B+ models).")] = RLConfig.lr,
     epochs: Annotated[int, typer.Option(min=1, help="Passes over the rollout batch.")] = RLConfig.epochs,
     minibatch_size: Annotated[int, typer.Option(min=1, help="Sequences per optimizer step.")] = RLConfig.minibatch_size,
@@ -394,9 +395,9 @@ def command(
     clip_high: Annotated[float | None, typer.Option(help="Ratio clip above 1: 1 + clip_high (default: per --algo; 0.28 for most).")] = None,
     dual_clip: Annotated[float, typer.Option(help="Dual clip C (verl's clip_ratio_c): for a negative advantage the clipped loss is capped at -C*A, so a ratio far above 1 cannot blow it up; must be > 1; 0 turns it off.")] = DEFAULT_DUAL_CLIP,
     beta: Annotated[float | None, typer.Option(help="KL coefficient to the reference (0: no reference needed); for --algo dpo, DPO's beta. Default: per --algo (0.01 for most; dpo 0.1).")] = None,
-    kl_estimator: Annotated[str | None, typer.Option(help="KL estimator: k1, k2, k3 or k3+. In the reward use k1 (its default): only the log-ratio makes the penalised reward's policy gradient the gradient of KL(pi||pi_ref). In the loss use k3+ (its default: k3's unbiased low-variance value, k2's gradient, which in expectation is the gradient of KL(pi||pi_ref)) or k2; k3 in the loss descends the reverse KL(pi_ref||pi) instead, and k1 in the loss has zero expected gradient (refused).")] = None,
-    kl_in: Annotated[str | None, typer.Option(help="Where the KL goes: loss (a loss term) or reward (a per-token penalty); default: per --algo (reward for ppo, loss otherwise).")] = None,
-    loss_agg: Annotated[str | None, typer.Option(help="token-mean, seq-mean-token-mean (mean over non-empty responses of their token means) or seq-mean-token-sum-norm (token sums / (responses x the rollout's max_new_tokens)); default: per --algo.")] = None,
+    kl_estimator: Annotated[Literal["k1", "k2", "k3", "k3+"] | None, typer.Option(help="KL estimator: k1, k2, k3 or k3+. In the reward use k1 (its default): only the log-ratio makes the penalised reward's policy gradient the gradient of KL(pi||pi_ref). In the loss use k3+ (its default: k3's unbiased low-variance value, k2's gradient, which in expectation is the gradient of KL(pi||pi_ref)) or k2; k3 in the loss descends the reverse KL(pi_ref||pi) instead, and k1 in the loss has zero expected gradient (refused).")] = None,
+    kl_in: Annotated[Literal["loss", "reward"] | None, typer.Option(help="Where the KL goes: loss (a loss term) or reward (a per-token penalty); default: per --algo (reward for ppo, loss otherwise).")] = None,
+    loss_agg: Annotated[Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None, typer.Option(help="token-mean, seq-mean-token-mean (mean over non-empty responses of their token means) or seq-mean-token-sum-norm (token sums / (responses x the rollout's max_new_tokens)); default: per --algo.")] = None,
     drop_degenerate: Annotated[bool, typer.Option(help="Leave out groups whose rewards are all equal (their rows are not trained on; advantages and metrics still see the whole batch).")] = False,
     reward: Annotated[list[str] | None, typer.Option(help="Reward component weight NAME=W (repeatable), e.g. verifier=1 rm:helpful=0.7; default: sum of all components.")] = None,
     length_penalty: Annotated[float, typer.Option(min=0.0, help="Subtract this times the completion length in tokens from the reward (a 'length_penalty' component).")] = 0.0,
@@ -409,7 +410,7 @@ def command(
     critic_lr: Annotated[float | None, typer.Option(help="ppo: critic learning rate (default 2x --lr).")] = None,
     critic_init: Annotated[str, typer.Option(help="ppo, first update: initialise the critic from 'policy' or a reward-model DIR (same tokenizer).")] = RLConfig.critic_init,
     target_kl: Annotated[float | None, typer.Option(help="ppo: adapt the KL coefficient towards this KL (Ziegler et al.), starting at --beta. Unit: nats per sequence, i.e. the --kl-estimator's per-token KL of pi_old vs pi_ref summed over each response and averaged over the batch (TRL's convention; the kl_per_seq metric).")] = None,
-    old_logprobs: Annotated[str, typer.Option(help="pi_old for the ratio: engine (as logged at rollout), recompute (the trainer's own forward pass before the first step) or auto (recompute unless the hf engine sampled and --dtype is fp32).")] = RLConfig.old_logprobs,
+    old_logprobs: Annotated[Literal["engine", "recompute", "auto"], typer.Option(help="pi_old for the ratio: engine (as logged at rollout), recompute (the trainer's own forward pass before the first step) or auto (recompute unless the hf engine sampled and --dtype is fp32).")] = RLConfig.old_logprobs,
     tis_cap: Annotated[float | None, typer.Option(help="Truncated importance sampling: weight each token's loss by min(pi_recomputed / pi_engine, CAP), e.g. 2.0.")] = None,
     metrics: Annotated[Path | None, typer.Option(help="Append this update's metrics as one JSON line to this file.")] = None,
     tensorboard: Annotated[Path | None, typer.Option(help="Also log the metrics as TensorBoard scalars under this directory (needs the tensorboard extra).")] = None,

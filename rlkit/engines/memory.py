@@ -70,7 +70,7 @@ def vllm_memory_share(total_bytes: int, policy_bytes: int, colocated_bytes: list
                          f"{gib(MIN_KV_BYTES)} of KV cache) but {gib(total_bytes)} less {gib(others)} for the "
                          f"{len(colocated_bytes)} colocated model(s) and CUDA contexts leaves "
                          f"{gib(max(share, 0) * total_bytes)}; run score-ref on another GPU (CUDA_VISIBLE_DEVICES per "
-                         "process), sample in bf16 (--dtype bfloat16) if the policy runs in fp32, or use more GPUs (--tp)")
+                         "process), sample in bf16 (--dtype bf16) if the policy runs in fp32, or use more GPUs (--tp)")
     return share
 
 

@@ -30,11 +30,15 @@ def vllm_import_error() -> str | None:
     return None
 
 
+_LONG_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
 def checkpoint_dtype(policy: Path, asked: str) -> str:
-    """`--dtype auto` means the dtype the checkpoint was saved in (vLLM's own 'auto' would run an fp32
-    checkpoint in bf16, and the log-probs it logs would no longer be the trainer's)."""
+    """vLLM's name of the dtype to sample in. `--dtype auto` means the dtype the checkpoint was saved in
+    (vLLM's own 'auto' would run an fp32 checkpoint in bf16, and the log-probs it logs would no longer be
+    the trainer's); fp32/bf16/fp16 are rlkit's names."""
     if asked != "auto":
-        return asked
+        return _LONG_DTYPES.get(asked, asked)
     import json
 
     cfg = json.loads((Path(policy) / "config.json").read_text())

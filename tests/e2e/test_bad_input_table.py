@@ -52,7 +52,7 @@ USAGE = [pytest.param([s, "--no-such-flag"], "No such option: --no-such-flag", i
          for s in STAGES] + [
     pytest.param(["rollout", "--policy", "{pol}", "--n", "many"], "Invalid value for '--n'", id="rollout-bad-int"),
     pytest.param(["update", "--policy", "{pol}", "--out", "{out}", "--lr", "nan"], "'--lr'", id="update-nan-lr"),
-    pytest.param(["train-rm", "--base", "{pol}", "--out", "{out}"], "Missing option '--prefs'", id="train-rm-missing"),
+    pytest.param(["train-rm", "--model", "{pol}", "--out", "{out}"], "Missing option '--prefs'", id="train-rm-missing"),
     pytest.param(["no-such-stage"], "No such command", id="unknown-stage"),
 ]
 
@@ -65,7 +65,7 @@ CORRUPT = [
                  id="update-table"),
     pytest.param(["cat", "{w}/badtab.arrow", "--out", "{out}"], CORRUPT_TABLE, id="cat-table"),
     pytest.param(["inspect", "{w}/badtab.arrow"], "badtab.arrow is not an rlkit artifact", id="inspect-table"),
-    pytest.param(["train-rm", "--base", "{pol}", "--prefs", "{w}/badtab.arrow", "--out", "{out}"], CORRUPT_TABLE,
+    pytest.param(["train-rm", "--model", "{pol}", "--prefs", "{w}/badtab.arrow", "--out", "{out}"], CORRUPT_TABLE,
                  id="train-rm-table"),
     pytest.param(["rollout", "--policy", "{pol}", "--prompts", "{w}/badtab.arrow", "--out", "{out}"], CORRUPT_TABLE,
                  id="rollout-table"),
@@ -82,7 +82,7 @@ CORRUPT = [
                  id="score-ref-ref"),
     pytest.param(["score-ref", "--rm", "judge={w}/badck", "--in", "{w}/roll.arrow", "--out", "{out}"], CORRUPT_CKPT,
                  id="score-ref-rm"),
-    pytest.param(["train-rm", "--base", "{w}/badck", "--prefs", "{w}/prefs.arrow", "--out", "{out}"], CORRUPT_CKPT,
+    pytest.param(["train-rm", "--model", "{w}/badck", "--prefs", "{w}/prefs.arrow", "--out", "{out}"], CORRUPT_CKPT,
                  id="train-rm-ckpt"),
     pytest.param(["build-prefs", "--policy", "{w}/badck", "--out", "{out}"], CORRUPT_CKPT, id="build-prefs-ckpt"),
     pytest.param(["sft", "--model", "{w}/badck", "--out", "{out}"], CORRUPT_CKPT, id="sft-ckpt"),
@@ -105,8 +105,8 @@ OUT_IS_INPUT = [
     pytest.param(["score-ref", "--ref", "{ref}", "--in", "{w}/roll.arrow", "--out", "{w}/roll.arrow"], id="score-ref=in"),
     pytest.param(["score-ref", "--ref", "{ref}", "--in", "{w}/roll.arrow", "--out", "{ref}"], id="score-ref=ref"),
     pytest.param(["score-ref", "--rm", "judge={pol}", "--in", "{w}/roll.arrow", "--out", "{pol}"], id="score-ref=rm"),
-    pytest.param(["train-rm", "--base", "{pol}", "--prefs", "{w}/prefs.arrow", "--out", "{pol}"], id="train-rm=base"),
-    pytest.param(["train-rm", "--base", "{pol}", "--prefs", "{w}/prefs.arrow", "--out", "{w}/prefs.arrow"],
+    pytest.param(["train-rm", "--model", "{pol}", "--prefs", "{w}/prefs.arrow", "--out", "{pol}"], id="train-rm=base"),
+    pytest.param(["train-rm", "--model", "{pol}", "--prefs", "{w}/prefs.arrow", "--out", "{w}/prefs.arrow"],
                  id="train-rm=prefs"),
     pytest.param(["build-prefs", "--policy", "{pol}", "--out", "{pol}"], id="build-prefs=policy"),
     pytest.param(["build-prefs", "--from", "{w}/prefs.arrow", "--out", "{w}/prefs.arrow"], id="build-prefs=from"),

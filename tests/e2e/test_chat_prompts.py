@@ -55,7 +55,7 @@ def test_every_stage_sees_the_same_prompt_tokens(chat_policy, tmp_path):
     assert all(ids[0] == bos and ids.count(bos) == 1 for ids in want)  # one BOS, the template's
 
     ev = subprocess.Popen([*rlkit_cmd(), "eval", "--policy", str(chat_policy), "--prompts", str(data), "--json",
-                           "--num", "6"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                           "--num-prompts", "6"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     ref = tmp_path / "ref"
     r = run_cli("freeze-ref", "--policy", str(chat_policy), "--out", str(ref), "--dtype", "fp32")
     assert r.returncode == 0, r.stderr

@@ -114,9 +114,9 @@ def test_sft_and_train_rm_under_torchrun_match_one_process(sft_dir, tmp_path):
     prefs = tmp_path / "p.arrow"
     stage("build-prefs", "--policy", str(sft_dir), "--num-prompts", "48", "--n", "2", "--out", str(prefs))
     r1, r2 = tmp_path / "rm1", tmp_path / "rm2"
-    assert run_cli("train-rm", "--base", str(sft_dir), "--prefs", str(prefs), "--epochs", "1", "--out",
+    assert run_cli("train-rm", "--model", str(sft_dir), "--prefs", str(prefs), "--epochs", "1", "--out",
                    str(r1)).returncode == 0
-    r = torchrun("train-rm", "--base", str(sft_dir), "--prefs", str(prefs), "--epochs", "1", "--out", str(r2))
+    r = torchrun("train-rm", "--model", str(sft_dir), "--prefs", str(prefs), "--epochs", "1", "--out", str(r2))
     assert r.returncode == 0, r.stderr.decode()[-3000:]
     a, b, init = (load_file(str(d / "model.safetensors")) for d in (r1, r2, sft_dir))
     assert _max_diff(a, b) < 0.02 * max(float((a[k] - init[k]).abs().max()) for k in init if k in a)

@@ -54,7 +54,7 @@ def test_out_equal_to_the_input_table_or_a_lora_base(tmp_path, sft_dir):
     from conftest import make_lora_checkpoint
 
     table = tmp_path / "p.arrow"
-    assert run_cli("prompts", "--num", "4", "--out", str(table)).returncode == 0
+    assert run_cli("prompts", "--num-prompts", "4", "--out", str(table)).returncode == 0
     before = artifacts.sha256_file(table)
     r = run_cli("cat", str(table), "--out", str(table))
     assert f"is one of this stage's inputs (TABLE {table})" in one_error_line(r)
@@ -107,12 +107,12 @@ def test_a_tampered_policy_or_reward_model_is_refused_unless_no_verify(tmp_path,
     pol = tmp_path / "pol"
     shutil.copytree(sft_dir, pol)
     _flip_last_byte(pol / "model.safetensors")
-    line = one_error_line(run_cli("eval", "--policy", str(pol), "--num", "2"))
+    line = one_error_line(run_cli("eval", "--policy", str(pol), "--num-prompts", "2"))
     assert f"policy {pol} fails its hash check (sha256 mismatch in model.safetensors)" in line
     r = run_cli("rollout", "--policy", str(pol), "--num-prompts", "2", "--n", "1", "--engine", "hf",
                 "--out", str(tmp_path / "r.arrow"))
     assert "fails its hash check" in one_error_line(r) and not (tmp_path / "r.arrow").exists()
-    r = run_cli("eval", "--policy", str(pol), "--num", "2", "--no-verify")
+    r = run_cli("eval", "--policy", str(pol), "--num-prompts", "2", "--no-verify")
     assert r.returncode == 0, r.stderr.decode()
 
 
@@ -164,28 +164,28 @@ def test_damaged_checkpoints_are_one_line_each(tmp_path, sft_dir):
 
     nan = copy("nan")
     _resave(nan, lambda sd: sd[sorted(sd)[2]].view(-1).__setitem__(0, float("nan")))
-    line = one_error_line(run_cli("eval", "--policy", str(nan), "--num", "2"))
+    line = one_error_line(run_cli("eval", "--policy", str(nan), "--num-prompts", "2"))
     assert "holds NaN or inf values" in line and "model.safetensors" in line
-    line = one_error_line(run_cli("eval", "--policy", str(nan), "--num", "2", "--no-verify"))
+    line = one_error_line(run_cli("eval", "--policy", str(nan), "--num-prompts", "2", "--no-verify"))
     assert "holds NaN or inf values" in line  # found once loaded, before any sampling
     notok = copy("notok")
     for f in notok.glob("tokenizer*"):
         f.unlink()
-    assert "has no tokenizer files" in one_error_line(run_cli("eval", "--policy", str(notok), "--num", "2"))
+    assert "has no tokenizer files" in one_error_line(run_cli("eval", "--policy", str(notok), "--num-prompts", "2"))
     hdr = copy("hdr")
     with open(hdr / "model.safetensors", "r+b") as fh:
         fh.seek(9)
         fh.write(b"\xff\xfe")
-    line = one_error_line(run_cli("eval", "--policy", str(hdr), "--num", "2", "--no-verify"))
+    line = one_error_line(run_cli("eval", "--policy", str(hdr), "--num-prompts", "2", "--no-verify"))
     assert "is not a valid safetensors file" in line and str(hdr / "model.safetensors") in line
     cut = copy("cut")
     with open(cut / "model.safetensors", "r+b") as fh:
         fh.truncate(cut.joinpath("model.safetensors").stat().st_size - 100)
-    line = one_error_line(run_cli("eval", "--policy", str(cut), "--num", "2", "--no-verify"))
+    line = one_error_line(run_cli("eval", "--policy", str(cut), "--num-prompts", "2", "--no-verify"))
     assert "truncated" in line
     manifest = copy("manifest")
     (manifest / "rlkit.json").write_text("{not json")
-    assert "rlkit.json is not valid JSON" in one_error_line(run_cli("eval", "--policy", str(manifest), "--num", "2"))
+    assert "rlkit.json is not valid JSON" in one_error_line(run_cli("eval", "--policy", str(manifest), "--num-prompts", "2"))
 
 
 def test_random_bytes_as_a_table_name_the_file(tmp_path, sft_dir):
@@ -231,7 +231,7 @@ def test_an_unwritable_out_is_found_before_any_work(tmp_path):
         assert os.listdir(ro) == []
         # under a file instead of a folder
         (tmp_path / "f").write_text("x")
-        r = run_cli("prompts", "--num", "3", "--out", str(tmp_path / "f" / "p.arrow"))
+        r = run_cli("prompts", "--num-prompts", "3", "--out", str(tmp_path / "f" / "p.arrow"))
         assert r.returncode == 74 and "cannot write --out" in one_error_line(r)
     finally:
         subprocess.run(["chattr", "-i", str(ro)], capture_output=True)
@@ -251,7 +251,7 @@ def test_a_write_past_the_file_size_limit_is_one_line_and_leaves_nothing(tmp_pat
     assert p.returncode == 74 and "file too large" in line and f"--out {out}" in line
     assert os.listdir(tmp_path) == []
     t = tmp_path / "p.arrow"
-    p = subprocess.run([*rlkit_cmd(), "prompts", "--num", "50000", "--out", str(t)],
+    p = subprocess.run([*rlkit_cmd(), "prompts", "--num-prompts", "50000", "--out", str(t)],
                        capture_output=True, preexec_fn=limit, timeout=300)
     assert p.returncode == 74 and "file too large" in one_error_line(p) and os.listdir(tmp_path) == []
 

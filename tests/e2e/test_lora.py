@@ -122,7 +122,7 @@ def test_train_rm_with_lora_then_score_ref_eval_and_peft_without_rlkit(sft_dir, 
     from rlkit.tasks.reward_model import load_reward_model, score_texts
 
     rm = tmp_path / "rm"
-    r = run_cli("train-rm", "--base", str(sft_dir), "--prefs", str(prefs), "--out", str(rm), "--epochs", "1",
+    r = run_cli("train-rm", "--model", str(sft_dir), "--prefs", str(prefs), "--out", str(rm), "--epochs", "1",
                 "--lora-rank", "4")
     assert r.returncode == 0, r.stderr
     m = checkpoints.load_manifest(rm)
@@ -152,7 +152,7 @@ def test_train_rm_with_lora_then_score_ref_eval_and_peft_without_rlkit(sft_dir, 
     assert s.column("reward/rm:h").to_pylist() == pytest.approx(want, abs=1e-5)
 
     # eval of the LoRA policy with the LoRA reward model
-    r = run_cli("eval", "--policy", str(lora_sft), "--num", "8", "--rm", str(rm), "--json")
+    r = run_cli("eval", "--policy", str(lora_sft), "--num-prompts", "8", "--rm", str(rm), "--json")
     assert r.returncode == 0, r.stderr
     ev = json.loads(r.stdout)
     assert ev["n"] == 8 and ev["rm_score_mean"] is not None

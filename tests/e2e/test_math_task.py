@@ -150,7 +150,7 @@ def test_rows_without_an_answer_are_left_out_and_an_empty_split_is_an_error(tmp_
 @pytest.mark.slow
 def test_a_stage_reruns_after_the_data_file_changes(tmp_path):
     data = _jsonl(tmp_path / "d.jsonl", [json.loads(x) for x in SAMPLE.read_text().splitlines()])
-    cmd = ("prompts", "--task", f"math:data={data}", "--split", "heldout", "--num", "500", "--out", str(tmp_path / "p.arrow"))
+    cmd = ("prompts", "--task", f"math:data={data}", "--split", "heldout", "--num-prompts", "500", "--out", str(tmp_path / "p.arrow"))
     r = run_cli(*cmd)
     assert r.returncode == 0, r.stderr
     t, _ = artifacts.read_table(tmp_path / "p.arrow", ["prompts"])

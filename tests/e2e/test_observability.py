@@ -55,7 +55,7 @@ def test_drift_grows_with_updates_and_metrics_reach_tensorboard(sft_dir, ref_dir
     r = run_cli("update", "--policy", str(tmp_path / "u1"), "--out", str(tmp_path / "u2"), *flags, "--max-drift", "1e-6")
     assert r.returncode == 0, r.stderr
     assert r.stderr.count(b"POLICY DRIFT") == 1
-    r = run_cli("eval", "--policy", str(tmp_path / "u2"), "--num", "20", "--json", "--metrics", str(metrics),
+    r = run_cli("eval", "--policy", str(tmp_path / "u2"), "--num-prompts", "20", "--json", "--metrics", str(metrics),
                 "--tensorboard", str(tb))
     assert r.returncode == 0, r.stderr
 

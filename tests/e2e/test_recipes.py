@@ -26,13 +26,13 @@ def test_sft_freeze_ref_eval_inspect(tmp_path):
     r = run_cli("freeze-ref", "--policy", str(sft), "--out", str(ref))
     assert r.returncode == 0, r.stderr
 
-    r = run_cli("eval", "--policy", str(sft), "--num", "50", "--json", "--metrics", str(tmp_path / "m.jsonl"))
+    r = run_cli("eval", "--policy", str(sft), "--num-prompts", "50", "--json", "--metrics", str(tmp_path / "m.jsonl"))
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
     assert res["n"] == 50 and res["accuracy"] == man["metrics"]["heldout_accuracy"]  # same greedy eval, same set
     assert res["samples"] and all(s["prompt"].startswith("<") for s in res["samples"])
 
-    r = run_cli("eval", "--policy", str(ref), "--num", "20")  # a reference is a policy too (bf16 weights)
+    r = run_cli("eval", "--policy", str(ref), "--num-prompts", "20")  # a reference is a policy too (bf16 weights)
     assert r.returncode == 0, r.stderr
     assert b"held-out accuracy" in r.stderr
 
@@ -43,7 +43,7 @@ def test_sft_freeze_ref_eval_inspect(tmp_path):
     assert info["lineage"][0]["path"] == str(sft) and info["lineage"][0]["changed_since"] is False
     assert info["lineage"][1]["path"] == "tiny"
 
-    r = run_cli("prompts", "--num", "30", "--out", str(tmp_path / "p.arrow"))
+    r = run_cli("prompts", "--num-prompts", "30", "--out", str(tmp_path / "p.arrow"))
     assert r.returncode == 0, r.stderr
     r = run_cli("inspect", str(tmp_path / "p.arrow"), "--json")
     info = json.loads(r.stdout)
@@ -191,7 +191,7 @@ def test_a_local_hugging_face_model_with_chat_data(tmp_path):
     assert m["config"]["tiny"] is None and m["inputs"]["model"].startswith("sha256:")
     assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
     # eval renders the same chat template over the messages column and scores the answer column
-    r = run_cli("eval", "--policy", str(out), "--prompts", str(data), "--num", "20", "--json")
+    r = run_cli("eval", "--policy", str(out), "--prompts", str(data), "--num-prompts", "20", "--json")
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
     assert res["n_scored"] == 20 and res["samples"][0]["prompt"] == "<user><0+0>=\n<assistant>"

@@ -31,7 +31,7 @@ def prefs(sft_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def rm_dir(sft_dir, prefs, tmp_path_factory):
     out = tmp_path_factory.mktemp("rm") / "rm"
-    r = run_cli("train-rm", "--base", str(sft_dir), "--prefs", str(prefs), "--out", str(out), "--epochs", "1")
+    r = run_cli("train-rm", "--model", str(sft_dir), "--prefs", str(prefs), "--out", str(out), "--epochs", "1")
     assert r.returncode == 0, r.stderr
     return out
 
@@ -101,7 +101,7 @@ def test_a_length_biased_reward_model_is_flagged(sft_dir, tmp_path):
     biased = tmp_path / "biased.arrow"
     assert run_cli("build-prefs", "--bias", "length", "--num-prompts", "160", "--eval-fraction", "0.2",
                    "--out", str(biased)).returncode == 0
-    r = run_cli("train-rm", "--base", str(sft_dir), "--prefs", str(biased), "--out", str(tmp_path / "rm"),
+    r = run_cli("train-rm", "--model", str(sft_dir), "--prefs", str(biased), "--out", str(tmp_path / "rm"),
                 "--epochs", "2", "--metrics", str(tmp_path / "m.jsonl"))
     assert r.returncode == 0, r.stderr
     m = json.loads((tmp_path / "rm" / "rlkit.json").read_text())
@@ -158,7 +158,7 @@ def test_rm_base_without_a_pad_token_trains(sft_dir, prefs, tmp_path):
     tc = json.loads((base / "tokenizer_config.json").read_text())
     tc.pop("pad_token", None)
     (base / "tokenizer_config.json").write_text(json.dumps(tc))
-    r = run_cli("train-rm", "--base", str(base), "--prefs", str(prefs), "--out", str(tmp_path / "rm"), "--epochs", "1")
+    r = run_cli("train-rm", "--model", str(base), "--prefs", str(prefs), "--out", str(tmp_path / "rm"), "--epochs", "1")
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "rm" / "model.safetensors").is_file()
 
@@ -193,7 +193,7 @@ def test_bad_preference_and_scoring_inputs(sft_dir, ref_dir, rm_dir, tmp_path):
                     "rejected": ["3", "5"], "split": ["train", "train"]})
     with pa.ipc.new_stream(str(noheld), tbl.schema) as w:
         w.write_table(tbl)
-    line = one_error_line(run_cli("train-rm", "--base", str(sft_dir), "--prefs", str(noheld), "--out", str(tmp_path / "rm")))
+    line = one_error_line(run_cli("train-rm", "--model", str(sft_dir), "--prefs", str(noheld), "--out", str(tmp_path / "rm")))
     assert "heldout 0" in line and not (tmp_path / "rm").exists()
     roll = tmp_path / "r.arrow"
     assert run_cli("rollout", "--policy", str(sft_dir), "--num-prompts", "2", "--n", "2", "--out", str(roll)).returncode == 0
@@ -293,7 +293,7 @@ def test_ppo_keeps_a_critic_in_the_checkpoint_and_resumes_it(sft_dir, ref_dir, r
 
 
 def test_eval_reports_the_reward_model_score_beside_accuracy(sft_dir, rm_dir):
-    r = run_cli("eval", "--policy", str(sft_dir), "--num", "20", "--rm", str(rm_dir), "--json")
+    r = run_cli("eval", "--policy", str(sft_dir), "--num-prompts", "20", "--rm", str(rm_dir), "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert isinstance(out["rm_score_mean"], float) and out["accuracy"] is not None

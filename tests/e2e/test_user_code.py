@@ -446,7 +446,7 @@ def test_a_hung_reward_fn_stops_the_stage_in_one_line(sft_dir, code, fn):
 def test_editing_user_code_reruns_the_stage(code):
     """The rerun rule sees the task's and the reward function's files: edited, the stage runs again."""
     t, r = code / "my_tasks.py", code / "my_rewards.py"
-    p = ("prompts", "--task", f"{t}:Countdown", "--num", "20", "--out", str(code / "p.arrow"))
+    p = ("prompts", "--task", f"{t}:Countdown", "--num-prompts", "20", "--out", str(code / "p.arrow"))
     assert run_cli(*p).returncode == 0
     assert b"up to date" in run_cli(*p).stderr
     t.write_text(TASK + "\n# edited\n")
@@ -473,7 +473,7 @@ def test_sft_and_eval_on_a_user_task(code, tmp_path):
     m = json.loads((out / "rlkit.json").read_text())
     assert m["config"]["task"] == task and m["inputs"]["task"] == artifacts.fingerprint(code / "my_tasks.py")
     assert m["metrics"]["heldout_n"] == 8
-    r = run_cli("eval", "--policy", str(out), "--task", task, "--num", "8", "--json")
+    r = run_cli("eval", "--policy", str(out), "--task", task, "--num-prompts", "8", "--json")
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
     assert res["task"] == task and res["n"] == 8 and res["accuracy"] == m["metrics"]["heldout_accuracy"]

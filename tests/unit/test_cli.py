@@ -46,7 +46,7 @@ def test_freeze_ref_and_eval_flags(monkeypatch, tmp_path):
     assert runner.invoke(app, ["freeze-ref", "--policy", "p", "--out", "r", "--dtype", "fp16"]).exit_code == 0
     assert seen[0].dtype == "fp16" and str(seen[0].policy) == "p"
     seen = _capture(monkeypatch, eval_stage)
-    r = runner.invoke(app, ["eval", "--policy", "p", "--task", "arithmetic:terms=2-2", "--num", "7", "--json"])
+    r = runner.invoke(app, ["eval", "--policy", "p", "--task", "arithmetic:terms=2-2", "--num-prompts", "7", "--json"])
     assert r.exit_code == 0, r.output
     assert seen[0].num == 7 and seen[0].as_json and seen[0].task == "arithmetic:terms=2-2"
 
@@ -121,7 +121,7 @@ def test_wrong_kind_missing_column_and_empty_table(tmp_path, sft_dir):
     assert "missing column 'prompt'" in line
 
     empty = tmp_path / "empty.arrow"
-    r = run_cli("prompts", "--num", "1", "--out", str(empty))
+    r = run_cli("prompts", "--num-prompts", "1", "--out", str(empty))
     assert r.returncode == 0
     with artifacts.write_table("prompts", empty, artifacts.make_manifest("prompts", "prompts", {}, {})):
         pass
@@ -162,7 +162,7 @@ def test_refuses_to_write_a_table_to_a_terminal(monkeypatch):
 
 
 def test_prompts_stream_through_a_pipe_into_eval(tmp_path, sft_dir):
-    p1 = subprocess.Popen([*rlkit_cmd(), "prompts", "--split", "heldout", "--num", "40"], stdout=subprocess.PIPE)
+    p1 = subprocess.Popen([*rlkit_cmd(), "prompts", "--split", "heldout", "--num-prompts", "40"], stdout=subprocess.PIPE)
     r = subprocess.run([*rlkit_cmd(), "eval", "--policy", str(sft_dir), "--prompts", "-", "--json"],
                        stdin=p1.stdout, capture_output=True)
     p1.stdout.close()
@@ -187,7 +187,7 @@ def test_a_failed_upstream_fails_the_downstream(tmp_path, sft_dir):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupt_during_a_write_leaves_nothing(tmp_path, sig):
     out = tmp_path / "big.arrow"
-    p = subprocess.Popen([*rlkit_cmd(), "prompts", "--task", "arithmetic:terms=3-6,max=99", "--num", "3000000",
+    p = subprocess.Popen([*rlkit_cmd(), "prompts", "--task", "arithmetic:terms=3-6,max=99", "--num-prompts", "3000000",
                           "--out", str(out)], stderr=subprocess.PIPE, preexec_fn=default_signals)
     deadline = time.time() + 60
     while time.time() < deadline and not any(n.startswith(".big.arrow.tmp") for n in os.listdir(tmp_path)):
@@ -276,14 +276,16 @@ def test_usage_errors_are_clicks_message_and_exit_2(tmp_path, args, said):
     assert os.listdir(tmp_path) == []
 
 
-def test_no_option_takes_a_fixed_set_of_choices():
-    """No choice-typed option (Literal/Enum) to test a bad choice on: --algo, --dtype, --kl-in ... are strings the
-    stage checks (one `rlkit: error:` line). A choice option added later gets click's message like the rest."""
+def test_choice_options_are_checked_by_click_naming_the_option():
+    """--algo, --dtype, --kl-in ... are Literal choices: --help lists them, and a bad value is click's usage
+    error naming the option and the choices (exit 2), before anything runs."""
     from rlkit.cli import command
 
-    for name, cmd in command().commands.items():
-        for p in cmd.params:
-            assert not p.type_descriptor.is_choice, (name, p.name)
+    choice = {(n, p.name) for n, c in command().commands.items() for p in c.params if p.type_descriptor.is_choice}
+    assert {("update", "algo"), ("update", "kl_in"), ("update", "loss_agg"), ("sft", "dtype"), ("rollout", "dtype"),
+            ("score-ref", "dtype"), ("freeze-ref", "dtype"), ("prompts", "split")} <= choice
+    err = _usage_error(run_cli("update", "--policy", "p", "--out", "o", "--kl-in", "both"))
+    assert "Invalid value for '--kl-in'" in err and "'both' is not one of 'loss', 'reward'" in err
 
 
 def test_help_and_version_exit_0():
@@ -341,7 +343,7 @@ def test_every_float_option_refuses_nan_and_inf():
     (["update", "--policy", "p", "--out", "o", "--lr", "nan"], "--lr"),
     (["update", "--policy", "p", "--out", "o", "--clip-high", "NaN"], "--clip-high"),
     (["rollout", "--policy", "p", "--temperature", "nan"], "--temperature"),
-    (["sft", "--out", "o", "--warmup", "inf"], "--warmup"),
+    (["sft", "--out", "o", "--warmup-ratio", "inf"], "--warmup-ratio"),
 ])
 def test_nan_and_inf_options_are_refused_before_any_work(tmp_path, args, option):
     """Before anything is read or written: the missing policy `p` would otherwise be the error."""

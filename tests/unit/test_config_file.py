@@ -77,7 +77,7 @@ def test_options_toml_reads_back_as_the_same_values():
 def test_the_command_line_wins_over_the_file_and_inspect_writes_it_back(tmp_path):
     (tmp_path / "run.toml").write_text('task = "arithmetic"\nseed = 7\n[prompts]\nnum = 6\nsplit = "heldout"\n')
     a = tmp_path / "a.arrow"
-    r = run_cli("prompts", "--config", str(tmp_path / "run.toml"), "--num", "4", "--out", str(a))
+    r = run_cli("prompts", "--config", str(tmp_path / "run.toml"), "--num-prompts", "4", "--out", str(a))
     assert r.returncode == 0, r.stderr
     m = artifacts.read_manifest(a)
     assert "config" not in m["options"]  # the file's values are recorded, not the file

@@ -52,14 +52,14 @@ def test_quiet_keeps_warnings_and_drops_the_rest(captured, monkeypatch):
 
 def test_log_level_and_quiet_on_the_command_line(tmp_path):
     table = tmp_path / "a.arrow"
-    assert run_cli("prompts", "--num", "3", "--out", str(table)).returncode == 0
+    assert run_cli("prompts", "--num-prompts", "3", "--out", str(table)).returncode == 0
     r = run_cli("inspect", str(table))
     assert r.returncode == 0 and b"first 3 of 3 rows" in r.stderr
     r = run_cli("inspect", str(table), "-q")
     assert r.returncode == 0 and r.stderr == b""
     r = run_cli("inspect", str(table), "--log-level", "debug", "-q")
     assert r.returncode == 0 and r.stderr == b""  # -q wins over a lower --log-level
-    r = run_cli("prompts", "--num", "3", "--out", str(tmp_path / "d.arrow"), "--log-level", "loud")
+    r = run_cli("prompts", "--num-prompts", "3", "--out", str(tmp_path / "d.arrow"), "--log-level", "loud")
     assert r.returncode == 2 and b"'loud' is not one of debug, info, warning, error" in r.stderr
     assert not (tmp_path / "d.arrow").exists()
 
