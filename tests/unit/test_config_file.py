@@ -75,13 +75,13 @@ def test_options_toml_reads_back_as_the_same_values():
 
 
 def test_the_command_line_wins_over_the_file_and_inspect_writes_it_back(tmp_path):
-    (tmp_path / "run.toml").write_text('task = "arithmetic"\nseed = 7\n[prompts]\nnum = 6\nsplit = "heldout"\n')
+    (tmp_path / "run.toml").write_text('task = "arithmetic"\nseed = 7\n[prompts]\nnum_prompts = 6\nsplit = "heldout"\n')
     a = tmp_path / "a.arrow"
     r = run_cli("prompts", "--config", str(tmp_path / "run.toml"), "--num-prompts", "4", "--out", str(a))
     assert r.returncode == 0, r.stderr
     m = artifacts.read_manifest(a)
     assert "config" not in m["options"]  # the file's values are recorded, not the file
-    assert m["options"]["num"] == 4 and m["options"]["seed"] == 7 and m["options"]["split"] == "heldout"
+    assert m["options"]["num_prompts"] == 4 and m["options"]["seed"] == 7 and m["options"]["split"] == "heldout"
     t, _ = artifacts.read_table(a, ["prompts"])
     assert t.num_rows == 4
 
@@ -96,10 +96,10 @@ def test_the_command_line_wins_over_the_file_and_inspect_writes_it_back(tmp_path
 
     r = run_cli("prompts", "--config", str(tmp_path / "nope.toml"), "--out", str(tmp_path / "c.arrow"))
     assert r.returncode == 2 and b"cannot read it" in r.stderr and not (tmp_path / "c.arrow").exists()
-    (tmp_path / "typo.toml").write_text("nmu = 3\n")
+    (tmp_path / "typo.toml").write_text("num_promts = 3\n")
     r = run_cli("prompts", "--config", str(tmp_path / "typo.toml"), "--out", str(tmp_path / "c.arrow"))
-    assert r.returncode == 2 and "did you mean 'num'?" in r.stderr.decode() and not (tmp_path / "c.arrow").exists()
-    assert json.loads(run_cli("inspect", str(a), "--json").stdout)["manifest"]["options"]["num"] == 4
+    assert r.returncode == 2 and "did you mean 'num_prompts'?" in r.stderr.decode() and not (tmp_path / "c.arrow").exists()
+    assert json.loads(run_cli("inspect", str(a), "--json").stdout)["manifest"]["options"]["num_prompts"] == 4
 
 
 @pytest.mark.slow
