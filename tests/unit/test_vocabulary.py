@@ -53,8 +53,8 @@ def test_the_canonical_spellings_are_used_where_the_concept_is():
     assert "--max-length" in _long_opts(COMMANDS["sft"]) and "--max-length" in _long_opts(COMMANDS["train-rm"])
     assert "--warmup-ratio" in _long_opts(COMMANDS["sft"]) and "--warmup-steps" in _long_opts(COMMANDS["update"])
     assert "--model" in _long_opts(COMMANDS["sft"]) and "--model" in _long_opts(COMMANDS["train-rm"])
-    for name in ("rollout", "score-ref", "update", "eval", "build-prefs", "freeze-ref"):
-        assert "--policy" in _long_opts(COMMANDS[name]) or name == "score-ref", name
+    for name in ("rollout", "update", "eval", "build-prefs", "freeze-ref"):
+        assert "--policy" in _long_opts(COMMANDS[name]), name
 
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))
