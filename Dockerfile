@@ -21,7 +21,7 @@ COPY rlkit ./rlkit
 COPY stages ./stages
 # rlkit itself, from this checkout: its dependency ranges are in pyproject.toml (DL3013 wants a pin for a name)
 # hadolint ignore=DL3013
-RUN python3 -m pip install ".[vllm,tensorboard]" \
+RUN python3 -m pip install ".[vllm,track]" \
     && rlkit --version
 
 RUN useradd --create-home --uid 1000 rlkit

@@ -19,7 +19,7 @@ _level = 20  # logging.INFO
 # The libraries whose logs go through the same handler, at warning unless debug is asked for; the
 # environment variables are read when each library first loads, after the command line is parsed.
 _LIBRARY_LEVEL_ENV = {"TRANSFORMERS_VERBOSITY": str.lower, "DATASETS_VERBOSITY": str.lower,
-                      "VLLM_LOGGING_LEVEL": str.upper}
+                      "VLLM_LOGGING_LEVEL": str.upper, "MLFLOW_LOGGING_LEVEL": str.upper}
 
 
 def set_level(name: str) -> None:
@@ -44,6 +44,11 @@ def set_level(name: str) -> None:
     if not any(isinstance(h, RichHandler) for h in root.handlers):  # once per process
         root.addHandler(RichHandler(console=_warnings, show_time=False, show_path=False, markup=False))
     root.setLevel(getattr(logging, lib.upper()))
+
+
+def shows_info() -> bool:
+    """Whether info lines print (not under -q or --log-level warning/error)."""
+    return _level <= 20
 
 
 def info(msg: str) -> None:

@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 import typer
 
 from rlkit import config_file
+from rlkit.io import tracking
 
 ConfigFile = Annotated[
     Path | None,
@@ -43,11 +44,13 @@ Quiet = Annotated[bool, typer.Option("--quiet", "-q", is_eager=True, expose_valu
 OutDir = Annotated[Path, typer.Option("--out", "-o", help="Output directory (written atomically).")]
 OutTable = Annotated[
     Path | None,
-    typer.Option("--out", "-o", help="Output table (.arrow). Omitted or '-': stream to stdout (must be a pipe)."),
+    typer.Option("--out", "-o", allow_dash=True,
+                 help="Output table (.arrow). Omitted or '-': stream to stdout (must be a pipe)."),
 ]
 InTable = Annotated[
-    str | None,
-    typer.Option("--in", "-i", help="Input table (.arrow), or '-' for stdin. Omitted: read stdin when it is a pipe."),
+    Path | None,
+    typer.Option("--in", "-i", allow_dash=True,
+                 help="Input table (.arrow), or '-' for stdin. Omitted: read stdin when it is a pipe."),
 ]
 PolicyDir = Annotated[Path, typer.Option("--policy", help="Policy checkpoint directory (Hugging Face layout).")]
 Task = Annotated[
@@ -79,6 +82,29 @@ LoraRank = Annotated[int | None, typer.Option("--lora-rank", help="Train a LoRA 
 LoraAlpha = Annotated[float | None, typer.Option("--lora-alpha", help="LoRA scaling alpha (default 2 x --lora-rank).")]
 LoraDropout = Annotated[float, typer.Option("--lora-dropout", help="LoRA dropout on the adapter's input.")]
 LoraTargets = Annotated[str | None, typer.Option("--lora-targets", help="Comma-separated module names to adapt, e.g. q_proj,v_proj (default: every linear layer of the blocks, not the output head).")]
+# Resume snapshots (sft, train-rm): see rlkit.training.resume
+SaveSteps = Annotated[int, typer.Option("--save-steps", min=0, help="Every N optimizer steps save a resume snapshot (weights, AdamW, LR schedule, RNG, data position) in .NAME.resume beside --out NAME: rerunning the same command after a kill resumes from it with the same result, and it is removed once --out is written (0: no snapshots, no resuming).")]
+
+# Where metrics go besides the screen and the manifest (sft, train-rm, update, eval): rlkit.io.tracking
+def _report_to(ctx, param, value: str | None) -> str | None:
+    try:
+        tracking.parse_report_to(value)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), ctx=ctx, param=param) from None
+    return value
+
+
+Metrics = Annotated[Path | None, typer.Option("--metrics", help="Append the run's metrics as JSON lines to this file (the file `rlkit report` plots).")]
+ReportTo = Annotated[str | None, typer.Option("--report-to", callback=_report_to, help=tracking.REPORT_TO_HELP)]
+RunName = Annotated[str | None, typer.Option("--run-name", help=tracking.RUN_NAME_HELP)]
+Project = Annotated[str, typer.Option("--project", help=tracking.PROJECT_HELP)]
+TensorBoardDir = Annotated[Path | None, typer.Option("--tensorboard", help="TensorBoard log directory (implies --report-to tensorboard; default runs/PROJECT/RUN_NAME).")]
+
+
+def tracking_options(report_to: str | None, project: str, run_name: str | None, tensorboard: Path | None):
+    """The shared tracking flags -> rlkit.io.tracking.TrackingConfig."""
+    return tracking.TrackingConfig(report_to=tracking.parse_report_to(report_to), project=project,
+                                   run_name=run_name, tensorboard=tensorboard)
 
 
 # One name per concept across the commands. Old spellings keep working, hidden from --help, with one
@@ -115,7 +141,8 @@ PANELS: dict[str, tuple[str, ...]] = {
     "Precision & memory": ("device", "dtype", "gradient_checkpointing"),
     "LoRA": ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets"),
     "Follow": ("follow", "batch_prompts", "max_lag", "max_steps", "keep"),
-    "Output & tracking": ("out", "metrics", "tensorboard", "as_json", "label", "force"),
+    "Output & tracking": ("out", "metrics", "report_to", "run_name", "project", "tensorboard", "logging_steps",
+                          "save_steps", "as_json", "label", "force"),
     "Run": ("_config", "_log_level", "_quiet"),
 }
 PANEL_OF = {name: panel for panel, names in PANELS.items() for name in names}

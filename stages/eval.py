@@ -3,18 +3,34 @@
 Reads a policy and either a task's held-out split or a prompts file (scored by the task's verifier
 against its answer column). Prints accuracy, mean response length and sample responses as a table, or
 JSON with --json (each sample with the prompt token ids the model saw: chat template and special tokens); --metrics appends the figures as one JSON line to the file `update --metrics` writes
-(held-out accuracy beside reward, KL and length, per round), --tensorboard logs them as scalars.
+(held-out accuracy beside reward, KL and length, per round), --report-to sends them to experiment trackers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from rlkit.options import AnswerColumn, Device, NoVerify, PolicyDir, PromptColumn, Seed, Task, TrustRemoteCode
+from rlkit.io.tracking import TrackingConfig
+from rlkit.options import (
+    AnswerColumn,
+    Device,
+    Metrics,
+    NoVerify,
+    PolicyDir,
+    Project,
+    PromptColumn,
+    ReportTo,
+    RunName,
+    Seed,
+    Task,
+    TensorBoardDir,
+    TrustRemoteCode,
+    tracking_options,
+)
 
 
 @dataclass(frozen=True)
@@ -30,7 +46,7 @@ class EvalConfig:
     seed: int = 0
     as_json: bool = False
     metrics: Path | None = None
-    tensorboard: Path | None = None
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)  # --report-to, --run-name, --project, --tensorboard
     label: str | None = None
     rm: Path | None = None  # also report the mean reward-model score of the same responses
     device: str = "auto"  # auto | cpu | cuda | cuda:N (rlkit.devices)
@@ -53,12 +69,12 @@ def _run(cfg: EvalConfig) -> dict:
     import sys
 
     from rlkit import console, devices
-    from rlkit.io import checkpoints, data, metrics_log
+    from rlkit.io import checkpoints, data, metrics_log, tracking
     from rlkit.tasks import get_task
     from rlkit.tasks.evaluate import greedy_eval
 
     task = get_task(cfg.task)
-    metrics_log.check_tensorboard(cfg.tensorboard)
+    tracking.check(cfg.tracking)
     checkpoints.check_model_dir(cfg.policy, "policy")
     source = None
     if cfg.prompts:
@@ -93,8 +109,10 @@ def _run(cfg: EvalConfig) -> dict:
     }
     if cfg.label:
         result["label"] = cfg.label
-    metrics_log.write({"stage": "eval", **{k: v for k, v in result.items() if k != "samples"}}, cfg.metrics,
-                      cfg.tensorboard)
+    row = {"stage": "eval", **{k: v for k, v in result.items() if k != "samples"}}
+    metrics_log.write(row, cfg.metrics)
+    with tracking.open_tracking(cfg.tracking, "eval", cfg, policy=cfg.policy) as tracker:
+        tracker.log(row)
     if cfg.as_json:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
     else:
@@ -128,8 +146,11 @@ def command(
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Longest response, in tokens.")] = EvalConfig.max_new_tokens,
     batch_tokens: Annotated[int, typer.Option(min=16, help="Token budget per generation batch.")] = EvalConfig.batch_tokens,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON to stdout instead of tables.")] = False,
-    metrics: Annotated[Path | None, typer.Option(help="Append the figures as one JSON line to this file.")] = None,
-    tensorboard: Annotated[Path | None, typer.Option(help="Also log the figures as TensorBoard scalars under this directory (needs the tensorboard extra).")] = None,
+    metrics: Metrics = None,
+    report_to: ReportTo = None,
+    run_name: RunName = None,
+    project: Project = TrackingConfig.project,
+    tensorboard: TensorBoardDir = None,
     label: Annotated[str | None, typer.Option(help="A name recorded with the figures (e.g. 'round-3').")] = None,
     rm: Annotated[Path | None, typer.Option("--rm", help="Reward model DIR: also report the mean score it gives the same responses.")] = None,
     seed: Seed = 0,
@@ -140,4 +161,5 @@ def command(
     """Greedy held-out accuracy, response length and sample responses of a policy."""
     run(EvalConfig(policy=policy, task=task, prompts=prompts, prompt_column=prompt_column, answer_column=answer_column,
                    num=num, max_new_tokens=max_new_tokens, batch_tokens=batch_tokens, seed=seed, as_json=as_json,
-                   metrics=metrics, tensorboard=tensorboard, label=label, rm=rm, device=device, trust_remote_code=trust_remote_code, verify=not no_verify))
+                   metrics=metrics,
+                   tracking=tracking_options(report_to, project, run_name, tensorboard), label=label, rm=rm, device=device, trust_remote_code=trust_remote_code, verify=not no_verify))

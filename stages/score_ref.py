@@ -325,5 +325,5 @@ def command(
 ) -> None:
     """Add the frozen reference's per-token log-probs, reward-model and reward-function scores to a rollouts table (streams)."""
     run(ScoreRefConfig(ref=ref, rm=tuple(rm or ()), reward_fn=tuple(reward_fn or ()), reward_timeout=reward_timeout,
-                       inp=inp, out=out, device=device, dtype=dtype, batch_tokens=batch_tokens,
+                       inp=None if inp is None else str(inp), out=out, device=device, dtype=dtype, batch_tokens=batch_tokens,
                        shard=shard, trust_remote_code=trust_remote_code, verify=not no_verify, force=force))

@@ -18,6 +18,7 @@ from typing import Annotated
 
 import typer
 
+from rlkit.io.tracking import TrackingConfig
 from rlkit.options import (
     Device,
     Force,
@@ -26,11 +27,18 @@ from rlkit.options import (
     LoraDropout,
     LoraRank,
     LoraTargets,
+    Metrics,
     NoVerify,
     OutDir,
+    Project,
+    ReportTo,
+    RunName,
+    SaveSteps,
     Seed,
+    TensorBoardDir,
     TrainDtype,
     TrustRemoteCode,
+    tracking_options,
     train_options,
 )
 from rlkit.tiny import TinyConfig
@@ -63,6 +71,9 @@ class SftConfig:
     trust_remote_code: bool = False
     verify: bool = True  # --no-verify: load without the weights' hash check (never for a reference)
     metrics: Path | None = None
+    save_steps: int = 0  # a resume snapshot beside --out every this many steps (rlkit.training.resume); 0: none
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)  # --report-to, --run-name, --project, --tensorboard
+    logging_steps: int = 10  # a training row (loss, lr, grad norm) to the trackers every this many steps
     force: bool = False
 
 
@@ -81,17 +92,16 @@ def _lr_lambda(total: int, warmup: int, min_ratio: float):
 def run(cfg: SftConfig) -> Path:
     """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
     from rlkit import devices
-    from rlkit.io import artifacts, checkpoints
+    from rlkit.io import artifacts, checkpoints, tracking
 
     devices.parse(cfg.device)
     model = cfg.model if cfg.model != "tiny" else None
     with artifacts.claim_out(cfg.out, "model", {"--model": model, "--data": cfg.data, "--task": cfg.task}), \
-            checkpoints.verifying(cfg.verify):
-        return _run(cfg)
+            checkpoints.verifying(cfg.verify), tracking.Tracking() as tracker:
+        return _run(cfg, tracker)
 
 
-def _run(cfg: SftConfig) -> Path:
-    import json
+def _run(cfg: SftConfig, tracker) -> Path:
     import math
     import random
     import time
@@ -100,7 +110,7 @@ def _run(cfg: SftConfig) -> Path:
 
     from rlkit import console, tiny
     from rlkit.errors import RlkitError
-    from rlkit.io import artifacts, checkpoints, data
+    from rlkit.io import artifacts, checkpoints, data, metrics_log, tracking
     from rlkit.tasks import get_task, task_inputs
     from rlkit.tasks.evaluate import greedy_eval
 
@@ -112,9 +122,11 @@ def _run(cfg: SftConfig) -> Path:
         cfg = replace(cfg, tiny=None)
     artifacts.check_out(cfg.out, "model")
     from rlkit import training
-    from rlkit.training import distributed
+    from rlkit.training import distributed, resume
 
     cfg.train.check(distributed=distributed.launched())
+    tracking.check(cfg.tracking)
+    resume.check(cfg.save_steps, distributed.launched())
     from rlkit import devices
 
     dev = devices.resolve(cfg.device)
@@ -160,10 +172,13 @@ def _run(cfg: SftConfig) -> Path:
         console.warn(f"{truncated} examples longer than --max-length {cfg.max_len} were truncated")
 
     devices.announce("sft", dev, train.dtype)  # once the data is known good: work starts
+    tracker.start(cfg.tracking, "sft", cfg)
     rng = random.Random(cfg.seed)
     lengths = [len(s) for s in ids]
     epochs = [data.token_batches(lengths, cfg.batch_tokens, rng) for _ in range(cfg.epochs)]
     total = sum(len(e) for e in epochs)
+    snaps = resume.Snapshots("sft", cfg.out, cfg, inputs, cfg.save_steps)
+    snap = snaps.find(total)  # one line when a snapshot is there: resumed from, or not and why
     if dp is not None:
         model = distributed.shard_model(model, dp)
         console.info(f"sft: data-parallel over {dp.world} processes ({dp.device.type}, FSDP2)")
@@ -174,9 +189,18 @@ def _run(cfg: SftConfig) -> Path:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total, max(1, int(cfg.warmup * total)), cfg.min_lr_ratio))
     model.train()
     t0, tokens, ema = time.monotonic(), 0, None
+    start = (0, 0)  # (epoch, batch) to train first
+    if snap is not None:  # its weights, AdamW, LR position, RNG, loss scale and running figures
+        got = snaps.restore(snap, model, opt, prec, sched=sched, device=dev)
+        start, tokens, ema = (got["epoch"], got["batch"]), got["tokens"], got["ema"]
+        t0 -= got["train_seconds"]
     with console.progress("sft", total) as bar:
-        for batches in epochs:
-            for batch in batches:
+        if snap is not None:
+            bar.advance(snap.step)
+        for epoch, batches in enumerate(epochs):  # the whole plan is drawn up front: a resumed run skips ahead
+            for b, batch in enumerate(batches):
+                if (epoch, b) < start:
+                    continue
                 share = 1.0
                 if dp is not None:  # this rank's rows; the loss is a mean over predicted tokens
                     batch, share = distributed.split_rows(batch, dp, lambda rows: sum(len(ids[i]) - plens[i] for i in rows))
@@ -210,6 +234,13 @@ def _run(cfg: SftConfig) -> Path:
                 tokens += n_tokens if share else 0
                 ema = value if ema is None else 0.95 * ema + 0.05 * value
                 bar.advance(1, loss=ema, **{"tok/s": int(tokens / (time.monotonic() - t0))})
+                if snaps.due(sched.last_epoch):
+                    snaps.save(sched.last_epoch, total, model, opt, prec, sched=sched, device=dev,
+                               position={"epoch": epoch, "batch": b + 1},
+                               figures={"tokens": tokens, "ema": ema, "train_seconds": time.monotonic() - t0})
+                if sched.last_epoch % cfg.logging_steps == 0:  # to the trackers alone: --metrics holds the run's row
+                    tracker.log({"step": sched.last_epoch, "loss": value, "loss_ema": ema, "lr": sched.get_last_lr()[0],
+                                 "grad_norm": norm}, axis="sft/train")
     train_s = time.monotonic() - t0
     if dp is not None:
         tokens = int(distributed.all_sum([tokens], dp)[0])
@@ -228,12 +259,14 @@ def _run(cfg: SftConfig) -> Path:
     full = distributed.full_model_state(model) if dp is not None else None  # gathered: a collective
     if distributed.stand_down(dp, metrics):
         return cfg.out
-    manifest = artifacts.make_manifest("model", "sft", cfg, inputs, step=0, metrics=metrics, **devices.manifest_entry(dev))
+    manifest = artifacts.make_manifest("model", "sft", cfg, inputs, step=0, metrics=metrics, **devices.manifest_entry(dev),
+                                       **tracker.manifest_entry())
     with artifacts.atomic_dir(cfg.out) as tmp:
         checkpoints.save_model(model, tokenizer, tmp, manifest, state_dict=full)
-    if cfg.metrics is not None:
-        with open(cfg.metrics, "a") as f:
-            f.write(json.dumps({"stage": "sft", "out": str(cfg.out), **metrics}) + "\n")
+    snaps.remove()  # --out holds the result now
+    row = {"stage": "sft", "out": str(cfg.out), "step": 0, **metrics}
+    metrics_log.write(row, cfg.metrics)
+    tracker.log(row)
     acc = metrics.get("heldout_accuracy")
     console.info(
         f"sft: {total} steps, {tokens} tokens in {train_s:.1f}s ({metrics['tokens_per_s']:.0f} tok/s), "
@@ -268,10 +301,16 @@ def command(
     lora_alpha: LoraAlpha = None,
     lora_dropout: LoraDropout = 0.0,
     lora_targets: LoraTargets = None,
-    metrics: Annotated[Path | None, typer.Option(help="Append the run's metrics as one JSON line to this file.")] = None,
+    metrics: Metrics = None,
+    report_to: ReportTo = None,
+    run_name: RunName = None,
+    project: Project = TrackingConfig.project,
+    tensorboard: TensorBoardDir = None,
+    logging_steps: Annotated[int, typer.Option(min=1, help="With --report-to: log the training loss, learning rate and gradient norm every this many optimizer steps (as sft/train/*).")] = SftConfig.logging_steps,
     seed: Seed = 0,
     trust_remote_code: TrustRemoteCode = False,
     no_verify: NoVerify = False,
+    save_steps: SaveSteps = 0,
     force: Force = False,
 ) -> None:
     """Supervised fine-tuning on completion tokens; writes a checkpoint and its metrics."""
@@ -282,4 +321,6 @@ def command(
         train=train_options(dtype, gradient_checkpointing, lora_rank, lora_alpha, lora_dropout, lora_targets), device=device,
         tiny=TinyConfig(layers=layers, hidden=hidden, heads=max(1, hidden // 32), intermediate=4 * hidden),
         trust_remote_code=trust_remote_code, verify=not no_verify, metrics=metrics, force=force,
+        save_steps=save_steps,
+        tracking=tracking_options(report_to, project, run_name, tensorboard), logging_steps=logging_steps,
     ))

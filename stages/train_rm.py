@@ -18,6 +18,7 @@ from typing import Annotated
 
 import typer
 
+from rlkit.io.tracking import TrackingConfig
 from rlkit.options import (
     Device,
     Force,
@@ -26,11 +27,18 @@ from rlkit.options import (
     LoraDropout,
     LoraRank,
     LoraTargets,
+    Metrics,
     NoVerify,
     OutDir,
+    Project,
+    ReportTo,
+    RunName,
+    SaveSteps,
     Seed,
+    TensorBoardDir,
     TrainDtype,
     TrustRemoteCode,
+    tracking_options,
     train_options,
 )
 from rlkit.training import TrainOptions
@@ -55,6 +63,9 @@ class TrainRmConfig:
     verify: bool = True  # --no-verify: load without the weights' hash check (never for a reference)
     force: bool = False
     metrics: Path | None = None  # append the run's metrics as one JSON line
+    save_steps: int = 0  # a resume snapshot beside --out every this many steps (rlkit.training.resume); 0: none
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)  # --report-to, --run-name, --project, --tensorboard
+    logging_steps: int = 10  # a training row (loss, lr, grad norm) to the trackers every this many steps
 
 
 def run(cfg: TrainRmConfig) -> Path:
@@ -62,30 +73,32 @@ def run(cfg: TrainRmConfig) -> Path:
     from rlkit import devices
 
     devices.parse(cfg.device)
-    from rlkit.io import artifacts, checkpoints
+    from rlkit.io import artifacts, checkpoints, tracking
 
     with artifacts.claim_out(cfg.out, "model", {"--model": cfg.base, "--prefs": cfg.prefs}), \
-            checkpoints.verifying(cfg.verify):
-        return _run(cfg)
+            checkpoints.verifying(cfg.verify), tracking.Tracking() as tracker:
+        return _run(cfg, tracker)
 
 
-def _run(cfg: TrainRmConfig) -> Path:
+def _run(cfg: TrainRmConfig, tracker) -> Path:
     import json
     import math
     import random
 
     from rlkit import console
     from rlkit.errors import RlkitError
-    from rlkit.io import artifacts, checkpoints, data
+    from rlkit.io import artifacts, checkpoints, data, tracking
     from rlkit.tasks import prefs
 
     checkpoints.check_model_dir(cfg.base, "base")
     artifacts.check_out(cfg.out, "model")
     if cfg.lr <= 0 or cfg.batch_size < 1 or cfg.epochs < 1:
         raise RlkitError("--lr must be > 0, --batch-size and --epochs >= 1")
-    from rlkit.training import distributed
+    from rlkit.training import distributed, resume
 
     cfg.train.check(distributed=distributed.launched())
+    tracking.check(cfg.tracking)
+    resume.check(cfg.save_steps, distributed.launched())
     from rlkit import devices
 
     dev = devices.resolve(cfg.device)
@@ -124,14 +137,27 @@ def _run(cfg: TrainRmConfig) -> Path:
     rejected = encode_pairs(tok, t["prompt"], t["rejected"], cfg.max_length)
     opt = training.make_adamw(model, cfg.lr, 0.01, betas=(0.9, 0.99))
     devices.announce("train-rm", dev, train_opts.dtype)  # once the data is known good: work starts
+    tracker.start(cfg.tracking, "train-rm", cfg)
     steps = cfg.epochs * -(-len(train) // cfg.batch_size)
     rng = random.Random(cfg.seed)
     losses, step = [], 0
+    snaps = resume.Snapshots("train-rm", cfg.out, cfg, inputs, cfg.save_steps)
+    snap = snaps.find(steps)  # one line when a snapshot is there: resumed from, or not and why
+    start = (0, 0)  # (epoch, batch) to train first
+    if snap is not None:  # its weights, AdamW, RNG, loss scale, losses, and the batch order's RNG at its epoch's start
+        got = snaps.restore(snap, model, opt, prec, device=dev)
+        start, step, losses = (got["epoch"], got["batch"]), got["step"], got["losses"]
+        rng.setstate(resume.rng_from_json(got["rng"]))
     model.train()
     with console.progress("train-rm", steps) as bar:
-        for _ in range(cfg.epochs):
-            for idx in length_grouped_batches(train, [max(len(chosen[i]), len(rejected[i])) for i in train],
-                                              cfg.batch_size, rng):
+        if snap is not None:
+            bar.advance(step)
+        for epoch in range(start[0], cfg.epochs):
+            epoch_rng = rng.getstate()
+            for b, idx in enumerate(length_grouped_batches(train, [max(len(chosen[i]), len(rejected[i])) for i in train],
+                                                           cfg.batch_size, rng)):
+                if (epoch, b) < start:
+                    continue
                 share = 1.0
                 if dp is not None:  # this rank's pairs; the loss is a mean over pairs
                     idx, share = distributed.split_rows(idx, dp, len)
@@ -166,6 +192,12 @@ def _run(cfg: TrainRmConfig) -> Path:
                 step += 1
                 losses.append(value)
                 bar.advance(1, loss=losses[-1])
+                if snaps.due(step):
+                    snaps.save(step, steps, model, opt, prec, device=dev, figures={"losses": losses},
+                               position={"epoch": epoch, "batch": b + 1, "rng": resume.rng_to_json(epoch_rng)})
+                if step % cfg.logging_steps == 0:  # to the trackers alone: --metrics holds the run's row
+                    tracker.log({"step": step, "loss": value, "lr": opt.param_groups[0]["lr"], "grad_norm": norm},
+                                axis="train-rm/train")
     model.eval()
     prompts = [t["prompt"][i] for i in held]
     sc = score_texts(model, tok, prompts, [t["chosen"][i] for i in held], max_length=cfg.max_length)
@@ -189,13 +221,15 @@ def _run(cfg: TrainRmConfig) -> Path:
     if distributed.stand_down(dp, metrics):
         return cfg.out
     manifest = artifacts.make_manifest("reward-model", "train-rm", cfg, inputs, metrics=metrics, sanity=sanity,
-                                       **devices.manifest_entry(dev))
+                                       **devices.manifest_entry(dev), **tracker.manifest_entry())
     with artifacts.atomic_dir(cfg.out) as tmp:
         checkpoints.save_model(model, tok, tmp, manifest, state_dict=full)
-    if cfg.metrics is not None:
-        from rlkit.io import metrics_log
+    snaps.remove()  # --out holds the result now
+    from rlkit.io import metrics_log
 
-        metrics_log.write({"stage": "train-rm", "out": str(cfg.out), "step": 0, **metrics}, cfg.metrics)
+    row = {"stage": "train-rm", "out": str(cfg.out), "step": 0, **metrics}
+    metrics_log.write(row, cfg.metrics)
+    tracker.log(row)
     _show(metrics, sanity)
     console.info(f"train-rm: -> {cfg.out}  " + json.dumps({"heldout_pair_accuracy": round(metrics["heldout_pair_accuracy"], 4)}))
     distributed.barrier(dp)
@@ -307,7 +341,12 @@ def command(
     margin: Annotated[float, typer.Option(help="Bradley-Terry margin: -log sigmoid(s_c - s_r - margin).")] = 0.0,
     max_length: Annotated[int, typer.Option(min=8, help="Longest prompt + response in tokens (keeps the end).")] = 256,
     seed: Seed = 0,
-    metrics: Annotated[Path | None, typer.Option(help="Append the run's metrics (held-out pair accuracy, loss, ...) as one JSON line to this file.")] = None,
+    metrics: Metrics = None,
+    report_to: ReportTo = None,
+    run_name: RunName = None,
+    project: Project = TrackingConfig.project,
+    tensorboard: TensorBoardDir = None,
+    logging_steps: Annotated[int, typer.Option(min=1, help="With --report-to: log the training loss, learning rate and gradient norm every this many optimizer steps (as train-rm/train/*).")] = TrainRmConfig.logging_steps,
     device: Device = "auto",
     dtype: TrainDtype = "auto",
     gradient_checkpointing: GradCheckpointing = False,
@@ -317,6 +356,7 @@ def command(
     lora_targets: LoraTargets = None,
     trust_remote_code: TrustRemoteCode = False,
     no_verify: NoVerify = False,
+    save_steps: SaveSteps = 0,
     force: Force = False,
 ) -> None:
     """Train a reward model on preference pairs; prints held-out pair accuracy and a sanity report."""
@@ -324,4 +364,6 @@ def command(
                       max_length=max_length, seed=seed,
                       train=train_options(dtype, gradient_checkpointing, lora_rank, lora_alpha, lora_dropout, lora_targets),
                       device=device, trust_remote_code=trust_remote_code, verify=not no_verify, force=force,
-                      metrics=metrics))
+                      save_steps=save_steps,
+                      metrics=metrics, tracking=tracking_options(report_to, project, run_name, tensorboard),
+                      logging_steps=logging_steps))

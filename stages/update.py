@@ -28,6 +28,7 @@ import typer
 
 from rlkit import algorithms
 from rlkit.algorithms.config import DEFAULT_DUAL_CLIP, RLConfig
+from rlkit.io.tracking import TrackingConfig
 from rlkit.options import (
     Device,
     Force,
@@ -37,11 +38,17 @@ from rlkit.options import (
     LoraDropout,
     LoraRank,
     LoraTargets,
+    Metrics,
     NoVerify,
     OutDir,
     PolicyDir,
+    Project,
+    ReportTo,
+    RunName,
+    TensorBoardDir,
     TrainDtype,
     TrustRemoteCode,
+    tracking_options,
     train_options,
 )
 from rlkit.training import TrainOptions
@@ -65,7 +72,7 @@ class UpdateConfig:
     reward: tuple[str, ...] = ()  # NAME=WEIGHT; empty: every component with weight 1
     length_penalty: float = 0.0  # reward -= length_penalty * completion tokens
     metrics: Path | None = None
-    tensorboard: Path | None = None
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)  # --report-to, --run-name, --project, --tensorboard
     ref: Path | None = None  # for the drift figure; default: the reference score-ref used
     max_drift: float = DEFAULT_MAX_DRIFT
     # --follow: --out is a directory of step-NNNNNN/ checkpoints, one per --batch-prompts prompts of an
@@ -133,7 +140,7 @@ def run(cfg: UpdateConfig) -> Path:
 
 def _run(cfg: UpdateConfig) -> Path:
     from rlkit import console, devices
-    from rlkit.io import artifacts, checkpoints, metrics_log
+    from rlkit.io import artifacts, checkpoints, metrics_log, tracking
     from rlkit.training import lora
     from rlkit.training.trainer import Trainer
 
@@ -150,7 +157,7 @@ def _run(cfg: UpdateConfig) -> Path:
     cfg.train.check(distributed=distributed_launch())
     dev = devices.resolve(cfg.device)
     cfg = replace(cfg, train=cfg.train.on(dev))  # --dtype auto made concrete: what is trained and recorded
-    metrics_log.check_tensorboard(cfg.tensorboard)
+    tracking.check(cfg.tracking)
     if cfg.ref is not None:
         checkpoints.verify_reference(cfg.ref)
     if cfg.rl.kl_estimator == "k3" and cfg.rl.kl_in == "loss":
@@ -191,19 +198,22 @@ def _run(cfg: UpdateConfig) -> Path:
     t.load(cfg.policy)
     devices.announce("update", t.device, t.train_options.dtype)  # once the input is known good: work starts
     step = checkpoints.policy_step(cfg.policy) + 1
-    metrics = {"step": step, **loaded.metrics,
-               **t.train(loaded.batch, progress=lambda n: console.progress("update", n), **loaded.train)}
-    # gathered on every rank (collectives) under data parallelism; rank 0 alone writes
-    gathered = t.gather()
-    if distributed.stand_down(dp, metrics):
-        return cfg.out
-    metrics.update(_drift(cfg, lora.plain_state_dict(t.model, gathered[0]), upstream.get("reference")))
-    manifest = artifacts.make_manifest("model", "update", cfg, inputs, step=step, metrics=metrics,
-                                       **_reward_weights(loaded), **devices.manifest_entry(dev),
-                                       **_reference_entry(upstream, cfg.policy))
-    with artifacts.atomic_dir(cfg.out) as tmp:
-        t.save(tmp, manifest, gathered)
-    metrics_log.write({"stage": "update", "out": str(cfg.out), **metrics}, cfg.metrics, cfg.tensorboard)
+    with tracking.open_tracking(cfg.tracking, "update", cfg, policy=cfg.policy) as tracker:
+        metrics = {"step": step, **loaded.metrics,
+                   **t.train(loaded.batch, progress=lambda n: console.progress("update", n), **loaded.train)}
+        # gathered on every rank (collectives) under data parallelism; rank 0 alone writes
+        gathered = t.gather()
+        if distributed.stand_down(dp, metrics):
+            return cfg.out
+        metrics.update(_drift(cfg, lora.plain_state_dict(t.model, gathered[0]), upstream.get("reference")))
+        manifest = artifacts.make_manifest("model", "update", cfg, inputs, step=step, metrics=metrics,
+                                           **_reward_weights(loaded), **devices.manifest_entry(dev),
+                                           **_reference_entry(upstream, cfg.policy), **tracker.manifest_entry())
+        with artifacts.atomic_dir(cfg.out) as tmp:
+            t.save(tmp, manifest, gathered)
+        row = {"stage": "update", "out": str(cfg.out), **metrics}
+        metrics_log.write(row, cfg.metrics)
+        tracker.log(row)
     _show(metrics, inp, t.algo)
     distributed.barrier(dp)
     return cfg.out
@@ -243,7 +253,7 @@ def _run_follow(cfg: UpdateConfig, inp, pending, weights: dict[str, float] | Non
     """`update --follow`: one step per --batch-prompts prompts of the stream, published into --out."""
     from rlkit import console, devices
     from rlkit.errors import RlkitError
-    from rlkit.io import artifacts, checkpoints, follow, metrics_log
+    from rlkit.io import artifacts, checkpoints, follow, metrics_log, tracking
     from rlkit.training import lora
     from rlkit.training.follow_batches import Batcher
     from rlkit.training.trainer import Trainer
@@ -302,37 +312,41 @@ def _run_follow(cfg: UpdateConfig, inp, pending, weights: dict[str, float] | Non
         dropped = 0
         batches = Batcher(reader, P, n, cfg.max_lag)
         devices.announce("update", t.device, t.train_options.dtype)
-        while cfg.max_steps is None or step - base_step < cfg.max_steps:
-            got = batches.next(step)
-            if got is None:
-                console.info(f"update: the input ended; last step {step}" + (
-                    f" ({batches.leftover} rows of an unfinished batch left untrained)" if batches.leftover else ""))
-                return root
-            table, lags, drop = got
-            dropped += drop
-            loaded = inp.load(table, upstream=upstream, tokenizer=tokenizer, rl=cfg.rl, dtype=t.train_options.dtype,
-                              weights=weights, length_penalty=cfg.length_penalty, lags=lags, label=reader.label)
-            # decoupled PPO: a recomputed pi_old is the proximal policy, weighed by proximal / behaviour, capped
-            rl = replace(cfg.rl, tis_cap=(cap or None) if loaded.train["recompute"] else None)
-            m = t.train(loaded.batch, cfg=rl, progress=lambda n, s=step: console.progress(f"update step {s + 1}", n),
-                        **loaded.train)
-            step += 1
-            metrics = {"step": step, **loaded.metrics, **m}
-            metrics.update(lag_mean=float(lags.float().mean()), lag_max=int(lags.max()), rows_dropped=drop,
-                           rows_dropped_total=dropped, prompts=P)
-            metrics.update(_drift(cfg, lora.plain_state_dict(t.model), upstream.get("reference"), ref_cache))
-            manifest = artifacts.make_manifest(
-                "model", "update", cfg, inputs, step=step, metrics=metrics, **_reward_weights(loaded),
-                **devices.manifest_entry(dev), **_reference_entry(upstream, cfg.policy), follow={"base": str(cfg.policy), "base_fingerprint": base_fp, "base_step": base_step})
-            path = follow.publish(root, step, lambda tmp, m=manifest: t.save(tmp, m, t.gather(), write_manifest=False))
-            pruned = follow.prune(root, keep) if keep is not None else []
-            devices.release_cached(t.device)  # a sleeping vLLM on this GPU takes its memory back for the next batch
-            metrics_log.write({"stage": "update", "out": str(path), **metrics}, cfg.metrics, cfg.tensorboard)
-            _show(metrics, inp, t.algo)
-            console.info(f"update: wrote {path} (lag mean {metrics['lag_mean']:.2f}, max {metrics['lag_max']}; "
-                         f"{drop} rows dropped)" + (f"; pruned steps {pruned}" if pruned else ""))
-        console.info(f"update: --max-steps {cfg.max_steps} reached (step {step}); stopping")
-        return root
+        with tracking.open_tracking(cfg.tracking, "update", cfg, policy=start) as tracker:
+            while cfg.max_steps is None or step - base_step < cfg.max_steps:
+                got = batches.next(step)
+                if got is None:
+                    console.info(f"update: the input ended; last step {step}" + (
+                        f" ({batches.leftover} rows of an unfinished batch left untrained)" if batches.leftover else ""))
+                    return root
+                table, lags, drop = got
+                dropped += drop
+                loaded = inp.load(table, upstream=upstream, tokenizer=tokenizer, rl=cfg.rl, dtype=t.train_options.dtype,
+                                  weights=weights, length_penalty=cfg.length_penalty, lags=lags, label=reader.label)
+                # decoupled PPO: a recomputed pi_old is the proximal policy, weighed by proximal / behaviour, capped
+                rl = replace(cfg.rl, tis_cap=(cap or None) if loaded.train["recompute"] else None)
+                m = t.train(loaded.batch, cfg=rl, progress=lambda n, s=step: console.progress(f"update step {s + 1}", n),
+                            **loaded.train)
+                step += 1
+                metrics = {"step": step, **loaded.metrics, **m}
+                metrics.update(lag_mean=float(lags.float().mean()), lag_max=int(lags.max()), rows_dropped=drop,
+                               rows_dropped_total=dropped, prompts=P)
+                metrics.update(_drift(cfg, lora.plain_state_dict(t.model), upstream.get("reference"), ref_cache))
+                manifest = artifacts.make_manifest(
+                    "model", "update", cfg, inputs, step=step, metrics=metrics, **_reward_weights(loaded),
+                    **devices.manifest_entry(dev), **_reference_entry(upstream, cfg.policy), follow={"base": str(cfg.policy), "base_fingerprint": base_fp, "base_step": base_step},
+                    **tracker.manifest_entry())
+                path = follow.publish(root, step, lambda tmp, m=manifest: t.save(tmp, m, t.gather(), write_manifest=False))
+                pruned = follow.prune(root, keep) if keep is not None else []
+                devices.release_cached(t.device)  # a sleeping vLLM on this GPU takes its memory back for the next batch
+                row = {"stage": "update", "out": str(path), **metrics}
+                metrics_log.write(row, cfg.metrics)
+                tracker.log(row)
+                _show(metrics, inp, t.algo)
+                console.info(f"update: wrote {path} (lag mean {metrics['lag_mean']:.2f}, max {metrics['lag_max']}; "
+                             f"{drop} rows dropped)" + (f"; pruned steps {pruned}" if pruned else ""))
+            console.info(f"update: --max-steps {cfg.max_steps} reached (step {step}); stopping")
+            return root
 
 
 def _drift(cfg: UpdateConfig, params: dict, upstream_ref: str | None, cache: dict | None = None) -> dict:
@@ -412,8 +426,11 @@ def command(
     target_kl: Annotated[float | None, typer.Option(help="ppo: adapt the KL coefficient towards this KL (Ziegler et al.), starting at --beta. Unit: nats per sequence, i.e. the --kl-estimator's per-token KL of pi_old vs pi_ref summed over each response and averaged over the batch (TRL's convention; the kl_per_seq metric).")] = None,
     old_logprobs: Annotated[Literal["engine", "recompute", "auto"], typer.Option(help="pi_old for the ratio: engine (as logged at rollout), recompute (the trainer's own forward pass before the first step) or auto (recompute unless the hf engine sampled and --dtype is fp32).")] = RLConfig.old_logprobs,
     tis_cap: Annotated[float | None, typer.Option(help="Truncated importance sampling: weight each token's loss by min(pi_recomputed / pi_engine, CAP), e.g. 2.0.")] = None,
-    metrics: Annotated[Path | None, typer.Option(help="Append this update's metrics as one JSON line to this file.")] = None,
-    tensorboard: Annotated[Path | None, typer.Option(help="Also log the metrics as TensorBoard scalars under this directory (needs the tensorboard extra).")] = None,
+    metrics: Metrics = None,
+    report_to: ReportTo = None,
+    run_name: RunName = None,
+    project: Project = TrackingConfig.project,
+    tensorboard: TensorBoardDir = None,
     ref: Annotated[Path | None, typer.Option(help="Frozen reference for the drift figure (default: the one score-ref used).")] = None,
     max_drift: Annotated[float, typer.Option(min=0.0, help="Warn when the policy's relative weight distance from the reference exceeds this.")] = DEFAULT_MAX_DRIFT,
     follow: Annotated[bool, typer.Option("--follow", help="Persistent: read an unbounded rollouts stream and write one checkpoint per --batch-prompts prompts as --out/step-NNNNNN/ (atomic; --out/latest names the newest); a rerun resumes from --out/latest. See docs/follow.md.")] = False,
@@ -443,7 +460,7 @@ def command(
                   gamma=gamma, lam=lam, vf_clip=vf_clip, critic_lr=critic_lr, critic_init=critic_init,
                   target_kl=target_kl)
     train = train_options(dtype, gradient_checkpointing, lora_rank, lora_alpha, lora_dropout, lora_targets)
-    run(UpdateConfig(policy=policy, out=out, inp=inp, rl=rl, train=train, device=device, reward=tuple(reward or ()), length_penalty=length_penalty,
-                     metrics=metrics, tensorboard=tensorboard, ref=ref, max_drift=max_drift, follow=follow,
+    run(UpdateConfig(policy=policy, out=out, inp=None if inp is None else str(inp), rl=rl, train=train, device=device, reward=tuple(reward or ()), length_penalty=length_penalty,
+                     metrics=metrics, tracking=tracking_options(report_to, project, run_name, tensorboard), ref=ref, max_drift=max_drift, follow=follow,
                      batch_prompts=batch_prompts, max_steps=max_steps, keep=keep, max_lag=max_lag,
                      trust_remote_code=trust_remote_code, verify=not no_verify, force=force))

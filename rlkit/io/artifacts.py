@@ -293,7 +293,8 @@ def read_manifest(path: str | Path) -> dict | None:
 
 
 # Settings that do not change what a stage writes: a rerun that differs only in these is up to date.
-NOT_COMPARED = ("force", "out", "verify", "reward_timeout")
+# where a run's figures go (trackers, their training-curve interval) and how often it snapshots: not the result
+NOT_COMPARED = ("force", "out", "verify", "reward_timeout", "save_steps", "tracking", "logging_steps")
 
 
 def _comparable(config: Any) -> Any:

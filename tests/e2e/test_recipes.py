@@ -99,6 +99,8 @@ def test_every_recipe_runs_scaled_down(recipe, tmp_path):
     # rlhf: one round; reward-hacking: one round of two of its beta runs
     knobs = {"reward-hacking.sh": {"ROUNDS": "1", "BETAS": "0.05 0"}, "rlhf.sh": {"ROUNDS": "1"},
              "math.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "200", "N": "2"}, "config.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "200", "PROMPTS": "8", "N": "2"}}
+    # rlvr.sh: with an experiment tracker (the whole recipe one run: eval and update continue sft's)
+    knobs["rlvr.sh"] = {"REPORT_TO": "tensorboard", "PROJECT": "recipe"}
     r = _run_recipe(recipe, runs, **knobs.get(recipe, {}))
     assert r.returncode == 0, f"{recipe}: {r.stderr.decode()[-2000:]}"
     # every RL recipe leaves one metrics file with held-out accuracy after every round, and its report
@@ -131,6 +133,15 @@ def test_every_recipe_runs_scaled_down(recipe, tmp_path):
         assert (runs / "report.png").stat().st_size > 50_000 and b"<img" in (runs / "report.html").read_bytes()
         rm = json.loads((runs / "rm-length-biased" / "rlkit.json").read_text())
         assert rm["sanity"]["length_bias_warning"] is True  # the sanity report flags the flawed reward model
+    if recipe == "rlvr.sh":
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        (run,) = (runs.parent / "runs" / "recipe").iterdir()
+        acc = EventAccumulator(str(run))
+        acc.Reload()
+        steps = {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+        assert steps["sft/heldout_accuracy"] == [0] and steps["update/reward_mean"] == [1, 2]
+        assert sorted(steps["eval/accuracy"]) == [0, 1, 2]
     if recipe == "rlvr.sh":  # a rerun with nothing changed skips every stage and every round
         r = _run_recipe(recipe, runs)
         assert r.returncode == 0, r.stderr.decode()[-2000:]

@@ -57,6 +57,26 @@ def test_the_canonical_spellings_are_used_where_the_concept_is():
         assert "--policy" in _long_opts(COMMANDS[name]), name
 
 
+def test_tables_and_directories_are_paths_and_trackers_read_alike():
+    """--in/--out/--metrics/--tensorboard are click paths ('-' allowed for a table: stdin/stdout); every stage that
+    trains or evaluates takes the same tracking flags, with the same help."""
+    from pathlib import Path
+
+    seen = 0
+    for name, cmd in COMMANDS.items():
+        for p in cmd.params:
+            if set(getattr(p, "opts", ())) & {"--in", "--out", "--metrics", "--tensorboard"}:
+                ann = p.type_descriptor.annotation
+                assert Path in (ann, *typing.get_args(ann)), (name, p.opts, ann)
+                seen += 1
+    assert seen > 15
+    update = {p.name: p for p in COMMANDS["update"].params}
+    for name in ("sft", "train-rm", "eval"):
+        params = {p.name: p for p in COMMANDS[name].params}
+        for flag in ("metrics", "report_to", "run_name", "project", "tensorboard"):
+            assert params[flag].help == update[flag].help, (name, flag)
+
+
 @pytest.mark.parametrize("name", sorted(COMMANDS))
 def test_choices_are_choices_and_every_default_is_shown(name):
     for p in COMMANDS[name].params:

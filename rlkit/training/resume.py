@@ -1,0 +1,212 @@
+"""Resume snapshots for `sft` and `train-rm` (`--save-steps N`), so a killed run picks up where it was.
+
+Every N optimizer steps the stage saves a snapshot in `.NAME.resume/` beside its `--out NAME` (outside
+the directory written atomically at the end, and not a name `artifacts.clean_leftovers(out)` removes):
+
+    model.safetensors       the trainable parameters by name (LoRA: the adapter and the head)
+    optimizer.safetensors   AdamW moments and step per parameter name, the torch CPU RNG, and the
+                            CUDA RNG on a GPU (`rlkit.training.trainer.trainer_tensors`)
+    state.json              optimizer step and loss-scale state (`trainer.save_trainer`)
+    resume.json             command, comparable config, input fingerprints, step of total, data
+                            position (epoch, batch), LR scheduler, param-group LRs, running figures
+
+No pickle: tensors in safetensors, the rest JSON (floats round-trip exactly). Each save goes to a
+temporary sibling swapped in whole (`artifacts.atomic_dir`), so a kill during a save leaves the previous
+snapshot. On start, a snapshot made by the same command with the same settings and inputs is resumed
+from; any other is named in one line and replaced at the first save. The snapshot goes once --out is
+written. With N = 0 nothing is saved and nothing resumed. Under torchrun `--save-steps` is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlkit.errors import RlkitError
+
+FORMAT = 1
+# Config fields that do not change the weights: a snapshot made with other values of these is resumed.
+NOT_COMPARED = ("force", "out", "verify", "metrics", "save_steps", "tracking", "logging_steps")
+
+
+def snapshot_dir(out: Path) -> Path:
+    """`.NAME.resume` beside `--out NAME`."""
+    return out.parent / f".{out.name}.resume"
+
+
+def check(save_steps: int, distributed: bool) -> None:
+    """One error line for a --save-steps this run cannot honour."""
+    if save_steps < 0:
+        raise RlkitError(f"--save-steps {save_steps}: must be >= 0 (0: no resume snapshots)")
+    if save_steps and distributed:
+        raise RlkitError("--save-steps is not supported under torchrun: run in one process to save resume "
+                         "snapshots, or leave --save-steps out")
+
+
+def comparable(config: Any) -> dict:
+    """The resolved config as JSON, less the fields that do not change the result."""
+    from rlkit.io.artifacts import jsonable
+
+    cfg = jsonable(config)
+    return {k: v for k, v in cfg.items() if k not in NOT_COMPARED} if isinstance(cfg, dict) else cfg
+
+
+def rng_to_json(state: tuple) -> list:
+    """A `random.Random.getstate()` as JSON."""
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def rng_from_json(j: list) -> tuple:
+    """What `rng_to_json` wrote, for `random.Random.setstate`."""
+    return j[0], tuple(j[1]), j[2]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A snapshot found on disk that matches this run: its directory and its resume.json."""
+
+    dir: Path
+    state: dict
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
+
+
+@dataclass(frozen=True)
+class Snapshots:
+    """The resume snapshots of one stage's run: `find` on start, `save` every `every` steps, `remove` at the end.
+
+        snaps = Snapshots("sft", cfg.out, cfg, inputs, cfg.save_steps)
+        snap = snaps.find(total)                        # one info line when a snapshot exists
+        if snap: got = snaps.restore(snap, model, opt, prec, sched=sched, device=dev)
+        ...  if snaps.due(step): snaps.save(step, total, model, opt, prec, position={...}, figures={...})
+        snaps.remove()                                  # once --out is written
+    """
+
+    stage: str
+    out: Path
+    config: Any
+    inputs: Mapping[str, str]
+    every: int = 0
+
+    @property
+    def dir(self) -> Path:
+        return snapshot_dir(self.out)
+
+    def find(self, total: int) -> Snapshot | None:
+        """The matching snapshot to resume from (saying so in one line), else None: none there, --save-steps 0,
+        or one made with other settings or inputs (said in one line; it is replaced at the first save)."""
+        from rlkit import console
+        from rlkit.io import artifacts
+
+        artifacts.clean_leftovers(self.dir)  # the temporary directory of a save that was killed
+        if not self.dir.is_dir():
+            return None
+        if self.every <= 0:
+            console.info(f"{self.stage}: not resuming from {self.dir} (--save-steps 0); it is removed once --out is written")
+            return None
+        try:
+            state = json.loads((self.dir / "resume.json").read_text())
+            if not isinstance(state, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as e:
+            console.info(f"{self.stage}: the snapshot in {self.dir} cannot be read ({e}); starting from step 0")
+            return None
+        why = self._mismatch(state, total)
+        if why:
+            console.info(f"{self.stage}: the snapshot in {self.dir} was made with other {why}; starting from step 0 "
+                         "(it is replaced at the first save)")
+            return None
+        console.info(f"{self.stage}: resuming from step {state['step']} of {total} ({self.dir})")
+        return Snapshot(self.dir, state)
+
+    def _mismatch(self, state: dict, total: int) -> str | None:
+        if state.get("format") != FORMAT or state.get("command") != self.stage:
+            return f"command or format ({state.get('command')!r}, format {state.get('format')!r})"
+        have, want = state.get("config") or {}, comparable(self.config)
+        differ = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
+        if differ:
+            return f"settings ({', '.join(differ)})"
+        ours = dict(self.inputs)
+        differ = sorted(k for k in set(state.get("inputs") or {}) | set(ours) if (state.get("inputs") or {}).get(k) != ours.get(k))
+        if differ:
+            return f"inputs ({', '.join(differ)})"
+        if state.get("total") != total or not 0 < int(state.get("step", 0)) <= total:
+            return f"plan (step {state.get('step')} of {state.get('total')}, this run has {total} steps)"
+        return None
+
+    def due(self, step: int) -> bool:
+        """True when a snapshot is to be saved after optimizer step `step` (counted from 1)."""
+        return self.every > 0 and step % self.every == 0
+
+    def save(self, step: int, total: int, model, opt, prec, *, position: dict, figures: dict, sched=None,
+             device=None) -> None:
+        """Snapshot after `step` of `total` optimizer steps. `position`: where the data is (epoch, batch: the
+        next one to train, ...); `figures`: the running numbers the stage goes on from (JSON). `sched`: a
+        torch LR scheduler whose position is saved; `device`: the CUDA RNG is saved on a GPU."""
+        import torch
+        from safetensors.torch import save_file
+
+        from rlkit.io import artifacts
+        from rlkit.training.trainer import TrainerState, save_trainer, trainer_tensors
+
+        weights = {name: p.detach().cpu().contiguous() for name, p in model.named_parameters() if p.requires_grad}
+        tensors = trainer_tensors(model, opt)
+        if device is not None and getattr(device, "type", str(device)) == "cuda":
+            tensors["rng/cuda"] = torch.cuda.get_rng_state(device)
+        state = {
+            "format": FORMAT, "command": self.stage, "config": comparable(self.config), "inputs": dict(self.inputs),
+            "step": step, "total": total, "position": position, "figures": figures,
+            "lr": [g["lr"] for g in opt.param_groups],
+            "scheduler": {k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"} if sched is not None else None,
+            "skipped_steps": prec.skipped,
+        }
+        text = json.dumps(state, allow_nan=False) + "\n"  # before any write: a value JSON cannot hold fails here
+        with artifacts.atomic_dir(self.dir) as tmp:
+            save_file(weights, str(tmp / "model.safetensors"))
+            save_trainer(model, opt, TrainerState(optimizer_step=step, precision=prec.state()), tmp, tensors)
+            (tmp / "resume.json").write_text(text)
+
+    def restore(self, snap: Snapshot, model, opt, prec, *, sched=None, device=None) -> dict:
+        """Put the snapshot's weights, AdamW state, torch (and CUDA) RNG, loss scale, param-group LRs and
+        scheduler position into this run's freshly built objects; -> {"step", **position, **figures}."""
+        import torch
+        from safetensors.torch import load_file
+
+        from rlkit.training.trainer import load_trainer
+
+        try:
+            weights = load_file(str(snap.dir / "model.safetensors"))
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if p.requires_grad:
+                        p.copy_(weights.pop(name))
+            if weights:
+                raise KeyError(f"{len(weights)} tensors the model does not train, e.g. {next(iter(weights))}")
+            ts = load_trainer(model, opt, snap.dir)
+        except (OSError, KeyError, RuntimeError, ValueError) as e:
+            raise RlkitError(f"the snapshot in {snap.dir} does not fit this run ({e}); delete it to start from "
+                             "step 0") from None
+        prec.load_state(ts.precision)
+        prec.skipped = int(snap.state.get("skipped_steps", 0))
+        if device is not None and getattr(device, "type", str(device)) == "cuda":
+            from safetensors import safe_open
+
+            with safe_open(str(snap.dir / "optimizer.safetensors"), framework="pt") as f:
+                if "rng/cuda" in f.keys():  # noqa: SIM118 (safe_open has no __contains__)
+                    torch.cuda.set_rng_state(f.get_tensor("rng/cuda"), device)
+        for g, lr in zip(opt.param_groups, snap.state["lr"], strict=True):
+            g["lr"] = lr
+        if sched is not None:
+            sched.load_state_dict({**snap.state["scheduler"], "lr_lambdas": [None] * len(opt.param_groups)})
+        return {"step": snap.step, **snap.state["position"], **snap.state["figures"]}
+
+    def remove(self) -> None:
+        """Drop the snapshot (the run's --out is written)."""
+        shutil.rmtree(self.dir, ignore_errors=True)
