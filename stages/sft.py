@@ -172,13 +172,13 @@ def _run(cfg: SftConfig, tracker) -> Path:
         console.warn(f"{truncated} examples longer than --max-length {cfg.max_len} were truncated")
 
     devices.announce("sft", dev, train.dtype)  # once the data is known good: work starts
-    tracker.start(cfg.tracking, "sft", cfg)
     rng = random.Random(cfg.seed)
     lengths = [len(s) for s in ids]
     epochs = [data.token_batches(lengths, cfg.batch_tokens, rng) for _ in range(cfg.epochs)]
     total = sum(len(e) for e in epochs)
     snaps = resume.Snapshots("sft", cfg.out, cfg, inputs, cfg.save_steps)
     snap = snaps.find(total)  # one line when a snapshot is there: resumed from, or not and why
+    tracker.start(resume.tracking_of(cfg.tracking, snap), "sft", cfg)  # a resumed run: its tracker run too
     if dp is not None:
         model = distributed.shard_model(model, dp)
         console.info(f"sft: data-parallel over {dp.world} processes ({dp.device.type}, FSDP2)")
@@ -237,7 +237,8 @@ def _run(cfg: SftConfig, tracker) -> Path:
                 if snaps.due(sched.last_epoch):
                     snaps.save(sched.last_epoch, total, model, opt, prec, sched=sched, device=dev,
                                position={"epoch": epoch, "batch": b + 1},
-                               figures={"tokens": tokens, "ema": ema, "train_seconds": time.monotonic() - t0})
+                               figures={"tokens": tokens, "ema": ema, "train_seconds": time.monotonic() - t0,
+                                        "run_name": tracker.run_name})
                 if sched.last_epoch % cfg.logging_steps == 0:  # to the trackers alone: --metrics holds the run's row
                     tracker.log({"step": sched.last_epoch, "loss": value, "loss_ema": ema, "lr": sched.get_last_lr()[0],
                                  "grad_norm": norm}, axis="sft/train")

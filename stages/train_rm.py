@@ -137,12 +137,12 @@ def _run(cfg: TrainRmConfig, tracker) -> Path:
     rejected = encode_pairs(tok, t["prompt"], t["rejected"], cfg.max_length)
     opt = training.make_adamw(model, cfg.lr, 0.01, betas=(0.9, 0.99))
     devices.announce("train-rm", dev, train_opts.dtype)  # once the data is known good: work starts
-    tracker.start(cfg.tracking, "train-rm", cfg)
     steps = cfg.epochs * -(-len(train) // cfg.batch_size)
     rng = random.Random(cfg.seed)
     losses, step = [], 0
     snaps = resume.Snapshots("train-rm", cfg.out, cfg, inputs, cfg.save_steps)
     snap = snaps.find(steps)  # one line when a snapshot is there: resumed from, or not and why
+    tracker.start(resume.tracking_of(cfg.tracking, snap), "train-rm", cfg)  # a resumed run: its tracker run too
     start = (0, 0)  # (epoch, batch) to train first
     if snap is not None:  # its weights, AdamW, RNG, loss scale, losses, and the batch order's RNG at its epoch's start
         got = snaps.restore(snap, model, opt, prec, device=dev)
@@ -193,7 +193,7 @@ def _run(cfg: TrainRmConfig, tracker) -> Path:
                 losses.append(value)
                 bar.advance(1, loss=losses[-1])
                 if snaps.due(step):
-                    snaps.save(step, steps, model, opt, prec, device=dev, figures={"losses": losses},
+                    snaps.save(step, steps, model, opt, prec, device=dev, figures={"losses": losses, "run_name": tracker.run_name},
                                position={"epoch": epoch, "batch": b + 1, "rng": resume.rng_to_json(epoch_rng)})
                 if step % cfg.logging_steps == 0:  # to the trackers alone: --metrics holds the run's row
                     tracker.log({"step": step, "loss": value, "lr": opt.param_groups[0]["lr"], "grad_norm": norm},

@@ -78,6 +78,15 @@ class Snapshot:
         return int(self.state["step"])
 
 
+def tracking_of(tracking, snap: Snapshot | None):
+    """The stage's TrackingConfig, with the tracker run of the run it resumes when no --run-name is given
+    (a resumed run goes on logging into the run it started)."""
+    from dataclasses import replace
+
+    name = (snap.state.get("figures") or {}).get("run_name") if snap is not None else None
+    return replace(tracking, run_name=name) if name and not tracking.run_name else tracking
+
+
 @dataclass(frozen=True)
 class Snapshots:
     """The resume snapshots of one stage's run: `find` on start, `save` every `every` steps, `remove` at the end.

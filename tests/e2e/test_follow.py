@@ -184,7 +184,8 @@ def test_importance_ess_by_hand():
 @pytest.mark.slow
 def test_k1_pipe_resumes_without_losing_or_repeating_a_step(sft_dir, ref_dir, tmp_path):
     root = tmp_path / "ckpts"
-    r = _pipe(sft_dir, ref_dir, root, lag=1, steps=2, extra_update="--keep 2")
+    tb = f"--tensorboard {tmp_path / 'tb'}"  # a tracker: one row per step, the resumed run continuing its tracker run
+    r = _pipe(sft_dir, ref_dir, root, lag=1, steps=2, extra_update=f"--keep 2 {tb} --run-name k1")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "--keep 2 raised to 3" in r.stderr
     assert os.readlink(root / "latest") == "step-000002"
@@ -194,14 +195,20 @@ def test_k1_pipe_resumes_without_losing_or_repeating_a_step(sft_dir, ref_dir, tm
     assert rows[1]["old_logprobs"] == "recompute" and 0 < rows[1]["is_ess"] <= 1
     assert rows[1]["tis_weight_mean"] > 0 and rows[1]["rows_dropped"] == 0
     # the same command again with a higher --max-steps resumes from latest: step 3 only, trained from step 2
-    r = _pipe(sft_dir, ref_dir, root, lag=1, steps=3, extra_update="--keep 2")
+    r = _pipe(sft_dir, ref_dir, root, lag=1, steps=3, extra_update=f"--keep 2 {tb}")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "resuming" in r.stderr
+    assert "resuming" in r.stderr and f"continuing the run of {root / 'step-000002'}" in r.stderr
     rows = [json.loads(line) for line in (tmp_path / "ckpts.metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in rows] == [1, 2, 3]
     assert [s.step for s in follow.scan(root)[0]] == [1, 2, 3]  # --keep is at least --max-lag + 2
     m = artifacts.read_manifest(root / "step-000003")
     assert m["step"] == 3 and json.loads((root / "step-000003/trainer/state.json").read_text())["updates"] == 3
+    assert m["tracking"]["run_name"] == "k1"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("update/lag_max")] == [(m["step"], m["lag_max"]) for m in rows]
     # and a finished run is left as it is, also when rollout knows it (--max-steps: an empty stream, no engine)
     r = _pipe(sft_dir, ref_dir, root, lag=1, steps=3)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -72,10 +72,13 @@ def hidden(d: Path) -> list[str]:
 def test_sft_killed_and_rerun_ends_with_the_weights_of_an_uninterrupted_run(tmp_path):
     r = run_cli(*SFT, "--out", str(tmp_path / "a"))
     assert r.returncode == 0, r.stderr.decode()
-    cmd = [*SFT, "--out", str(tmp_path / "b"), "--save-steps", "10"]
+    # with a tracker: the resumed run goes on logging into the tracker run the killed one started
+    cmd = [*SFT, "--out", str(tmp_path / "b"), "--save-steps", "10", "--tensorboard", str(tmp_path / "tb"),
+           "--logging-steps", "5"]
     snap = tmp_path / ".b.resume"
     step = kill_after_snapshot(cmd, snap, 10, tmp_path / "killed.log")
     assert 10 <= step < 113 and step % 10 == 0 and not (tmp_path / "b").exists()
+    started = json.loads((snap / "resume.json").read_text())["figures"]["run_name"]
 
     r = run_cli(*cmd)
     err = r.stderr.decode()
@@ -86,6 +89,12 @@ def test_sft_killed_and_rerun_ends_with_the_weights_of_an_uninterrupted_run(tmp_
     for k in ("train_loss", "steps", "tokens", "examples", "heldout_accuracy"):
         assert ma[k] == mb[k], k
     assert hidden(tmp_path) == []  # the snapshot went once --out was written; the killed run's lock too
+    assert json.loads((tmp_path / "b" / "rlkit.json").read_text())["tracking"]["run_name"] == started
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert {e.step for e in acc.Scalars("sft/train/loss")} == set(range(5, 114, 5))  # the curve has no gap
 
 
 @pytest.mark.slow
