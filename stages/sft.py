@@ -126,7 +126,7 @@ def _run(cfg: SftConfig, tracker) -> Path:
 
     cfg.train.check(distributed=distributed.launched())
     tracking.check(cfg.tracking)
-    resume.check(cfg.save_steps, distributed.launched())
+    resume.check(cfg.save_steps)
     from rlkit import devices
 
     dev = devices.resolve(cfg.device)
@@ -176,9 +176,11 @@ def _run(cfg: SftConfig, tracker) -> Path:
     lengths = [len(s) for s in ids]
     epochs = [data.token_batches(lengths, cfg.batch_tokens, rng) for _ in range(cfg.epochs)]
     total = sum(len(e) for e in epochs)
-    snaps = resume.Snapshots("sft", cfg.out, cfg, inputs, cfg.save_steps)
+    snaps = resume.Snapshots("sft", cfg.out, cfg, inputs, cfg.save_steps, dp=dp)
     snap = snaps.find(total)  # one line when a snapshot is there: resumed from, or not and why
     tracker.start(resume.tracking_of(cfg.tracking, snap), "sft", cfg)  # a resumed run: its tracker run too
+    if snap is not None:
+        snaps.restore_weights(snap, model)  # before sharding: every rank loads the full tensors
     if dp is not None:
         model = distributed.shard_model(model, dp)
         console.info(f"sft: data-parallel over {dp.world} processes ({dp.device.type}, FSDP2)")
@@ -190,9 +192,9 @@ def _run(cfg: SftConfig, tracker) -> Path:
     model.train()
     t0, tokens, ema = time.monotonic(), 0, None
     start = (0, 0)  # (epoch, batch) to train first
-    if snap is not None:  # its weights, AdamW, LR position, RNG, loss scale and running figures
+    if snap is not None:  # its AdamW, LR position, RNG, loss scale and running figures
         got = snaps.restore(snap, model, opt, prec, sched=sched, device=dev)
-        start, tokens, ema = (got["epoch"], got["batch"]), got["tokens"], got["ema"]
+        start, tokens, ema = (got["epoch"], got["batch"]), int(got["tokens"]), got["ema"]
         t0 -= got["train_seconds"]
     with console.progress("sft", total) as bar:
         if snap is not None:
@@ -237,8 +239,8 @@ def _run(cfg: SftConfig, tracker) -> Path:
                 if snaps.due(sched.last_epoch):
                     snaps.save(sched.last_epoch, total, model, opt, prec, sched=sched, device=dev,
                                position={"epoch": epoch, "batch": b + 1},
-                               figures={"tokens": tokens, "ema": ema, "train_seconds": time.monotonic() - t0,
-                                        "run_name": tracker.run_name})
+                               figures={"ema": ema, "train_seconds": time.monotonic() - t0, "run_name": tracker.run_name},
+                               per_rank={"tokens": tokens})
                 if sched.last_epoch % cfg.logging_steps == 0:  # to the trackers alone: --metrics holds the run's row
                     tracker.log({"step": sched.last_epoch, "loss": value, "loss_ema": ema, "lr": sched.get_last_lr()[0],
                                  "grad_norm": norm}, axis="sft/train")

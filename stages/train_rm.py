@@ -98,7 +98,7 @@ def _run(cfg: TrainRmConfig, tracker) -> Path:
 
     cfg.train.check(distributed=distributed.launched())
     tracking.check(cfg.tracking)
-    resume.check(cfg.save_steps, distributed.launched())
+    resume.check(cfg.save_steps)
     from rlkit import devices
 
     dev = devices.resolve(cfg.device)
@@ -127,6 +127,11 @@ def _run(cfg: TrainRmConfig, tracker) -> Path:
     model, tok = _load_base(cfg)
     model = training.prepare_model(model, train_opts, "seq-cls", base=cfg.base)
     prec = training.Precision(train_opts.dtype, dev.type)
+    steps = cfg.epochs * -(-len(train) // cfg.batch_size)
+    snaps = resume.Snapshots("train-rm", cfg.out, cfg, inputs, cfg.save_steps, dp=dp)
+    snap = snaps.find(steps)  # one line when a snapshot is there: resumed from, or not and why
+    if snap is not None:
+        snaps.restore_weights(snap, model)  # before sharding: every rank loads the full tensors
     if dp is not None:
         model = distributed.shard_model(model, dp, forward_scores_local)
         console.info(f"train-rm: data-parallel over {dp.world} processes ({dp.device.type}, FSDP2)")
@@ -137,14 +142,11 @@ def _run(cfg: TrainRmConfig, tracker) -> Path:
     rejected = encode_pairs(tok, t["prompt"], t["rejected"], cfg.max_length)
     opt = training.make_adamw(model, cfg.lr, 0.01, betas=(0.9, 0.99))
     devices.announce("train-rm", dev, train_opts.dtype)  # once the data is known good: work starts
-    steps = cfg.epochs * -(-len(train) // cfg.batch_size)
     rng = random.Random(cfg.seed)
     losses, step = [], 0
-    snaps = resume.Snapshots("train-rm", cfg.out, cfg, inputs, cfg.save_steps)
-    snap = snaps.find(steps)  # one line when a snapshot is there: resumed from, or not and why
     tracker.start(resume.tracking_of(cfg.tracking, snap), "train-rm", cfg)  # a resumed run: its tracker run too
     start = (0, 0)  # (epoch, batch) to train first
-    if snap is not None:  # its weights, AdamW, RNG, loss scale, losses, and the batch order's RNG at its epoch's start
+    if snap is not None:  # its AdamW, RNG, loss scale, losses, and the batch order's RNG at its epoch's start
         got = snaps.restore(snap, model, opt, prec, device=dev)
         start, step, losses = (got["epoch"], got["batch"]), got["step"], got["losses"]
         rng.setstate(resume.rng_from_json(got["rng"]))

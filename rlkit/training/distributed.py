@@ -204,7 +204,8 @@ def load_full_optimizer_state(model, opt, state: dict[str, dict[str, Tensor]]) -
         return
     root = _root(model)
     groups = get_optimizer_state_dict(root, opt, options=StateDictOptions(full_state_dict=True))["param_groups"]
-    set_optimizer_state_dict(root, opt, {"state": {ROOT_PREFIX + k: v for k, v in state.items()}, "param_groups": groups},
+    prefix = ROOT_PREFIX if root is not model else ""  # names under an _FnRoot, or the model's own
+    set_optimizer_state_dict(root, opt, {"state": {prefix + k: v for k, v in state.items()}, "param_groups": groups},
                              options=StateDictOptions(full_state_dict=True))
 
 

@@ -14,7 +14,9 @@ No pickle: tensors in safetensors, the rest JSON (floats round-trip exactly). Ea
 temporary sibling swapped in whole (`artifacts.atomic_dir`), so a kill during a save leaves the previous
 snapshot. On start, a snapshot made by the same command with the same settings and inputs is resumed
 from; any other is named in one line and replaced at the first save. The snapshot goes once --out is
-written. With N = 0 nothing is saved and nothing resumed. Under torchrun `--save-steps` is refused.
+written. With N = 0 nothing is saved and nothing resumed. Under torchrun every rank calls `save` (the
+FSDP shards, AdamW state and each rank's RNG are gathered: collectives) and rank 0 writes; every rank
+loads the full weights before sharding (`restore_weights`) and its own RNG (`restore`).
 """
 
 from __future__ import annotations
@@ -38,13 +40,10 @@ def snapshot_dir(out: Path) -> Path:
     return out.parent / f".{out.name}.resume"
 
 
-def check(save_steps: int, distributed: bool) -> None:
+def check(save_steps: int) -> None:
     """One error line for a --save-steps this run cannot honour."""
     if save_steps < 0:
         raise RlkitError(f"--save-steps {save_steps}: must be >= 0 (0: no resume snapshots)")
-    if save_steps and distributed:
-        raise RlkitError("--save-steps is not supported under torchrun: run in one process to save resume "
-                         "snapshots, or leave --save-steps out")
 
 
 def comparable(config: Any) -> dict:
@@ -78,6 +77,20 @@ class Snapshot:
         return int(self.state["step"])
 
 
+def gather(t, dp) -> list:
+    """[t of rank 0, t of rank 1, ...] on the host (a tensor of one shape on every rank; an all-gather under
+    torchrun, no pickle); [t] in one process."""
+    if dp is None:
+        return [t.cpu()]
+    import torch
+    import torch.distributed as dist
+
+    t = t.to(dp.device)
+    out = [torch.empty_like(t) for _ in range(dp.world)]
+    dist.all_gather(out, t)
+    return [x.cpu() for x in out]
+
+
 def tracking_of(tracking, snap: Snapshot | None):
     """The stage's TrackingConfig, with the tracker run of the run it resumes when no --run-name is given
     (a resumed run goes on logging into the run it started)."""
@@ -103,6 +116,7 @@ class Snapshots:
     config: Any
     inputs: Mapping[str, str]
     every: int = 0
+    dp: Any = None  # rlkit.training.distributed.DataParallel under torchrun: saves gather, rank 0 writes
 
     @property
     def dir(self) -> Path:
@@ -114,7 +128,12 @@ class Snapshots:
         from rlkit import console
         from rlkit.io import artifacts
 
-        artifacts.clean_leftovers(self.dir)  # the temporary directory of a save that was killed
+        if self.dp is None or self.dp.main:
+            artifacts.clean_leftovers(self.dir)  # the temporary directory of a save that was killed
+        if self.dp is not None:
+            from rlkit.training import distributed
+
+            distributed.barrier(self.dp)
         if not self.dir.is_dir():
             return None
         if self.every <= 0:
@@ -154,24 +173,45 @@ class Snapshots:
         """True when a snapshot is to be saved after optimizer step `step` (counted from 1)."""
         return self.every > 0 and step % self.every == 0
 
-    def save(self, step: int, total: int, model, opt, prec, *, position: dict, figures: dict, sched=None,
-             device=None) -> None:
+    def save(self, step: int, total: int, model, opt, prec, *, position: dict, figures: dict, per_rank: dict | None = None,
+             sched=None, device=None) -> None:
         """Snapshot after `step` of `total` optimizer steps. `position`: where the data is (epoch, batch: the
-        next one to train, ...); `figures`: the running numbers the stage goes on from (JSON). `sched`: a
-        torch LR scheduler whose position is saved; `device`: the CUDA RNG is saved on a GPU."""
+        next one to train, ...); `figures`: the running numbers the stage goes on from (JSON; rank 0's under
+        torchrun, where they must be the same on every rank); `per_rank`: running numbers that differ by rank
+        (a rank's token count), kept for each. `sched`: a torch LR scheduler whose position is saved;
+        `device`: the CUDA RNG is saved on a GPU. Under torchrun every rank calls it (the weights, AdamW state
+        and RNGs are gathered: collectives) and rank 0 writes."""
         import torch
         from safetensors.torch import save_file
 
         from rlkit.io import artifacts
         from rlkit.training.trainer import TrainerState, save_trainer, trainer_tensors
 
-        weights = {name: p.detach().cpu().contiguous() for name, p in model.named_parameters() if p.requires_grad}
-        tensors = trainer_tensors(model, opt)
-        if device is not None and getattr(device, "type", str(device)) == "cuda":
-            tensors["rng/cuda"] = torch.cuda.get_rng_state(device)
+        trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+        if self.dp is None:
+            weights = {name: p.detach().cpu().contiguous() for name, p in model.named_parameters() if p.requires_grad}
+        else:  # the full tensors, gathered from the shards (on rank 0)
+            from rlkit.training.distributed import full_model_state
+
+            full = full_model_state(model)
+            weights = {name: full[name].contiguous() for name in trainable if name in full}
+        tensors = trainer_tensors(model, opt, self.dp)
+        cuda = device is not None and getattr(device, "type", str(device)) == "cuda"
+        rngs = {"rng/rank{}": torch.get_rng_state(), **({"rng/cuda/rank{}": torch.cuda.get_rng_state(device)} if cuda else {})}
+        ranks = {k: gather(v, self.dp) for k, v in rngs.items()}
+        per = {k: [float(x) for x in gather(torch.tensor([float(v)], dtype=torch.float64), self.dp)]
+               for k, v in (per_rank or {}).items()}
+        if self.dp is not None and not self.dp.main:
+            from rlkit.training import distributed
+
+            distributed.barrier(self.dp)
+            return
+        for k, ts in ranks.items():
+            tensors.update({k.format(r): t for r, t in enumerate(ts)})
         state = {
             "format": FORMAT, "command": self.stage, "config": comparable(self.config), "inputs": dict(self.inputs),
-            "step": step, "total": total, "position": position, "figures": figures,
+            "step": step, "total": total, "position": position, "figures": figures, "per_rank": per,
+            "world_size": 1 if self.dp is None else self.dp.world,
             "lr": [g["lr"] for g in opt.param_groups],
             "scheduler": {k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"} if sched is not None else None,
             "skipped_steps": prec.skipped,
@@ -181,14 +221,15 @@ class Snapshots:
             save_file(weights, str(tmp / "model.safetensors"))
             save_trainer(model, opt, TrainerState(optimizer_step=step, precision=prec.state()), tmp, tensors)
             (tmp / "resume.json").write_text(text)
+        if self.dp is not None:
+            from rlkit.training import distributed
 
-    def restore(self, snap: Snapshot, model, opt, prec, *, sched=None, device=None) -> dict:
-        """Put the snapshot's weights, AdamW state, torch (and CUDA) RNG, loss scale, param-group LRs and
-        scheduler position into this run's freshly built objects; -> {"step", **position, **figures}."""
+            distributed.barrier(self.dp)
+
+    def restore_weights(self, snap: Snapshot, model) -> None:
+        """The snapshot's trainable weights into `model`, before it is sharded or moved (every rank loads them)."""
         import torch
         from safetensors.torch import load_file
-
-        from rlkit.training.trainer import load_trainer
 
         try:
             weights = load_file(str(snap.dir / "model.safetensors"))
@@ -198,23 +239,45 @@ class Snapshots:
                         p.copy_(weights.pop(name))
             if weights:
                 raise KeyError(f"{len(weights)} tensors the model does not train, e.g. {next(iter(weights))}")
-            ts = load_trainer(model, opt, snap.dir)
+        except (OSError, KeyError, RuntimeError, ValueError) as e:
+            raise RlkitError(f"the snapshot in {snap.dir} does not fit this run ({e}); delete it to start from "
+                             "step 0") from None
+
+    def restore(self, snap: Snapshot, model, opt, prec, *, sched=None, device=None) -> dict:
+        """Put the snapshot's AdamW state, torch (and CUDA) RNG of this rank, loss scale, param-group LRs and
+        scheduler position into this run's freshly built objects (the weights: `restore_weights`, first);
+        -> {"step", **position, **figures, **this rank's per-rank figures}. A run resumed at another world size
+        gives rank 0 the sum of the per-rank figures and the others 0 (their total stays right)."""
+        import torch
+        from safetensors import safe_open
+
+        from rlkit.training.trainer import load_trainer
+
+        rank, world = (0, 1) if self.dp is None else (self.dp.rank, self.dp.world)
+        try:
+            ts = load_trainer(model, opt, snap.dir, self.dp)
         except (OSError, KeyError, RuntimeError, ValueError) as e:
             raise RlkitError(f"the snapshot in {snap.dir} does not fit this run ({e}); delete it to start from "
                              "step 0") from None
         prec.load_state(ts.precision)
         prec.skipped = int(snap.state.get("skipped_steps", 0))
-        if device is not None and getattr(device, "type", str(device)) == "cuda":
-            from safetensors import safe_open
-
-            with safe_open(str(snap.dir / "optimizer.safetensors"), framework="pt") as f:
-                if "rng/cuda" in f.keys():  # noqa: SIM118 (safe_open has no __contains__)
-                    torch.cuda.set_rng_state(f.get_tensor("rng/cuda"), device)
+        cuda = device is not None and getattr(device, "type", str(device)) == "cuda"
+        with safe_open(str(snap.dir / "optimizer.safetensors"), framework="pt") as f:
+            keys = set(f.keys())  # this rank's RNG where the snapshot has one (load_trainer set rank 0's)
+            if f"rng/rank{rank}" in keys:
+                torch.set_rng_state(f.get_tensor(f"rng/rank{rank}"))
+            if cuda and f"rng/cuda/rank{rank}" in keys:
+                torch.cuda.set_rng_state(f.get_tensor(f"rng/cuda/rank{rank}"), device)
         for g, lr in zip(opt.param_groups, snap.state["lr"], strict=True):
             g["lr"] = lr
         if sched is not None:
             sched.load_state_dict({**snap.state["scheduler"], "lr_lambdas": [None] * len(opt.param_groups)})
-        return {"step": snap.step, **snap.state["position"], **snap.state["figures"]}
+        per = snap.state.get("per_rank") or {}
+        if snap.state.get("world_size", 1) == world:
+            mine = {k: v[rank] for k, v in per.items()}
+        else:
+            mine = {k: (sum(v) if rank == 0 else 0) for k, v in per.items()}
+        return {"step": snap.step, **snap.state["position"], **snap.state["figures"], **mine}
 
     def remove(self) -> None:
         """Drop the snapshot (the run's --out is written)."""

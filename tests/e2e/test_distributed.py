@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from conftest import run_cli, stage
@@ -19,6 +23,24 @@ def torchrun(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProc
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "rlkit", *args]
     return subprocess.run(cmd, input=stdin if stdin is not None else b"", capture_output=True, timeout=600,
                           env={**os.environ, "RLKIT_DEBUG": "0", "OMP_NUM_THREADS": "1"})
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc), children first."""
+    parent = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        at = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == at]
+        out += kids
+        todo += kids
+    return out
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -110,6 +132,27 @@ def test_sft_and_train_rm_under_torchrun_match_one_process(sft_dir, tmp_path):
     m1, m2 = (json.loads((d / "rlkit.json").read_text())["metrics"] for d in (s1, s2))
     assert m2["world_size"] == 2 and m2["steps"] == m1["steps"] and m2["tokens"] == m1["tokens"]
     assert m2["heldout_accuracy"] == m1["heldout_accuracy"]
+    # --save-steps under torchrun: killed (the whole process group) after a snapshot, rerun: s2's weights exactly
+    s3, snap = tmp_path / "sft3", tmp_path / ".sft3.resume"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "rlkit",
+              *args, "--out", str(s3), "--save-steps", "3"]
+    p = subprocess.Popen(launch, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         env={**os.environ, "RLKIT_DEBUG": "0", "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 240
+    while not (snap / "resume.json").is_file():
+        assert p.poll() is None and time.monotonic() < deadline, "no snapshot before the run ended"
+        time.sleep(0.005)
+    for pid in [p.pid, *_descendants(p.pid)]:  # torchrun starts its workers in sessions of their own
+        os.kill(pid, signal.SIGKILL)
+    p.wait()
+    assert not s3.exists()
+    r = torchrun(*args, "--out", str(s3), "--save-steps", "3")
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    assert "sft: resuming from step " in r.stderr.decode()
+    c = load_file(str(s3 / "model.safetensors"))
+    assert all(torch.equal(b[k], c[k]) for k in b)
+    assert json.loads((s3 / "rlkit.json").read_text())["metrics"]["tokens"] == m2["tokens"]  # each rank's count kept
+    assert not snap.exists()
 
     prefs = tmp_path / "p.arrow"
     stage("build-prefs", "--policy", str(sft_dir), "--num-prompts", "48", "--n", "2", "--out", str(prefs))

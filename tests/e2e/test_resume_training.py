@@ -16,7 +16,6 @@ import pytest
 from typer.testing import CliRunner
 
 from rlkit.cli import app
-from rlkit.errors import RlkitError
 
 from conftest import default_signals, rlkit_cmd, run_cli, stage
 
@@ -172,10 +171,3 @@ def test_save_steps_maps_into_both_configs_and_refuses_a_negative_count(monkeypa
     assert sft.SftConfig(out=tmp_path).save_steps == 0
     r = runner.invoke(app, ["sft", "--out", str(tmp_path / "o"), "--save-steps", "-1"])
     assert r.exit_code == 2 and "--save-steps" in r.output
-
-
-def test_save_steps_under_torchrun_is_one_error_line(monkeypatch, tmp_path):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(RlkitError, match=r"--save-steps is not supported under torchrun: run in one process"):
-        stage("sft", "--out", str(tmp_path / "o"), "--num-examples", "50", "--save-steps", "5")
-    assert not (tmp_path / "o").exists()
