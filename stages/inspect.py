@@ -104,6 +104,9 @@ def run(cfg: InspectConfig) -> dict[str, Any]:
             info.update(kind=manifest.get("kind"), command=manifest.get("command"), step=manifest.get("step"),
                         created=manifest.get("created"), weights_digest=manifest.get("weights_digest"),
                         metrics=manifest.get("metrics"), config=manifest.get("config"))
+            tr = manifest.get("tracking")
+            if isinstance(tr, dict):  # the tracker run that trained it: update/eval of it continue that run
+                info["tracking"] = f"run {tr.get('run_name')!r} in project {tr.get('project')!r} ({', '.join(tr.get('report_to') or [])})"
             info["lineage"] = _lineage(manifest)
         if cfg.verify:
             per_file = {f.name: artifacts.sha256_file(f) for f in checkpoints.weight_files(p)}  # read now, no cache

@@ -20,7 +20,7 @@ TRACKERS = "trackio,wandb,mlflow,tensorboard"
 def _env(root: Path) -> dict:
     """Every tracker's store under `root`, offline."""
     (root / "wandb").mkdir(parents=True, exist_ok=True)
-    return {"WANDB_MODE": "offline", "WANDB_DIR": str(root / "wandb"), "WANDB_SILENT": "true",
+    return {"WANDB_MODE": "offline", "WANDB_DIR": str(root / "wandb"),
             "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}", "TRACKIO_DIR": str(root / "trackio")}
 
 
@@ -117,6 +117,8 @@ def test_drift_grows_and_every_tracker_holds_the_metrics_rows_of_a_pipeline(sft_
     assert json.loads(r.stdout)["step"] == 2  # nothing a tracker printed reached stdout
     assert json.loads((tmp_path / "u2" / "rlkit.json").read_text())["tracking"] == {
         "project": "proj", "run_name": "exp", "report_to": TRACKERS.split(",")}
+    r = run_cli("inspect", str(tmp_path / "u2"))
+    assert "run 'exp' in project 'proj'" in r.stdout.decode() + r.stderr.decode()
 
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [(x["stage"], x["step"]) for x in rows] == [("update", 1), ("update", 2), ("eval", 2)]
