@@ -31,6 +31,10 @@ CONFIG_HELP = ("Read option values from this TOML or YAML file (keys are option 
                "`rlkit inspect CKPT --config` writes the file that made CKPT.")
 
 
+# options whose one value is a comma-separated list: a config file may give them as a list too
+COMMA_LISTS = frozenset({"report_to"})
+
+
 def apply(ctx, param, value: Path | None) -> None:
     """--config's click callback: the file's values for this command become its `default_map`."""
     if value is None:
@@ -122,6 +126,8 @@ def defaults_for(data: dict, command: str, params: list, others: dict[str, list]
             raise ValueError(f"unknown key {where!r}: `rlkit {command}` has no option --{key.replace('_', '-')}{hint}")
         if isinstance(value, dict):
             raise ValueError(f"key {where!r}: expected a value, not a table")
+        if isinstance(value, list) and mine[key] in COMMA_LISTS:  # report_to = ["wandb", "tensorboard"]
+            value = ",".join(str(v) for v in value)
         out[mine[key]] = value
     return out
 

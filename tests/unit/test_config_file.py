@@ -39,6 +39,26 @@ def test_keys_by_name_or_option_spelling_and_command_tables():
     assert got == {"minibatch_size": 8, "inp": "r.arrow", "seed": 3, "lr": 0.5, "reward": ["verifier=1"]}
 
 
+def test_trackers_from_a_file_as_a_list_or_a_string_reach_the_stage(tmp_path, monkeypatch):
+    """report_to as TRL's configs write it (a list) or as the flag takes it; a top-level tracker setting is
+    skipped by the commands that report to none (one file for a pipeline)."""
+    from rlkit.stages import eval as eval_stage
+
+    others = {n: c.params for n, c in command().commands.items() if n != "update"}
+    got = config_file.defaults_for({"report_to": ["wandb", "tensorboard"], "project": "p", "run_name": "r"}, "update",
+                                   _params("update"), others)
+    assert got == {"report_to": "wandb,tensorboard", "project": "p", "run_name": "r"}
+    assert config_file.defaults_for({"report_to": "mlflow", "project": "p"}, "rollout", _params("rollout"),
+                                    {n: c.params for n, c in command().commands.items() if n != "rollout"}) == {}
+    seen = []
+    f = tmp_path / "c.yaml"
+    f.write_text("report_to:\n  - tensorboard\n  - mlflow\nproject: p\n")
+    monkeypatch.setattr(eval_stage, "run", lambda cfg: seen.append(cfg))
+    stage("eval", "--policy", str(tmp_path), "--config", str(f), "--run-name", "cli")
+    assert seen[0].tracking.report_to == ("tensorboard", "mlflow")
+    assert (seen[0].tracking.project, seen[0].tracking.run_name) == ("p", "cli")
+
+
 @pytest.mark.parametrize(("data", "message"), [
     ({"minibatch": 8}, "unknown key 'minibatch': `rlkit update` has no option --minibatch; did you mean 'minibatch_size'?"),
     ({"update": {"num_prompts": 8}}, "unknown key '[update] num_prompts'"),  # in the command's own table: strict
