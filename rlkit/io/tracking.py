@@ -82,7 +82,11 @@ def parse_report_to(value: str | list[str] | tuple[str, ...] | None) -> tuple[st
             if name in ("", "none"):
                 continue
             if name == "all":
-                names += [n for n in NAMES if not missing(n)]
+                found = [n for n in NAMES if not missing(n)]
+                if not found:
+                    raise ValueError("all: no tracker is installed; pip install 'rlkit[track]' (or one of "
+                                     f"{', '.join(f'rlkit[{n}]' for n in NAMES)})")
+                names += found
             elif name not in NAMES:
                 raise ValueError(f"unknown tracker {name!r}; expected a comma-separated list of {', '.join(NAMES)}, "
                                  "all or none")

@@ -252,3 +252,16 @@ def test_asking_for_a_tracker_that_is_not_installed_is_one_line(tmp_path):
     r = run_cli("update", "--policy", str(tmp_path), "--out", str(tmp_path / "u"), "--report-to", "wandb,neptune")
     assert r.returncode == 2
     assert "--report-to" in r.stderr.decode() and "unknown tracker 'neptune'" in r.stderr.decode()
+
+
+def test_report_to_names(monkeypatch):
+    from rlkit.io import tracking
+
+    assert tracking.parse_report_to(None) == tracking.parse_report_to("none") == ()
+    assert tracking.parse_report_to(["wandb", " TensorBoard,wandb "]) == ("wandb", "tensorboard")
+    assert tracking.parse_report_to("all") == tracking.NAMES  # the test environment has all four
+    with pytest.raises(ValueError, match="unknown tracker 'comet'"):
+        tracking.parse_report_to("wandb,comet")
+    monkeypatch.setattr(tracking, "missing", lambda name: [name])  # as where none is installed
+    with pytest.raises(ValueError, match=r"all: no tracker is installed; pip install 'rlkit\[track\]'"):
+        tracking.parse_report_to("all")
