@@ -236,14 +236,15 @@ def _run(cfg: SftConfig, tracker) -> Path:
                 tokens += n_tokens if share else 0
                 ema = value if ema is None else 0.95 * ema + 0.05 * value
                 bar.advance(1, loss=ema, **{"tok/s": int(tokens / (time.monotonic() - t0))})
+                # the trackers first: a kill right after a snapshot must not lose that step's row
+                if sched.last_epoch % cfg.logging_steps == 0:  # to the trackers alone: --metrics holds the run's row
+                    tracker.log({"step": sched.last_epoch, "loss": value, "loss_ema": ema, "lr": sched.get_last_lr()[0],
+                                 "grad_norm": norm}, axis="sft/train")
                 if snaps.due(sched.last_epoch):
                     snaps.save(sched.last_epoch, total, model, opt, prec, sched=sched, device=dev,
                                position={"epoch": epoch, "batch": b + 1},
                                figures={"ema": ema, "train_seconds": time.monotonic() - t0, "run_name": tracker.run_name},
                                per_rank={"tokens": tokens})
-                if sched.last_epoch % cfg.logging_steps == 0:  # to the trackers alone: --metrics holds the run's row
-                    tracker.log({"step": sched.last_epoch, "loss": value, "loss_ema": ema, "lr": sched.get_last_lr()[0],
-                                 "grad_norm": norm}, axis="sft/train")
     train_s = time.monotonic() - t0
     if dp is not None:
         tokens = int(distributed.all_sum([tokens], dp)[0])

@@ -194,12 +194,13 @@ def _run(cfg: TrainRmConfig, tracker) -> Path:
                 step += 1
                 losses.append(value)
                 bar.advance(1, loss=losses[-1])
-                if snaps.due(step):
-                    snaps.save(step, steps, model, opt, prec, device=dev, figures={"losses": losses, "run_name": tracker.run_name},
-                               position={"epoch": epoch, "batch": b + 1, "rng": resume.rng_to_json(epoch_rng)})
+                # the trackers first: a kill right after a snapshot must not lose that step's row
                 if step % cfg.logging_steps == 0:  # to the trackers alone: --metrics holds the run's row
                     tracker.log({"step": step, "loss": value, "lr": opt.param_groups[0]["lr"], "grad_norm": norm},
                                 axis="train-rm/train")
+                if snaps.due(step):
+                    snaps.save(step, steps, model, opt, prec, device=dev, figures={"losses": losses, "run_name": tracker.run_name},
+                               position={"epoch": epoch, "batch": b + 1, "rng": resume.rng_to_json(epoch_rng)})
     model.eval()
     prompts = [t["prompt"][i] for i in held]
     sc = score_texts(model, tok, prompts, [t["chosen"][i] for i in held], max_length=cfg.max_length)

@@ -150,10 +150,14 @@ def flat_config(config: dict, prefix: str = "") -> dict[str, Any]:
 
 
 class _Backend:
-    """One tracker's calls. `start` once, `log` per row, `finish` at the end (ok False: the stage failed)."""
+    """One tracker's calls. `start` once, `log` per row (keys `<axis>/<key>` at `step`), `finish` at the end
+    (ok False: the stage failed)."""
+
+    def __init__(self, cfg: TrackingConfig) -> None:
+        self.cfg = cfg
 
     def start(self, project: str, run: str, stage: str, config: dict) -> None: ...
-    def log(self, stage: str, values: dict[str, float], step: int, axis: str) -> None: ...
+    def log(self, values: dict[str, float], step: int, axis: str) -> None: ...
     def finish(self, ok: bool) -> None: ...
 
 
@@ -168,7 +172,7 @@ class _Wandb(_Backend):
         self.run.config.update({stage: config}, allow_val_change=True)
         self.axes: set[str] = set()
 
-    def log(self, stage, values, step, axis):
+    def log(self, values, step, axis):
         if axis not in self.axes:  # each stage's rows on its own step axis (wandb's own _step only grows)
             self.run.define_metric(f"{axis}/*", step_metric=f"{axis}/step")
             self.axes.add(axis)
@@ -198,7 +202,7 @@ class _Mlflow(_Backend):
             mlflow.log_params(dict(items[i:i + 100]))
         self.mlflow = mlflow
 
-    def log(self, stage, values, step, axis):
+    def log(self, values, step, axis):
         self.mlflow.log_metrics({f"{axis}/{k}": v for k, v in values.items()}, step=step)
 
     def finish(self, ok):
@@ -213,7 +217,7 @@ class _Trackio(_Backend):
         self.run = trackio.init(project=project, name=run, config={stage: config}, resume="allow",
                                 auto_log_gpu=False, auto_log_cpu=False)
 
-    def log(self, stage, values, step, axis):
+    def log(self, values, step, axis):
         self.trackio.log({**{f"{axis}/{k}": v for k, v in values.items()}, f"{axis}/step": step}, step=step)
 
     def finish(self, ok):
@@ -221,27 +225,28 @@ class _Trackio(_Backend):
 
 
 class _TensorBoard(_Backend):
-    def __init__(self, logdir: Path | None):
-        self.logdir = logdir
-
     def start(self, project, run, stage, config):
         import json
 
         from torch.utils.tensorboard import SummaryWriter
 
         _quiet_tensorboard_thread()
-        self.logdir = self.logdir or Path("runs") / project / run
+        self.logdir = self.cfg.tensorboard or Path("runs") / project / run
         self.writer = SummaryWriter(log_dir=str(self.logdir))
         self.writer.add_text(f"{stage}/config", "```\n" + json.dumps(config, indent=2) + "\n```")
         self.writer.flush()
 
-    def log(self, stage, values, step, axis):
+    def log(self, values, step, axis):
         for k, v in values.items():
             self.writer.add_scalar(f"{axis}/{k}", v, global_step=step)
         self.writer.flush()
 
     def finish(self, ok):
         self.writer.close()
+
+
+# --report-to NAME -> its calls
+BACKENDS: dict[str, type[_Backend]] = {"trackio": _Trackio, "wandb": _Wandb, "mlflow": _Mlflow, "tensorboard": _TensorBoard}
 
 
 def _quiet_tensorboard_thread() -> None:
@@ -289,8 +294,7 @@ class Tracking:
         conf = jsonable(config)
         conf = {k: v for k, v in conf.items() if k != "tracking"} if isinstance(conf, dict) else {"config": conf}
         for name in cfg.trackers:
-            b = _Wandb() if name == "wandb" else _Mlflow() if name == "mlflow" else _Trackio() if name == "trackio" \
-                else _TensorBoard(cfg.tensorboard)
+            b = BACKENDS[name](cfg)
             if self._call(name, b.start, cfg.project, self.run_name, stage, conf, backend=b):
                 self.backends[name] = b
         if self.backends:
@@ -312,7 +316,7 @@ class Tracking:
         values = scalars(row)
         step = int(row.get("step", 0))
         for name, b in list(self.backends.items()):
-            self._call(name, b.log, self.stage, values, step, axis or self.stage)
+            self._call(name, b.log, values, step, axis or self.stage)
 
     def close(self, ok: bool = True) -> None:
         for name, b in list(self.backends.items()):

@@ -29,10 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from rlkit.errors import RlkitError
+from rlkit.io import artifacts
 
 FORMAT = 1
-# Config fields that do not change the weights: a snapshot made with other values of these is resumed.
-NOT_COMPARED = ("force", "out", "verify", "metrics", "save_steps", "tracking", "logging_steps")
+# Config fields that do not change the weights (a rerun's, and the metrics file): a snapshot made with other
+# values of these is resumed.
+NOT_COMPARED = (*artifacts.NOT_COMPARED, "metrics")
 
 
 def snapshot_dir(out: Path) -> Path:
@@ -126,8 +128,6 @@ class Snapshots:
         """The matching snapshot to resume from (saying so in one line), else None: none there, --save-steps 0,
         or one made with other settings or inputs (said in one line; it is replaced at the first save)."""
         from rlkit import console
-        from rlkit.io import artifacts
-
         if self.dp is None or self.dp.main:
             artifacts.clean_leftovers(self.dir)  # the temporary directory of a save that was killed
         if self.dp is not None:
@@ -184,7 +184,6 @@ class Snapshots:
         import torch
         from safetensors.torch import save_file
 
-        from rlkit.io import artifacts
         from rlkit.training.trainer import TrainerState, save_trainer, trainer_tensors
 
         trainable = [name for name, p in model.named_parameters() if p.requires_grad]

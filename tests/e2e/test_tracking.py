@@ -257,6 +257,7 @@ def test_asking_for_a_tracker_that_is_not_installed_is_one_line(tmp_path):
 def test_report_to_names(monkeypatch):
     from rlkit.io import tracking
 
+    assert set(tracking.BACKENDS) == set(tracking.NAMES)
     assert tracking.parse_report_to(None) == tracking.parse_report_to("none") == ()
     assert tracking.parse_report_to(["wandb", " TensorBoard,wandb "]) == ("wandb", "tensorboard")
     assert tracking.parse_report_to("all") == tracking.NAMES  # the test environment has all four
