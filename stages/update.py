@@ -6,8 +6,8 @@ on stdin or --in. Writes the next checkpoint: weights, `rlkit.json` (step + 1, m
 (AdamW moments and step counter as safetensors, state as JSON; PPO adds `critic/`), which the next
 `update` resumes, so N sequential processes equal one process doing N updates.
 
-The algorithms are plug-ins (`rlkit.algorithms`: each declares its defaults, input, advantages and
-loss terms) and `rlkit.training.trainer.Trainer` is the one training loop: --epochs passes of --minibatch-size
+The algorithms are plug-ins (`rlkit.algorithms`: each registers its defaults and declares its input,
+advantages and loss terms) and `rlkit.training.trainer.Trainer` is the one training loop: --epochs passes of --minibatch-size
 sequences, so one rollout batch feeds many optimizer steps. For the clipped-ratio family the loss is
 PPO's clipped surrogate on pi_theta / pi_old with asymmetric clipping and a dual clip for negative
 advantages; the KL leash to pi_ref (never pi_old) is a loss term (k3+ by default: k3's value, the
@@ -28,6 +28,7 @@ import typer
 
 from rlkit import algorithms
 from rlkit.algorithms.config import DEFAULT_DUAL_CLIP, RLConfig
+from rlkit.algorithms.defaults_table import phrase as algo_default
 from rlkit.io.tracking import TrackingConfig
 from rlkit.options import (
     Device,
@@ -125,21 +126,23 @@ def run(cfg: UpdateConfig) -> Path:
     """Resolves the algorithm's defaults, claims --out (see `artifacts.claim_out`: never over an input,
     one writer) and runs the stage."""
     from rlkit import devices
-    from rlkit.io import artifacts, checkpoints
+    from rlkit.io import artifacts, checkpoints, tracking
 
     devices.parse(cfg.device)
     cfg = resolve(cfg)
     inputs = {"--policy": cfg.policy, "--in": cfg.inp, "--ref": cfg.ref}
+    side = {"--metrics": (cfg.metrics, "metrics"), **tracking.outputs(cfg.tracking, "update", cfg.policy)}
     if cfg.follow:  # --out is a directory of steps with its own writer lock (rlkit.io.follow)
-        artifacts.check_not_input(cfg.out, inputs)
+        artifacts.check_outputs({"--out": (cfg.out, "follow"), **side}, inputs)
         with checkpoints.verifying(cfg.verify):
             return _run(cfg)
-    with artifacts.claim_out(cfg.out, "model", inputs), checkpoints.verifying(cfg.verify):
+    with artifacts.claim_out(cfg.out, "model", inputs, side), checkpoints.verifying(cfg.verify):
         return _run(cfg)
 
 
 def _run(cfg: UpdateConfig) -> Path:
     from rlkit import console, devices
+    from rlkit.algorithms.inputs import Limits
     from rlkit.io import artifacts, checkpoints, metrics_log, tracking
     from rlkit.training import lora
     from rlkit.training.trainer import Trainer
@@ -185,16 +188,19 @@ def _run(cfg: UpdateConfig) -> Path:
     t = start() if dev.type != "cuda" else None
     reader = pending.result() if dp is None else distributed.share_table(pending, dp)
     inp.check(reader.kind, cfg.rl)
+    check_reference(cfg.ref, reader.manifest, reader.kind, reader.label)
     inputs = {"policy": artifacts.fingerprint(cfg.policy), "in": reader.fingerprint}
     if artifacts.skip_if_current(cfg.out, "update", cfg, inputs):
         return cfg.out
     table = reader.read_all()
     t = t or start()
     tokenizer = t.tokenizer
+    limits = Limits.of(t.model, f"--policy {cfg.policy}")
     upstream = reader.manifest or {}
     inp.check_upstream(upstream, tokenizer, cfg.policy)
     loaded = inp.load(table, upstream=upstream, tokenizer=tokenizer, rl=cfg.rl, dtype=t.train_options.dtype, weights=weights,
-                      length_penalty=cfg.length_penalty, policy_fingerprint=inputs["policy"], label=reader.label)
+                      length_penalty=cfg.length_penalty, policy_fingerprint=inputs["policy"], label=reader.label,
+                      limits=limits)
     t.load(cfg.policy)
     devices.announce("update", t.device, t.train_options.dtype)  # once the input is known good: work starts
     step = checkpoints.policy_step(cfg.policy) + 1
@@ -205,30 +211,67 @@ def _run(cfg: UpdateConfig) -> Path:
         gathered = t.gather()
         if distributed.stand_down(dp, metrics):
             return cfg.out
-        metrics.update(_drift(cfg, lora.plain_state_dict(t.model, gathered[0]), upstream.get("reference")))
+        metrics.update(_drift(cfg, lora.plain_state_dict(t.model, gathered[0]), artifacts.recorded_path(upstream, "reference")))
         manifest = artifacts.make_manifest("model", "update", cfg, inputs, step=step, metrics=metrics,
                                            **_reward_weights(loaded), **devices.manifest_entry(dev),
-                                           **_reference_entry(upstream, cfg.policy), **tracker.manifest_entry())
-        with artifacts.atomic_dir(cfg.out) as tmp:
-            t.save(tmp, manifest, gathered)
+                                           **_reference_entry(upstream, cfg), **tracker.manifest_entry())
         row = {"stage": "update", "out": str(cfg.out), **metrics}
-        metrics_log.write(row, cfg.metrics)
+        # the row first, taken back out if the checkpoint is not written: never one without the other
+        with metrics_log.appending(row, cfg.metrics), artifacts.atomic_dir(cfg.out) as tmp:
+            t.save(tmp, manifest, gathered)
         tracker.log(row)
     _show(metrics, inp, t.algo)
     distributed.barrier(dp)
     return cfg.out
 
 
-def _reference_entry(upstream: dict, policy: Path) -> dict:
+def _reference_entry(upstream: dict, cfg: UpdateConfig) -> dict:
     """{'reference': {'path', 'fingerprint'}}: the frozen reference this checkpoint was trained against, so
-    that `score-ref` without --ref can find it: the input's (score-ref's --ref), else the one --policy records."""
+    that `score-ref` without --ref can find it: --ref (`check_reference` made sure the input was scored by
+    it, or a copy), else the input's (score-ref's --ref), else the one --policy records. The path is
+    absolute: a later stage may run in another directory."""
     from rlkit.io import artifacts, checkpoints
 
-    ref, fp = upstream.get("reference"), (upstream.get("inputs") or {}).get("ref")
+    if cfg.ref is not None:
+        return {"reference": {"path": str(cfg.ref.resolve()), "fingerprint": artifacts.fingerprint(cfg.ref)}}
+    ref, fp = artifacts.recorded_path(upstream, "reference"), (upstream.get("inputs") or {}).get("ref")
     if ref:
         return {"reference": {"path": str(Path(ref).absolute()), "fingerprint": fp or artifacts.fingerprint(ref)}}
-    recorded = (checkpoints.load_manifest(policy) or {}).get("reference")
+    recorded = (checkpoints.load_manifest(cfg.policy) or {}).get("reference")
     return {"reference": recorded} if isinstance(recorded, dict) else {}
+
+
+def check_reference(ref: Path | None, upstream: dict | None, kind: str, label: str) -> None:
+    """Refuse --ref when the input's reference log-probs (a scored table's ref_logprobs, a scored prefs
+    table's ref_*_logp) came from another reference: the KL or DPO term would pull towards that one while the
+    checkpoint records --ref. Same weights count as the same reference (a copy, a moved directory): the
+    weights' digest score-ref recorded, else (tables made before it did) the input fingerprint, else the
+    recorded path's weights. A table that records no reference is taken as scored by --ref, with a warning."""
+    from rlkit import console
+    from rlkit.errors import RlkitError
+    from rlkit.io import artifacts, checkpoints
+
+    if ref is None or kind not in ("scored", "prefs"):
+        return
+    m = upstream or {}
+    have = checkpoints.verify_reference(ref).get("weights_digest")
+    recorded = artifacts.recorded_path(m, "reference")
+    if m.get("reference_digest"):
+        same = m["reference_digest"] == have
+    elif (m.get("inputs") or {}).get("ref") and m.get("command") == "score-ref" and \
+            m["inputs"]["ref"] == artifacts.fingerprint(ref):
+        same = True
+    elif recorded and Path(recorded).is_dir():
+        same = (checkpoints.load_manifest(Path(recorded)) or {}).get("weights_digest") == have
+    else:
+        if kind == "scored" or m.get("reference"):
+            console.warn(f"update: cannot check that --ref {ref} is the reference {label} was scored against (its "
+                         "manifest records no reference to compare with); taking it that it is")
+        return
+    if not same:
+        raise RlkitError(f"--ref {ref} is not the reference {label} was scored against ({recorded or 'another'}): "
+                         "its reference log-probs come from that one, and the checkpoint would record --ref; pass "
+                         f"--ref {recorded or 'REF'} (same weights), or rescore with `rlkit score-ref --ref {ref}`")
 
 
 def _reward_weights(loaded) -> dict:
@@ -244,14 +287,16 @@ def _check_follow(cfg: UpdateConfig, algo) -> None:
     if distributed_launch():
         raise RlkitError("--follow runs in one process for now: launch it without torchrun (or run per-round "
                          "updates under torchrun)")
-    if cfg.max_lag < 0 or (cfg.keep is not None and cfg.keep < 1) or (cfg.max_steps is not None and cfg.max_steps < 1):
-        raise RlkitError("--max-lag must be >= 0, --keep >= 1 and --max-steps >= 1")
+    for flag, v, low in (("--max-lag", cfg.max_lag, 0), ("--keep", cfg.keep, 1), ("--max-steps", cfg.max_steps, 1)):
+        if v is not None and v < low:
+            raise RlkitError(f"{flag} {v}: expected an integer >= {low}")
     follow.check_root(cfg.out)
 
 
 def _run_follow(cfg: UpdateConfig, inp, pending, weights: dict[str, float] | None, dev) -> Path:
     """`update --follow`: one step per --batch-prompts prompts of the stream, published into --out."""
     from rlkit import console, devices
+    from rlkit.algorithms.inputs import Limits
     from rlkit.errors import RlkitError
     from rlkit.io import artifacts, checkpoints, follow, metrics_log, tracking
     from rlkit.training import lora
@@ -279,6 +324,7 @@ def _run_follow(cfg: UpdateConfig, inp, pending, weights: dict[str, float] | Non
         model, tokenizer = checkpoints.load_policy(start, "fp32", cfg.trust_remote_code)
         t = Trainer(model, cfg.rl, tokenizer=tokenizer, train=cfg.train, base=start,
                     trust_remote_code=cfg.trust_remote_code, device=dev)
+        limits = Limits.of(t.model, f"--policy {start}")
         base_tok = checkpoints.load_tokenizer(cfg.policy, cfg.trust_remote_code)
         if checkpoints.tokenizer_fingerprint(tokenizer) != checkpoints.tokenizer_fingerprint(base_tok):
             raise RlkitError(f"{start} has a different tokenizer from --policy {cfg.policy}")
@@ -292,12 +338,14 @@ def _run_follow(cfg: UpdateConfig, inp, pending, weights: dict[str, float] | Non
         reader = pending.result()
         upstream = reader.manifest or {}
         inp.check(reader.kind, cfg.rl)
+        check_reference(cfg.ref, reader.manifest, reader.kind, reader.label)
         inp.check_upstream(upstream, tokenizer, cfg.policy)
         rollout_cfg = upstream.get("rollout") or upstream.get("config") or {}
         P = cfg.batch_prompts or rollout_cfg.get("batch_prompts")
         if P is None:
-            raise RlkitError("update --follow needs --batch-prompts P (prompts per step): the input is not from "
-                             "`rlkit rollout --follow`, which would say")
+            raise RlkitError(f"update --follow needs --batch-prompts P (prompts per step): {reader.label} is not a "
+                             "stream from `rlkit rollout --follow`, whose manifest records its --batch-prompts "
+                             "(pass --batch-prompts, or pipe in a `rollout --follow` stream)")
         if rollout_cfg.get("follow") and rollout_cfg.get("batch_prompts") not in (None, P):
             raise RlkitError(f"--batch-prompts {P} differs from the upstream rollout's {rollout_cfg['batch_prompts']}; "
                              "the two would wait on each other forever (leave it out here)")
@@ -322,7 +370,8 @@ def _run_follow(cfg: UpdateConfig, inp, pending, weights: dict[str, float] | Non
                 table, lags, drop = got
                 dropped += drop
                 loaded = inp.load(table, upstream=upstream, tokenizer=tokenizer, rl=cfg.rl, dtype=t.train_options.dtype,
-                                  weights=weights, length_penalty=cfg.length_penalty, lags=lags, label=reader.label)
+                                  weights=weights, length_penalty=cfg.length_penalty, lags=lags, label=reader.label,
+                                  limits=limits)
                 # decoupled PPO: a recomputed pi_old is the proximal policy, weighed by proximal / behaviour, capped
                 rl = replace(cfg.rl, tis_cap=(cap or None) if loaded.train["recompute"] else None)
                 m = t.train(loaded.batch, cfg=rl, progress=lambda n, s=step: console.progress(f"update step {s + 1}", n),
@@ -331,16 +380,17 @@ def _run_follow(cfg: UpdateConfig, inp, pending, weights: dict[str, float] | Non
                 metrics = {"step": step, **loaded.metrics, **m}
                 metrics.update(lag_mean=float(lags.float().mean()), lag_max=int(lags.max()), rows_dropped=drop,
                                rows_dropped_total=dropped, prompts=P)
-                metrics.update(_drift(cfg, lora.plain_state_dict(t.model), upstream.get("reference"), ref_cache))
+                metrics.update(_drift(cfg, lora.plain_state_dict(t.model), artifacts.recorded_path(upstream, "reference"),
+                                      ref_cache))
                 manifest = artifacts.make_manifest(
                     "model", "update", cfg, inputs, step=step, metrics=metrics, **_reward_weights(loaded),
-                    **devices.manifest_entry(dev), **_reference_entry(upstream, cfg.policy), follow={"base": str(cfg.policy), "base_fingerprint": base_fp, "base_step": base_step},
+                    **devices.manifest_entry(dev), **_reference_entry(upstream, cfg), follow={"base": str(cfg.policy), "base_fingerprint": base_fp, "base_step": base_step},
                     **tracker.manifest_entry())
-                path = follow.publish(root, step, lambda tmp, m=manifest: t.save(tmp, m, t.gather(), write_manifest=False))
+                row = {"stage": "update", "out": str(root / follow.step_name(step)), **metrics}
+                with metrics_log.appending(row, cfg.metrics):  # taken back out if the step is not published
+                    path = follow.publish(root, step, lambda tmp, m=manifest: t.save(tmp, m, t.gather(), write_manifest=False))
                 pruned = follow.prune(root, keep) if keep is not None else []
                 devices.release_cached(t.device)  # a sleeping vLLM on this GPU takes its memory back for the next batch
-                row = {"stage": "update", "out": str(path), **metrics}
-                metrics_log.write(row, cfg.metrics)
                 tracker.log(row)
                 _show(metrics, inp, t.algo)
                 console.info(f"update: wrote {path} (lag mean {metrics['lag_mean']:.2f}, max {metrics['lag_max']}; "
@@ -405,13 +455,13 @@ def command(
     lr: Annotated[float, typer.Option(help="AdamW learning rate (default suits the tiny model; ~1e-6 for 1B+ models).")] = RLConfig.lr,
     epochs: Annotated[int, typer.Option(min=1, help="Passes over the rollout batch.")] = RLConfig.epochs,
     minibatch_size: Annotated[int, typer.Option(min=1, help="Sequences per optimizer step.")] = RLConfig.minibatch_size,
-    clip_low: Annotated[float | None, typer.Option(help="Ratio clip below 1: 1 - clip_low (default: per --algo; 0.2 for most).")] = None,
-    clip_high: Annotated[float | None, typer.Option(help="Ratio clip above 1: 1 + clip_high (default: per --algo; 0.28 for most).")] = None,
+    clip_low: Annotated[float | None, typer.Option(help=f"Ratio clip below 1: 1 - clip_low. Default: per --algo ({algo_default('clip_low')}).")] = None,
+    clip_high: Annotated[float | None, typer.Option(help=f"Ratio clip above 1: 1 + clip_high. Default: per --algo ({algo_default('clip_high')}).")] = None,
     dual_clip: Annotated[float, typer.Option(help="Dual clip C (verl's clip_ratio_c): for a negative advantage the clipped loss is capped at -C*A, so a ratio far above 1 cannot blow it up; must be > 1; 0 turns it off.")] = DEFAULT_DUAL_CLIP,
-    beta: Annotated[float | None, typer.Option(help="KL coefficient to the reference (0: no reference needed); for --algo dpo, DPO's beta. Default: per --algo (0.01 for most; dpo 0.1).")] = None,
+    beta: Annotated[float | None, typer.Option(help=f"KL coefficient to the reference (0: no reference needed); for --algo dpo, DPO's beta. Default: per --algo ({algo_default('beta')}).")] = None,
     kl_estimator: Annotated[Literal["k1", "k2", "k3", "k3+"] | None, typer.Option(help="KL estimator: k1, k2, k3 or k3+. In the reward use k1 (its default): only the log-ratio makes the penalised reward's policy gradient the gradient of KL(pi||pi_ref). In the loss use k3+ (its default: k3's unbiased low-variance value, k2's gradient, which in expectation is the gradient of KL(pi||pi_ref)) or k2; k3 in the loss descends the reverse KL(pi_ref||pi) instead, and k1 in the loss has zero expected gradient (refused).")] = None,
-    kl_in: Annotated[Literal["loss", "reward"] | None, typer.Option(help="Where the KL goes: loss (a loss term) or reward (a per-token penalty); default: per --algo (reward for ppo, loss otherwise).")] = None,
-    loss_agg: Annotated[Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None, typer.Option(help="token-mean, seq-mean-token-mean (mean over non-empty responses of their token means) or seq-mean-token-sum-norm (token sums / (responses x the rollout's max_new_tokens)); default: per --algo.")] = None,
+    kl_in: Annotated[Literal["loss", "reward"] | None, typer.Option(help=f"Where the KL goes: loss (a loss term) or reward (a per-token penalty). Default: per --algo ({algo_default('kl_in')}).")] = None,
+    loss_agg: Annotated[Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None, typer.Option(help=f"token-mean, seq-mean-token-mean (mean over non-empty responses of their token means) or seq-mean-token-sum-norm (token sums / (responses x the rollout's max_new_tokens)). Default: per --algo ({algo_default('loss_agg')}).")] = None,
     drop_degenerate: Annotated[bool, typer.Option(help="Leave out groups whose rewards are all equal (their rows are not trained on; advantages and metrics still see the whole batch).")] = False,
     reward: Annotated[list[str] | None, typer.Option(help="Reward component weight NAME=W (repeatable), e.g. verifier=1 rm:helpful=0.7; default: sum of all components.")] = None,
     length_penalty: Annotated[float, typer.Option(min=0.0, help="Subtract this times the completion length in tokens from the reward (a 'length_penalty' component).")] = 0.0,

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from torch import Tensor
 
-from rlkit.algorithms.config import AlgoDefaults, RLConfig
+from rlkit.algorithms.config import RLConfig
 
 if TYPE_CHECKING:
     from rlkit.training.trainer import Trained, Trainer
@@ -78,12 +78,11 @@ class StepOut(NamedTuple):
 
 class Algorithm:
     """One --algo. Subclasses set the class attributes and implement `prepare`, `step` (and `finish`);
-    a registry line in `rlkit.algorithms` makes it selectable. An instance lives as long as the trainer
+    a registry line in `rlkit.algorithms` makes it selectable and holds its defaults (`AlgoDefaults`). An instance lives as long as the trainer
     that runs it (its extra models, e.g. PPO's critic, live on it)."""
 
     name: ClassVar[str]
     input: ClassVar[type]  # the input kind it reads: rlkit.algorithms.inputs.Rollouts or Prefs
-    defaults: ClassVar[AlgoDefaults] = AlgoDefaults()
     shown: ClassVar[tuple[str, ...]] = ()  # the metrics it adds, in the order `update` shows them
 
     def __init__(self, cfg: RLConfig) -> None:

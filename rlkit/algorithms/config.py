@@ -22,7 +22,7 @@ DEFAULT_DUAL_CLIP = 3.0
 
 @dataclass(frozen=True)
 class AlgoDefaults:
-    """What an algorithm uses for each RLConfig field left at None (each `Algorithm.defaults`)."""
+    """What an algorithm uses for each RLConfig field left at None (its `rlkit.algorithms.REGISTRY` entry's)."""
 
     beta: float = 0.01  # KL coefficient to the reference (DPO: its temperature)
     kl_in: str = "loss"  # loss | reward
@@ -75,10 +75,16 @@ class RLConfig:
         from rlkit.ops.losses import AGGREGATIONS
 
         algo = algorithms.get(self.algo)
-        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1) or self.vf_clip <= 0:
-            raise RlkitError("--gamma and --lam must be in [0, 1] and --vf-clip > 0")
-        if self.target_kl is not None and (self.target_kl <= 0 or self.kl_in != "reward" or self.beta <= 0):
-            raise RlkitError("--target-kl adapts the KL penalty in the reward: it needs > 0, --kl-in reward and --beta > 0")
+        for flag, v in (("--gamma", self.gamma), ("--lam", self.lam)):
+            if not 0 <= v <= 1:
+                raise RlkitError(f"{flag} {v:g}: expected a number in [0, 1]")
+        if self.vf_clip <= 0:
+            raise RlkitError(f"--vf-clip {self.vf_clip:g}: expected a number > 0")
+        if self.target_kl is not None and self.target_kl <= 0:
+            raise RlkitError(f"--target-kl {self.target_kl:g}: expected a KL per sequence > 0")
+        if self.target_kl is not None and (self.kl_in != "reward" or self.beta <= 0):
+            raise RlkitError(f"--target-kl adapts the KL penalty in the reward: it needs --kl-in reward (got {self.kl_in}) "
+                             f"and --beta > 0 (got {self.beta:g})")
         if self.kl_in not in ("loss", "reward"):
             raise RlkitError(f"--kl-in {self.kl_in!r} is not one of loss, reward")
         if self.kl_estimator not in KL_ESTIMATORS:
@@ -93,17 +99,20 @@ class RLConfig:
             raise RlkitError(f"--tis-cap {self.tis_cap} must be > 0 (e.g. 2.0)")
         if self.tis_cap is not None and self.old_logprobs == "engine":
             raise RlkitError("--tis-cap weighs by pi_recomputed / pi_engine, so it needs --old-logprobs recompute")
-        if self.beta < 0 or self.lr <= 0 or self.clip_low < 0 or self.clip_high < 0:
-            raise RlkitError("--beta, --clip-low and --clip-high must be >= 0 and --lr > 0")
+        for flag, v in (("--beta", self.beta), ("--clip-low", self.clip_low), ("--clip-high", self.clip_high)):
+            if v < 0:
+                raise RlkitError(f"{flag} {v:g}: expected a number >= 0")
+        if self.lr <= 0:
+            raise RlkitError(f"--lr {self.lr:g}: expected a learning rate > 0")
         algo.check(self)
 
 
 def resolve(cfg: RLConfig) -> RLConfig:
     """`cfg` with every None that means "the algorithm's default" filled from its registry entry.
-    Idempotent; an unknown --algo is refused here. Imports the algorithm's module (torch)."""
+    Idempotent; an unknown --algo is refused here. Imports no torch."""
     from rlkit import algorithms
 
-    d = algorithms.get(cfg.algo).defaults
+    d = algorithms.defaults(cfg.algo)
     given = {f.name: getattr(cfg, f.name) for f in fields(AlgoDefaults)}
     out = {k: getattr(d, k) if v is None else v for k, v in given.items()}
     out["kl_estimator"] = given["kl_estimator"] or d.kl_estimator or DEFAULT_KL_ESTIMATOR.get(out["kl_in"])

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from rlkit.algorithms.base import Algorithm, Context, Minibatch, Plan, StepOut
-from rlkit.algorithms.config import AlgoDefaults, RLConfig
+from rlkit.algorithms.config import RLConfig
 from rlkit.algorithms.inputs import PrefBatch, Prefs
 from rlkit.errors import RlkitError
 from rlkit.ops.logprobs import completion_logprobs
@@ -33,7 +33,6 @@ _SPLIT_METRICS = ("reward_margin", "reward_accuracy", "logp_chosen", "logp_rejec
 class DPO(Algorithm):
     name = "dpo"
     input = Prefs
-    defaults = AlgoDefaults(beta=0.1)
     shown = ("loss", *(f"{s}_{k}" for s in ("train", "heldout") for k in _SPLIT_METRICS))
 
     def prepare(self, trainer: Trainer, batch: PrefBatch, cfg: RLConfig, ctx: Context) -> Plan:

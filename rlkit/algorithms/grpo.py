@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from torch import Tensor
 
 from rlkit import console
-from rlkit.algorithms.config import AlgoDefaults, RLConfig
+from rlkit.algorithms.config import RLConfig
 from rlkit.algorithms.inputs import RLBatch
 from rlkit.algorithms.policy_gradient import PGPlan, PolicyGradient
 from rlkit.ops.advantages import ADVANTAGES, GROUP_BASELINE, GroupCounts
@@ -59,7 +59,6 @@ class GRPO(GroupAdvantage):
 
 class DrGRPO(GroupAdvantage):
     name = estimator = "dr-grpo"
-    defaults = AlgoDefaults(loss_agg="seq-mean-token-sum-norm")
 
 
 class RLOO(GroupAdvantage):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlkit.algorithms.config import AlgoDefaults
 from rlkit.algorithms.grpo import GroupAdvantage
 
 
@@ -36,4 +35,4 @@ class GSPO(GroupAdvantage):
     name = "gspo"
     estimator = "grpo"
     log_ratio = staticmethod(sequence_log_ratio)
-    defaults = AlgoDefaults(beta=0.0, loss_agg="seq-mean-token-mean", clip_low=3e-4, clip_high=4e-4)
+    # its defaults (the paper's clip range, beta 0, seq-mean-token-mean): its line in rlkit.algorithms.REGISTRY

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from rlkit.algorithms.config import AlgoDefaults, RLConfig
+from rlkit.algorithms.config import RLConfig
 from rlkit.algorithms.inputs import RLBatch
 from rlkit.algorithms.policy_gradient import PGPlan, PolicyGradient
 from rlkit.errors import RlkitError
@@ -58,7 +58,6 @@ KL_STATE = "kl_controller.json"
 
 class PPO(PolicyGradient):
     name = "ppo"
-    defaults = AlgoDefaults(kl_in="reward")
     shown = (*PolicyGradient.shown, "kl_coef", "kl_coef_next", "value_loss", "value_clip_fraction",
              "explained_variance")
     extra_sums = ("value_clipped",)

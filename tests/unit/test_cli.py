@@ -83,7 +83,7 @@ def test_update_from_python_gets_the_cli_defaults(monkeypatch, tmp_path, algo):
     assert seen[-1] == api
     cli, py = update.resolve(seen[-1]), update.resolve(api)
     assert cli == py and update.resolve(py) == py  # resolving twice changes nothing
-    d = algorithms.get(algo).defaults
+    d = algorithms.defaults(algo)
     assert (py.rl.beta, py.rl.kl_in, py.rl.loss_agg, py.rl.clip_low, py.rl.clip_high) == (
         d.beta, d.kl_in, d.loss_agg, d.clip_low, d.clip_high)
     assert None not in (py.rl.kl_estimator, py.rl.beta, py.rl.kl_in, py.rl.loss_agg, py.rl.clip_low, py.rl.clip_high)

@@ -129,9 +129,10 @@ def test_vectorised_grpo_loss_matches_a_naive_per_sequence_loop():
 def test_gspo_sequence_ratio_and_clip_by_hand():
     """GSPO (rlkit.algorithms.gspo): one ratio per sequence, the geometric mean of its token ratios, clipped
     as a whole at GSPO's 1 - 3e-4 .. 1 + 4e-4, loss averaged per sequence then over sequences."""
-    from rlkit.algorithms.gspo import GSPO, sequence_log_ratio
+    from rlkit import algorithms
+    from rlkit.algorithms.gspo import sequence_log_ratio
 
-    d = GSPO.defaults
+    d = algorithms.defaults("gspo")
     assert (d.clip_low, d.clip_high, d.loss_agg, d.beta) == (3e-4, 4e-4, "seq-mean-token-mean", 0.0)
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)
     logp = torch.tensor([[0.3, 0.1, -100.0], [-0.2, 0.0, -0.1], [1e-4, -1e-4, -100.0]], requires_grad=True)
