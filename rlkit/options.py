@@ -39,12 +39,22 @@ def _apply_level(ctx) -> None:
     console.set_level(level)
 
 
-LogLevel = Annotated[str, typer.Option("--log-level", is_eager=True, expose_value=False, callback=_log_level, help="debug, info, warning or error: rlkit's messages at this level and above on stderr; library logs (transformers, vLLM, datasets, torch) go through the same handler at warning, or at debug/error when asked. Errors always print; data on stdout is never touched.")]
+LogLevel = Annotated[Literal["debug", "info", "warning", "error"], typer.Option("--log-level", is_eager=True, expose_value=False, callback=_log_level, help="debug, info, warning or error: rlkit's messages at this level and above on stderr; library logs (transformers, vLLM, datasets, torch) go through the same handler at warning, or at debug/error when asked. Errors always print; data on stdout is never touched.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", is_eager=True, expose_value=False, callback=_quiet, help="Only warnings and errors (no progress, no summaries): --log-level warning.")]
-OutDir = Annotated[Path, typer.Option("--out", "-o", help="Output directory (written atomically).")]
+def output_path(value: str | Path) -> Path:
+    """The parser of every option naming a path to write (--out, --metrics, --tensorboard): '' is refused
+    (as a Path it would be '.', the working directory)."""
+    if isinstance(value, Path):
+        return value
+    if not str(value).strip():
+        raise ValueError("the path is empty; expected a path to write")
+    return Path(value)
+
+
+OutDir = Annotated[Path, typer.Option("--out", "-o", parser=output_path, help="Output directory (written atomically).")]
 OutTable = Annotated[
     Path | None,
-    typer.Option("--out", "-o", allow_dash=True,
+    typer.Option("--out", "-o", allow_dash=True, parser=output_path,
                  help="Output table (.arrow). Omitted or '-': stream to stdout (must be a pipe)."),
 ]
 InTable = Annotated[
@@ -74,7 +84,7 @@ PromptColumn = Annotated[str, typer.Option("--prompt-column", help="Column of th
 AnswerColumn = Annotated[str, typer.Option("--answer-column", help="Column of the data that holds the gold answer.")]
 NoVerify = Annotated[bool, typer.Option("--no-verify", help="Load policy and reward-model checkpoints without checking their weights against the sha256 in rlkit.json (a frozen reference is always checked). Checks are cached per file version, so leaving them on costs one read per checkpoint.")]
 # Where the models run (every stage that runs one): see rlkit.devices
-Device = Annotated[str, typer.Option("--device", help="Where the models run: auto (cuda:LOCAL_RANK under torchrun, else cuda when a GPU is visible, else cpu), cpu, cuda or cuda:N.")]
+Device = Annotated[str, typer.Option("--device", metavar="<auto|cpu|cuda|cuda:N>", help="Where the models run: auto (cuda:LOCAL_RANK under torchrun, else cuda when a GPU is visible, else cpu), cpu, cuda or cuda:N.")]
 # Training numerics (sft, train-rm, update): see rlkit.training
 TrainDtype = Annotated[Literal["auto", "fp32", "bf16", "fp16"], typer.Option("--dtype", help="Compute dtype: auto (bf16 on a GPU with bf16 kernels, fp32 on the CPU), fp32, bf16 or fp16. bf16/fp16 run the forward and backward under autocast over fp32 master weights and fp32 AdamW state (the saved checkpoint is fp32); fp16 adds a dynamic loss scale. See docs/precision-lora.md.")]
 GradCheckpointing = Annotated[bool, typer.Option("--gradient-checkpointing", help="Recompute activations in backward (transformers' non-reentrant gradient checkpointing): less memory, ~30% more compute.")]
@@ -84,6 +94,7 @@ LoraDropout = Annotated[float, typer.Option("--lora-dropout", help="LoRA dropout
 LoraTargets = Annotated[str | None, typer.Option("--lora-targets", help="Comma-separated module names to adapt, e.g. q_proj,v_proj (default: every linear layer of the blocks, not the output head).")]
 # Resume snapshots (sft, train-rm): see rlkit.training.resume
 SaveSteps = Annotated[int, typer.Option("--save-steps", min=0, help="Every N optimizer steps save a resume snapshot (weights, AdamW, LR schedule, RNG, data position) in .NAME.resume beside --out NAME: rerunning the same command after a kill resumes from it with the same result, and it is removed once --out is written (0: no snapshots, no resuming).")]
+Resume = Annotated[Literal["auto", "must", "never"], typer.Option("--resume", help="With --save-steps: what to do with the snapshot a stopped run left. auto: resume it when it is intact and was made with these settings and inputs, else say why in one warning line, discard it and start from step 0; must: resume it or stop with one error line, changing nothing; never: start from step 0 and replace it. Each snapshot file is checked against the sha256 its resume.json records before anything is loaded.")]
 
 # Where metrics go besides the screen and the manifest (sft, train-rm, update, eval): rlkit.io.tracking
 def _report_to(ctx, param, value: str | None) -> str | None:
@@ -94,11 +105,11 @@ def _report_to(ctx, param, value: str | None) -> str | None:
     return value
 
 
-Metrics = Annotated[Path | None, typer.Option("--metrics", help="Append the run's metrics as JSON lines to this file (the file `rlkit report` plots).")]
+Metrics = Annotated[Path | None, typer.Option("--metrics", parser=output_path, help="Append the run's metrics as JSON lines to this file (the file `rlkit report` plots).")]
 ReportTo = Annotated[str | None, typer.Option("--report-to", callback=_report_to, help=tracking.REPORT_TO_HELP)]
 RunName = Annotated[str | None, typer.Option("--run-name", help=tracking.RUN_NAME_HELP)]
 Project = Annotated[str, typer.Option("--project", help=tracking.PROJECT_HELP)]
-TensorBoardDir = Annotated[Path | None, typer.Option("--tensorboard", help="TensorBoard log directory (implies --report-to tensorboard; default runs/PROJECT/RUN_NAME).")]
+TensorBoardDir = Annotated[Path | None, typer.Option("--tensorboard", parser=output_path, help="TensorBoard log directory (implies --report-to tensorboard; default runs/PROJECT/RUN_NAME).")]
 
 
 def tracking_options(report_to: str | None, project: str, run_name: str | None, tensorboard: Path | None):
@@ -121,13 +132,14 @@ RENAMED_VALUES: dict[str, dict[str, dict[str, str]]] = {
 }
 
 
-# `--help` groups the options of every command with more than HELP_PANELS_FROM of them into these panels
-# (rich_help_panel), by parameter name; tests/unit/test_vocabulary.py checks that none is left out.
-HELP_PANELS_FROM = 12
+# `--help` groups the options of every command with more than HELP_PANELS_FROM parameters (the shared --config,
+# --log-level and -q included) into these panels (rich_help_panel), by parameter name; the shared ones stay
+# under "Options". tests/unit/test_vocabulary.py checks that none is left out.
+HELP_PANELS_FROM = 5
 PANELS: dict[str, tuple[str, ...]] = {
     "Model": ("policy", "model", "base", "ref", "rm", "layers", "hidden", "trust_remote_code", "no_verify"),
     "Data": ("task", "data", "prompts", "prompt_column", "completion_column", "answer_column", "chosen_column",
-             "rejected_column", "source", "prefs", "inp", "split", "num", "num_prompts", "num_examples", "n",
+             "rejected_column", "source", "prefs", "inp", "split", "num", "num_prompts", "num_examples", "n", "sft",
              "eval_num", "eval_fraction", "bias", "max_len", "max_length", "reward_fn", "reward_timeout"),
     "Algorithm": ("algo", "clip_low", "clip_high", "dual_clip", "loss_agg", "drop_degenerate", "reward",
                   "length_penalty", "gamma", "lam", "vf_clip", "critic_lr", "critic_init", "old_logprobs", "tis_cap",
@@ -142,7 +154,8 @@ PANELS: dict[str, tuple[str, ...]] = {
     "LoRA": ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets"),
     "Follow": ("follow", "batch_prompts", "max_lag", "max_steps", "keep"),
     "Output & tracking": ("out", "metrics", "report_to", "run_name", "project", "tensorboard", "logging_steps",
-                          "save_steps", "as_json", "label", "force"),
+                          "save_steps", "resume", "as_json", "label", "title", "link", "force"),
+    "What to show": ("rows", "config", "check", "verify"),  # inspect's
     "Run": ("_config", "_log_level", "_quiet"),
 }
 PANEL_OF = {name: panel for panel, names in PANELS.items() for name in names}

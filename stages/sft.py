@@ -32,6 +32,7 @@ from rlkit.options import (
     OutDir,
     Project,
     ReportTo,
+    Resume,
     RunName,
     SaveSteps,
     Seed,
@@ -89,19 +90,22 @@ def _lr_lambda(total: int, warmup: int, min_ratio: float):
     return f
 
 
-def run(cfg: SftConfig) -> Path:
-    """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
+def run(cfg: SftConfig, resume: str = "auto") -> Path:
+    """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage. `resume`
+    (--resume: auto, must, never) is what to do with a snapshot a stopped run left (`rlkit.training.resume`);
+    not a setting of the result, so not in the config."""
     from rlkit import devices
     from rlkit.io import artifacts, checkpoints, tracking
 
     devices.parse(cfg.device)
     model = cfg.model if cfg.model != "tiny" else None
-    with artifacts.claim_out(cfg.out, "model", {"--model": model, "--data": cfg.data, "--task": cfg.task}), \
+    side = {"--metrics": (cfg.metrics, "metrics"), **tracking.outputs(cfg.tracking, "sft")}
+    with artifacts.claim_out(cfg.out, "model", {"--model": model, "--data": cfg.data, "--task": cfg.task}, side), \
             checkpoints.verifying(cfg.verify), tracking.Tracking() as tracker:
-        return _run(cfg, tracker)
+        return _run(cfg, tracker, resume)
 
 
-def _run(cfg: SftConfig, tracker) -> Path:
+def _run(cfg: SftConfig, tracker, resume_mode: str = "auto") -> Path:
     import math
     import random
     import time
@@ -126,7 +130,7 @@ def _run(cfg: SftConfig, tracker) -> Path:
 
     cfg.train.check(distributed=distributed.launched())
     tracking.check(cfg.tracking)
-    resume.check(cfg.save_steps)
+    resume.check(cfg.save_steps, resume_mode, cfg.out)  # and nothing at the snapshot path that is not rlkit's
     from rlkit import devices
 
     dev = devices.resolve(cfg.device)
@@ -176,7 +180,7 @@ def _run(cfg: SftConfig, tracker) -> Path:
     lengths = [len(s) for s in ids]
     epochs = [data.token_batches(lengths, cfg.batch_tokens, rng) for _ in range(cfg.epochs)]
     total = sum(len(e) for e in epochs)
-    snaps = resume.Snapshots("sft", cfg.out, cfg, inputs, cfg.save_steps, dp=dp)
+    snaps = resume.Snapshots("sft", cfg.out, cfg, inputs, cfg.save_steps, dp=dp, mode=resume_mode)
     snap = snaps.find(total)  # one line when a snapshot is there: resumed from, or not and why
     tracker.start(resume.tracking_of(cfg.tracking, snap), "sft", cfg)  # a resumed run: its tracker run too
     if snap is not None:
@@ -265,11 +269,11 @@ def _run(cfg: SftConfig, tracker) -> Path:
         return cfg.out
     manifest = artifacts.make_manifest("model", "sft", cfg, inputs, step=0, metrics=metrics, **devices.manifest_entry(dev),
                                        **tracker.manifest_entry())
-    with artifacts.atomic_dir(cfg.out) as tmp:
+    row = {"stage": "sft", "out": str(cfg.out), "step": 0, **metrics}
+    # the row first, taken back out if the checkpoint is not written: never one without the other
+    with metrics_log.appending(row, cfg.metrics), artifacts.atomic_dir(cfg.out) as tmp:
         checkpoints.save_model(model, tokenizer, tmp, manifest, state_dict=full)
     snaps.remove()  # --out holds the result now
-    row = {"stage": "sft", "out": str(cfg.out), "step": 0, **metrics}
-    metrics_log.write(row, cfg.metrics)
     tracker.log(row)
     acc = metrics.get("heldout_accuracy")
     console.info(
@@ -315,6 +319,7 @@ def command(
     trust_remote_code: TrustRemoteCode = False,
     no_verify: NoVerify = False,
     save_steps: SaveSteps = 0,
+    resume: Resume = "auto",
     force: Force = False,
 ) -> None:
     """Supervised fine-tuning on completion tokens; writes a checkpoint and its metrics."""
@@ -327,4 +332,4 @@ def command(
         trust_remote_code=trust_remote_code, verify=not no_verify, metrics=metrics, force=force,
         save_steps=save_steps,
         tracking=tracking_options(report_to, project, run_name, tensorboard), logging_steps=logging_steps,
-    ))
+    ), resume=resume)

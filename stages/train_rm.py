@@ -32,6 +32,7 @@ from rlkit.options import (
     OutDir,
     Project,
     ReportTo,
+    Resume,
     RunName,
     SaveSteps,
     Seed,
@@ -44,6 +45,9 @@ from rlkit.options import (
 from rlkit.training import TrainOptions
 
 LENGTH_CORR_WARN = 0.5
+# the loss the progress line shows and `final_loss` records: the mean of the last this many optimizer
+# steps' losses (one step's, over a few pairs, is noisy)
+LOSS_WINDOW = 10
 
 
 @dataclass(frozen=True)
@@ -68,19 +72,22 @@ class TrainRmConfig:
     logging_steps: int = 10  # a training row (loss, lr, grad norm) to the trackers every this many steps
 
 
-def run(cfg: TrainRmConfig) -> Path:
-    """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
+def run(cfg: TrainRmConfig, resume: str = "auto") -> Path:
+    """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage. `resume`
+    (--resume: auto, must, never) is what to do with a snapshot a stopped run left (`rlkit.training.resume`);
+    not a setting of the result, so not in the config."""
     from rlkit import devices
 
     devices.parse(cfg.device)
     from rlkit.io import artifacts, checkpoints, tracking
 
-    with artifacts.claim_out(cfg.out, "model", {"--model": cfg.base, "--prefs": cfg.prefs}), \
+    side = {"--metrics": (cfg.metrics, "metrics"), **tracking.outputs(cfg.tracking, "train-rm")}
+    with artifacts.claim_out(cfg.out, "model", {"--model": cfg.base, "--prefs": cfg.prefs}, side), \
             checkpoints.verifying(cfg.verify), tracking.Tracking() as tracker:
-        return _run(cfg, tracker)
+        return _run(cfg, tracker, resume)
 
 
-def _run(cfg: TrainRmConfig, tracker) -> Path:
+def _run(cfg: TrainRmConfig, tracker, resume_mode: str = "auto") -> Path:
     import json
     import math
     import random
@@ -92,13 +99,16 @@ def _run(cfg: TrainRmConfig, tracker) -> Path:
 
     checkpoints.check_model_dir(cfg.base, "base")
     artifacts.check_out(cfg.out, "model")
-    if cfg.lr <= 0 or cfg.batch_size < 1 or cfg.epochs < 1:
-        raise RlkitError("--lr must be > 0, --batch-size and --epochs >= 1")
+    if cfg.lr <= 0:
+        raise RlkitError(f"--lr {cfg.lr:g}: expected a learning rate > 0")
+    for flag, v in (("--batch-size", cfg.batch_size), ("--epochs", cfg.epochs)):
+        if v < 1:
+            raise RlkitError(f"{flag} {v}: expected an integer >= 1")
     from rlkit.training import distributed, resume
 
     cfg.train.check(distributed=distributed.launched())
     tracking.check(cfg.tracking)
-    resume.check(cfg.save_steps)
+    resume.check(cfg.save_steps, resume_mode, cfg.out)  # and nothing at the snapshot path that is not rlkit's
     from rlkit import devices
 
     dev = devices.resolve(cfg.device)
@@ -128,7 +138,7 @@ def _run(cfg: TrainRmConfig, tracker) -> Path:
     model = training.prepare_model(model, train_opts, "seq-cls", base=cfg.base)
     prec = training.Precision(train_opts.dtype, dev.type)
     steps = cfg.epochs * -(-len(train) // cfg.batch_size)
-    snaps = resume.Snapshots("train-rm", cfg.out, cfg, inputs, cfg.save_steps, dp=dp)
+    snaps = resume.Snapshots("train-rm", cfg.out, cfg, inputs, cfg.save_steps, dp=dp, mode=resume_mode)
     snap = snaps.find(steps)  # one line when a snapshot is there: resumed from, or not and why
     if snap is not None:
         snaps.restore_weights(snap, model)  # before sharding: every rank loads the full tensors
@@ -193,7 +203,7 @@ def _run(cfg: TrainRmConfig, tracker) -> Path:
                                      + (f": {why}" if why else f" (lower --lr, now {cfg.lr})"))
                 step += 1
                 losses.append(value)
-                bar.advance(1, loss=losses[-1])
+                bar.advance(1, loss=_recent_loss(losses))  # its last value is final_loss
                 # the trackers first: a kill right after a snapshot must not lose that step's row
                 if step % cfg.logging_steps == 0:  # to the trackers alone: --metrics holds the run's row
                     tracker.log({"step": step, "loss": value, "lr": opt.param_groups[0]["lr"], "grad_norm": norm},
@@ -209,7 +219,7 @@ def _run(cfg: TrainRmConfig, tracker) -> Path:
         "heldout_pairs": len(held), "train_pairs": len(train), "optimizer_steps": step,
         "heldout_pair_accuracy": pair_accuracy(torch.tensor(sc), torch.tensor(sr)),
         "heldout_mean_margin": sum(c - r for c, r in zip(sc, sr, strict=True)) / len(held),
-        "final_loss": sum(losses[-10:]) / len(losses[-10:]),
+        "final_loss": _recent_loss(losses),
         **devices.peak_memory(dev),
     }
     if "negative" in t:  # build-prefs says how each pair was made: one overall figure can hide a kind at chance
@@ -225,13 +235,13 @@ def _run(cfg: TrainRmConfig, tracker) -> Path:
         return cfg.out
     manifest = artifacts.make_manifest("reward-model", "train-rm", cfg, inputs, metrics=metrics, sanity=sanity,
                                        **devices.manifest_entry(dev), **tracker.manifest_entry())
-    with artifacts.atomic_dir(cfg.out) as tmp:
-        checkpoints.save_model(model, tok, tmp, manifest, state_dict=full)
-    snaps.remove()  # --out holds the result now
     from rlkit.io import metrics_log
 
     row = {"stage": "train-rm", "out": str(cfg.out), "step": 0, **metrics}
-    metrics_log.write(row, cfg.metrics)
+    # the row first, taken back out if the checkpoint is not written: never one without the other
+    with metrics_log.appending(row, cfg.metrics), artifacts.atomic_dir(cfg.out) as tmp:
+        checkpoints.save_model(model, tok, tmp, manifest, state_dict=full)
+    snaps.remove()  # --out holds the result now
     tracker.log(row)
     _show(metrics, sanity)
     console.info(f"train-rm: -> {cfg.out}  " + json.dumps({"heldout_pair_accuracy": round(metrics["heldout_pair_accuracy"], 4)}))
@@ -312,16 +322,33 @@ def sanity_report(model, tok, prompts, chosen, rejected, answers, sc, sr, max_le
     return report
 
 
+def _recent_loss(losses: list[float]) -> float:
+    window = losses[-LOSS_WINDOW:]
+    return sum(window) / len(window)
+
+
 def _show(metrics: dict, sanity: dict) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     from rlkit import console
 
+    def fig(v) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    # held-out accuracy with its split by kind of negative right under it, then the training figures: the
+    # loss is the progress line's last value (LOSS_WINDOW), never read as an accuracy
     t = Table(title="reward model", show_header=False)
-    for k in ("heldout_pair_accuracy", "heldout_mean_margin", "heldout_pairs", "train_pairs", "final_loss"):
-        t.add_row(k, f"{metrics[k]:.4g}" if isinstance(metrics[k], float) else str(metrics[k]))
+    t.add_row("heldout_pair_accuracy", fig(metrics["heldout_pair_accuracy"]))
     for kind, acc in metrics.get("heldout_pair_accuracy_by_kind", {}).items():
-        t.add_row(f"  {kind}", f"{acc:.4g}")
+        t.add_row(f"  by kind: {escape(str(kind))}", fig(acc))  # a prefs file's own kinds may hold [brackets]
+    for k in ("heldout_mean_margin", "heldout_pairs"):
+        t.add_row(k, fig(metrics[k]))
+    t.add_section()
+    t.add_row("train_pairs", fig(metrics["train_pairs"]))
+    t.add_row("optimizer_steps", fig(metrics["optimizer_steps"]))
+    window = min(LOSS_WINDOW, metrics["optimizer_steps"])
+    t.add_row(f"final_loss (mean of the last {window} steps)", fig(metrics["final_loss"]))
     t.add_section()
     for k in ("length_correlation", "mean_score_chosen", "mean_score_rejected", "mean_score_short_correct",
               "mean_score_long_wrong", "short_correct_beats_long_wrong", "mean_score_empty"):
@@ -360,6 +387,7 @@ def command(
     trust_remote_code: TrustRemoteCode = False,
     no_verify: NoVerify = False,
     save_steps: SaveSteps = 0,
+    resume: Resume = "auto",
     force: Force = False,
 ) -> None:
     """Train a reward model on preference pairs; prints held-out pair accuracy and a sanity report."""
@@ -369,4 +397,4 @@ def command(
                       device=device, trust_remote_code=trust_remote_code, verify=not no_verify, force=force,
                       save_steps=save_steps,
                       metrics=metrics, tracking=tracking_options(report_to, project, run_name, tensorboard),
-                      logging_steps=logging_steps))
+                      logging_steps=logging_steps), resume=resume)

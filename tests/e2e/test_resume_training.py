@@ -131,8 +131,11 @@ def test_a_snapshot_of_other_settings_or_inputs_is_not_resumed(tmp_path, capsys)
     inputs = {"task": "sha256:abc"}
     snap = resume.snapshot_dir(out)
     snap.mkdir()
-    (snap / "resume.json").write_text(json.dumps({"format": resume.FORMAT, "command": "sft", "inputs": inputs,
-                                                  "config": resume.comparable(cfg), "step": 5, "total": 17}))
+    for name in resume.FILES:
+        (snap / name).write_bytes(name.encode())
+    state = {"format": resume.FORMAT, "command": "sft", "inputs": inputs, "config": resume.comparable(cfg), "step": 5,
+             "total": 17}
+    (snap / "resume.json").write_text(json.dumps(resume.seal(state, snap)))
 
     def find(cfg, inputs=inputs, total=17):
         got = resume.Snapshots("sft", out, cfg, inputs, cfg.save_steps).find(total)
@@ -160,14 +163,16 @@ def test_save_steps_maps_into_both_configs_and_refuses_a_negative_count(monkeypa
 
     seen = []
     for module in (sft, train_rm):
-        monkeypatch.setattr(module, "run", lambda cfg: seen.append(cfg))
+        monkeypatch.setattr(module, "run", lambda cfg, resume: seen.append((cfg.save_steps, resume)))
     runner = CliRunner()
     r = runner.invoke(app, ["sft", "--out", str(tmp_path / "o"), "--save-steps", "25"])
     assert r.exit_code == 0, r.output
     r = runner.invoke(app, ["train-rm", "--model", str(tmp_path), "--prefs", "p.arrow", "--out", str(tmp_path / "rm"),
-                            "--save-steps", "7"])
+                            "--save-steps", "7", "--resume", "must"])
     assert r.exit_code == 0, r.output
-    assert [c.save_steps for c in seen] == [25, 7]
+    assert seen == [(25, "auto"), (7, "must")]
     assert sft.SftConfig(out=tmp_path).save_steps == 0
     r = runner.invoke(app, ["sft", "--out", str(tmp_path / "o"), "--save-steps", "-1"])
     assert r.exit_code == 2 and "--save-steps" in r.output
+    r = runner.invoke(app, ["sft", "--out", str(tmp_path / "o"), "--resume", "maybe"])
+    assert r.exit_code == 2 and "--resume" in r.output

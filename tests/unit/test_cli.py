@@ -21,7 +21,7 @@ runner = CliRunner()
 
 def _capture(monkeypatch, module):
     seen = []
-    monkeypatch.setattr(module, "run", lambda cfg: seen.append(cfg))
+    monkeypatch.setattr(module, "run", lambda cfg, **_: seen.append(cfg))  # sft, train-rm: also run(cfg, resume=...)
     return seen
 
 
@@ -216,6 +216,24 @@ def test_interrupted_sft_keeps_the_existing_checkpoint(tmp_path, sft_dir):
     assert artifacts.fingerprint(out) == before and sorted(os.listdir(tmp_path)) == ["sft"]
 
 
+@pytest.mark.parametrize("producer", ["prompts", "cat"])
+def test_a_reader_that_closes_the_pipe_early_ends_the_stage_with_141(tmp_path, producer):
+    """`rlkit prompts | head -c 100` (and `cat`): the shell's code for SIGPIPE and one line, not click's silent
+    exit 1, and no "Exception ignored ... BrokenPipeError" at exit. The table is bigger than a pipe holds."""
+    args = ["prompts", "--num-prompts", "5000"]
+    if producer == "cat":
+        from rlkit.stages import prompts
+
+        prompts.run(prompts.PromptsConfig(out=tmp_path / "p.arrow", num=5000))
+        args = ["cat", str(tmp_path / "p.arrow")]
+    p = subprocess.Popen([*rlkit_cmd(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert len(p.stdout.read(100)) == 100
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 141, err
+    assert err.strip().splitlines() == ["rlkit: output pipe closed by the downstream stage"], err
+
+
 def test_version():
     r = subprocess.run([sys.executable, "-m", "rlkit", "--version"], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.startswith("rlkit ")
@@ -350,3 +368,49 @@ def test_nan_and_inf_options_are_refused_before_any_work(tmp_path, args, option)
     err = _usage_error(run_cli(*args, cwd=tmp_path))
     assert f"Invalid value for '{option}'" in err and "is not a finite number" in err, err
     assert os.listdir(tmp_path) == []
+
+
+def test_ranks_that_fail_together_agree_on_one_line_and_one_code(monkeypatch):
+    """Under torchrun every failing rank exits with the highest code among them and rank 0 alone prints (the
+    line of the rank with that code); a rank failing alone (its peers still working) prints its own line,
+    marked with its rank, after a bounded wait. A real TCPStore stands in for torchrun's."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from rlkit.training import distributed
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # as torchrun sets it: its agent's store
+
+    def ranks(run_id: str, codes: dict[int, int], world: int = 2) -> dict[int, tuple[int, str | None]]:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
+        got = {}
+
+        def one(r):
+            got[r] = distributed.agree_on_failure(codes[r], "rlkit: error: ", f"what rank {r} saw", wait=1.0,
+                                                  rank=r, world=world)
+
+        threads = [threading.Thread(target=one, args=(r,)) for r in codes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        return got
+
+    # a truncated stream on rank 0 (3), the same input as a plain bad input on rank 1 (2): 3 everywhere
+    assert ranks("a", {0: 3, 1: 2}) == {0: (3, "rlkit: error: what rank 0 saw"), 1: (3, None)}
+    # the highest code is rank 1's: rank 0 prints rank 1's line
+    assert ranks("b", {0: 2, 1: 71}) == {0: (71, "rlkit: error: rank 1: what rank 1 saw"), 1: (71, None)}
+    # rank 1 fails alone: its own line and code, once the wait is over
+    t0 = time.monotonic()
+    assert ranks("c", {1: 2}) == {1: (2, "rlkit: error: rank 1: what rank 1 saw")}
+    assert time.monotonic() - t0 < 5
+    # a launcher without a store, before the process group is up: every rank reports alone, at once
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")
+    t0 = time.monotonic()
+    assert ranks("d", {0: 2}) == {0: (2, "rlkit: error: what rank 0 saw")}
+    assert time.monotonic() - t0 < 0.5
