@@ -8,6 +8,7 @@ message and exit 2, and so does NaN or inf given to any float option (`command()
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import signal
@@ -16,7 +17,7 @@ import typing
 
 import typer
 
-from rlkit import __version__
+from rlkit import __version__, config_file
 from rlkit.errors import DownstreamClosed, RlkitError
 from rlkit.options import HELP_PANELS_FROM, PANEL_OF, ConfigFile, LogLevel, Quiet, modernize
 from rlkit.stages import (
@@ -78,17 +79,17 @@ def command():
     """The click command tree of `app`, built once, in which
     - every float option (a float in a list or tuple too) refuses NaN and inf with click's usage error,
       before any stage starts: a NaN passes every `x < 0` range check, and no option gives NaN or inf a meaning;
+    - every integer option without a range of its own refuses values beyond INT_LIMIT (a 23-digit --n would
+      otherwise reach torch and overflow there, after the model has loaded);
     - every command takes `--config FILE` (rlkit.config_file): the file's values become the command's
       defaults (click's `default_map`), so the command line wins over the file; and `--log-level`, `-q`;
+      an error about a value from the file names the file;
     - every command records its options, as given or defaulted, in the manifests it writes;
-    - the options of a command with many are grouped in --help (options.PANELS)."""
+    - the options of a command with more than a few are grouped in --help (options.PANELS); a flag shows no
+      `<bool>` value, and help texts print as written (rich would read `rlkit[track]` as markup and drop it)."""
     global _COMMAND
     if _COMMAND is None:
         group = typer.main.get_command(app)
-        for cmd in (group, *getattr(group, "commands", {}).values()):
-            for p in cmd.params:
-                if _takes_floats(p):
-                    p.callback = _finite(p.callback)
         config, log_level, quiet = _shared_options()
         for cmd in getattr(group, "commands", {}).values():
             if not any("--config" in getattr(p, "opts", ()) for p in cmd.params):  # inspect's own --config flag
@@ -97,10 +98,77 @@ def command():
             cmd.callback = _recording(cmd)
             if len(cmd.params) > HELP_PANELS_FROM:
                 for p in cmd.params:
-                    if getattr(p, "rich_help_panel", None) is None and p.name in PANEL_OF and p not in (config, log_level, quiet):
+                    if (getattr(p, "rich_help_panel", None) is None and p.name in PANEL_OF and p not in (config, log_level, quiet)
+                            and getattr(p, "param_type_name", "option") == "option"):  # arguments keep their panel
                         p.rich_help_panel = PANEL_OF[p.name]
+        seen: set[int] = set()  # the shared options are one object in every command
+        for cmd in (group, *getattr(group, "commands", {}).values()):
+            _plain_help(cmd)
+            for p in cmd.params:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    _harden(p)
         _COMMAND = group
     return _COMMAND
+
+
+# The largest integer an option takes unless it declares its own range: every count, size and seed fits
+# (torch, numpy and vLLM take 32-bit values in places), and click refuses more before anything runs.
+INT_LIMIT = 2**31 - 1
+
+
+def _harden(p) -> None:
+    """One click parameter: its value checks (finite floats, bounded integers), its errors naming the
+    --config file a value came from, no `<bool>` metavar on a flag, its help text printed as written."""
+    floats, ints = _takes(p, float), _takes(p, int)
+    if floats or ints:
+        high = getattr(p, "max", None) if hasattr(p, "max") else getattr(getattr(p, "type", None), "max", None)
+        low = getattr(p, "min", None) if hasattr(p, "min") else getattr(getattr(p, "type", None), "min", None)
+        p.callback = _checked(p.callback, ints and high is None, ints and low is None)
+    p.process_value = _naming_the_file(p, p.process_value)
+    if getattr(p, "is_flag", False) and getattr(p, "metavar", None) is None:
+        p.metavar = ""  # typer >= 0.2x shows `<bool>` for a flag, as if it took a value
+    if getattr(p, "help", None):
+        p.help = _escaped(p.help)
+
+
+def _plain_help(cmd) -> None:
+    """`cmd`'s own help and that of its --help option, printed as written, the flag without `<bool>`."""
+    for attr in ("help", "short_help"):
+        if getattr(cmd, attr, None):
+            setattr(cmd, attr, _escaped(getattr(cmd, attr)))
+    try:
+        h = cmd.get_help_option(typer.Context(cmd))  # created once and kept by typer's click
+    except Exception:  # noqa: BLE001 (only for how --help looks)
+        h = None
+    if h is not None and getattr(h, "metavar", None) is None:
+        h.metavar = ""
+
+
+def _escaped(text: str) -> str:
+    """`text` with rich's markup escaped where typer renders help as rich markup: `pip install 'rlkit[track]'`
+    and `NAME[:CONFIG][@SPLIT]` print as written."""
+    if "[" not in text or getattr(app, "rich_markup_mode", None) != "rich":
+        return text
+    from rich.markup import escape
+
+    return escape(text)
+
+
+def _naming_the_file(param, process_value):
+    """`param.process_value`, whose usage error says which --config file the value came from, when it did."""
+
+    def process(ctx, value):
+        try:
+            return process_value(ctx, value)
+        except _raised("UsageError") as e:
+            source = ctx.get_parameter_source(param.name) if param.name else None
+            path = ctx.meta.get(config_file.META_KEY)
+            if path and getattr(source, "name", "") == "DEFAULT_MAP" and hasattr(e, "message"):
+                e.message = f"{e.message} (from --config {path})"
+            raise
+
+    return process
 
 
 def _shared_options() -> list:
@@ -125,32 +193,57 @@ def _recording(cmd):
     def run(**kwargs):
         from rlkit.io.artifacts import command_options  # pyarrow: loaded when a stage runs, not for --help
 
-        with command_options({keys.get(k, k): v for k, v in kwargs.items()}):
-            return inner(**kwargs)
+        try:
+            with command_options({keys.get(k, k): v for k, v in kwargs.items()}):
+                return inner(**kwargs)
+        except OSError as e:  # click's main would make a closed pipe a silent exit 1
+            if e.errno == errno.EPIPE:
+                raise PipeClosed(str(e)) from e
+            raise
+        except SystemExit as e:  # a library's sys.exit() inside the stage: not a silent exit with its code
+            raise StageExit(f"sys.exit({e.code!r}) was called inside the stage") from e
 
     return run
 
 
-def _takes_floats(param) -> bool:
+class PipeClosed(Exception):  # noqa: N818 (a signal, not a failure)
+    """The reader of our output exited (EPIPE), carried past click's main as something other than OSError."""
+
+
+class StageExit(Exception):  # noqa: N818
+    """SystemExit raised by code a stage called (a library), carried to `_main` to be reported in one line."""
+
+
+def _takes(param, kind: type) -> bool:
+    """Whether `param`'s value is (or holds) a `kind` (float or int)."""
     desc = getattr(param, "type_descriptor", None)  # typer >= 0.2x: the annotation (`float | None` reads float)
     if desc is not None:
-        return _has_float(desc.annotation)
+        return _has(desc.annotation, kind)
     t = getattr(param, "type", None)  # typer on click's own types: FLOAT, FloatRange, a Tuple of them
-    return any(getattr(x, "name", "").startswith("float") for x in (t, *getattr(t, "types", ())))
+    name = {float: "float", int: "integer"}[kind]
+    return any(getattr(x, "name", "").startswith(name) for x in (t, *getattr(t, "types", ())))
 
 
-def _has_float(annotation) -> bool:
-    return annotation is float or any(_has_float(a) for a in typing.get_args(annotation))
+def _has(annotation, kind: type) -> bool:
+    return annotation is kind or any(_has(a, kind) for a in typing.get_args(annotation))
 
 
-def _finite(callback):
-    """A parameter callback (click calls it with the converted value) that refuses NaN and inf, then
-    runs the parameter's own `callback`, if any."""
+def _checked(callback, high: bool, low: bool):
+    """A parameter callback (click calls it with the converted value) that refuses NaN and inf, and an
+    integer above INT_LIMIT (`high`) or below -INT_LIMIT - 1 (`low`), then runs the parameter's own
+    `callback`, if any."""
 
     def check(ctx, param, value):
         for v in _flat(value):
             if isinstance(v, float) and not math.isfinite(v):
                 raise typer.BadParameter(f"'{v}' is not a finite number", ctx=ctx, param=param)
+            if isinstance(v, int) and not isinstance(v, bool):
+                if high and v > INT_LIMIT:
+                    raise typer.BadParameter(f"{v} is larger than {INT_LIMIT}, the largest integer it takes",
+                                             ctx=ctx, param=param)
+                if low and v < -INT_LIMIT - 1:
+                    raise typer.BadParameter(f"{v} is smaller than {-INT_LIMIT - 1}, the smallest integer it takes",
+                                             ctx=ctx, param=param)
         return callback(ctx, param, value) if callback is not None else value
 
     return check
@@ -219,9 +312,31 @@ def _on_sigterm(signum, frame):
 
 def main(argv: list[str] | None = None) -> int:
     rc = _main(argv)
+    if rc and _rank() is not None:
+        _exit_now(rc)  # a failed rank: its peers may be stuck in a collective that tearing down would wait on
     _leave_process_group()
     _exit_if_reader_blocked(rc)
     return rc
+
+
+def _rank() -> int | None:
+    """This process's rank when a launcher (torchrun) started it as one of several (WORLD_SIZE > 1), else None;
+    read from the environment, without torch."""
+    try:
+        return int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    except ValueError:
+        return None
+
+
+def _exit_now(rc: int) -> None:
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):
+            pass
+    if "rlkit.io.artifacts" in sys.modules:
+        sys.modules["rlkit.io.artifacts"].flush_stdout_sink()
+    os._exit(rc)
 
 
 def _leave_process_group() -> None:
@@ -261,26 +376,34 @@ def _main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get("RLKIT_DEBUG", "") not in ("", "0") or "--debug" in args
     args = [a for a in args if a != "--debug"]
-    args = modernize(args, lambda line: print(line, file=sys.stderr))
+    rank = _rank()  # under torchrun every rank runs this same command line; rank 0 alone talks
+    if rank:
+        from rlkit import console
+
+        console.silence()
+    args = modernize(args, lambda line: None if rank else print(line, file=sys.stderr))
     signal.signal(signal.SIGTERM, _on_sigterm)
     # Stages in a pipe share the cores: idle OpenMP threads must sleep, not spin (before torch loads).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     err = sys.stderr
+    interrupted = "rlkit: interrupted; nothing half-written was left at --out"
     try:
         rv = command().main(args=args, prog_name="rlkit", standalone_mode=False)
         rv = rv if isinstance(rv, int) else 0
-        if rv == 130:  # typer turns Ctrl-C (and our SIGTERM) into Exit(130), which click returns
-            print("rlkit: interrupted; nothing half-written was left at --out", file=err)
+        if rv == 130 and not rank:  # typer turns Ctrl-C (and our SIGTERM) into Exit(130), which click returns
+            print(interrupted, file=err)
         return rv
     except _raised("Exit") as e:
         return e.exit_code
     except _raised("ClickException") as e:
-        _show_usage_error(e)
+        if not rank:  # the same command line on every rank: the same message
+            _show_usage_error(e)
         return e.exit_code
     except (KeyboardInterrupt, *_raised("Abort")):
         if debug:
             raise
-        print("rlkit: interrupted; nothing half-written was left at --out", file=err)
+        if not rank:
+            print(interrupted, file=err)
         return 130
     except DownstreamClosed:
         # a --follow stage whose reader ended (e.g. `update --follow --max-steps`): the run's normal end
@@ -289,16 +412,22 @@ def _main(argv: list[str] | None = None) -> int:
         drop_stdout_sink()
         print("rlkit: the downstream stage ended; stopping", file=err)
         return 0
-    except BrokenPipeError:
-        # The downstream stage exited: stop quietly, non-zero, and keep Python from complaining at exit.
+    except (BrokenPipeError, PipeClosed):
+        # The downstream stage exited: stop, with the shell's code for SIGPIPE, and keep Python from
+        # complaining at exit about what is still buffered for the closed pipe.
+        if "rlkit.io.artifacts" in sys.modules:
+            sys.modules["rlkit.io.artifacts"].drop_stdout_sink()
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         print("rlkit: output pipe closed by the downstream stage", file=err)
         return 141
     except RlkitError as e:
         if debug:
             raise
-        print(f"rlkit: error: {e}", file=err)
-        return e.exit_code
+        return _fail(e.exit_code, "rlkit: error: ", str(e), rank)
+    except StageExit as e:
+        if debug:
+            raise
+        return _fail(1, "rlkit: unexpected exit: ", f"{e} (rerun with --debug for the traceback)", rank)
     except Exception as e:
         if debug:
             raise
@@ -306,12 +435,27 @@ def _main(argv: list[str] | None = None) -> int:
 
         if devices.is_out_of_memory(e):
             oom = devices.out_of_memory(*_stage_params(args), e)
-            print(f"rlkit: error: {oom}", file=err)
-            return oom.exit_code
+            return _fail(oom.exit_code, "rlkit: error: ", str(oom), rank)
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        print(f"rlkit: unexpected {type(e).__name__}: {msg} (rerun with --debug for the traceback)", file=err)
-        return 1
+        return _fail(1, f"rlkit: unexpected {type(e).__name__}: ", f"{msg} (rerun with --debug for the traceback)", rank)
 
+
+def _fail(code: int, head: str, text: str, rank: int | None) -> int:
+    """Print `head + text` on stderr and return `code`. Under torchrun (`rank` not None) the ranks that fail
+    together agree first (distributed.agree_on_failure): rank 0 alone prints, and every rank returns the
+    same code; a rank failing alone prints its own line, marked with its rank."""
+    if rank is not None:
+        # a peer's exit makes torchrun send SIGTERM to this rank: let it finish reporting first
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        from rlkit.training import distributed
+
+        code, line = distributed.agree_on_failure(code, head, text)
+    else:
+        line = head + text
+    if line is not None:
+        print(line, file=sys.stderr)
+    return code
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,14 +8,18 @@ can hold a whole pipeline's settings. Flags given on the command line win over t
 wins over the defaults.
 
 The loading and merging is click's own: the file becomes the command's `default_map` (click's documented
-mechanism for defaults from a configuration file), so a value from the file is converted and checked
-exactly as the same value typed on the command line, and `--help` stays the single list of what can be
-set. The file is read by `tomllib` (the standard library; `tomli` on Python 3.10) or PyYAML's `safe_load` (transformers depends on
-it), never executed.
+mechanism for defaults from a configuration file), and `--help` stays the single list of what can be set.
+A value is checked exactly as the same value typed on the command line: its TOML/YAML type first
+(`as_typed`: `n = true` is refused as `--n true` is, not taken as 1; a fraction for an integer, a list for a
+one-value option and anything but true/false for a flag are refused, naming the key), then it goes to click
+as the string a user would type, which converts and range-checks it as it does a typed one. YAML's null
+leaves the option's default. The file is read by `tomllib` (the standard library; `tomli` on Python 3.10)
+or PyYAML's safe loader (transformers depends on it), never executed; a file over MAX_BYTES, YAML aliases
+that expand past MAX_NODES values and keys that are not strings are refused.
 
 Every output made from the command line records its options as given or defaulted (the manifest's
 `options`): `options_toml` writes them back as a file `--config` reads, so a run can be reproduced or
-varied from its checkpoint.
+varied from its checkpoint; where that run wrote (OUTPUT_KEYS) is written commented out.
 """
 
 from __future__ import annotations
@@ -49,39 +53,107 @@ def apply(ctx, param, value: Path | None) -> None:
     except ValueError as e:
         raise typer.BadParameter(f"{value}: {e}", ctx=ctx, param=param) from None
     ctx.default_map = {**(ctx.default_map or {}), **found}
+    ctx.meta[META_KEY] = str(value)  # rlkit.cli names the file in an error about a value from it
     return None
 
 
+META_KEY = "rlkit_config_file"
+
+
 def read(path: Path) -> dict:
-    """The file's top-level table (TOML or YAML by suffix). -> {key: value}. Raises ValueError with the reason."""
+    """The file's top-level table (TOML or YAML by suffix). -> {key: value}. Raises ValueError with the reason.
+    A file over MAX_BYTES, a YAML file whose aliases expand to more than MAX_NODES values, nesting deeper than
+    Python's recursion allows and a key that is not a string are refused here."""
     suffix = path.suffix.lower()
+    if suffix not in (".toml", ".yaml", ".yml"):
+        raise ValueError(f"expected a .toml, .yaml or .yml file, not {suffix or 'a file without a suffix'!r}")
     try:
-        text = path.read_text()
+        with open(path, "rb") as f:
+            raw = f.read(MAX_BYTES + 1)
     except OSError as e:
         raise ValueError(f"cannot read it ({e.strerror or e})") from None
-    if suffix == ".toml":
-        try:
-            import tomllib
-        except ModuleNotFoundError:  # Python 3.10: the same parser, as a package
-            import tomli as tomllib
-
-        try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"not valid TOML: {e}") from None
-    elif suffix in (".yaml", ".yml"):
-        import yaml
-
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise ValueError(f"not valid YAML: {' '.join(str(e).split())}") from None
-        data = {} if data is None else data
-    else:
-        raise ValueError(f"expected a .toml, .yaml or .yml file, not {suffix or 'a file without a suffix'!r}")
+    if len(raw) > MAX_BYTES:
+        raise ValueError(f"larger than {MAX_BYTES // 2**20} MiB, the most a config file may be (an option file is a few lines)")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 text (byte {e.start}): expected a TOML or YAML file") from None
+    try:
+        data = _load_toml(text) if suffix == ".toml" else _load_yaml(text)
+    except RecursionError:
+        raise ValueError("nested too deeply: expected a table of option names and values") from None
     if not isinstance(data, dict):
         raise ValueError(f"expected a table of option names and values at the top level, not a {type(data).__name__}")
+    for k, v in data.items():
+        _check_key(k, None)
+        if isinstance(v, dict):
+            for k2 in v:
+                _check_key(k2, k)
     return data
+
+
+# a config file holds a few lines of option values: anything this large is something else (or an attack)
+MAX_BYTES = 2**20
+MAX_NODES = 10_000  # values after YAML aliases are expanded (a "billion laughs" file expands without bound)
+
+
+def _load_toml(text: str) -> dict:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: the same parser, as a package
+        import tomli as tomllib
+
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"not valid TOML: {e}") from None
+
+
+def _load_yaml(text: str) -> Any:
+    """PyYAML's safe loader, with the size of the document counted on its node graph before any Python value
+    is built: an alias counts as the whole node it names, every time it is used."""
+    import yaml
+
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return {}
+        n = _expanded_size(node, {}, set())
+        if n > MAX_NODES:
+            raise ValueError(f"its YAML aliases expand to more than {MAX_NODES:,} values (an option file has a few)")
+        return loader.construct_document(node)
+    except yaml.YAMLError as e:
+        raise ValueError(f"not valid YAML: {' '.join(str(e).split())}") from None
+    finally:
+        loader.dispose()
+
+
+def _expanded_size(node, sizes: dict[int, int], open_: set[int]) -> int:
+    """How many values `node` is once every alias in it is expanded (memoised per node, so the count costs
+    one pass over the nodes however often an alias repeats them). ValueError on an alias that contains itself."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_:
+        raise ValueError("a YAML alias refers to a node that contains it (a recursive structure, not an option value)")
+    open_.add(key)
+    n = 1
+    if isinstance(node.value, list):
+        for item in node.value:
+            for sub in item if isinstance(item, tuple) else (item,):  # a mapping's (key, value) pairs
+                n += _expanded_size(sub, sizes, open_)
+                if n > MAX_NODES:
+                    break
+    open_.discard(key)
+    sizes[key] = n
+    return n
+
+
+def _check_key(key: Any, table: Any) -> None:
+    if not isinstance(key, str):
+        where = f" in [{table}]" if table is not None else ""
+        raise ValueError(f"key {_shown(key)}{where} ({_a(key)}): expected an option or command name (a string)")
 
 
 def _keys(params: list) -> dict[str, str]:
@@ -106,6 +178,7 @@ def defaults_for(data: dict, command: str, params: list, others: dict[str, list]
     closest valid one."""
     others = others or {}
     mine = _keys(params)
+    by_name = {p.name: p for p in params if p.name}
     theirs = {k for ps in others.values() for k in _keys(ps)}
     items = [(k, v, False) for k, v in data.items() if not isinstance(v, dict)]
     for k, v in data.items():
@@ -126,21 +199,130 @@ def defaults_for(data: dict, command: str, params: list, others: dict[str, list]
             raise ValueError(f"unknown key {where!r}: `rlkit {command}` has no option --{key.replace('_', '-')}{hint}")
         if isinstance(value, dict):
             raise ValueError(f"key {where!r}: expected a value, not a table")
-        if isinstance(value, list) and mine[key] in COMMA_LISTS:  # report_to = ["wandb", "tensorboard"]
-            value = ",".join(str(v) for v in value)
-        out[mine[key]] = value
+        if value is None:  # YAML's null: the option's default, as when the key is left out
+            continue
+        name = mine[key]
+        out[name] = as_typed(by_name[name], value, where)
     return out
+
+
+def as_typed(param, value: Any, where: str) -> Any:
+    """A file's `value` for click parameter `param` as the command line would give it (the strings a user
+    types; True/False for a flag), after checking that its TOML/YAML type is one the option takes: a bool
+    only for a flag, a whole number for an integer, a number for a float, a list only for a repeatable option
+    (a single value is a list of one), a string or a whole number for a string or path. The string is then
+    converted and range-checked by click exactly as a typed one. ValueError naming `where`, what was given
+    and what the option takes."""
+    flag = _flag(param)
+    kind, many = _kind(param)
+    if param.name in COMMA_LISTS and isinstance(value, list):  # report_to = ["wandb", "tensorboard"]
+        value = [_scalar(param, v, "str", where, flag) for v in value]
+        return ",".join(value)
+    if isinstance(value, list):
+        if not many:
+            raise ValueError(f"key {where!r}: {flag} takes {_KINDS[kind]}, not a list ({_shown(value)})")
+        return [_scalar(param, v, kind, where, flag, one=True) for v in value]
+    v = _scalar(param, value, kind, where, flag)
+    return [v] if many else v
+
+
+# what each kind of option takes, as an error says it
+_KINDS = {"flag": "true or false (it is a flag)", "int": "an integer", "float": "a number",
+          "str": "a string", "path": "a path (a string)", "choice": "one of its choices (a string)"}
+
+
+def _scalar(param, value: Any, kind: str, where: str, flag: str, one: bool = False) -> Any:
+    takes = _KINDS[kind] + (" per list item" if one else "")
+    ok = {"flag": (bool,), "int": (int,), "float": (int, float), "choice": (str,), "str": (str, int),
+          "path": (str, int)}[kind]
+    if kind != "flag":
+        ok = (*ok, str)  # a string is converted as the same string typed on the command line
+    if isinstance(value, bool) and kind != "flag" or not isinstance(value, ok):
+        hint = " (quote it to give a string)" if kind in ("str", "path", "choice") and not isinstance(value, list) else ""
+        raise ValueError(f"key {where!r}: {flag} takes {takes}, not {_shown(value)} ({_a(value)}){hint}")
+    if kind == "flag":
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"key {where!r}: {flag} takes a finite number, not {_shown(value)}")
+        return repr(value)  # float(repr(x)) == x
+    return str(value)
+
+
+def _flag(param) -> str:
+    return next((o for o in getattr(param, "opts", ()) if o.startswith("--")), f"--{param.name.replace('_', '-')}")
+
+
+def _kind(param) -> tuple[str, bool]:
+    """(flag | int | float | choice | path | str, whether it repeats) of a click parameter: from typer's
+    annotation where typer records it, else from click's type."""
+    import types
+    import typing
+
+    many = bool(getattr(param, "multiple", False)) or getattr(param, "nargs", 1) == -1
+    if getattr(param, "is_flag", False):
+        return "flag", False
+    ann = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+    if ann is not None:
+        while (origin := typing.get_origin(ann)) in (list, tuple, typing.Union, types.UnionType):
+            many = many or origin in (list, tuple)
+            args = [a for a in typing.get_args(ann) if a is not type(None) and a is not Ellipsis]
+            ann = args[0] if args else str
+        if typing.get_origin(ann) is typing.Literal:
+            return "choice", many
+        if ann is bool:
+            return "flag", many
+        if ann is int or ann is float:
+            return ann.__name__, many
+        if isinstance(ann, type) and issubclass(ann, Path):
+            return "path", many
+        return "str", many
+    name = getattr(getattr(param, "type", None), "name", "")
+    return {"integer": "int", "integer range": "int", "float": "float", "float range": "float", "boolean": "flag",
+            "choice": "choice", "path": "path"}.get(name, "str"), many
+
+
+def _a(value: Any) -> str:
+    """What a TOML/YAML value is, in words."""
+    if value is None:
+        return "YAML's null"
+    for t, words in ((bool, "a boolean"), (int, "an integer"), (float, "a float"), (str, "a string"),
+                     (list, "a list"), (dict, "a table")):
+        if isinstance(value, t):
+            return words
+    return f"a {type(value).__name__}"  # a TOML date or time
+
+
+def _shown(value: Any, width: int = 60) -> str:
+    """A value as the file spells it, cut to `width` characters."""
+    try:
+        text = _toml_value(value) if value is not None else "null"
+    except (ValueError, TypeError, RecursionError):
+        text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+# Where a run wrote: `options_toml` writes them commented out, so a run from the file cannot write over the
+# run it was read from (`--out`) or add its rows to that run's metrics, event files or tracker run.
+OUTPUT_KEYS = ("out", "metrics", "tensorboard", "run_name")
 
 
 def options_toml(command: str, options: dict, made: str = "this artifact") -> str:
     """`options` (a manifest's, JSON values) as a TOML `[command]` table that `--config` reads back.
-    None is left out (the option's default is None too); a path is a string."""
+    None is left out (the option's default is None too); a path is a string. The OUTPUT_KEYS are written
+    commented out, under a line saying why: the rerun names its own outputs."""
     lines = [f"# the options of the `rlkit {command}` that made {made}; rerun with `rlkit {command} --config FILE`",
              f"[{command}]"]
+    outputs = []
     for k, v in options.items():
         if v is None or (isinstance(v, list) and not v):
             continue
-        lines.append(f"{k} = {_toml_value(v)}")
+        (outputs if k in OUTPUT_KEYS else lines).append(f"{k} = {_toml_value(v)}")
+    if outputs:
+        flags = ", ".join(f"--{k.replace('_', '-')}" for k in OUTPUT_KEYS if any(o.startswith(f"{k} =") for o in outputs))
+        lines += [f"# where {made} was written: left out, so that a run from this file cannot write over it or add",
+                  f"# to its records; name new ones on the command line ({flags})"]
+        lines += [f"# {o}" for o in outputs]
     return "\n".join(lines) + "\n"
 
 

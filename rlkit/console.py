@@ -9,7 +9,9 @@ from contextlib import contextmanager
 
 from rich.console import Console
 
-err = Console(stderr=True, highlight=False)
+# markup=False: what rlkit prints holds paths, run names, table rows and error text, where rich would read
+# `runs/[a]` or `rlkit[track]` as a style tag and drop it (or fail on `[/x]`); styles are given as Text instead
+err = Console(stderr=True, highlight=False, markup=False)
 _warnings = err  # warn()'s console: err itself, unless -q made err quiet
 
 # --log-level / -q (every command): rlkit's own lines at this level and above. `error` keeps only errors,
@@ -35,7 +37,7 @@ def set_level(name: str) -> None:
         raise ValueError(f"--log-level {name!r}: expected one of {', '.join(LEVELS)}")
     _level = getattr(logging, name.upper())
     if _level > logging.INFO:  # no progress, tables or summaries; warn() keeps its own console
-        err = Console(stderr=True, quiet=True)
+        err = Console(stderr=True, quiet=True, markup=False)
     lib = name if name in ("debug", "error") else "warning"
     for var, case in _LIBRARY_LEVEL_ENV.items():
         os.environ[var] = case(lib)
@@ -61,7 +63,7 @@ def info(msg: str) -> None:
 def silence() -> None:
     """No terminal output from this process (data-parallel ranks other than 0; errors still print)."""
     global err, _warnings
-    err = _warnings = Console(stderr=True, quiet=True)
+    err = _warnings = Console(stderr=True, quiet=True, markup=False)
 
 
 def print_wide(renderable, min_width: int = 132) -> None:
@@ -69,12 +71,14 @@ def print_wide(renderable, min_width: int = 132) -> None:
     if err.is_terminal:
         err.print(renderable)
     else:
-        Console(stderr=True, highlight=False, width=max(err.width, min_width)).print(renderable)
+        Console(stderr=True, highlight=False, markup=False, width=max(err.width, min_width)).print(renderable)
 
 
 def warn(msg: str) -> None:
     if _level <= 30:
-        _warnings.print(f"[bold yellow]warning:[/] {msg}", soft_wrap=True)
+        from rich.text import Text
+
+        _warnings.print(Text.assemble(("warning:", "bold yellow"), " ", msg), soft_wrap=True)
 
 
 class _Ticker:

@@ -105,7 +105,7 @@ def _sampled(cfg: BuildPrefsConfig):
         samples = [[] for _ in ex]  # the flawed set ignores what the policy says
     else:
         if cfg.temperature <= 0:
-            raise RlkitError("--temperature must be > 0")
+            raise RlkitError(f"--temperature {cfg.temperature:g}: expected a number > 0 (sampling; 0 would be greedy)")
         engine = engines.create("hf", cfg.policy, engines.EngineOptions(trust_remote_code=cfg.trust_remote_code,
                                                                         device=cfg.device))
         tokenizer = engine.tokenizer

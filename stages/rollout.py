@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
+from rlkit import engines
 from rlkit.options import (
     AnswerColumn,
     Device,
@@ -40,6 +41,8 @@ from rlkit.options import (
 
 if TYPE_CHECKING:
     from rlkit.engines import Engine
+
+EngineName = Literal[engines.names()]  # auto and every registered --engine, shown and checked by click
 
 
 @dataclass(frozen=True)
@@ -122,8 +125,10 @@ def _run(cfg: RolloutConfig) -> Path | None:
     for d in cfg.colocate:
         memory.model_bytes(d)  # a model directory with weights: checked now, whatever the engine and device
     engines.check(cfg.engine, _engine_options(cfg))  # a known name; a named engine takes these options
-    if cfg.temperature <= 0 or not (0 < cfg.top_p <= 1):
-        raise RlkitError("sampling needs --temperature > 0 and 0 < --top-p <= 1 (use `rlkit eval` for greedy)")
+    if cfg.temperature <= 0:
+        raise RlkitError(f"--temperature {cfg.temperature:g}: sampling needs a temperature > 0 (use `rlkit eval` for greedy)")
+    if not 0 < cfg.top_p <= 1:
+        raise RlkitError(f"--top-p {cfg.top_p:g}: expected a number in (0, 1]")
     if cfg.vllm_lora not in ("adapter", "merge"):
         raise RlkitError(f"--vllm-lora {cfg.vllm_lora!r} is not one of adapter, merge")
     checkpoints.check_model_dir(cfg.policy, "policy")
@@ -490,7 +495,7 @@ def command(
     temperature: Annotated[float, typer.Option(help="Sampling temperature (> 0).")] = 1.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling threshold.")] = 1.0,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Longest completion, in tokens.")] = 16,
-    engine: Annotated[str, typer.Option(help="Rollout engine: hf, vllm, or auto (vLLM when it imports and a GPU is present, else hf).")] = "auto",
+    engine: Annotated[EngineName, typer.Option(help="Rollout engine: hf, vllm, or auto (vLLM when it imports and a GPU is present, else hf).")] = "auto",
     batch_tokens: Annotated[int, typer.Option(min=16, help="Token budget per generation batch (hf engine).")] = 16384,
     tp: Annotated[int, typer.Option("--tp", min=1, help="vLLM tensor-parallel size (GPUs per engine).")] = 1,
     gpu_memory_utilization: Annotated[float | None, typer.Option(min=0.01, max=1.0, help="vLLM memory fraction (on a GPU default: what --colocate's models leave, capped at 0.9, or 0.5 without --colocate; 0.3 on vLLM's CPU backend). See docs/gpu.md.")] = None,
@@ -498,7 +503,7 @@ def command(
     dtype: Annotated[Literal["auto", "fp32", "bf16", "fp16"], typer.Option(help="Sampling dtype: auto (the checkpoint's), fp32, bf16 or fp16 (the hf engine samples in fp32; other dtypes need --engine vllm).")] = "auto",
     max_model_len: Annotated[int | None, typer.Option(min=16, help="vLLM context length (default: the model's).")] = None,
     enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="vLLM: no CUDA graphs (faster start-up).")] = False,
-    vllm_lora: Annotated[str, typer.Option(help="vLLM on a LoRA checkpoint: adapter (vLLM's LoRA: the base's weights plus the adapter per request; a --follow reload swaps adapters) or merge (the merged weights, written to a temporary directory: no LoRA kernels, a weights write per reload). The hf engine always merges.")] = "adapter",
+    vllm_lora: Annotated[Literal["adapter", "merge"], typer.Option(help="vLLM on a LoRA checkpoint: adapter (vLLM's LoRA: the base's weights plus the adapter per request; a --follow reload swaps adapters) or merge (the merged weights, written to a temporary directory: no LoRA kernels, a weights write per reload). The hf engine always merges.")] = "adapter",
     shard: Annotated[str | None, typer.Option(help="I/N: sample only this job's share of the prompts (0 <= I < N); `rlkit cat` joins the N shards into the table one job gives.")] = None,
     follow: Annotated[Path | None, typer.Option("--follow", help="Persistent: stream batches of --batch-prompts prompts without end, each sampled by the newest complete step-NNNNNN/ in this directory (written by `update --follow`), loaded into the live engine between batches. See docs/follow.md.")] = None,
     batch_prompts: Annotated[int | None, typer.Option(min=1, help="--follow: prompts per batch (default 64); batch b samples the prompts of `--seed SEED+b+1` (a --prompts file: its rows in turn).")] = None,

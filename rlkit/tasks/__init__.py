@@ -78,10 +78,13 @@ class Arithmetic:
                 raise RlkitError(f"unknown option {k!r} for task arithmetic; expected terms=LO-HI, max=N, heldout=F, "
                                  "prose=F")
         t = cls(**kw)
-        if (not (1 <= t.min_terms <= t.max_terms) or t.max_operand < 1 or not (0 < t.heldout_fraction < 1)
-                or not (0 <= t.prose <= 1)):
-            raise RlkitError(f"bad arithmetic options {opts}: need 1 <= terms, low <= high, max >= 1, 0 < heldout < 1, "
-                             "0 <= prose <= 1")
+        for ok, given, expected in (
+                (1 <= t.min_terms <= t.max_terms, f"terms={t.min_terms}-{t.max_terms}", "1 <= LO <= HI"),
+                (t.max_operand >= 1, f"max={t.max_operand}", "max >= 1"),
+                (0 < t.heldout_fraction < 1, f"heldout={t.heldout_fraction:g}", "0 < heldout < 1"),
+                (0 <= t.prose <= 1, f"prose={t.prose:g}", "0 <= prose <= 1")):
+            if not ok:
+                raise RlkitError(f"--task arithmetic: {given}: expected {expected}")
         return t
 
     @property

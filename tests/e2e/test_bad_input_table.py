@@ -155,3 +155,470 @@ def test_corrupt_inputs(work, argv, expect, capfd):
 @pytest.mark.parametrize("argv", OUT_IS_INPUT)
 def test_out_equal_to_an_input(work, argv, capfd):
     _check(work, argv, capfd, SELF)
+
+
+# --config files, integer bounds and range checks: (argv with {cfg} for the config file, the file's name and
+# text, or None, the line expected). File values are checked as typed ones; a range error names the flag and value.
+UPDATE = ["update", "--policy", "{pol}", "--in", "{w}/scored.arrow", "--out", "{out}"]
+ROLLOUT = ["rollout", "--policy", "{pol}", "--out", "{out}"]
+_BOMB = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{c}: &{c} [{', '.join([f'*{p}'] * 10)}]\n" for p, c in zip("abcdefgh", "bcdefghi", strict=True)) + "reward: *i\n"
+CONFIG_ROWS = [
+    pytest.param([*ROLLOUT, "--config", "{cfg}"], ("c.toml", "n = true\n"), "--n takes an integer, not true",
+                 id="config-bool-for-int"),
+    pytest.param([*ROLLOUT, "--config", "{cfg}"], ("c.yaml", "n: 2.5\n"), "--n takes an integer, not 2.5",
+                 id="config-float-for-int"),
+    pytest.param([*UPDATE, "--config", "{cfg}"], ("c.toml", "lr = [1e-5, 2e-5]\n"), "--lr takes a number, not a list",
+                 id="config-list-for-scalar"),
+    pytest.param([*UPDATE, "--config", "{cfg}"], ("c.toml", 'drop_degenerate = "yes"\n'),
+                 "--drop-degenerate takes true or false", id="config-string-for-flag"),
+    pytest.param([*ROLLOUT, "--config", "{cfg}"], ("c.toml", 'n = "many"\n'), "(from --config", id="config-bad-string"),
+    pytest.param([*ROLLOUT, "--config", "{cfg}"], ("c.yaml", "1: 2\n"), "key 1 (an integer)", id="config-int-key"),
+    pytest.param([*ROLLOUT, "--config", "{cfg}"], ("c.yaml", "~: 2\n"), "key null", id="config-null-key"),
+    pytest.param([*UPDATE, "--config", "{cfg}"], ("c.yaml", _BOMB), "aliases expand to more than", id="config-yaml-bomb"),
+    pytest.param([*UPDATE, "--config", "{cfg}"], ("c.toml", "# " + "x" * 2**20 + "\n"), "larger than 1 MiB",
+                 id="config-too-large"),
+    pytest.param([*ROLLOUT, "--config", "{cfg}"], ("c.toml", "n = 99999999999999999999999\n"),
+                 "99999999999999999999999 is larger than 2147483647", id="config-huge-int"),
+    pytest.param([*ROLLOUT, "--n", "99999999999999999999999"], None, "'--n': 99999999999999999999999 is larger",
+                 id="cli-huge-int"),
+    pytest.param([*UPDATE, "--seed", "-99999999999999999999999"], None, "is smaller than -2147483648",
+                 id="cli-huge-negative-int"),
+    pytest.param([*UPDATE, "--lr", "-1"], None, "--lr -1: expected a learning rate > 0", id="update-negative-lr"),
+    pytest.param([*UPDATE, "--clip-high", "-0.5"], None, "--clip-high -0.5: expected a number >= 0",
+                 id="update-negative-clip"),
+    pytest.param([*UPDATE, "--algo", "ppo", "--lam", "2"], None, "--lam 2: expected a number in [0, 1]",
+                 id="update-lam-range"),
+    pytest.param(["train-rm", "--model", "{pol}", "--prefs", "{w}/prefs.arrow", "--out", "{out}", "--lr", "0"], None,
+                 "--lr 0: expected a learning rate > 0", id="train-rm-zero-lr"),
+    pytest.param([*ROLLOUT, "--top-p", "1.5"], None, "--top-p 1.5: expected a number in (0, 1]", id="rollout-top-p"),
+]
+
+
+@pytest.mark.parametrize("argv,cfg,expect", CONFIG_ROWS)
+def test_config_rows(work, argv, cfg, expect, capfd, tmp_path):
+    if cfg is not None:
+        (tmp_path / cfg[0]).write_text(cfg[1])
+        argv = [a.replace("{cfg}", str(tmp_path / cfg[0])) for a in argv]
+    _check(work, argv, capfd, expect)
+
+
+# Every path a stage writes is claimed as --out is (artifacts.check_outputs), before any work: --metrics and
+# --tensorboard pointed at each input of each stage that has them (a table, a checkpoint, a file inside one, a
+# new path inside one), run and project names that are paths, two outputs on one path, symbolic links, empty
+# paths and parents that are files. {places}: the module's `places` folder (links, files rlkit did not make).
+_SIDE_STAGES = {
+    "sft": (["sft", "--model", "{pol}", "--data", "{w}/sft.arrow", "--out", "{out}"], ["{pol}", "{w}/sft.arrow"]),
+    "train-rm": (["train-rm", "--model", "{pol}", "--prefs", "{w}/prefs.arrow", "--out", "{out}"],
+                 ["{pol}", "{w}/prefs.arrow"]),
+    "update": (["update", "--policy", "{pol}", "--in", "{w}/scored.arrow", "--ref", "{ref}", "--out", "{out}"],
+               ["{pol}", "{w}/scored.arrow", "{ref}"]),
+    "update-follow": (["update", "--follow", "--policy", "{pol}", "--in", "{w}/scored.arrow", "--ref", "{ref}",
+                       "--out", "{out}"], ["{pol}", "{w}/scored.arrow", "{ref}"]),
+    "eval": (["eval", "--policy", "{pol}", "--prompts", "{w}/prompts.arrow"], ["{pol}", "{w}/prompts.arrow"]),
+}
+_IS_INPUT, _IN_INPUT = "is one of this stage's inputs", "lies inside an input directory"
+
+
+def _side_rows() -> list:
+    rows = []
+    for stage, (argv, inputs) in _SIDE_STAGES.items():
+        for flag in ("--metrics", "--tensorboard"):
+            for inp in inputs:
+                name = inp.strip("{}").replace("w}/", "")
+                rows.append(pytest.param([*argv, flag, inp], f"{flag} {inp} {_IS_INPUT}", id=f"{stage}{flag}={name}"))
+                if not inp.endswith(".arrow"):  # a checkpoint: a file in it, a new path in it
+                    for sub in ("model.safetensors", "new/x"):
+                        rows.append(pytest.param([*argv, flag, f"{inp}/{sub}"], f"{flag} {inp}/{sub} {_IN_INPUT}",
+                                                 id=f"{stage}{flag}={name}/{sub}"))
+        for flag, value in (("--run-name", "../../x"), ("--run-name", "/tmp/x"), ("--run-name", "a/b"),
+                            ("--run-name", ".."), ("--project", "../p"), ("--project", "/tmp/p")):
+            rows.append(pytest.param([*argv, "--report-to", "tensorboard", flag, value],
+                                     f"{flag} {value!r}: a name is expected, not a path", id=f"{stage}{flag}={value}"))
+    return rows
+
+
+UPD = _SIDE_STAGES["update"][0]
+EVAL = _SIDE_STAGES["eval"][0]
+SIDE_OUTPUT_ROWS = _side_rows() + [
+    # two outputs of one run on one path, or one inside another
+    pytest.param([*UPD, "--metrics", "{out}"], "--metrics {out} is the same path as --out {out}", id="metrics=out"),
+    pytest.param([*UPD, "--tensorboard", "{out}/tb"], "--tensorboard {out}/tb lies inside --out {out}",
+                 id="tensorboard-in-out"),
+    pytest.param([*EVAL, "--metrics", "{w}/new.jsonl", "--tensorboard", "{w}/new.jsonl"],
+                 "--tensorboard {w}/new.jsonl is the same path as --metrics", id="tensorboard=metrics"),
+    pytest.param([*UPD, "--follow", "--metrics", "{out}/m.jsonl"], "--metrics {out}/m.jsonl lies inside --out",
+                 id="follow-metrics-in-out"),
+    # files, tables and checkpoints the stage did not make (not its inputs)
+    pytest.param([*EVAL, "--metrics", "{w}/roll.arrow"], "is an rlkit 'rollouts' table, not a metrics file",
+                 id="metrics=other-table"),
+    pytest.param([*EVAL, "--metrics", "{places}/notes.txt"], "exists and is not a metrics file (line 1",
+                 id="metrics=text-file"),
+    pytest.param([*EVAL, "--metrics", "{places}/data.jsonl"], "exists and is not a metrics file (line 1",
+                 id="metrics=jsonl-data"),
+    pytest.param([*EVAL, "--metrics", "{w}"], "is a directory, expected a metrics file", id="metrics=folder"),
+    pytest.param([*EVAL, "--metrics", "{w}/badref/model.safetensors"], "lies inside the checkpoint",
+                 id="metrics-in-other-checkpoint"),
+    pytest.param([*EVAL, "--tensorboard", "{w}/badref"], "is an rlkit checkpoint, not a TensorBoard log directory",
+                 id="tensorboard=other-checkpoint"),
+    pytest.param([*EVAL, "--tensorboard", "{w}"], "which is not a TensorBoard event file", id="tensorboard=folder"),
+    pytest.param([*EVAL, "--tensorboard", "{w}/m.jsonl"], "exists and is not a directory", id="tensorboard=file"),
+    pytest.param(["rollout", "--policy", "{pol}", "--out", "{w}/badref/r.arrow"], "lies inside the checkpoint",
+                 id="out-in-other-checkpoint"),
+    # symbolic links, empty paths, parents that are files
+    pytest.param([*UPD[:-1], "{places}/loop"], "--out {places}/loop is a symbolic link that leads nowhere",
+                 id="out=symlink-loop"),
+    pytest.param(["freeze-ref", "--policy", "{pol}", "--out", "{places}/dangling"], "is a symbolic link that leads nowhere",
+                 id="out=dangling-symlink"),
+    pytest.param(["rollout", "--policy", "{pol}", "--out", "{places}/loop/r.arrow"],
+                 "its parent {places}/loop is a symbolic link that leads nowhere", id="out-under-symlink-loop"),
+    pytest.param(["update", "--policy", "{pol}", "--in", "{w}/scored.arrow", "--out", "{places}/to-ref"],
+                 "--out {places}/to-ref is a symbolic link (to", id="out=symlink-to-checkpoint"),
+    pytest.param(["rollout", "--policy", "{pol}", "--out", "{places}/to-roll"], "is a symbolic link (to",
+                 id="out=symlink-to-table"),
+    pytest.param([*EVAL, "--metrics", "{places}/loop"], "--metrics {places}/loop is a symbolic link that leads nowhere",
+                 id="metrics=symlink-loop"),
+    pytest.param(["rollout", "--policy", "{pol}", "--out", ""], "the path is empty", id="rollout-out-empty"),
+    pytest.param(["sft", "--out", ""], "the path is empty", id="sft-out-empty"),
+    pytest.param([*EVAL, "--metrics", ""], "the path is empty", id="metrics-empty"),
+    pytest.param([*UPD, "--tensorboard", ""], "the path is empty", id="tensorboard-empty"),
+    pytest.param(["rollout", "--policy", "{pol}", "--out", "{w}/m.jsonl/sub.arrow"],
+                 "its parent {w}/m.jsonl is a file, not a directory", id="out-parent-is-a-file"),
+    pytest.param([*EVAL, "--metrics", "{w}/m.jsonl/x/m.jsonl"], "its parent {w}/m.jsonl is a file",
+                 id="metrics-parent-is-a-file"),
+    # update --follow on a table that is not a follow stream: a whole line, and no --out left behind
+    pytest.param(["update", "--follow", "--policy", "{pol}", "--in", "{w}/scored.arrow", "--out", "{out}"],
+                 "is not a stream from `rlkit rollout --follow`, whose manifest records its --batch-prompts",
+                 id="follow-on-a-plain-table"),
+]
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory, work) -> Path:
+    """Paths no stage may write at or through: symbolic links (a loop, a dangling one, to a checkpoint and to a
+    table of `work`), a text file and a JSON-lines data file that are not metrics files."""
+    d = tmp_path_factory.mktemp("places")
+    (d / "loop").symlink_to("loop")
+    (d / "dangling").symlink_to("nowhere")
+    (d / "to-ref").symlink_to(work / "ref")
+    (d / "to-roll").symlink_to(work / "roll.arrow")
+    (d / "notes.txt").write_text("notes, not metrics\n")
+    (d / "data.jsonl").write_text('{"prompt": "1+1=", "completion": "2"}\n')
+    return d
+
+
+def _places_state(d: Path) -> dict[str, str]:
+    return {e.name: os.readlink(e.path) if e.is_symlink() else artifacts.sha256_file(Path(e.path))
+            for e in os.scandir(d)}
+
+
+def _fill(argv: list[str], expect: str, work: Path, **more: Path) -> tuple[list[str], str]:
+    """`argv` and `expect` with the placeholders filled: {w}, {pol}, {ref}, {out} and one per `more`."""
+    names = {"{w}": str(work), "{pol}": str(work / "pol"), "{ref}": str(work / "ref"), "{out}": str(work / "new-out"),
+             **{f"{{{k}}}": str(v) for k, v in more.items()}}
+
+    def fill(s: str) -> str:
+        for k, v in names.items():
+            s = s.replace(k, v)
+        return s
+
+    return [fill(a) for a in argv], fill(expect)
+
+
+@pytest.mark.parametrize("argv,expect", SIDE_OUTPUT_ROWS)
+def test_side_output_rows(work, places, argv, expect, capfd):
+    before = _places_state(places)
+    argv, expect = _fill(argv, expect, work, places=places)
+    _check(work, argv, capfd, expect)
+    assert _places_state(places) == before
+
+
+def test_a_busy_follow_directory_is_exit_75(work, capfd):
+    """A second `update --follow` on a directory another one is writing: exit 75 as for a busy --out."""
+    from rlkit.io import follow
+
+    root = work / "new-out"
+    with follow.writer_lock(root):
+        _check(work, ["update", "--follow", "--policy", "{pol}", "--in", "{w}/scored.arrow", "--out", str(root)],
+               capfd, "is being written by another `rlkit update --follow`", rc_expected=75)
+    assert not root.exists()  # the lock file and the directory it made went with the lock
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A real 64 KiB file system (tmpfs) filled up but for 8 KiB; skipped where this process may not mount one."""
+    import subprocess
+
+    d = tmp_path / "full"
+    d.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(d)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root with CAP_SYS_ADMIN")
+    (d / "filler").write_bytes(b"\0" * (56 << 10))
+    yield d
+    subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+FULL_ROWS = [  # (argv with {full}, the metrics file's text there before or None, fill the disk up entirely)
+    pytest.param(["rollout", "--policy", "{pol}", "--num-prompts", "16", "--n", "2", "--engine", "hf",
+                  "--out", "{full}/r.arrow"], None, False, "writing --out {full}/r.arrow failed: no space left",
+                 id="rollout-out"),
+    pytest.param(["update", "--policy", "{pol}", "--in", "{w}/scored.arrow", "--out", "{full}/next"], None, False,
+                 "writing --out {full}/next failed: no space left", id="update-out"),
+    pytest.param([*EVAL, "--num-prompts", "2", "--metrics", "{full}/m.jsonl"], None, True,
+                 "cannot write --metrics {full}/m.jsonl: no space left", id="eval-metrics-new"),
+    pytest.param([*EVAL, "--num-prompts", "2", "--metrics", "{full}/m.jsonl"], "page", True,
+                 "cannot write --metrics {full}/m.jsonl: no space left", id="eval-metrics-existing"),
+    pytest.param(["update", "--policy", "{pol}", "--in", "{w}/scored.arrow", "--out", "{out}", "--metrics",
+                  "{full}/m.jsonl"], None, True, "cannot write --metrics {full}/m.jsonl: no space left",
+                 id="update-metrics"),  # and no checkpoint at --out: `work` is unchanged
+]
+
+
+@pytest.mark.parametrize("argv,metrics,entirely,expect", FULL_ROWS)
+def test_a_full_disk_is_exit_74_and_leaves_nothing(work, full_disk, argv, metrics, entirely, expect, capfd):
+    """No space left for --out or --metrics: one line, exit 74, no temporary file, lock or empty metrics file
+    left, an existing metrics file as it was."""
+    if metrics is not None:  # rows filling its 4 KiB page exactly: the next row needs a page there is none of
+        row = '{"stage": "update", "step": 1, "pad": "%s"}\n'
+        (full_disk / "m.jsonl").write_text(row % ("x" * (4096 - len(row % ""))))
+    if entirely:
+        fd = os.open(full_disk / "filler", os.O_WRONLY | os.O_APPEND)
+        try:
+            with pytest.raises(OSError, match="No space left"):
+                while True:
+                    os.write(fd, b"\0" * 4096)
+        finally:
+            os.close(fd)
+    state = {p.name: artifacts.sha256_file(p) for p in full_disk.iterdir()}
+    argv, expect = _fill(argv, expect, work, full=full_disk)
+    _check(work, argv, capfd, expect, rc_expected=74)
+    assert {p.name: artifacts.sha256_file(p) for p in full_disk.iterdir()} == state
+
+
+def test_stdout_without_space_is_exit_74(tmp_path):
+    """A table (or `eval --json`) sent to a full disk through stdout: one line, exit 74 (/dev/full)."""
+    import subprocess
+    import sys
+
+    with open("/dev/full", "wb") as full:
+        r = subprocess.run([sys.executable, "-m", "rlkit", "prompts", "--num-prompts", "4"], stdout=full,
+                           stderr=subprocess.PIPE, timeout=120)
+    lines = r.stderr.decode().strip().splitlines()
+    assert r.returncode == 74 and len(lines) == 1, lines
+    assert lines[0].startswith("rlkit: error: cannot write to stdout: no space left on device"), lines
+
+
+# Tables a model cannot take, one table twice, a reference other than the one that scored the input, and files
+# that are not metrics files: each a real table of `work` rewritten with pyarrow (its manifest kept), see `tables`.
+TABLE_ROWS = [
+    # longer than the model's context (256 positions): the kernel's OOM killer took a 100,000-token completion
+    pytest.param([*UPDATE[:4], "{w}/t-long.arrow", *UPDATE[5:]], "completion 100000), more than --policy {pol}'s "
+                 "context of 256 tokens (max_position_embeddings)", id="update-longer-than-context"),
+    pytest.param(["score-ref", "--ref", "{ref}", "--in", "{w}/r-long.arrow", "--out", "{out}"],
+                 "row 1 (prompt_id 'train-0-0', sample 1) is 1000", id="score-ref-longer-than-context"),
+    pytest.param(["score-ref", "--ref", "{ref}", "--in", "{w}/roll.arrow", "--out", "{out}", "--batch-tokens", "16"],
+                 "more than --batch-tokens 16, the token budget of one forward batch; raise --batch-tokens",
+                 id="score-ref-row-over-batch-tokens"),
+    # nothing to train on; token ids outside the vocabulary (99 ids), named by row and column
+    pytest.param([*UPDATE[:4], "{w}/t-empty.arrow", *UPDATE[5:]], "every completion is empty (0 tokens in all 8 "
+                 "rows): nothing to train on", id="update-all-completions-empty"),
+    pytest.param([*UPDATE[:4], "{w}/t-badid.arrow", *UPDATE[5:]], "row 2 (prompt_id 'train-0-1', sample 0), column "
+                 "'completion_ids', holds token id 5000, outside --policy {pol}'s vocabulary (0..99)",
+                 id="update-token-id-too-large"),
+    pytest.param([*UPDATE[:4], "{w}/t-negid.arrow", *UPDATE[5:]], "column 'prompt_ids', holds token id -1",
+                 id="update-negative-token-id"),
+    pytest.param(["score-ref", "--ref", "{ref}", "--in", "{w}/r-badid.arrow", "--out", "{out}"],
+                 "row 2 (prompt_id 'train-0-1', sample 0), column 'completion_ids', holds token id 5000, outside "
+                 "reference {ref}'s vocabulary", id="score-ref-token-id-too-large"),
+    pytest.param(["score-ref", "--ref", "{ref}", "--in", "{w}/r-negid.arrow", "--out", "{out}"],
+                 "holds token id -1", id="score-ref-negative-token-id"),
+    # one table twice: the same path, links to it, a copy, its rows in another table (cat of it)
+    *[pytest.param(["cat", "{w}/roll.arrow", f"{{w}}/{other}", "--out", "{out}"], msg, id=f"cat-twice-{name}")
+      for name, other, msg in (("same-path", "roll.arrow", "are one table (given twice)"),
+                               ("symlink", "roll-sym.arrow", "are one table (the same file under two names)"),
+                               ("hardlink", "roll-hard.arrow", "are one table (the same file under two names)"),
+                               ("copy", "roll-copy.arrow", "roll-copy.arrow is a copy of {w}/roll.arrow"),
+                               ("rows", "roll-cat.arrow", "row 0 (prompt_id 'train-0-0', sample 0) is already in"))],
+    # --ref other than the reference the input was scored against, either way round, or a copy of the other
+    pytest.param([*UPDATE[:4], "{w}/scored2.arrow", *UPDATE[5:], "--ref", "{ref}"],
+                 "--ref {ref} is not the reference {w}/scored2.arrow was scored against ({w}/ref2)", id="update-ref-mismatch"),
+    pytest.param([*UPDATE, "--ref", "{w}/ref2"], "--ref {w}/ref2 is not the reference {w}/scored.arrow was scored "
+                 "against ({ref})", id="update-ref-mismatch-reversed"),
+    pytest.param([*UPDATE[:4], "{w}/scored2.arrow", *UPDATE[5:], "--ref", "{w}/refcopy"],
+                 "is not the reference {w}/scored2.arrow was scored against", id="update-ref-copy-of-other"),
+    # report on what is not a metrics file
+    pytest.param(["report", "{w}/roll.arrow", "--out", "{out}.png"], "{w}/roll.arrow is an Arrow table (an rlkit "
+                 "'rollouts' table), not a metrics file; expected the JSON-lines file", id="report-arrow-table"),
+    pytest.param(["report", "{pol}/model.safetensors", "--out", "{out}.png"], "is a binary file, not a metrics file",
+                 id="report-binary-file"),
+    pytest.param(["report", "{w}/m.jsonl", "{pol}", "--out", "{out}.png"], "{pol} is a directory (an rlkit model "
+                 "checkpoint), not a metrics file", id="report-checkpoint-dir"),
+    pytest.param(["report", "{w}/plain-dir", "--out", "{out}.png"], "{w}/plain-dir is a directory, not a metrics "
+                 "file", id="report-directory"),
+]
+
+
+def _rewrite(src: Path, dst: Path, edit) -> None:
+    """Table `src` with `edit(columns)` applied (a dict of python lists), written to `dst` with its schema and
+    manifest as they were and rlkit's end marker: a table a stage made, then changed."""
+    import pyarrow as pa
+
+    t, _ = artifacts.read_table(src, list(artifacts.KINDS))
+    cols = {n: t.column(n).to_pylist() for n in t.column_names}
+    edit(cols)
+    with artifacts.write_table(artifacts.read_manifest(src)["kind"], dst, artifacts.read_manifest(src),
+                               [f for f in t.schema if f.name.startswith("reward/")]) as w:
+        w.write(pa.record_batch([pa.array(cols[f.name], f.type) for f in w.schema], schema=w.schema))
+
+
+@pytest.fixture(scope="module")
+def tables(work) -> Path:
+    """Into `work`: t-*.arrow (from scored.arrow) and r-*.arrow (from roll.arrow): long (a 100,000-token completion
+    in row 1), empty (every completion), badid (id 5000 in row 2's completion), negid (-1 in row 3's prompt);
+    ref2/ (the policy frozen as it is, fp32: other weights than ref/'s bf16) and scored2.arrow (roll.arrow scored
+    by it), refcopy/ (a copy of ref/); roll.arrow again as roll-sym.arrow, roll-hard.arrow, roll-copy.arrow and
+    roll-cat.arrow (`cat` of it: the same rows, another manifest); plain-dir/."""
+    from rlkit.stages import cat, freeze_ref, score_ref
+
+    w = work
+    for src, pre in (("scored", "t"), ("roll", "r")):
+        lp = [c for c in ("old_logprobs", "ref_logprobs") if src == "scored" or c == "old_logprobs"]
+
+        def long(c, lp=lp):
+            c["completion_ids"][1] = [10] * 100_000
+            for k in lp:
+                c[k][1] = [-1.0] * 100_000
+
+        def empty(c, lp=lp):
+            n = len(c["completion"])
+            c.update(completion=[""] * n, completion_ids=[[]] * n, **{k: [[]] * n for k in lp})
+
+        def badid(c):
+            c["completion_ids"][2][0] = 5000
+
+        def negid(c):
+            c["prompt_ids"][3][1] = -1
+
+        for name, edit in (("long", long), ("empty", empty), ("badid", badid), ("negid", negid)):
+            _rewrite(w / f"{src}.arrow", w / f"{pre}-{name}.arrow", edit)
+    freeze_ref.run(freeze_ref.FreezeRefConfig(policy=w / "pol", out=w / "ref2", link=True))
+    score_ref.run(score_ref.ScoreRefConfig(ref=w / "ref2", inp=str(w / "roll.arrow"), out=w / "scored2.arrow"))
+    shutil.copytree(w / "ref", w / "refcopy")
+    (w / "roll-sym.arrow").symlink_to(w / "roll.arrow")
+    os.link(w / "roll.arrow", w / "roll-hard.arrow")
+    shutil.copy(w / "roll.arrow", w / "roll-copy.arrow")
+    cat.run(cat.CatConfig(inputs=(str(w / "roll.arrow"),), out=w / "roll-cat.arrow"))
+    (w / "plain-dir").mkdir()
+    return w
+
+
+@pytest.mark.parametrize("argv,expect", TABLE_ROWS)
+def test_table_rows(tables, argv, expect, capfd):
+    _check(tables, argv, capfd, expect.format(w=tables, pol=tables / "pol", ref=tables / "ref", out=tables / "new-out"))
+
+
+def test_table_checks_accept_what_is_fine(tables):
+    """The other side of TABLE_ROWS: a copy of the reference that scored the input (same weights, another path) is
+    that reference, also for a table made before score-ref recorded the weights' digest; rows with some empty
+    completions train; the same prompt sampled by two runs may share a group in `cat`."""
+    import pyarrow as pa
+
+    from rlkit.algorithms.inputs import check_not_all_empty
+    from rlkit.errors import RlkitError
+    from rlkit.io import shards
+    from rlkit.stages.update import check_reference
+
+    m = artifacts.read_manifest(tables / "scored.arrow")
+    for ref in ("ref", "refcopy"):
+        check_reference(tables / ref, m, "scored", "scored.arrow")
+    old = {k: v for k, v in m.items() if k not in ("reference_digest", "paths")}
+    check_reference(tables / "refcopy", old, "scored", "scored.arrow")  # by the input fingerprint score-ref recorded
+    with pytest.raises(RlkitError, match="is not the reference"):
+        check_reference(tables / "ref", {k: v for k, v in artifacts.read_manifest(tables / "scored2.arrow").items()
+                                         if k != "reference_digest"}, "scored", "scored2.arrow")
+    check_reference(tables / "ref2", m, "rollouts", "roll.arrow")  # no reference log-probs in the input: nothing to match
+
+    t, _ = artifacts.read_table(tables / "scored.arrow", ["scored"])
+    some = t.set_column(t.schema.get_field_index("completion_ids"), "completion_ids",
+                        pa.array([[]] * 4 + t.column("completion_ids").to_pylist()[4:], pa.list_(pa.int32())))
+    check_not_all_empty(some, "some-empty")
+
+    batch, labels = t.to_batches()[0], ["a", "b", "c"]
+    d = shards.Duplicates("scored")
+    d.check(batch, 0, labels, 0)
+    resampled = batch.set_column(batch.schema.get_field_index("completion"), "completion",
+                                 pa.array([c + "!" for c in batch.column("completion").to_pylist()]))
+    d.check(resampled, 1, labels, 0)  # other samples of the same prompts: one larger group each
+    other = resampled.set_column(batch.schema.get_field_index("prompt_id"), "prompt_id",
+                                 pa.array([f"other-{p}" for p in batch.column("prompt_id").to_pylist()]))
+    with pytest.raises(RlkitError, match="c row 0 has group_id .* update would take the two prompts' samples"):
+        d.check(other, 2, labels, 0)
+
+
+# The process side: paths that are not files (opening a named pipe waits for a writer that may never come)
+# and a tracker that calls sys.exit(). A closed pipe, signals and torchrun need real processes: those are in
+# tests/unit/test_cli.py and tests/e2e/test_distributed.py.
+
+
+@pytest.fixture
+def specials(tmp_path) -> Path:
+    """A named pipe no process writes to, a Unix socket, and a folder holding a named pipe as its config.json."""
+    import socket
+
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "ck").mkdir()
+    os.mkfifo(tmp_path / "ck" / "config.json")
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(tmp_path / "sock"))
+    yield tmp_path
+    sock.close()
+
+
+FIFO = "fifo is a named pipe (FIFO); expected an Arrow table file or a model directory"
+PROCESS_ROWS = [
+    pytest.param(["inspect", "{w}/fifo"], FIFO, id="inspect-fifo"),
+    pytest.param(["inspect", "{w}/fifo", "--json"], FIFO, id="inspect-fifo-json"),
+    pytest.param(["inspect", "{w}/fifo", "--check"], FIFO, id="inspect-fifo-check"),
+    pytest.param(["inspect", "{w}/fifo", "--config"], FIFO, id="inspect-fifo-config"),
+    pytest.param(["inspect", "/dev/null"], "/dev/null is a character device", id="inspect-char-device"),
+    pytest.param(["inspect", "{w}/sock"], "sock is a socket", id="inspect-socket"),
+    pytest.param(["inspect", "{w}/ck"], "config.json is a named pipe (FIFO); expected the regular files of a model",
+                 id="inspect-folder-holding-a-fifo"),
+]
+
+
+@pytest.mark.parametrize("argv,expect", PROCESS_ROWS)
+def test_process_rows(specials, argv, expect, capfd):
+    _check(specials, argv, capfd, expect)
+
+
+@pytest.mark.parametrize("where", ["init", "log", "finish"])
+def test_a_tracker_that_exits_is_warned_about_and_dropped(work, where, monkeypatch, capfd):
+    """A tracker that calls sys.exit() when it starts, logs or finishes (a stand-in `trackio` module: the
+    third-party failure is the point) is warned about once and dropped: eval finishes, exit 0, and its
+    --json on stdout is whole."""
+    import importlib.machinery
+    import json
+    import sys
+    import types
+
+    from rlkit.cli import _main
+
+    def call(name: str):
+        def fn(*args, **kwargs):
+            if name == where:
+                raise SystemExit(3)
+        return fn
+
+    fake = types.ModuleType("trackio")
+    fake.__spec__ = importlib.machinery.ModuleSpec("trackio", None)
+    fake.init, fake.log, fake.finish = call("init"), call("log"), call("finish")
+    monkeypatch.setitem(sys.modules, "trackio", fake)
+    capfd.readouterr()
+    rc = _main(["eval", "--policy", str(work / "pol"), "--num-prompts", "2", "--report-to", "trackio", "--json"])
+    out, err = capfd.readouterr()
+    assert rc == 0, err
+    assert json.loads(out)["n"] == 2
+    warned = [ln for ln in err.splitlines() if "tracker trackio failed (SystemExit: 3)" in ln]
+    assert len(warned) == 1 and "Traceback" not in err, err

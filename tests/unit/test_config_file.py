@@ -36,7 +36,8 @@ def test_keys_by_name_or_option_spelling_and_command_tables():
     data = {"minibatch-size": 8, "in": "r.arrow", "seed": 3, "num_prompts": 64,  # num_prompts: rollout's
             "update": {"lr": 0.5, "reward": ["verifier=1"]}, "rollout": {"n": 2}}
     got = config_file.defaults_for(data, "update", _params("update"), others)
-    assert got == {"minibatch_size": 8, "inp": "r.arrow", "seed": 3, "lr": 0.5, "reward": ["verifier=1"]}
+    # as the command line gives them: strings, converted and checked by click as typed ones
+    assert got == {"minibatch_size": "8", "inp": "r.arrow", "seed": "3", "lr": "0.5", "reward": ["verifier=1"]}
 
 
 def test_trackers_from_a_file_as_a_list_or_a_string_reach_the_stage(tmp_path, monkeypatch):
@@ -142,3 +143,98 @@ def test_update_from_its_checkpoints_config_gives_the_same_weights(sft_dir, tmp_
     a, b, w0 = (load_file(str(d / "model.safetensors")) for d in (u1, u2, sft_dir))
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     assert any(not (a[k] == w0[k]).all() for k in a)  # it trained
+
+
+def _defaults(command_name: str, data: dict) -> dict:
+    others = {n: c.params for n, c in command().commands.items() if n != command_name}
+    return config_file.defaults_for(data, command_name, _params(command_name), others)
+
+
+@pytest.mark.parametrize(("cmd", "data", "message"), [
+    ("rollout", {"n": True}, "key 'n': --n takes an integer, not true (a boolean)"),  # not --n 1
+    ("rollout", {"n": 2.5}, "key 'n': --n takes an integer, not 2.5 (a float)"),
+    ("rollout", {"rollout": {"n": [2, 4]}}, "key '[rollout] n': --n takes an integer, not a list ([2, 4])"),
+    ("update", {"lr": True}, "key 'lr': --lr takes a number, not true (a boolean)"),
+    ("update", {"lr": "fast"}, None),  # a string goes to click as typed: its own error, naming the file (below)
+    ("update", {"force": "true"}, "key 'force': --force takes true or false (it is a flag), not \"true\" (a string)"),
+    ("update", {"force": 1}, "key 'force': --force takes true or false (it is a flag), not 1 (an integer)"),
+    ("update", {"algo": 3}, "key 'algo': --algo takes one of its choices (a string), not 3 (an integer) (quote it"),
+    ("update", {"reward": ["verifier=1", 0.5]}, "key 'reward': --reward takes a string per list item, not 0.5 (a float)"),
+    ("update", {"run_name": False}, "key 'run_name': --run-name takes a string, not false (a boolean)"),
+    ("eval", {"label": 1.10}, "key 'label': --label takes a string, not 1.1 (a float) (quote it to give a string)"),
+])
+def test_a_value_whose_type_the_option_does_not_take_is_refused_naming_key_given_and_expected(cmd, data, message):
+    if message is None:
+        assert _defaults(cmd, data) == {"lr": "fast"}
+        return
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        _defaults(cmd, data)
+
+
+def test_values_the_option_takes_become_what_the_command_line_gives():
+    got = _defaults("update", {"minibatch_size": "8", "lr": 1, "clip_high": 1e-5, "force": True, "follow": False,
+                               "reward": "verifier=1", "run_name": 2024, "report_to": ["wandb", "mlflow"],
+                               "tis_cap": None})
+    assert got == {"minibatch_size": "8", "lr": "1", "clip_high": "1e-05", "force": True, "follow": False,
+                   "reward": ["verifier=1"], "run_name": "2024", "report_to": "wandb,mlflow"}  # null: the default
+
+
+@pytest.mark.parametrize(("name", "text", "message"), [
+    ("int-key.yaml", "1: 2\n", "key 1 (an integer): expected an option or command name (a string)"),
+    ("null-key.yaml", "~: 2\n", "key null (YAML's null): expected an option or command name"),
+    ("table-key.yaml", "update:\n  true: 2\n", "key true in [update] (a boolean): expected an option or command name"),
+    ("bomb.yaml", "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{c}: &{c} [{', '.join([f'*{p}'] * 10)}]\n" for p, c in zip("abcdefgh", "bcdefghi", strict=True)) + "reward: *i\n",
+     "its YAML aliases expand to more than 10,000 values"),
+    ("loop.yaml", "reward: &r [*r]\n", "a YAML alias refers to a node that contains it"),
+    ("deep.toml", "reward = " + "[" * 50_000 + "]" * 50_000 + "\n", "nested too deeply"),
+    ("big.toml", "# " + "x" * 2**20 + "\n", "larger than 1 MiB"),
+    ("latin1.toml", b"label = \"caf\xe9\"\n", "not UTF-8 text"),
+])
+def test_read_refuses_odd_keys_and_files_too_large_to_be_option_files(tmp_path, name, text, message):
+    f = tmp_path / name
+    f.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ValueError, match=re.escape(message)):
+        config_file.read(f)
+
+
+def test_a_few_yaml_aliases_still_share_settings(tmp_path):
+    (tmp_path / "a.yaml").write_text("common: &c {seed: 3, n: 4}\nrollout: *c\nupdate:\n  <<: *c\n  lr: 0.1\n")
+    assert config_file.read(tmp_path / "a.yaml")["update"] == {"seed": 3, "n": 4, "lr": 0.1}
+
+
+def test_an_error_about_a_value_from_the_file_names_the_file(tmp_path, capfd):
+    from rlkit.cli import _main
+
+    (tmp_path / "c.toml").write_text('lr = "fast"\nminibatch_size = 99999999999999999999999\n')
+    capfd.readouterr()
+    assert _main(["update", "--policy", str(tmp_path), "--out", str(tmp_path / "o"), "--config",
+                  str(tmp_path / "c.toml")]) == 2
+    err = capfd.readouterr().err
+    assert f"(from --config {tmp_path / 'c.toml'})" in err and "'--lr'" in err, err
+    (tmp_path / "c.toml").write_text("minibatch_size = 99999999999999999999999\n")
+    assert _main(["update", "--policy", str(tmp_path), "--out", str(tmp_path / "o"), "--config",
+                  str(tmp_path / "c.toml")]) == 2
+    err = capfd.readouterr().err
+    assert "'--minibatch-size': 99999999999999999999999 is larger than 2147483647" in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_config_written_back_leaves_the_runs_outputs_out(tmp_path, capfd):
+    """`inspect CKPT --config > run.toml; update --config run.toml --out NEW` must not append to CKPT's
+    --metrics or log into its TensorBoard folder or tracker run, and without --out it is the usual usage error
+    (it would otherwise replace CKPT)."""
+    from rlkit.cli import _main
+
+    opts = {"policy": "runs/sft", "in": "r.arrow", "out": "runs/round-1", "metrics": "runs/m.jsonl", "lr": 1e-5,
+            "tensorboard": "tb/round-1", "run_name": "round-1", "report_to": "tensorboard", "seed": 3}
+    text = config_file.options_toml("update", opts, "runs/round-1")
+    back = tomllib.loads(text)["update"]
+    assert not set(back) & {"out", "metrics", "tensorboard", "run_name"}
+    assert back == {"policy": "runs/sft", "in": "r.arrow", "lr": 1e-5, "report_to": "tensorboard", "seed": 3}
+    assert '# out = "runs/round-1"' in text and '# metrics = "runs/m.jsonl"' in text  # shown, commented out
+    assert "(--out, --metrics, --tensorboard, --run-name)" in text
+    (tmp_path / "run.toml").write_text(text)
+    capfd.readouterr()
+    assert _main(["update", "--config", str(tmp_path / "run.toml")]) == 2
+    assert "Missing option '--out'" in capfd.readouterr().err

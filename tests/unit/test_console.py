@@ -60,7 +60,7 @@ def test_log_level_and_quiet_on_the_command_line(tmp_path):
     r = run_cli("inspect", str(table), "--log-level", "debug", "-q")
     assert r.returncode == 0 and r.stderr == b""  # -q wins over a lower --log-level
     r = run_cli("prompts", "--num-prompts", "3", "--out", str(tmp_path / "d.arrow"), "--log-level", "loud")
-    assert r.returncode == 2 and b"'loud' is not one of debug, info, warning, error" in r.stderr
+    assert r.returncode == 2 and b"'loud' is not one of 'debug', 'info', 'warning', 'error'" in r.stderr
     assert not (tmp_path / "d.arrow").exists()
 
 
@@ -86,3 +86,20 @@ def test_update_warns_when_most_groups_have_no_reward_difference(captured, rewar
     if warned:
         flat = 10 - sum(1 for g in range(10) if len(set(rewards[4 * g:4 * g + 4])) > 1)
         assert f"update: {flat} of 10 groups" in out and "--algo grpo" in out and "--temperature" in out
+
+
+def test_paths_names_and_rows_print_as_written_not_as_rich_markup():
+    """rich reads `[a]`, `[track]` and `[@SPLIT]` as style tags (dropping them) and fails on `[/x]`: info, warn
+    and tables print what rlkit hands them as it is (a fresh process: the consoles as rlkit sets them up)."""
+    import subprocess
+    import sys
+
+    text = "wrote runs/[a]/r.arrow; pip install 'rlkit[track]'; NAME[:CONFIG][@SPLIT]; a completion with [/b]"
+    code = ("import sys; from rich.table import Table; from rlkit import console; t = sys.argv[1]; "
+            "console.info(t); console.warn(t); tab = Table(title=t); tab.add_column(t); tab.add_row(t); "
+            "console.print_wide(tab, min_width=400)")
+    r = subprocess.run([sys.executable, "-c", code, text], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    assert lines[0] == text and lines[1] == f"warning: {text}"
+    assert sum(text in ln for ln in lines) == 5, r.stderr  # info, warn, the table's title, header and row

@@ -3,6 +3,7 @@ name per concept, choices as choices, defaults shown, options grouped, old spell
 
 from __future__ import annotations
 
+import re
 import typing
 
 import pytest
@@ -117,3 +118,47 @@ def test_old_spellings_still_work_with_one_deprecation_line(tmp_path):
     assert r.returncode == 0 and r.stderr.decode().splitlines() == ["rlkit prompts: --num is deprecated; use --num-prompts"]
     r = run_cli("rollout", "--policy", str(tmp_path), "--dtype", "fp8", "--out", str(tmp_path / "r.arrow"))
     assert r.returncode == 2 and "'fp8' is not one of 'auto', 'fp32', 'bf16', 'fp16'" in r.stderr.decode()
+
+
+def _help(name: str, capsys, monkeypatch) -> str:
+    from rlkit.cli import _main
+
+    monkeypatch.setenv("COLUMNS", "400")
+    capsys.readouterr()
+    assert _main([name, "--help"] if name else ["--help"]) == 0
+    return capsys.readouterr().out
+
+
+def _squeezed(text: str) -> str:
+    return re.sub(r"[\s│]", "", text)  # a wrapped help line is one line again
+
+
+@pytest.mark.parametrize("name", ["", *sorted(COMMANDS)])
+def test_help_prints_every_bracket_of_the_source_as_written(name, capsys, monkeypatch):
+    """rich would read `rlkit[track]` or `[@SPLIT]` as markup and drop it: every bracketed word of a help text,
+    as the source has it (typer's own fresh command tree, before rlkit touches it), is on the screen."""
+    import typer
+
+    from rlkit.cli import app
+
+    fresh = typer.main.get_command(app)
+    cmd = fresh.commands[name] if name else fresh
+    texts = [cmd.help or "", *(getattr(p, "help", None) or "" for p in cmd.params)]
+    if not name:
+        texts += [c.help.split("\n\n")[0] for c in fresh.commands.values() if c.help]
+    words = {w for t in texts for w in re.findall(r"[^\s\[\]]*(?:\[[^\[\]\s]*\])+[^\s\[\]]*", t)}
+    shown = _squeezed(_help(name, capsys, monkeypatch))
+    assert all(_squeezed(w) in shown for w in words), sorted(w for w in words if _squeezed(w) not in shown)
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_flags_show_no_value_and_string_options_their_choices(name, capsys, monkeypatch):
+    out = _help(name, capsys, monkeypatch)
+    assert "<bool>" not in out  # a flag takes no value (`--force true` is refused)
+    assert re.search(r"--log-level\s+<debug\|info\|warning\|error>", out)
+    params = {p.name: p for p in COMMANDS[name].params}
+    if "device" in params:
+        assert "<auto|cpu|cuda|cuda:N>" in out
+    for p in ("engine", "vllm_lora", "_log_level"):
+        if p in params:
+            assert _choices(params[p]), (name, p)
