@@ -133,9 +133,9 @@ RENAMED_VALUES: dict[str, dict[str, dict[str, str]]] = {
 
 
 # `--help` groups the options of every command with more than HELP_PANELS_FROM parameters (the shared --config,
-# --log-level and -q included) into these panels (rich_help_panel), by parameter name; the shared ones stay
-# under "Options". tests/unit/test_vocabulary.py checks that none is left out.
-HELP_PANELS_FROM = 5
+# --log-level and -q included: 0 is every command) into these panels (rich_help_panel), by parameter name; the
+# shared ones stay under "Options". tests/unit/test_vocabulary.py checks that none is left out.
+HELP_PANELS_FROM = 0
 PANELS: dict[str, tuple[str, ...]] = {
     "Model": ("policy", "model", "base", "ref", "rm", "layers", "hidden", "trust_remote_code", "no_verify"),
     "Data": ("task", "data", "prompts", "prompt_column", "completion_column", "answer_column", "chosen_column",

@@ -48,14 +48,16 @@ def _lineage(manifest: dict | None, depth: int = 0) -> list[dict[str, Any]]:
     config, inputs = manifest.get("config") or {}, manifest.get("inputs") or {}
     for key in _LINEAGE_KEYS:
         src = config.get(key)
-        if not isinstance(src, str) or not Path(src).exists():
+        # read at the path resolved when it was recorded: inspect may run in another directory
+        found = artifacts.recorded_path(manifest, "config", key)
+        if not isinstance(src, str) or not found or not Path(found).exists():
             if isinstance(src, str):
                 out.append({"depth": depth, "role": key, "path": src, "kind": "embedded" if src == "tiny" else "not found"})
             continue
-        parent = artifacts.read_manifest(src)
+        parent = artifacts.read_manifest(found)
         entry = {"depth": depth, "role": key, "path": src, "kind": (parent or {}).get("kind", "external")}
         if key in inputs:
-            entry["changed_since"] = artifacts.fingerprint(src) != inputs[key]
+            entry["changed_since"] = artifacts.fingerprint(found) != inputs[key]
         out.append(entry)
         out.extend(_lineage(parent, depth + 1))
     return out
@@ -70,6 +72,7 @@ def run(cfg: InspectConfig) -> dict[str, Any]:
     from rlkit.io import artifacts, checkpoints
 
     p = cfg.path
+    _only_files(p)
     if cfg.config:
         return _print_config(p)
     if cfg.check:
@@ -163,6 +166,33 @@ def run(cfg: InspectConfig) -> dict[str, Any]:
     return info
 
 
+def _only_files(p: Path) -> None:
+    """Refuse a PATH that is neither a regular file nor a directory (a named pipe, a device, a socket), and
+    such an entry in a directory, before anything opens it: opening a named pipe waits for a writer that may
+    never come, and inspect reads a table more than once, which a stream cannot give."""
+    import stat
+
+    from rlkit.errors import RlkitError
+
+    kinds = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+    def kind(f: Path) -> str | None:
+        try:
+            mode = f.stat().st_mode
+        except OSError:  # missing, or unreadable: said where it is read
+            return None
+        return next((name for test, name in kinds if test(mode)), None)
+
+    if (what := kind(p)) is not None:
+        raise RlkitError(f"{p} is {what}; expected an Arrow table file or a model directory (to inspect a stream, "
+                         "save it to a file first: `... > table.arrow`)")
+    if p.is_dir():
+        for f in sorted(p.iterdir()):
+            if (what := kind(f)) is not None:
+                raise RlkitError(f"{f} is {what}; expected the regular files of a model directory")
+
+
 def _print_config(p: Path) -> dict[str, Any]:
     """`--config`: the options the artifact's command ran with, as a file `--config` reads (stdout)."""
     import sys
@@ -206,7 +236,7 @@ def command(
     verify: Annotated[bool, typer.Option("--verify", help="Read the weights now and compare their sha256 with the manifest; exit 2 on a mismatch (also with --check and --json).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON to stdout instead of tables.")] = False,
     check: Annotated[bool, typer.Option("--check", help="Only tell whether PATH exists and its inputs are unchanged: exit 0 if so, 1 if not (for scripts).")] = False,
-    config: Annotated[bool, typer.Option("--config", help="Print the options the command that made PATH ran with, as a TOML file that `--config` reads (`rlkit inspect CKPT --config > run.toml`, then e.g. `rlkit update --config run.toml --out next/`).")] = False,
+    config: Annotated[bool, typer.Option("--config", help="Print the options the command that made PATH ran with, as a TOML file that `--config` reads (`rlkit inspect CKPT --config > run.toml`, then e.g. `rlkit update --config run.toml --out next/`); where that run wrote (out, metrics, tensorboard, run_name) is written commented out, so the next run names its own outputs.")] = False,
 ) -> None:
     """Show an artifact's manifest, schema, rows, size, hash and lineage."""
     run(InspectConfig(path=path, rows=rows, verify=verify, as_json=as_json, check=check, config=config))
