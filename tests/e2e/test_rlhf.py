@@ -107,9 +107,19 @@ def test_a_length_biased_reward_model_is_flagged(sft_dir, tmp_path):
     m = json.loads((tmp_path / "rm" / "rlkit.json").read_text())
     assert m["sanity"]["length_correlation"] > 0.5 and m["sanity"]["length_bias_warning"] is True
     assert m["metrics"]["heldout_pair_accuracy"] > 0.9  # length is easy to learn
-    assert "LENGTH BIAS" in r.stderr.decode()
+    err = r.stderr.decode()
+    assert "LENGTH BIAS" in err
     row = json.loads((tmp_path / "m.jsonl").read_text())  # --metrics: one line, the manifest's figures
     assert row["stage"] == "train-rm" and row["heldout_pair_accuracy"] == m["metrics"]["heldout_pair_accuracy"]
+    # the progress line's loss ends at the figure the table and the manifest call final_loss (the mean of the
+    # last 10 steps' losses; one step's is noisy), and per-kind accuracies sit under the accuracy, not the loss
+    progress = [line for line in err.splitlines() if line.startswith("train-rm: ") and " loss " in line]
+    assert progress[-1].endswith(f" loss {m['metrics']['final_loss']:.4g}"), progress[-1]
+    labels = [line.split("│")[1].strip() for line in err.splitlines() if line.count("│") == 3]
+    i = labels.index("heldout_pair_accuracy")
+    assert labels[i + 1:i + 2] == ["by kind: length-bias"] and list(m["metrics"]["heldout_pair_accuracy_by_kind"]) == ["length-bias"]
+    steps = min(10, m["metrics"]["optimizer_steps"])
+    assert labels.index(f"final_loss (mean of the last {steps} steps)") > labels.index("train_pairs") > i + 1
 
 
 def test_reward_models_score_as_named_components_and_update_weighs_them(sft_dir, ref_dir, rm_dir, tmp_path):
