@@ -72,6 +72,9 @@ def resolve(spec: str = "auto"):
     return torch.device("cuda", index)
 
 
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype -> torch's names
+
+
 def auto_dtype(device, dtype: str = "auto") -> str:
     """--dtype auto -> bf16 on a GPU with bf16 kernels, fp32 elsewhere; any other value stays."""
     if dtype != "auto":

@@ -16,9 +16,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from rlkit.devices import TORCH_DTYPES as DTYPES  # fp32/bf16/fp16 -> torch's names
 from rlkit.errors import RlkitError
 from rlkit.io.artifacts import MODEL_MANIFEST, file_facts, sha256_cached, sha256_file
-from rlkit.training import TORCH_DTYPES as DTYPES  # fp32/bf16/fp16 -> torch's names
 
 TINY = "tiny"
 
@@ -77,7 +77,7 @@ def check_model_dir(d: Path, what: str = "model", lora_base: bool = True, verify
     if not d.is_dir():
         raise RlkitError(f"{what} {d} is a file, expected a Hugging Face model directory")
     adapter = (d / "adapter_config.json").is_file()
-    if adapter:  # a LoRA checkpoint (rlkit.training.lora): the adapter, its base elsewhere
+    if adapter:  # a LoRA checkpoint (rlkit.io.adapters): the adapter, its base elsewhere
         if not (d / "adapter_model.safetensors").is_file():
             raise RlkitError(f"LoRA {what} {d} has no adapter_model.safetensors (rlkit loads safetensors only, never pickles)")
     else:
@@ -93,9 +93,9 @@ def check_model_dir(d: Path, what: str = "model", lora_base: bool = True, verify
     if _VERIFY.get() if verify is None else verify:
         verify_weights(d, what)
     if adapter and lora_base:
-        from rlkit.training import lora
+        from rlkit.io import adapters
 
-        lora.verify_base(d.absolute())
+        adapters.verify_base(d.absolute())
 
 
 def check_safetensors_header(f: Path) -> dict:
@@ -200,13 +200,13 @@ def save_model(model, tokenizer, tmp: Path, manifest: dict[str, Any], state_dict
                write_manifest: bool = True) -> dict[str, Any]:
     """Save into `tmp` (an `atomic_dir`), hash the weights and write the manifest; returns it.
     `state_dict`: the gathered full weights of a sharded (FSDP) model. `write_manifest=False` leaves
-    writing it to the caller (`rlkit.io.follow.publish` writes it last). A LoRA model (`rlkit.training.lora`) saves
+    writing it to the caller (`rlkit.io.follow.publish` writes it last). A LoRA model (`rlkit.io.adapters`) saves
     its adapter in PEFT's layout, and the manifest's `lora` entry names its base and the base's hashes."""
-    from rlkit.training import lora
+    from rlkit.io import adapters
 
     quiet_transformers()
-    if lora.state(model) is not None:
-        manifest = {**manifest, "lora": lora.save(model, tmp, state_dict)}
+    if adapters.state(model) is not None:
+        manifest = {**manifest, "lora": adapters.save(model, tmp, state_dict)}
     else:
         model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": state_dict} if state_dict is not None else {}))
     tokenizer.save_pretrained(tmp)
@@ -250,7 +250,7 @@ def load_tokenizer(src: str | Path, trust_remote_code: bool = False):
 def load_policy(src: str | Path, dtype: str = "fp32", trust_remote_code: bool = False, merged: bool = False):
     """A trainable causal LM and its tokenizer from a directory or hub id (never a pickle).
 
-    A LoRA checkpoint loads on its hash-verified base (`rlkit.training.lora.load`): a model whose adapter keeps
+    A LoRA checkpoint loads on its hash-verified base (`rlkit.io.adapters.load`): a model whose adapter keeps
     training, or with `merged` (inference: rollout, eval, freeze-ref) the plain model, adapter merged."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -259,10 +259,10 @@ def load_policy(src: str | Path, dtype: str = "fp32", trust_remote_code: bool = 
     p = Path(src)
     if p.exists() or str(src).startswith((".", "/")):
         check_model_dir(p, "policy")
-        from rlkit.training import lora
+        from rlkit.io import adapters
 
-        if lora.is_adapter_dir(p):
-            model = lora.load(p, "causal-lm", merged=merged, dtype=dtype, trust_remote_code=trust_remote_code)
+        if adapters.is_adapter_dir(p):
+            model = adapters.load(p, "causal-lm", merged=merged, dtype=dtype, trust_remote_code=trust_remote_code)
             check_finite(model, src, "policy")
             return model, load_tokenizer(p, trust_remote_code)
     try:
@@ -290,9 +290,9 @@ def load_weights_into(model, d: Path) -> None:
     """Copy checkpoint `d`'s safetensors into a live model of the same architecture, in place (tied
     weights stay tied: a tensor the checkpoint leaves out must share storage with one it holds). A LoRA
     checkpoint's weights are its base's with the adapter merged in."""
-    from rlkit.training import lora
+    from rlkit.io import adapters
 
-    sd = lora.load(d, merged=True).state_dict() if lora.is_adapter_dir(d) else load_weights(d)
+    sd = adapters.load(d, merged=True).state_dict() if adapters.is_adapter_dir(d) else load_weights(d)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if unexpected:
         raise RlkitError(f"{d} holds weights this model does not have ({', '.join(sorted(unexpected)[:3])}); "

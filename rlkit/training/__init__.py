@@ -26,11 +26,11 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+from rlkit.devices import TORCH_DTYPES  # noqa: F401 (fp32/bf16/fp16 -> torch's names)
 from rlkit.errors import RlkitError
 from rlkit.training.lora import LoraOptions, lora_options  # noqa: F401 (the options every trainer takes)
 
 DTYPES = ("auto", "fp32", "bf16", "fp16")  # auto: bf16 on a GPU with bf16 kernels, fp32 on the CPU (rlkit.devices)
-TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 @dataclass(frozen=True)
