@@ -14,8 +14,9 @@ A value is checked exactly as the same value typed on the command line: its TOML
 one-value option and anything but true/false for a flag are refused, naming the key), then it goes to click
 as the string a user would type, which converts and range-checks it as it does a typed one. YAML's null
 leaves the option's default. The file is read by `tomllib` (the standard library; `tomli` on Python 3.10)
-or PyYAML's safe loader (transformers depends on it), never executed; a file over MAX_BYTES, YAML aliases
-that expand past MAX_NODES values and keys that are not strings are refused.
+or PyYAML's safe loader (transformers depends on it), never executed; a file over MAX_BYTES, one of more than
+MAX_NODES values (YAML aliases expanded, counted before any is built) and keys that are not strings are
+refused.
 
 Every output made from the command line records its options as given or defaulted (the manifest's
 `options`): `options_toml` writes them back as a file `--config` reads, so a run can be reproduced or
@@ -62,7 +63,7 @@ META_KEY = "rlkit_config_file"
 
 def read(path: Path) -> dict:
     """The file's top-level table (TOML or YAML by suffix). -> {key: value}. Raises ValueError with the reason.
-    A file over MAX_BYTES, a YAML file whose aliases expand to more than MAX_NODES values, nesting deeper than
+    A file over MAX_BYTES, one of more than MAX_NODES values (YAML aliases expanded), nesting deeper than
     Python's recursion allows and a key that is not a string are refused here."""
     suffix = path.suffix.lower()
     if suffix not in (".toml", ".yaml", ".yml"):
@@ -94,7 +95,7 @@ def read(path: Path) -> dict:
 
 # a config file holds a few lines of option values: anything this large is something else (or an attack)
 MAX_BYTES = 2**20
-MAX_NODES = 10_000  # values after YAML aliases are expanded (a "billion laughs" file expands without bound)
+MAX_NODES = 10_000  # values, YAML aliases expanded (a "billion laughs" file expands without bound)
 
 
 def _load_toml(text: str) -> dict:
@@ -104,9 +105,21 @@ def _load_toml(text: str) -> dict:
         import tomli as tomllib
 
     try:
-        return tomllib.loads(text)
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"not valid TOML: {e}") from None
+    if _count(data) > MAX_NODES:
+        raise ValueError(f"more than {MAX_NODES:,} values (an option file holds a few)")
+    return data
+
+
+def _count(value: Any) -> int:
+    """How many values `value` holds (itself included): a TOML document is a tree, no node is shared."""
+    if isinstance(value, dict):
+        return 1 + sum(_count(v) for v in value.values())
+    if isinstance(value, list):
+        return 1 + sum(_count(v) for v in value)
+    return 1
 
 
 def _load_yaml(text: str) -> Any:
@@ -121,7 +134,7 @@ def _load_yaml(text: str) -> Any:
             return {}
         n = _expanded_size(node, {}, set())
         if n > MAX_NODES:
-            raise ValueError(f"its YAML aliases expand to more than {MAX_NODES:,} values (an option file has a few)")
+            raise ValueError(f"more than {MAX_NODES:,} values, YAML aliases expanded (an option file holds a few)")
         return loader.construct_document(node)
     except yaml.YAMLError as e:
         raise ValueError(f"not valid YAML: {' '.join(str(e).split())}") from None

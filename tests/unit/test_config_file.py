@@ -185,8 +185,9 @@ def test_values_the_option_takes_become_what_the_command_line_gives():
     ("table-key.yaml", "update:\n  true: 2\n", "key true in [update] (a boolean): expected an option or command name"),
     ("bomb.yaml", "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
         f"{c}: &{c} [{', '.join([f'*{p}'] * 10)}]\n" for p, c in zip("abcdefgh", "bcdefghi", strict=True)) + "reward: *i\n",
-     "its YAML aliases expand to more than 10,000 values"),
+     "more than 10,000 values, YAML aliases expanded"),
     ("loop.yaml", "reward: &r [*r]\n", "a YAML alias refers to a node that contains it"),
+    ("long.toml", "reward = [" + '"a=1", ' * 10_001 + "]\n", "more than 10,000 values"),
     ("deep.toml", "reward = " + "[" * 50_000 + "]" * 50_000 + "\n", "nested too deeply"),
     ("big.toml", "# " + "x" * 2**20 + "\n", "larger than 1 MiB"),
     ("latin1.toml", b"label = \"caf\xe9\"\n", "not UTF-8 text"),
