@@ -104,3 +104,16 @@ def test_the_help_quotes_the_registry():
                                               (3.0, "3"), (0.0, "0"), (None, "none")])
 def test_numbers_are_written_as_the_docs_write_them(value, text):
     assert defaults_table.num(value) == text
+
+
+def test_the_aggregation_table_names_each_algorithms_default():
+    """docs/algorithms.md's "Loss aggregation" table: the "used by default by" column is the registry's."""
+    doc = ALGORITHMS_MD.read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `([a-z-]+)` \| .* \| ([a-z, -]*) \|$", doc.split("## Loss aggregation")[1].split("\n## ")[0], re.M)
+    from rlkit.ops.losses import AGGREGATIONS
+
+    assert [mode for mode, _ in rows] == list(AGGREGATIONS)  # a row per mode
+    for mode, users in rows:
+        want = {n for n in algorithms.names() if algorithms.REGISTRY[n].reads == "rollouts"
+                and algorithms.defaults(n).loss_agg == mode}
+        assert {u.strip() for u in users.split(",") if u.strip()} == want, mode
