@@ -106,8 +106,84 @@ def missing(name: str) -> list[str]:
     return [m for m in _NEEDS[name] if absent(m)]
 
 
+# a run name and a project name folders (runs/PROJECT/RUN_NAME): names, never paths
+_NOT_IN_NAME = re.compile(r"[/\\\x00-\x1f\x7f]")
+_EVENTS = re.compile(r"^events\.out\.tfevents\.")
+
+
+def name_problem(value: str) -> str | None:
+    """Why `value` cannot be a run or project name (a path, empty, control characters), or None."""
+    if not value.strip():
+        return "it is empty"
+    if value in (".", "..") or _NOT_IN_NAME.search(value):
+        return "a name is expected, not a path: no '/' or '\\', not '.' or '..', no control characters"
+    if len(value.encode()) > 255:
+        return "it is longer than 255 bytes"
+    return None
+
+
+def check_names(cfg: TrackingConfig) -> None:
+    """--run-name and --project are names (each tracker's run and project; TensorBoard's folder
+    runs/PROJECT/RUN_NAME), never paths: one line, before any work."""
+    for flag, value in (("--project", cfg.project), ("--run-name", cfg.run_name)):
+        why = None if value is None else name_problem(value)
+        if why:
+            raise RlkitError(f"{flag} {value!r}: {why} (it names the tracker run and the TensorBoard folder "
+                             "runs/PROJECT/RUN_NAME; --tensorboard DIR picks any log directory)")
+
+
+def tensorboard_dir(cfg: TrackingConfig, run: str) -> Path:
+    """TensorBoard's log directory: --tensorboard, else runs/PROJECT/RUN_NAME."""
+    return cfg.tensorboard or Path("runs") / cfg.project / run
+
+
+def check_log_dir(label: str, path: Path) -> None:
+    """Refuse a TensorBoard log directory that exists and is not one: a file, a checkpoint, a folder holding
+    anything but event files (events.out.tfevents.*). New or empty: fine."""
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise RlkitError(f"{label} {path} exists and is not a directory; expected a TensorBoard log directory (new, "
+                         "empty, or holding only event files)")
+    if (path / "rlkit.json").is_file():
+        raise RlkitError(f"{label} {path} is an rlkit checkpoint, not a TensorBoard log directory; choose another")
+    for folder, _, files in os.walk(path):
+        for f in files:
+            if not _EVENTS.match(f):
+                held = Path(folder, f).relative_to(path)
+                raise RlkitError(f"{label} {path} holds {held}, which is not a TensorBoard event file; a log directory "
+                                 "is new, empty or holds only event files (events.out.tfevents.*): choose another")
+
+
+def _mlflow_store() -> Path | None:
+    """The local file or folder MLflow's tracking URI names (sqlite:///PATH, file:PATH, PATH), else None."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+    for scheme in ("sqlite:///", "file://", "file:"):
+        if uri.startswith(scheme):
+            return Path(uri[len(scheme):]) if uri[len(scheme):] else None
+    return None if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", uri) else Path(uri)
+
+
+def outputs(cfg: TrackingConfig, stage: str, policy: Path | None = None) -> dict[str, tuple[Path, str]]:
+    """Where the trackers `cfg` asks for write, for `artifacts.claim_out(..., side=...)` (flag -> (path, form)):
+    TensorBoard's log directory, and the local stores of wandb ($WANDB_DIR/wandb), MLflow (its tracking URI's
+    file) and trackio ($TRACKIO_DIR). Checks --run-name and --project first (`check_names`)."""
+    check_names(cfg)
+    found: dict[str, tuple[Path, str]] = {}
+    if "tensorboard" in cfg.trackers:
+        found["--tensorboard"] = (tensorboard_dir(cfg, resolve_name(cfg, stage, policy)[0]), "events")
+    if "wandb" in cfg.trackers:
+        found["WANDB_DIR"] = (Path(os.environ.get("WANDB_DIR") or ".") / "wandb", "store")
+    if "mlflow" in cfg.trackers and (store := _mlflow_store()) is not None:
+        found["MLFLOW_TRACKING_URI"] = (store, "store")
+    if "trackio" in cfg.trackers and os.environ.get("TRACKIO_DIR"):
+        found["TRACKIO_DIR"] = (Path(os.environ["TRACKIO_DIR"]), "store")
+    return found
+
+
 def check(cfg: TrackingConfig) -> None:
     """Before any work: every tracker asked for is installed and its output place is usable."""
+    check_names(cfg)
     for name in cfg.trackers:
         gone = missing(name)
         if gone:
@@ -126,7 +202,8 @@ def resolve_name(cfg: TrackingConfig, stage: str, policy: Path | None = None) ->
         from rlkit.io.checkpoints import load_manifest
 
         rec = (load_manifest(policy) or {}).get("tracking")
-        if isinstance(rec, dict) and rec.get("run_name") and rec.get("project") == cfg.project:
+        if (isinstance(rec, dict) and isinstance(rec.get("run_name"), str) and not name_problem(rec["run_name"])
+                and rec.get("project") == cfg.project):
             return str(rec["run_name"]), str(policy)
     return f"{stage}-{time.strftime('%Y%m%d-%H%M%S')}", None
 
@@ -231,7 +308,9 @@ class _TensorBoard(_Backend):
         from torch.utils.tensorboard import SummaryWriter
 
         _quiet_tensorboard_thread()
-        self.logdir = self.cfg.tensorboard or Path("runs") / project / run
+        if self.cfg.tensorboard is None and (name_problem(project) or name_problem(run)):
+            raise ValueError(f"run {run!r} in project {project!r}: not a name, no folder under runs/ is made for it")
+        self.logdir = tensorboard_dir(self.cfg, run)
         self.writer = SummaryWriter(log_dir=str(self.logdir))
         self.writer.add_text(f"{stage}/config", "```\n" + json.dumps(config, indent=2) + "\n```")
         self.writer.flush()
@@ -330,14 +409,17 @@ class Tracking:
         self.close(ok=exc_type is None)
 
     def _call(self, name: str, fn, *args, backend: _Backend | None = None) -> bool:
-        """fn(*args) with the tracker's prints kept off stdout; on an error, one warning and the tracker is dropped."""
+        """fn(*args) with the tracker's prints kept off stdout; on an error (any exception but an interrupt:
+        a tracker's sys.exit() too), one warning and the tracker is dropped."""
         from rlkit import console
 
         try:
             with open(os.devnull, "w") as null, contextlib.redirect_stdout(sys.stderr if console.shows_info() else null):
                 fn(*args)
             return True
-        except Exception as e:  # a tracker never stops training
+        except KeyboardInterrupt:  # Ctrl-C, SIGTERM: the stage's, not the tracker's
+            raise
+        except BaseException as e:  # noqa: BLE001 (a tracker never stops training: its SystemExit neither)
             if self.backends.pop(name, None) is not None or backend is not None:
                 reason = " ".join(str(e).split())[:300]
                 console.warn(f"{self.stage}: tracker {name} failed ({type(e).__name__}: {reason}); "

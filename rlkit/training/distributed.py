@@ -19,6 +19,9 @@ Nothing else about the command changes:
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +66,78 @@ def init(device: str = "auto") -> DataParallel | None:
 
         console.silence()
     return dp
+
+
+FAILURE_WAIT_S = 10.0  # how long a failing rank waits for the others to fail too before it reports alone
+
+
+def agree_on_failure(code: int, head: str, text: str, wait: float = FAILURE_WAIT_S,
+                     rank: int | None = None, world: int | None = None) -> tuple[int, str | None]:
+    """A failing rank's (exit code, line to print or None), so that a failure every rank meets (a bad input,
+    seen by each or broadcast by rank 0) is one line from rank 0 and one exit code from every rank.
+
+    Each failing rank puts its code and message in the launcher's key-value store (torchrun's TCPStore at
+    MASTER_ADDR:MASTER_PORT: no collective, so a rank whose peers sit in a collective cannot hang or
+    mismatch them), then waits up to `wait` seconds for every rank's. All there: every rank exits with the
+    highest code, and rank 0 prints that rank's line. Not all (a rank failing alone: out of memory, a file
+    only its node lacks), or no store: the rank prints its own line, marked with its rank when not 0.
+    (Writing the line to torchrun's error file, TORCHELASTIC_ERROR_FILE, would put it in torchrun's summary,
+    but torchrun then logs three lines of its own about the file.)"""
+    import json
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
+
+    def line(r: int, head: str, text: str) -> str:
+        return head + (f"rank {r}: " if r else "") + text
+
+    # torchrun's agent keeps its store up for the whole job; otherwise there is one once the group is up
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and not dist.is_initialized():
+        return code, line(rank, head, text)
+    try:
+        with _no_fd2():  # c10d logs its own lines (and C++ stack frames) on a timeout
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                  timeout=timedelta(seconds=wait), wait_for_workers=False)
+            ns = f"rlkit-failed/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+            store.set(f"{ns}/{rank}", json.dumps({"code": code, "head": head, "text": text}))
+            keys = [f"{ns}/{r}" for r in range(world)]
+            store.wait(keys, timedelta(seconds=wait))
+            got = [json.loads(store.get(k)) for k in keys]
+    except Exception:  # noqa: BLE001 (no store, or not every rank failed in time: report alone)
+        return code, line(rank, head, text)
+    worst = max(range(world), key=lambda r: (got[r]["code"], -r))  # rank 0's own line on a tie
+    agreed = line(worst, got[worst]["head"], got[worst]["text"])
+    return got[worst]["code"], (agreed if rank == 0 else None)
+
+
+_FD2 = {"depth": 0, "saved": -1}
+_FD2_LOCK = threading.Lock()
+
+
+@contextmanager
+def _no_fd2() -> Iterator[None]:
+    """File descriptor 2 (stderr) on /dev/null for a moment: what C++ code writes there is lost. Nested or
+    from several threads at once, the outermost restores it."""
+    import sys
+
+    with _FD2_LOCK:
+        if _FD2["depth"] == 0:
+            sys.stderr.flush()
+            _FD2["saved"], null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, 2)
+            os.close(null)
+        _FD2["depth"] += 1
+    try:
+        yield
+    finally:
+        with _FD2_LOCK:
+            _FD2["depth"] -= 1
+            if _FD2["depth"] == 0:
+                os.dup2(_FD2["saved"], 2)
+                os.close(_FD2["saved"])
 
 
 def shutdown() -> None:
@@ -246,12 +321,14 @@ def share_table(pending, dp: DataParallel) -> SharedTable:
             body = sink.getvalue()
         except RlkitError as e:
             err = e
-            header = {"error": str(e)}
+            header = {"error": str(e), "exit_code": e.exit_code}
     header = json.loads(broadcast_bytes(json.dumps(header).encode(), dp))
     if "error" in header:
         if err is not None:
             raise err
-        raise RlkitError(header["error"])
+        same = RlkitError(header["error"])
+        same.exit_code = int(header["exit_code"])  # a cut stream (3) is 3 on every rank
+        raise same
     table = pa.ipc.open_stream(broadcast_bytes(body, dp)).read_all()
     return SharedTable(header["kind"], header["manifest"], header["fingerprint"], header["label"], table)
 

@@ -165,3 +165,24 @@ def test_sft_and_train_rm_under_torchrun_match_one_process(sft_dir, tmp_path):
     assert _max_diff(a, b) < 0.02 * max(float((a[k] - init[k]).abs().max()) for k in init if k in a)
     h1, h2 = (json.loads((d / "rlkit.json").read_text())["metrics"]["heldout_pair_accuracy"] for d in (r1, r2))
     assert h1 == h2
+
+
+def test_bad_input_under_torchrun_is_one_line_and_one_exit_code_on_every_rank(sft_dir, tmp_path):
+    """A cut --in (rank 0 reads it and broadcasts the error: exit 3 on every rank) and a missing --policy (every
+    rank sees it before the process group is up: exit 2): rank 0 alone prints the line, every rank exits with
+    the same documented code, and nothing is written. torchrun's own failure summary after a non-zero exit
+    (its ChildFailedError) is torchrun's: it lists each rank's exit code."""
+    import re
+
+    roll, cut = tmp_path / "r.arrow", tmp_path / "cut.arrow"
+    stage("rollout", "--policy", str(sft_dir), "--num-prompts", "4", "--n", "2", "--out", str(roll))
+    cut.write_bytes(roll.read_bytes()[: roll.stat().st_size // 2])
+    cases = [(["--policy", str(sft_dir), "--in", str(cut)], 3, "truncated Arrow stream"),
+             (["--policy", str(tmp_path / "nosuch"), "--in", str(roll)], 2, "nosuch not found")]
+    for args, code, said in cases:
+        r = torchrun("update", *args, "--out", str(tmp_path / "out"))
+        err = r.stderr.decode()
+        ours = [line for line in err.splitlines() if line.startswith("rlkit:")]
+        assert len(ours) == 1 and ours[0].startswith("rlkit: error: ") and said in ours[0], err[-3000:]
+        assert re.findall(r"^\s+exitcode\s+:\s*(-?\d+)", err, re.M) == [str(code)] * 2, err[-3000:]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.arrow", "r.arrow"]
