@@ -9,6 +9,7 @@ message and exit 2, and so does NaN or inf given to any float option (`command()
 from __future__ import annotations
 
 import errno
+import functools
 import math
 import os
 import signal
@@ -396,9 +397,7 @@ def _main(argv: list[str] | None = None) -> int:
     except _raised("Exit") as e:
         return e.exit_code
     except _raised("ClickException") as e:
-        if not rank:  # the same command line on every rank: the same message
-            _show_usage_error(e)
-        return e.exit_code
+        return _fail(e.exit_code, "Error: ", e.format_message(), rank, show=functools.partial(_show_usage_error, e))
     except (KeyboardInterrupt, *_raised("Abort")):
         if debug:
             raise
@@ -440,10 +439,13 @@ def _main(argv: list[str] | None = None) -> int:
         return _fail(1, f"rlkit: unexpected {type(e).__name__}: ", f"{msg} (rerun with --debug for the traceback)", rank)
 
 
-def _fail(code: int, head: str, text: str, rank: int | None) -> int:
-    """Print `head + text` on stderr and return `code`. Under torchrun (`rank` not None) the ranks that fail
-    together agree first (distributed.agree_on_failure): rank 0 alone prints, and every rank returns the
-    same code; a rank failing alone prints its own line, marked with its rank."""
+def _fail(code: int, head: str, text: str, rank: int | None, show=None) -> int:
+    """Print `head + text` on stderr (or call `show`, which prints it in full: click's usage message) and
+    return `code`. Under torchrun (`rank` not None) the ranks that fail together agree first
+    (distributed.agree_on_failure): rank 0 alone prints, and every rank returns the same code, so that no
+    rank's exit ends another (torchrun stops the rest at the first exit); a rank failing alone prints its
+    own line, marked with its rank."""
+    own = head + text
     if rank is not None:
         # a peer's exit makes torchrun send SIGTERM to this rank: let it finish reporting first
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -452,10 +454,13 @@ def _fail(code: int, head: str, text: str, rank: int | None) -> int:
 
         code, line = distributed.agree_on_failure(code, head, text)
     else:
-        line = head + text
-    if line is not None:
+        line = own
+    if line is not None and show is not None and line == own:
+        show()
+    elif line is not None:
         print(line, file=sys.stderr)
     return code
+
 
 if __name__ == "__main__":
     sys.exit(main())
