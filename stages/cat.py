@@ -4,6 +4,11 @@ Reads several tables (files, or '-' for stdin once) of the same kind and columns
 to --out or stdout. Shards (their manifests say `shard: I/N`) are checked to be one run's complete
 set, with the same command and settings apart from the shard, and joined in shard order, which
 gives the table a single job makes for the same seed; other tables are joined in the order given.
+Duplicates are refused: one file given twice (under any name: a link counts), a copy (the same
+manifest), a row an earlier input already holds, and, in rollouts and scored tables, one group_id
+for two prompts (update would merge their groups). The first two are found before anything is
+written; the rows as they stream (a file --out is then not written; on stdout the stream stops
+without its end marker, which the reading stage reports).
 The joined table carries the first input's manifest facts that downstream stages read (tokenizer,
 engine, temperature, rollout settings, reference), with `command: cat` and every input's fingerprint.
 """
@@ -18,7 +23,7 @@ import typer
 
 from rlkit.options import OutTable
 
-CARRIED = ("tokenizer", "engine", "temperature", "rollout", "reference", "reward_models")
+CARRIED = ("tokenizer", "engine", "temperature", "rollout", "reference", "reference_digest", "reward_models")
 
 
 @dataclass(frozen=True)
@@ -63,7 +68,13 @@ def _run(cfg: CatConfig) -> Path | None:
             diff = sorted(set(n) ^ set(names[0]))
             raise RlkitError(f"{r.label} has different columns from {readers[0].label} ({', '.join(diff)})")
     manifests = [r.manifest or {} for r in readers]
-    order = shards.cat_order(manifests, [r.label for r in readers])
+    labels = [r.label for r in readers]
+    order = shards.cat_order(manifests, labels)
+    dups = None
+    if not any(m.get("shard") for m in manifests):  # one run's shards are disjoint by construction (cat_order)
+        shards.same_files(cfg.inputs, labels)
+        shards.same_manifests(manifests, labels)
+        dups = shards.Duplicates(readers[0].kind)
     if any(m.get("shard") for m in manifests):
         first = _settings(manifests[order[0]])
         for i in order[1:]:
@@ -71,6 +82,7 @@ def _run(cfg: CatConfig) -> Path | None:
                 raise RlkitError(f"{readers[i].label} was made with other settings or inputs than "
                                  f"{readers[order[0]].label}; join the shards of one run only")
     head = dict(manifests[order[0]])
+    paths = artifacts.carried_paths(head)
     if head.get("command") == "rollout":  # downstream reads the sampling settings from here
         head.setdefault("rollout", head.get("config"))
         head.setdefault("temperature", (head.get("config") or {}).get("temperature"))
@@ -79,12 +91,16 @@ def _run(cfg: CatConfig) -> Path | None:
     extra = [f for f in readers[order[0]].schema if f.name not in base]
     total = sum(((m.get("shard") or {}).get("stop", 0) - (m.get("shard") or {}).get("start", 0)) for m in manifests)
     manifest = artifacts.make_manifest(kind, "cat", cfg, {r.label: r.fingerprint for r in readers},
-                                       **{k: head[k] for k in CARRIED if k in head},
+                                       **{k: head[k] for k in CARRIED if k in head}, carried_paths=paths,
                                        **({"joined_shards": len(readers), "shard_units": total}
                                           if head.get("shard") else {}))
     with artifacts.write_table(kind, out, manifest, extra) as w:
         for i in order:
+            row0 = 0
             for batch in readers[i]:
+                if dups is not None:
+                    dups.check(batch, i, labels, row0)
+                    row0 += batch.num_rows
                 cols = [batch.column(f.name) if f.name in batch.schema.names else pa.nulls(batch.num_rows, f.type)
                         for f in w.schema]
                 w.write(pa.record_batch([c.cast(f.type) for c, f in zip(cols, w.schema, strict=True)],

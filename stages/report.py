@@ -19,6 +19,8 @@ from typing import Annotated
 
 import typer
 
+from rlkit.options import output_path
+
 FORMATS = (".png", ".svg", ".pdf", ".html")
 
 
@@ -84,15 +86,52 @@ def parse_runs(specs: tuple[str, ...]) -> list[tuple[str, Path]]:
     return out
 
 
+EXPECTED = "expected the JSON-lines file written by `rlkit update --metrics` / `rlkit eval --metrics`"
+
+
+def _not_metrics(path: Path) -> str | None:
+    """What `path` is when it is plainly not a metrics file (a directory, an rlkit artifact, a binary file),
+    in words; None when it may be one."""
+    from rlkit.io import artifacts
+
+    if path.is_dir():
+        m = artifacts.read_manifest(path)
+        return "a directory" + (f" (an rlkit {m.get('kind')} checkpoint)" if m else "")
+    if not path.is_file():
+        return None if path.exists() else "missing"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError as e:
+        return f"unreadable ({e.strerror or e})"
+    m = artifacts.read_manifest(path) if head.startswith(b"\xff\xff\xff\xff") else None
+    if m is not None:
+        return f"an Arrow table (an rlkit '{m.get('kind')}' table)"
+    if head.startswith(b"\xff\xff\xff\xff"):
+        return "an Arrow table"
+    if b"\0" in head:
+        return "a binary file"
+    return None
+
+
 def load_run(name: str, path: Path) -> Run:
     from rlkit.errors import RlkitError
 
-    if not path.is_file():
-        raise RlkitError(f"metrics file {path} does not exist; expected the JSON-lines file written by "
-                         "`rlkit update --metrics` / `rlkit eval --metrics`")
+    what = _not_metrics(path)
+    if what == "missing":
+        raise RlkitError(f"metrics file {path} does not exist; {EXPECTED}")
+    if what is not None:
+        raise RlkitError(f"{path} is {what}, not a metrics file; {EXPECTED}")
     rows: dict[str, dict[int, dict]] = {}
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
+    with open(path, encoding="utf-8", errors="strict") as f:
+        lines = enumerate(f, 1)
+        while True:
+            try:
+                i, line = next(lines)
+            except StopIteration:
+                break
+            except UnicodeDecodeError:
+                raise RlkitError(f"{path} is not UTF-8 text (a binary file?), not a metrics file; {EXPECTED}") from None
             if not line.strip():
                 continue
             try:
@@ -267,7 +306,7 @@ def _run(cfg: ReportConfig) -> Path:
 
 def command(
     metrics: Annotated[list[str], typer.Argument(help="Metrics files (JSON lines from update/eval --metrics), each FILE or NAME=FILE.", show_default=False)],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Picture to write: .png, .svg, .pdf, or .html (picture and summary table in one page).")],
+    out: Annotated[Path, typer.Option("--out", "-o", parser=output_path, help="Picture to write: .png, .svg, .pdf, or .html (picture and summary table in one page).")],
     title: Annotated[str | None, typer.Option(help="Title over the panels.")] = None,
 ) -> None:
     """Plot reward, held-out accuracy, KL, length, entropy, clip fraction and drift per step; runs overlaid."""

@@ -76,11 +76,12 @@ def score_tokens(model, prompts: list[list[int]], comps: list[list[int]], pad_id
     return out  # type: ignore[return-value]
 
 
-def _score_prefs(cfg, reader, model, tokenizer, out, inputs) -> Path | None:
+def _score_prefs(cfg, reader, model, tokenizer, out, inputs, reference: dict, limits) -> Path | None:
     """A prefs table in, the same table out with the reference's summed log-prob of each response (DPO)."""
     import pyarrow as pa
 
     from rlkit import console
+    from rlkit.algorithms.inputs import check_pair_lengths
     from rlkit.errors import RlkitError
     from rlkit.io import artifacts
     from rlkit.io.data import encode_responses
@@ -90,7 +91,7 @@ def _score_prefs(cfg, reader, model, tokenizer, out, inputs) -> Path | None:
                          "--reward-fn")
     from rlkit import devices
 
-    manifest = artifacts.make_manifest("prefs", "score-ref", cfg, inputs,
+    manifest = artifacts.make_manifest("prefs", "score-ref", cfg, inputs, **reference,
                                        **devices.manifest_entry(devices.model_device(model)))
     rows = 0
     with artifacts.write_table("prefs", out, manifest) as w, console.progress("score-ref", None, unit="pairs") as bar:
@@ -101,6 +102,8 @@ def _score_prefs(cfg, reader, model, tokenizer, out, inputs) -> Path | None:
             prompts = batch.column("prompt").to_pylist()
             for side in ("chosen", "rejected"):
                 p_ids, r_ids = encode_responses(tokenizer, prompts, batch.column(side).to_pylist())
+                check_pair_lengths(batch, side, p_ids, r_ids, limits, reader.label, row0=rows,
+                                   budget=cfg.batch_tokens)
                 lps = score_tokens(model, p_ids, r_ids, tokenizer.pad_token_id, 1.0, cfg.batch_tokens)
                 cols[f"ref_{side}_logp"] = pa.array([sum(x) for x in lps], pa.float64())
             w.write(pa.record_batch([cols[f.name] if f.name in cols else pa.nulls(batch.num_rows, f.type)
@@ -114,14 +117,16 @@ def _score_prefs(cfg, reader, model, tokenizer, out, inputs) -> Path | None:
 
 
 def recorded_reference(upstream: dict) -> tuple[Path, Path]:
-    """(the reference, the policy that records it) for rollouts sampled by a policy `update` trained: its
-    manifest names the reference its input was scored against. Checked against the fingerprint recorded
+    """(the reference, the policy that records it, as the rollout named it) for rollouts sampled by a policy
+    `update` trained: its manifest names the reference its input was scored against. The policy is read at the
+    path resolved when the rollout ran (this stage may run elsewhere). Checked against the fingerprint recorded
     then; an SFT checkpoint records none: the error says how to make one and pass it."""
     from rlkit.errors import RlkitError
     from rlkit.io import artifacts, checkpoints
 
-    cfg = upstream.get("rollout") or upstream.get("config") or {}
-    policy = cfg.get("policy")
+    section = "rollout" if upstream.get("rollout") else "config"
+    policy = artifacts.recorded_path(upstream, section, "policy")
+    given = (upstream.get(section) or {}).get("policy")
     nothing = ("nothing to score with: pass --ref REF (reference log-probs), --rm NAME=DIR and/or "
                "--reward-fn NAME=FILE.py:FUNC")
     if not policy or not Path(policy).is_dir():
@@ -136,7 +141,7 @@ def recorded_reference(upstream: dict) -> tuple[Path, Path]:
         raise RlkitError(f"{policy} was trained against the reference {ref}, which is not there any more; pass --ref REF")
     if entry.get("fingerprint") and artifacts.fingerprint(ref) != entry["fingerprint"]:
         raise RlkitError(f"the reference {ref} has changed since {policy} was trained against it; pass --ref REF")
-    return ref, Path(policy)
+    return ref, Path(given if isinstance(given, str) else policy)
 
 
 def parse_rms(specs: tuple[str, ...]) -> dict[str, Path]:
@@ -201,10 +206,15 @@ def _run(cfg: ScoreRefConfig) -> Path | None:
         console.info(f"score-ref: reference {recorded[0]} (recorded by {recorded[1]})")
     else:  # the input opens and streams into memory on a thread while torch imports and the models load
         pending = artifacts.open_table(cfg.inp, ["rollouts", "scored", "prefs"])
-    model = tokenizer = None
+    model = tokenizer = limits = None
+    reference: dict = {}  # the manifest entries naming the reference: its path and its weights' digest
     if cfg.ref is not None:
+        from rlkit.algorithms.inputs import Limits
+
         compute = cfg.dtype if cfg.dtype != "auto" else ("fp32" if dev.type == "cpu" else "stored")
-        model, tokenizer, _ = checkpoints.load_reference(cfg.ref, dev, cfg.trust_remote_code, compute)
+        model, tokenizer, ref_m = checkpoints.load_reference(cfg.ref, dev, cfg.trust_remote_code, compute)
+        limits = Limits.of(model, f"reference {cfg.ref}")
+        reference = {"reference": Path(cfg.ref), "reference_digest": ref_m.get("weights_digest")}
     from rlkit.tasks.reward_model import load_reward_model
 
     scorers = {name: load_reward_model(d, cfg.trust_remote_code, device=dev) for name, d in rms.items()}
@@ -216,7 +226,7 @@ def _run(cfg: ScoreRefConfig) -> Path | None:
     if reader.kind == "prefs":
         if cfg.shard:
             raise RlkitError("--shard cuts rollouts tables; score a prefs table whole")
-        return _score_prefs(cfg, reader, model, tokenizer, out, inputs)
+        return _score_prefs(cfg, reader, model, tokenizer, out, inputs, reference, limits)
     upstream = reader.manifest or {}
     want = upstream.get("tokenizer")
     if tokenizer is not None and want and want != checkpoints.tokenizer_fingerprint(tokenizer):
@@ -247,7 +257,8 @@ def _run(cfg: ScoreRefConfig) -> Path | None:
                                        rollout=upstream.get("rollout") or upstream.get("config"), temperature=temperature,
                                        engine=upstream.get("engine"), reward_models={n: str(d) for n, d in rms.items()},
                                        reward_fns={f.name: f.label for f in fns},
-                                       reference=str(cfg.ref) if cfg.ref else upstream.get("reference"), **shard,
+                                       **(reference or {k: upstream.get(k) for k in ("reference", "reference_digest")}),
+                                       carried_paths=artifacts.carried_paths(upstream), **shard,
                                        **(devices.manifest_entry(dev) if dev is not None else {}))
     lp_type = artifacts.kind("scored").schema().field("ref_logprobs").type
     following = bool((upstream.get("rollout") or upstream.get("config") or {}).get("follow"))
@@ -258,7 +269,8 @@ def _run(cfg: ScoreRefConfig) -> Path | None:
     try:
         rows = _score_stream(cfg, batches, w_args=(out_kind, out, manifest, extra), model=model, tokenizer=tokenizer,
                              temperature=temperature, scorers=scorers, lp_type=lp_type, reader=reader,
-                             empty_ok=bool(shard) or following, fns=fns,
+                             empty_ok=bool(shard) or following, fns=fns, limits=limits,
+                             row0=span.start if cfg.shard else 0,
                              started=(lambda: devices.announce("score-ref", dev, None)) if dev is not None else None)
     except BrokenPipeError:
         if not following:
@@ -272,13 +284,16 @@ def _run(cfg: ScoreRefConfig) -> Path | None:
 
 
 def _score_stream(cfg: ScoreRefConfig, batches, w_args, model, tokenizer, temperature, scorers, lp_type, reader,
-                  empty_ok: bool, fns=(), started=None) -> int:
+                  empty_ok: bool, fns=(), started=None, limits=None, row0: int = 0) -> int:
     """Score `batches` one by one, writing each as soon as it is scored; -> rows written. An empty input
     is an error unless `empty_ok` (a shard may be empty; a follow run that was already finished is).
-    `started()` is called once, when the first batch arrives (the stage's device line)."""
+    `started()` is called once, when the first batch arrives (the stage's device line). `limits`: the
+    reference's vocabulary and context, which each batch's rows must fit, and no longer than --batch-tokens,
+    before the reference runs (`check_rows`; `row0`, the first batch's row number in the input, names them)."""
     import pyarrow as pa
 
     from rlkit import console
+    from rlkit.algorithms.inputs import check_rows
     from rlkit.errors import RlkitError
     from rlkit.io import artifacts
     from rlkit.tasks import reward_fns
@@ -286,6 +301,9 @@ def _score_stream(cfg: ScoreRefConfig, batches, w_args, model, tokenizer, temper
 
     with artifacts.write_table(*w_args) as w, console.progress("score-ref", None, unit="rows") as bar:
         for batch in batches:
+            if limits is not None:
+                check_rows(batch, limits, reader.label, row0=row0, budget=cfg.batch_tokens)
+            row0 += batch.num_rows
             if started is not None:
                 started()
                 started = None

@@ -54,6 +54,129 @@ class Loaded(NamedTuple):
     reward_weights: dict[str, float] | None  # the reward components' weights used (for the manifest)
 
 
+class Limits(NamedTuple):
+    """What a model can take, checked on every row of a table before it runs (`check_rows`)."""
+
+    vocab: int  # rows of the input embedding: valid token ids are 0 .. vocab - 1
+    context: int | None  # the longest sequence it was built for (max_position_embeddings), None if unknown
+    what: str = "the model"  # named in the messages: "--policy pol/", "reference ref/"
+
+    @classmethod
+    def of(cls, model, what: str = "the model") -> Limits:
+        emb = model.get_input_embeddings()
+        vocab = int(getattr(emb, "num_embeddings", 0) or model.config.vocab_size)
+        return cls(vocab, context_length(model.config), what)
+
+
+# config attributes that hold a model's context length, by architecture family
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def context_length(config) -> int | None:
+    """A transformers config's context length (max_position_embeddings or its older names); None if it has none."""
+    for key in _CONTEXT_KEYS:
+        v = getattr(config, key, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def _row_name(table, i: int, row0: int = 0) -> str:
+    """'row 3 (prompt_id 'q7', sample 1)': row `i` of `table`, row `row0 + i` of the whole table, as the user
+    can find it."""
+    names = table.schema.names
+    parts = []
+    if "prompt_id" in names:
+        parts.append(f"prompt_id {table.column('prompt_id')[i].as_py()!r}")
+    if "sample_idx" in names:
+        parts.append(f"sample {table.column('sample_idx')[i].as_py()}")
+    return f"row {row0 + i}" + (f" ({', '.join(parts)})" if parts else "")
+
+
+def check_rows(table, limits: Limits, label: str, *, row0: int = 0, budget: int | None = None,
+               budget_flag: str = "--batch-tokens") -> None:
+    """Refuse, in one line naming the row and the column, a rollouts/scored table (or record batch) the model
+    cannot take: a token id outside `limits.vocab` (negative or too large: another tokenizer's table), an empty
+    prompt, a prompt + completion longer than the model's context, or (`budget`) longer than the token
+    budget of one forward batch, which `budget_flag` raises. `row0`: the first row's number in the whole
+    table (a stream checked batch by batch). Vectorised: a table of millions of tokens costs milliseconds."""
+    import pyarrow as pa
+
+    for batch in table.to_batches() if isinstance(table, pa.Table) else [table]:
+        _check_batch(batch, limits, label, row0, budget, budget_flag)
+        row0 += batch.num_rows
+
+
+def _check_batch(table, limits: Limits, label: str, row0: int, budget: int | None, budget_flag: str) -> None:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    for col in ("prompt_ids", "completion_ids"):
+        ids = table.column(col)
+        flat = pc.list_flatten(ids)
+        if len(flat) == 0:
+            continue
+        lo, hi = pc.min_max(flat).values()
+        if lo.as_py() >= 0 and hi.as_py() < limits.vocab:
+            continue
+        bad = pc.or_(pc.less(flat, 0), pc.greater_equal(flat, limits.vocab))
+        k = pc.index(bad, pa.scalar(True)).as_py()
+        row = pc.list_parent_indices(ids)[k].as_py()
+        raise RlkitError(f"{label}: {_row_name(table, row, row0)}, column '{col}', holds token id "
+                         f"{flat[k].as_py()}, outside {limits.what}'s vocabulary (0..{limits.vocab - 1}); the table "
+                         "was tokenized for another model, or is damaged")
+    plen = pc.list_value_length(table.column("prompt_ids")).fill_null(0)
+    clen = pc.list_value_length(table.column("completion_ids")).fill_null(0)
+    if len(plen) and pc.min(plen).as_py() == 0:
+        row = pc.index(plen, pa.scalar(0, plen.type)).as_py()
+        raise RlkitError(f"{label}: {_row_name(table, row, row0)} has an empty 'prompt_ids'; a completion is scored "
+                         "given its prompt, which needs at least one token (the BOS token)")
+    total = pc.add(plen, clen)
+    longest = pc.max(total).as_py() if len(total) else 0
+    for limit, what in ((limits.context, f"{limits.what}'s context of {limits.context} tokens "
+                                         "(max_position_embeddings)"),
+                        (budget, f"{budget_flag} {budget}, the token budget of one forward batch")):
+        if limit is None or longest <= limit:
+            continue
+        row = pc.index(pc.greater(total, limit), pa.scalar(True)).as_py()
+        n, p = total[row].as_py(), plen[row].as_py()
+        fix = ("drop or shorten such rows (rollout --max-new-tokens caps completions)" if limit == limits.context
+               else f"raise {budget_flag} to at least {n} if memory allows")
+        raise RlkitError(f"{label}: {_row_name(table, row, row0)} is {n} tokens long (prompt {p} + completion "
+                         f"{n - p}), more than {what}; {fix}")
+
+
+def check_pair_lengths(table, side: str, prompts: list[list[int]], responses: list[list[int]], limits: Limits | None,
+                       label: str, row0: int = 0, budget: int | None = None) -> None:
+    """A prefs table's pairs, tokenized: refuse a prompt + `side` response longer than the model's context (or
+    than `budget`, --batch-tokens), naming the pair."""
+    checks = []
+    if limits is not None and limits.context is not None:
+        checks.append((limits.context, f"{limits.what}'s context of {limits.context} tokens (max_position_embeddings)",
+                       "drop or shorten such pairs"))
+    if budget is not None:
+        checks.append((budget, f"--batch-tokens {budget}, the token budget of one forward batch",
+                       "raise --batch-tokens to at least {n} if memory allows"))
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        n = len(p) + len(r)
+        for limit, what, fix in checks:
+            if n > limit:
+                raise RlkitError(f"{label}: {_row_name(table, i, row0)}: prompt + {side} response is {n} tokens, "
+                                 f"more than {what}; {fix.format(n=n)}")
+
+
+def check_not_all_empty(table, label: str) -> None:
+    """A table whose every completion has no token gives no loss to descend: one line, not autograd's error.
+    (Some empty completions are fine: they weigh nothing.)"""
+    import pyarrow.compute as pc
+
+    lengths = pc.list_value_length(table.column("completion_ids")).fill_null(0)
+    if table.num_rows and pc.max(lengths).as_py() == 0:
+        raise RlkitError(f"{label}: every completion is empty (0 tokens in all {table.num_rows} rows): nothing to "
+                         "train on; sample again (rollout --max-new-tokens must be > 0, and the policy must not end "
+                         "every answer at once)")
+
+
 def _padded(rows: list[list[float]], C: int) -> Tensor:
     out = torch.zeros((len(rows), C), dtype=torch.float32)
     for i, r in enumerate(rows):
@@ -110,8 +233,9 @@ def build_batch(table, pad_id: int, weights: dict[str, float] | None = None,
     return RLBatch(ids, attn, targets, mask, start, _padded(old, C), ref, rewards, groups), used
 
 
-def build_pref_batch(table, tokenizer) -> PrefBatch:
-    """Tensors from a prefs table that `score-ref --ref` has scored."""
+def build_pref_batch(table, tokenizer, limits: Limits | None = None, label: str = "the input") -> PrefBatch:
+    """Tensors from a prefs table that `score-ref --ref` has scored; `limits`: refuse a pair longer than the
+    model's context, naming it."""
     from rlkit.io.data import encode_responses
 
     for col in ("ref_chosen_logp", "ref_rejected_logp"):
@@ -121,6 +245,8 @@ def build_pref_batch(table, tokenizer) -> PrefBatch:
     prompts = table.column("prompt").to_pylist()
     p_c, r_c = encode_responses(tokenizer, prompts, table.column("chosen").to_pylist())
     p_r, r_r = encode_responses(tokenizer, prompts, table.column("rejected").to_pylist())
+    for side, ps, rs in (("chosen", p_c, r_c), ("rejected", p_r, r_r)):
+        check_pair_lengths(table, side, ps, rs, limits, label)
     ids, attn, targets, mask, start = pack_sequences(p_c + p_r, r_c + r_r, tokenizer.pad_token_id)
     ref = torch.tensor(table.column("ref_chosen_logp").to_pylist() + table.column("ref_rejected_logp").to_pylist(),
                        dtype=torch.float32)
@@ -203,14 +329,18 @@ class Rollouts:
 
     def load(self, table, *, upstream: dict, tokenizer, rl: RLConfig, dtype: str, weights: dict[str, float] | None,
              length_penalty: float, policy_fingerprint: str | None = None, lags: Tensor | None = None,
-             label: str = "the input") -> Loaded:
+             label: str = "the input", limits: Limits | None = None) -> Loaded:
         """`policy_fingerprint`: warn when the rows were sampled from another checkpoint (one update; under
-        --follow every row is, by its lag). `lags` (N,): the rows' policy lags under --follow."""
+        --follow every row is, by its lag). `lags` (N,): the rows' policy lags under --follow. `limits`: the
+        policy's vocabulary and context, which every row must fit (`check_rows`) before the model runs."""
         from rlkit import console
 
         for col in ("prompt_ids", "completion_ids", "old_logprobs"):
             if table.column(col).null_count:
                 raise RlkitError(f"{label}: column '{col}' has missing values; rollouts need token ids and log-probs")
+        if limits is not None:
+            check_rows(table, limits, label)
+        check_not_all_empty(table, label)
         if policy_fingerprint is not None and any(
                 p != policy_fingerprint for p in set(table.column("policy_fingerprint").to_pylist())):
             console.warn("these rollouts were sampled from another checkpoint than --policy (off-policy); "
@@ -261,5 +391,5 @@ class Prefs:
     def check_upstream(self, upstream: dict, tokenizer, policy) -> None:
         """Prefs are text: the policy's tokenizer encodes them."""
 
-    def load(self, table, *, tokenizer, **_: Any) -> Loaded:
-        return Loaded(build_pref_batch(table, tokenizer), {}, {}, None)
+    def load(self, table, *, tokenizer, limits: Limits | None = None, label: str = "the input", **_: Any) -> Loaded:
+        return Loaded(build_pref_batch(table, tokenizer, limits, label), {}, {}, None)

@@ -157,11 +157,20 @@ def command_options(options: Mapping[str, Any]) -> Iterator[None]:
         _OPTIONS.reset(token)
 
 
-def make_manifest(kind: str, command: str, config: Any, inputs: Mapping[str, str], **extra: Any) -> dict:
+def make_manifest(kind: str, command: str, config: Any, inputs: Mapping[str, str],
+                  carried_paths: Mapping[str, Any] | None = None, **extra: Any) -> dict:
     """The manifest every artifact carries: what made it, from what, with which settings (and, made from the
-    command line, the command's options)."""
+    command line, the command's options).
+
+    Paths are recorded as given (relative ones mean something only in the directory the stage ran in) and,
+    under `paths`, resolved beside them: `paths.config` mirrors the config's paths (its Path values, and the
+    strings that name an existing file or directory, such as --in), `paths.NAME` a Path-valued extra NAME.
+    `carried_paths`: the resolved paths of entries carried over from an upstream manifest (`carried_paths()`).
+    Readers take a path with `recorded_path`, which prefers the resolved one."""
     k = KINDS.get(kind)
     options = _OPTIONS.get()
+    resolved = {**(carried_paths or {}), "config": _resolved_paths(config) or {},
+                **{name: _resolved_paths(v) for name, v in extra.items() if isinstance(v, Path)}}
     return {
         "kind": kind,
         "schema_version": k.version if k else 1,
@@ -171,8 +180,58 @@ def make_manifest(kind: str, command: str, config: Any, inputs: Mapping[str, str
         "inputs": dict(inputs),
         "rlkit_version": __version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        **extra,
+        **{name: jsonable(v) for name, v in extra.items()},
+        "paths": {name: v for name, v in resolved.items() if v is not None},
     }
+
+
+def _resolved_paths(value: Any) -> Any:
+    """The paths in a config value, resolved (absolute, links followed), nested like the value; None where it
+    holds none. A string counts when it names an existing file or directory ('-', stdin, never)."""
+    if hasattr(value, "__dataclass_fields__"):
+        value = {k: getattr(value, k) for k in value.__dataclass_fields__}
+    if isinstance(value, Mapping):
+        out = {str(k): r for k, v in value.items() if (r := _resolved_paths(v)) is not None}
+        return out or None
+    if isinstance(value, list | tuple):
+        items = [_resolved_paths(v) for v in value]
+        return items if any(r is not None for r in items) else None
+    if isinstance(value, Path) or (isinstance(value, str) and value.strip() not in ("", "-")
+                                   and os.path.exists(value)):
+        p = Path(value)
+        try:
+            return str(p.resolve())
+        except (OSError, RuntimeError):  # a symbolic link loop
+            return str(p.absolute())
+    return None
+
+
+def recorded_path(manifest: Mapping[str, Any] | None, *keys: str | int) -> str | None:
+    """The path a manifest records at `keys`, e.g. ("config", "policy") or ("reference",): the resolved one
+    recorded beside it (`make_manifest`) when it exists, else the given one when it exists (a manifest
+    older than resolved paths, read where its stage ran; a tree moved as a whole), else whichever is
+    recorded (for a message); None when none is."""
+    given: Any = manifest or {}
+    resolved: Any = (manifest or {}).get("paths")
+    for k in keys:
+        given, resolved = _at(given, k), _at(resolved, k)
+    found = [c for c in (resolved, given) if isinstance(c, str) and c.strip()]
+    return next((c for c in found if Path(c).exists()), found[0] if found else None)
+
+
+def _at(node: Any, k: str | int) -> Any:
+    if isinstance(k, int):
+        return node[k] if isinstance(node, list) and -len(node) <= k < len(node) else None
+    return node.get(k) if isinstance(node, Mapping) else None
+
+
+def carried_paths(upstream: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The resolved paths of what a stage carries over from an upstream manifest into its own (`rollout`: the
+    sampling settings, the upstream's own config when it is the rollout; `reference`), for `make_manifest`."""
+    paths = (upstream or {}).get("paths") or {}
+    out = {"rollout": paths.get("rollout") if (upstream or {}).get("rollout") else paths.get("config"),
+           "reference": paths.get("reference")}
+    return {k: v for k, v in out.items() if v}
 
 
 def sha256_file(path: Path) -> str:

@@ -101,3 +101,95 @@ def cat_order(manifests: Sequence[Mapping[str, Any] | None], labels: Sequence[st
             raise RlkitError(f"{labels[a]} ends at row/prompt {entries[a]['stop']} but {labels[b]} starts at "
                              f"{entries[b]['start']}; they are not shards of one run")
     return order
+
+
+def same_files(paths: Sequence[str], labels: Sequence[str]) -> None:
+    """Refuse one table file given twice: the same path, or another name for it (a symbolic or hard link),
+    seen by its device and inode. '-' (stdin) is left to `same_manifests` and `Duplicates`."""
+    import os
+
+    seen: dict[tuple[int, int], str] = {}
+    for p, label in zip(paths, labels, strict=True):
+        if str(p) == "-":
+            continue
+        try:
+            st = os.stat(p)
+        except OSError:
+            continue
+        key = (st.st_dev, st.st_ino)
+        if key in seen:
+            how = "given twice" if os.path.abspath(p) == os.path.abspath(seen[key]) else "the same file under two names"
+            raise RlkitError(f"{seen[key]} and {label} are one table ({how}); cat refuses duplicates: give each table "
+                             "once")
+        seen[key] = label
+
+
+def same_manifests(manifests: Sequence[Mapping[str, Any] | None], labels: Sequence[str]) -> None:
+    """Refuse two tables with the same rlkit manifest: one table twice (a copy), since every stage's manifest
+    names its inputs, settings and the second it was made in. Shards are told apart by their `shard`."""
+    import json
+
+    seen: dict[str, str] = {}
+    for m, label in zip(manifests, labels, strict=True):
+        if not m:
+            continue
+        key = json.dumps(m, sort_keys=True, default=str)
+        if key in seen:
+            raise RlkitError(f"{label} is a copy of {seen[key]} (the same manifest: one table made once); cat refuses "
+                             "duplicates: give each table once")
+        seen[key] = label
+
+
+# the columns that tell a row apart, by table kind (rollouts and scored rows also by their group)
+ROW_KEYS = {"rollouts": ("prompt_id", "group_id", "sample_idx", "completion"),
+            "scored": ("prompt_id", "group_id", "sample_idx", "completion"),
+            "prefs": ("prompt_id", "prompt", "chosen", "rejected"),
+            "prompts": ("prompt_id", "prompt"),
+            "sft": ("prompt", "completion")}
+
+
+class Duplicates:
+    """Rows of the tables `cat` joins, checked batch by batch as they stream (tables that are not one run's
+    shards): a row that an earlier input already holds is refused (the same table twice, or rows of it again
+    in another), and for rollouts and scored tables so is a group_id an earlier input gave another prompt
+    (update would take the two for one group). Samples of one prompt from two runs may share a group_id:
+    they make one larger group of that prompt. Rows repeated within one input are its own business."""
+
+    def __init__(self, kind: str) -> None:
+        self.keys = ROW_KEYS.get(kind, ())
+        self.grouped = kind in ("rollouts", "scored")
+        self.rows: dict[int, int] = {}  # hash of a row's key -> the input that holds it
+        self.groups: dict[int, tuple[int, str]] = {}  # group_id -> (input, prompt_id)
+
+    def check(self, batch, i: int, labels: Sequence[str], row0: int) -> None:
+        """Batch `batch` of input `i`, whose first row is that input's row `row0`."""
+        names = batch.schema.names
+        keys = [k for k in self.keys if k in names]
+        if not keys:
+            return
+        cols = [batch.column(k).to_pylist() for k in keys]
+        pid = cols[keys.index("prompt_id")] if "prompt_id" in keys else None
+        for r, key in enumerate(zip(*cols, strict=True)):
+            h = hash(key)
+            first = self.rows.setdefault(h, i)
+            if first != i:
+                raise RlkitError(f"{labels[i]} row {row0 + r} ({_describe(dict(zip(keys, key, strict=True)))}) is "
+                                 f"already in {labels[first]}; cat refuses duplicates: give each table once")
+            if self.grouped and "group_id" in keys and pid is not None:
+                g = key[keys.index("group_id")]
+                j, p = self.groups.setdefault(g, (i, pid[r]))
+                if j != i and p != pid[r]:
+                    raise RlkitError(f"{labels[i]} row {row0 + r} has group_id {g} for prompt_id {pid[r]!r}, which "
+                                     f"{labels[j]} uses for prompt_id {p!r}: update would take the two prompts' "
+                                     "samples for one group; join tables whose groups are distinct (the shards of "
+                                     "one run, or rollouts of one prompts table)")
+
+
+def _describe(row: Mapping[str, Any]) -> str:
+    parts = [f"prompt_id {row['prompt_id']!r}"] if "prompt_id" in row else []
+    if "sample_idx" in row:
+        parts.append(f"sample {row['sample_idx']}")
+    if not parts:
+        text = str(row.get("prompt", ""))
+        parts.append(f"prompt {text[:40]!r}" + ("..." if len(text) > 40 else ""))
+    return ", ".join(parts)
