@@ -90,15 +90,19 @@ EXPECTED = "expected the JSON-lines file written by `rlkit update --metrics` / `
 
 
 def _not_metrics(path: Path) -> str | None:
-    """What `path` is when it is plainly not a metrics file (a directory, an rlkit artifact, a binary file),
-    in words; None when it may be one."""
+    """What `path` is when it is plainly not a metrics file (a directory, an rlkit artifact, a binary file, a
+    device), in words; None when it may be one (a file of text, a pipe: `rlkit report <(...)`)."""
+    import stat
+
     from rlkit.io import artifacts
 
     if path.is_dir():
         m = artifacts.read_manifest(path)
         return "a directory" + (f" (an rlkit {m.get('kind')} checkpoint)" if m else "")
+    if not path.exists():
+        return "missing"
     if not path.is_file():
-        return None if path.exists() else "missing"
+        return None if stat.S_ISFIFO(path.stat().st_mode) else "a device or socket"
     try:
         with open(path, "rb") as f:
             head = f.read(4096)

@@ -457,6 +457,8 @@ TABLE_ROWS = [
                  "checkpoint), not a metrics file", id="report-checkpoint-dir"),
     pytest.param(["report", "{w}/plain-dir", "--out", "{out}.png"], "{w}/plain-dir is a directory, not a metrics "
                  "file", id="report-directory"),
+    pytest.param(["report", "/dev/zero", "--out", "{out}.png"], "/dev/zero is a device or socket, not a metrics file",
+                 id="report-device"),
 ]
 
 
