@@ -55,12 +55,15 @@ class EvalConfig:
 
 
 def run(cfg: EvalConfig) -> dict:
-    """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
+    """Claims its outputs, --metrics and the trackers' (see `artifacts.claim_out`: never an input, never a
+    file it did not make) and runs the stage."""
     from rlkit import devices
-    from rlkit.io import checkpoints
+    from rlkit.io import artifacts, checkpoints, tracking
 
     devices.parse(cfg.device)
-    with checkpoints.verifying(cfg.verify):
+    inputs = {"--policy": cfg.policy, "--prompts": cfg.prompts, "--rm": cfg.rm, "--task": cfg.task}
+    side = {"--metrics": (cfg.metrics, "metrics"), **tracking.outputs(cfg.tracking, "eval", cfg.policy)}
+    with artifacts.claim_out(None, "file", inputs, side), checkpoints.verifying(cfg.verify):
         return _run(cfg)
 
 

@@ -484,11 +484,23 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
             else:
                 old = _tmp_sibling(out, "old")
                 os.rename(out, old)
-                os.rename(tmp, out)
+                try:
+                    os.rename(tmp, out)
+                except BaseException:
+                    os.rename(old, out)  # the old contents back where they were
+                    raise
                 shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, out)
     fsync_dir(out.parent)
+
+
+def _remove(p: Path) -> None:
+    """Remove a temporary file or directory this process made (gone already: nothing to do)."""
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        p.unlink(missing_ok=True)
 
 
 @contextmanager
@@ -504,10 +516,10 @@ def atomic_dir(out: Path) -> Iterator[Path]:
         tmp.mkdir()
         yield tmp
         fsync_tree(tmp)
+        _swap_into_place(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp)  # after a swap: already gone (renamed, or the old contents removed)
         raise
-    _swap_into_place(tmp, out)
 
 
 @contextmanager
@@ -517,10 +529,10 @@ def atomic_file(out: Path) -> Iterator[Path]:
     tmp = _tmp_sibling(out, "tmp")
     try:
         yield tmp
+        _swap_into_place(tmp, out)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _remove(tmp)
         raise
-    _swap_into_place(tmp, out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -553,6 +565,13 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _resolved(p: Path) -> Path:
+    try:
+        return p.resolve()
+    except (OSError, RuntimeError):  # a symbolic link loop (RuntimeError before Python 3.13)
+        return p.absolute()
+
+
 def _same_or_inside(a: Path, b: Path) -> bool:
     """True when `a` is `b` (same inode, whatever the spelling or links) or lies inside directory `b`."""
     try:
@@ -560,7 +579,7 @@ def _same_or_inside(a: Path, b: Path) -> bool:
             return True
     except OSError:
         pass
-    ra, rb = a.resolve(), b.resolve()
+    ra, rb = _resolved(a), _resolved(b)
     return ra == rb or rb in ra.parents
 
 
@@ -592,16 +611,131 @@ def _input_paths(inputs: Mapping[str, Any]) -> list[tuple[str, Path]]:
     return found
 
 
-def check_not_input(out: Path, inputs: Mapping[str, Any]) -> None:
-    """Refuse an --out that is one of the stage's inputs, contains one, or lies inside one."""
+def check_not_input(out: Path, inputs: Mapping[str, Any], label: str = "--out") -> None:
+    """Refuse an output (`label`: its flag) that is one of the stage's inputs, contains one, or lies inside one."""
     for flag, p in _input_paths(inputs):
         if _same_or_inside(p, out):
             what = "is" if _same_or_inside(out, p) else "contains"
-            raise RlkitError(f"--out {out} {what} one of this stage's inputs ({flag} {p}); a stage never writes "
-                             "over its own input: choose another --out")
+            raise RlkitError(f"{label} {out} {what} one of this stage's inputs ({flag} {p}); a stage never writes "
+                             f"over its own input: choose another {label}")
         if p.is_dir() and _same_or_inside(out, p):
-            raise RlkitError(f"--out {out} lies inside an input directory ({flag} {p}); a stage never writes into "
-                             "its own input: choose another --out")
+            raise RlkitError(f"{label} {out} lies inside an input directory ({flag} {p}); a stage never writes into "
+                             f"its own input: choose another {label}")
+
+
+# What an output path is, for `check_outputs` (and `claim_out`'s `expect` and `side`):
+#   model, table, file  --out, replaced in one atomic step (`check_out`: only over an rlkit artifact of that form)
+#   follow              `update --follow`'s directory of step checkpoints (rlkit.io.follow checks what is in it)
+#   metrics             a JSON-lines file rows are appended to (rlkit.io.metrics_log: new, or a metrics file)
+#   events              a TensorBoard log directory (rlkit.io.tracking: new, empty or only event files)
+#   store               a tracker's own store, shared by runs (wandb's folder, MLflow's database, trackio's folder)
+REPLACED = ("model", "table", "file")
+# a directory holding one of these is a model checkpoint: no stage writes into one it is not writing
+_MODEL_FILES = (MODEL_MANIFEST, "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "adapter_model.safetensors", "adapter_config.json")
+
+
+def _is_model_dir(d: Path) -> bool:
+    return any((d / name).is_file() for name in _MODEL_FILES)
+
+
+def _check_place(label: str, p: Path) -> None:
+    """Refuse a path no output can be written at: empty, a symbolic link that leads nowhere (dangling, a loop),
+    under a parent that is a file."""
+    if not str(p).strip():
+        raise RlkitError(f"{label}: the path is empty; expected a path to write")
+    try:
+        for q in (p, *p.parents):
+            if q.is_symlink() and not q.exists():
+                where = "" if q == p else f": its parent {q}"
+                raise RlkitError(f"{label} {p}{where} is a symbolic link that leads nowhere (dangling, or a loop); "
+                                 "expected a path to write: fix the link or choose another path")
+            if q != p and q.exists():
+                if not q.is_dir():
+                    raise OutputUnwritable(f"cannot write {label} {p}: its parent {q} is a file, not a directory; "
+                                           "choose a path in a folder")
+                return
+    except PermissionError as e:
+        raise _unwritable(p, e, label) from None
+
+
+def _check_not_in_checkpoint(label: str, p: Path) -> None:
+    """Refuse an output inside a model checkpoint (a file there would change the checkpoint's contents and
+    fingerprint; the checkpoint a stage writes replaces its directory whole, dropping anything put in it)."""
+    for d in _resolved(p).parents:
+        if _is_model_dir(d):
+            raise RlkitError(f"{label} {p} lies inside the checkpoint {d}; a stage never writes into a checkpoint: "
+                             f"choose another {label}")
+
+
+def _check_writable(label: str, p: Path) -> None:
+    """A side output's location can be written (checked now: a read-only place fails before the work)."""
+    q = p if p.exists() else next((d for d in p.parents if d.exists()), Path("."))
+    if not os.access(q, os.W_OK):
+        e = OSError(30 if _read_only(q) else 13, "read-only file system" if _read_only(q) else "permission denied")
+        raise _unwritable(p, e, label, where=q)
+
+
+def _read_only(q: Path) -> bool:
+    try:
+        return bool(os.statvfs(q).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def _check_form(label: str, p: Path, form: str) -> None:
+    if form in REPLACED:
+        if p.is_symlink():
+            raise RlkitError(f"{label} {p} is a symbolic link (to {_resolved(p)}); a stage replaces its output "
+                             "whole and never writes through a link or over it: pass the path itself or another")
+        check_out(p, form)
+    elif form == "metrics":
+        from rlkit.io import metrics_log
+
+        metrics_log.check_target(label, p)
+        _check_writable(label, p)
+    elif form == "events":
+        from rlkit.io import tracking
+
+        tracking.check_log_dir(label, p)
+        _check_writable(label, p)
+    elif form == "store":
+        if (p.is_dir() or p.is_file()) and read_manifest(p) is not None:
+            raise RlkitError(f"{label} {p} is an rlkit {'checkpoint' if p.is_dir() else 'table'}, not a tracker's "
+                             "store; choose another location")
+    elif form != "follow":
+        raise ValueError(f"internal: unknown output form {form!r}")
+
+
+def check_outputs(outputs: Mapping[str, tuple[Path | None, str]], inputs: Mapping[str, Any] | None = None) -> None:
+    """Before any work, every path a stage is to write: `outputs` maps each one's flag to (path, form) (see
+    REPLACED above; a None path: not asked for). Each is refused in one line when it
+
+    - is empty, a symbolic link that leads nowhere, or under a parent that is a file;
+    - is one of the stage's `inputs`, lies inside one or contains one (`check_not_input`);
+    - is the same path as another of the outputs, or lies inside one;
+    - lies inside a model checkpoint;
+    - exists and is not of its form: --out an rlkit artifact of the kind it writes and not a symbolic link,
+      a metrics file a file of metrics rows, a TensorBoard directory one of event files, a tracker's store
+      not an rlkit artifact;
+
+    and a metrics file or TensorBoard directory whose location cannot be written is refused with exit 74.
+    """
+    named = [(flag, Path(p), form) for flag, (p, form) in outputs.items() if p is not None and str(p) != "-"]
+    for flag, p, _ in named:
+        _check_place(flag, p)
+    for flag, p, _ in named:
+        check_not_input(p, inputs or {}, flag)
+    for i, (first, p, _) in enumerate(named):
+        for flag, q, _ in named[i + 1:]:  # named after `first` (--out comes first): the one to change
+            inside, contains = _same_or_inside(q, p), _same_or_inside(p, q)
+            if inside or contains:
+                what = "is the same path as" if inside and contains else "lies inside" if inside else "contains"
+                raise RlkitError(f"{flag} {q} {what} {first} {p}; every output of a stage needs a place of its own: "
+                                 f"choose another {flag}")
+    for flag, p, form in named:
+        _check_not_in_checkpoint(flag, p)
+        _check_form(flag, p, form)
 
 
 def clean_leftovers(out: Path) -> list[str]:
@@ -638,8 +772,8 @@ def clean_leftovers(out: Path) -> list[str]:
     return gone
 
 
-def _unwritable(out: Path, e: OSError) -> OutputUnwritable:
-    return OutputUnwritable(f"cannot write --out {out}: {e.strerror or e} ({e.filename or out.parent}); "
+def _unwritable(out: Path, e: OSError, label: str = "--out", where: Path | None = None) -> OutputUnwritable:
+    return OutputUnwritable(f"cannot write {label} {out}: {e.strerror or e} ({where or e.filename or out.parent}); "
                             "choose a writable location with free space")
 
 
@@ -678,25 +812,30 @@ def _unlock(out: Path, fd: int) -> None:
 
 
 @contextmanager
-def claim_out(out: Path | None, expect: str, inputs: Mapping[str, Any] | None = None) -> Iterator[None]:
+def claim_out(out: Path | None, expect: str, inputs: Mapping[str, Any] | None = None,
+              side: Mapping[str, tuple[Path | None, str]] | None = None) -> Iterator[None]:
     """Hold a stage's --out for its whole run. Before any work:
 
-    - refuse an --out that is one of the inputs (by inode or resolved path), lies inside one or contains
-      one: `inputs` maps each input's flag to its path(s); a LoRA checkpoint's base counts too;
-    - refuse an --out that exists but is not an rlkit artifact of the expected form (`check_out`);
+    - check --out and the stage's other outputs, `side` (flag -> (path, form): --metrics, --tensorboard, the
+      trackers' stores), with `check_outputs`: none is one of the inputs (by inode or resolved path) or lies
+      inside or contains one (`inputs` maps each input's flag to its path(s); a LoRA checkpoint's base counts
+      too), none is another output or inside one or inside a checkpoint, and each one that exists is of its
+      form (--out an rlkit artifact of the form `expect`, see `check_out`);
     - create the parent directory and the lock file, so a read-only or missing location fails now,
       not after training;
     - take the lock (a second writer of the same --out is refused, naming the holder's pid);
     - remove what killed writers of this --out left behind, restoring a half-swapped directory.
 
-    `out=None` (stdout) claims nothing. Directories this created are removed again if the run fails
-    before writing them. Re-entrant within one process.
+    `out=None` (stdout) claims no place, and a write to stdout that fails for lack of space is one line
+    (exit 74). Directories this created are removed again if the run fails before writing them.
+    Re-entrant within one process.
     """
-    if out is None or str(out) == "-":
-        yield
+    stdout = out is None or str(out) == "-"
+    check_outputs({"--out": (None if stdout else out, expect), **(side or {})}, inputs)
+    if stdout:
+        with _stdout_failures():
+            yield
         return
-    check_not_input(out, inputs or {})
-    check_out(out, expect)
     key = out.absolute()
     if int(os.environ.get("RANK", "0")) != 0:  # data parallel: rank 0 alone writes --out
         yield
@@ -723,7 +862,7 @@ def claim_out(out: Path | None, expect: str, inputs: Mapping[str, Any] | None = 
         clean_leftovers(out)
         yield
     except Exception as e:
-        full = _out_of_space(e)
+        full = None if isinstance(e, RlkitError) else _out_of_space(e)
         if full is not None:
             raise OutputUnwritable(f"writing --out {out} failed: {full}; nothing was written (free space, raise the "
                                    "file-size limit, or choose another location)") from e
@@ -733,6 +872,24 @@ def claim_out(out: Path | None, expect: str, inputs: Mapping[str, Any] | None = 
         _unlock(out, fd)
         if not out.exists():
             _remove_empty(made)
+
+
+@contextmanager
+def _stdout_failures() -> Iterator[None]:
+    """A stage writing to stdout (a table, `eval --json`): stdout that runs out of space is one line, exit 74."""
+    try:
+        yield
+        sys.stdout.flush()  # what the stage printed reaches stdout's file now, where a failure is still one line
+    except Exception as e:
+        full = None if isinstance(e, RlkitError) else _out_of_space(e)
+        if full is None:
+            raise
+        drop_stdout_sink()
+        devnull = os.open(os.devnull, os.O_WRONLY)  # what is still buffered must not fail again at exit
+        os.dup2(devnull, 1)
+        os.close(devnull)
+        raise OutputUnwritable(f"cannot write to stdout: {full}; what reached it is incomplete (free space, raise "
+                               "the file-size limit, or send stdout elsewhere)") from e
 
 
 _NO_SPACE = {28: "no space left on device", 27: "file too large (the file-size limit, ulimit -f)",
@@ -885,8 +1042,12 @@ class TableWriter:
     def abort(self) -> None:
         """Leave no file behind; on stdout, stop without the end marker so the reader fails."""
         if self._tmp is not None:
-            self._sink.close()
-            self._tmp.unlink(missing_ok=True)  # after close() renamed it, this is a no-op
+            try:
+                self._sink.close()  # flushes: on a full disk this fails too, and closes the file all the same
+            except OSError:
+                pass
+            finally:
+                self._tmp.unlink(missing_ok=True)  # after close() renamed it, this is a no-op
         else:
             try:
                 self._sink.flush()

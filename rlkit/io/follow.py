@@ -112,23 +112,48 @@ def wait_for(root: Path, min_step: int, stop: Callable[[], bool] | None = None,
 
 @contextmanager
 def writer_lock(root: Path) -> Iterator[None]:
-    """Hold DIR/.lock for the lifetime of one `update --follow`; a second one is refused."""
+    """Hold DIR/.lock for the lifetime of one `update --follow`; a second one is refused (exit 75, naming
+    the holder's pid). A run that ends having published no step leaves DIR as it found it: the lock file
+    goes, and DIR too if this run made it."""
     import fcntl
 
+    from rlkit.io.artifacts import OutputBusy, _remove_empty
+
+    made = [p for p in (root, *root.parents) if not p.exists()]
     root.mkdir(parents=True, exist_ok=True)
-    fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    lock = root / LOCK
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            raise RlkitError(f"--follow {root} is being written by another `rlkit update --follow` (pid {holder}); "
-                             "refusing to start a second writer on the same directory") from None
+        while True:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise OutputBusy(f"--follow {root} is being written by another `rlkit update --follow` (pid {holder}); "
+                                 "refusing to start a second writer on the same directory: wait for it to end or "
+                                 "choose another --out") from None
+            try:  # the previous holder may have removed the file between our open and our flock
+                if os.fstat(fd).st_ino == os.stat(lock).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+    except BaseException:
+        _remove_empty(made)
+        raise
+    try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
+        try:
+            if not scan(root)[0]:  # no step published: DIR as it was
+                lock.unlink(missing_ok=True)  # while still holding it: see the inode check above
+        except (OSError, RlkitError):
+            pass
         os.close(fd)  # releases the flock
+        _remove_empty(made)
 
 
 def clean_stale(root: Path) -> list[str]:

@@ -220,21 +220,25 @@ _SIDE_STAGES = {
 _IS_INPUT, _IN_INPUT = "is one of this stage's inputs", "lies inside an input directory"
 
 
+def _row(argv: list[str], expect: str, id: str, rc: int = 2):  # noqa: A002 (pytest.param's name)
+    return pytest.param(argv, expect, rc, id=id)
+
+
 def _side_rows() -> list:
     rows = []
     for stage, (argv, inputs) in _SIDE_STAGES.items():
         for flag in ("--metrics", "--tensorboard"):
             for inp in inputs:
                 name = inp.strip("{}").replace("w}/", "")
-                rows.append(pytest.param([*argv, flag, inp], f"{flag} {inp} {_IS_INPUT}", id=f"{stage}{flag}={name}"))
+                rows.append(_row([*argv, flag, inp], f"{flag} {inp} {_IS_INPUT}", id=f"{stage}{flag}={name}"))
                 if not inp.endswith(".arrow"):  # a checkpoint: a file in it, a new path in it
                     for sub in ("model.safetensors", "new/x"):
-                        rows.append(pytest.param([*argv, flag, f"{inp}/{sub}"], f"{flag} {inp}/{sub} {_IN_INPUT}",
-                                                 id=f"{stage}{flag}={name}/{sub}"))
+                        rows.append(_row([*argv, flag, f"{inp}/{sub}"], f"{flag} {inp}/{sub} {_IN_INPUT}",
+                                         id=f"{stage}{flag}={name}/{sub}"))
         for flag, value in (("--run-name", "../../x"), ("--run-name", "/tmp/x"), ("--run-name", "a/b"),
                             ("--run-name", ".."), ("--project", "../p"), ("--project", "/tmp/p")):
-            rows.append(pytest.param([*argv, "--report-to", "tensorboard", flag, value],
-                                     f"{flag} {value!r}: a name is expected, not a path", id=f"{stage}{flag}={value}"))
+            rows.append(_row([*argv, "--report-to", "tensorboard", flag, value],
+                             f"{flag} {value!r}: a name is expected, not a path", id=f"{stage}{flag}={value}"))
     return rows
 
 
@@ -242,55 +246,55 @@ UPD = _SIDE_STAGES["update"][0]
 EVAL = _SIDE_STAGES["eval"][0]
 SIDE_OUTPUT_ROWS = _side_rows() + [
     # two outputs of one run on one path, or one inside another
-    pytest.param([*UPD, "--metrics", "{out}"], "--metrics {out} is the same path as --out {out}", id="metrics=out"),
-    pytest.param([*UPD, "--tensorboard", "{out}/tb"], "--tensorboard {out}/tb lies inside --out {out}",
-                 id="tensorboard-in-out"),
-    pytest.param([*EVAL, "--metrics", "{w}/new.jsonl", "--tensorboard", "{w}/new.jsonl"],
-                 "--tensorboard {w}/new.jsonl is the same path as --metrics", id="tensorboard=metrics"),
-    pytest.param([*UPD, "--follow", "--metrics", "{out}/m.jsonl"], "--metrics {out}/m.jsonl lies inside --out",
-                 id="follow-metrics-in-out"),
+    _row([*UPD, "--metrics", "{out}"], "--metrics {out} is the same path as --out {out}", id="metrics=out"),
+    _row([*UPD, "--tensorboard", "{out}/tb"], "--tensorboard {out}/tb lies inside --out {out}",
+         id="tensorboard-in-out"),
+    _row([*EVAL, "--metrics", "{w}/new.jsonl", "--tensorboard", "{w}/new.jsonl"],
+         "--tensorboard {w}/new.jsonl is the same path as --metrics", id="tensorboard=metrics"),
+    _row([*UPD, "--follow", "--metrics", "{out}/m.jsonl"], "--metrics {out}/m.jsonl lies inside --out",
+         id="follow-metrics-in-out"),
     # files, tables and checkpoints the stage did not make (not its inputs)
-    pytest.param([*EVAL, "--metrics", "{w}/roll.arrow"], "is an rlkit 'rollouts' table, not a metrics file",
-                 id="metrics=other-table"),
-    pytest.param([*EVAL, "--metrics", "{places}/notes.txt"], "exists and is not a metrics file (line 1",
-                 id="metrics=text-file"),
-    pytest.param([*EVAL, "--metrics", "{places}/data.jsonl"], "exists and is not a metrics file (line 1",
-                 id="metrics=jsonl-data"),
-    pytest.param([*EVAL, "--metrics", "{places}"], "is a directory, expected a metrics file", id="metrics=folder"),
-    pytest.param([*EVAL, "--metrics", "{w}/badref/model.safetensors"], "lies inside the checkpoint",
-                 id="metrics-in-other-checkpoint"),
-    pytest.param([*EVAL, "--tensorboard", "{w}/badref"], "is an rlkit checkpoint, not a TensorBoard log directory",
-                 id="tensorboard=other-checkpoint"),
-    pytest.param([*EVAL, "--tensorboard", "{places}"], "which is not a TensorBoard event file",
-                 id="tensorboard=folder"),
-    pytest.param([*EVAL, "--tensorboard", "{w}/m.jsonl"], "exists and is not a directory", id="tensorboard=file"),
-    pytest.param(["rollout", "--policy", "{pol}", "--out", "{w}/badref/r.arrow"], "lies inside the checkpoint",
-                 id="out-in-other-checkpoint"),
+    _row([*EVAL, "--metrics", "{w}/roll.arrow"], "is an rlkit 'rollouts' table, not a metrics file",
+         id="metrics=other-table"),
+    _row([*EVAL, "--metrics", "{places}/notes.txt"], "exists and is not a metrics file (line 1",
+         id="metrics=text-file"),
+    _row([*EVAL, "--metrics", "{places}/data.jsonl"], "exists and is not a metrics file (line 1",
+         id="metrics=jsonl-data"),
+    _row([*EVAL, "--metrics", "{places}"], "is a directory, expected a metrics file", id="metrics=folder"),
+    _row([*EVAL, "--metrics", "{w}/badref/model.safetensors"], "lies inside the checkpoint",
+         id="metrics-in-other-checkpoint"),
+    _row([*EVAL, "--tensorboard", "{w}/badref"], "is an rlkit checkpoint, not a TensorBoard log directory",
+         id="tensorboard=other-checkpoint"),
+    _row([*EVAL, "--tensorboard", "{places}"], "which is not a TensorBoard event file",
+         id="tensorboard=folder"),
+    _row([*EVAL, "--tensorboard", "{w}/m.jsonl"], "exists and is not a directory", id="tensorboard=file"),
+    _row(["rollout", "--policy", "{pol}", "--out", "{w}/badref/r.arrow"], "lies inside the checkpoint",
+         id="out-in-other-checkpoint"),
     # symbolic links, empty paths, parents that are files
-    pytest.param([*UPD[:-1], "{places}/loop"], "--out {places}/loop is a symbolic link that leads nowhere",
-                 id="out=symlink-loop"),
-    pytest.param(["freeze-ref", "--policy", "{pol}", "--out", "{places}/dangling"], "is a symbolic link that leads nowhere",
-                 id="out=dangling-symlink"),
-    pytest.param(["rollout", "--policy", "{pol}", "--out", "{places}/loop/r.arrow"],
-                 "its parent {places}/loop is a symbolic link that leads nowhere", id="out-under-symlink-loop"),
-    pytest.param(["update", "--policy", "{pol}", "--in", "{w}/scored.arrow", "--out", "{places}/to-ref"],
-                 "--out {places}/to-ref is a symbolic link (to", id="out=symlink-to-checkpoint"),
-    pytest.param(["rollout", "--policy", "{pol}", "--out", "{places}/to-roll"], "is a symbolic link (to",
-                 id="out=symlink-to-table"),
-    pytest.param([*EVAL, "--metrics", "{places}/loop"], "--metrics {places}/loop is a symbolic link that leads nowhere",
-                 id="metrics=symlink-loop"),
-    pytest.param(["rollout", "--policy", "{pol}", "--out", ""], "the path is empty", id="rollout-out-empty"),
-    pytest.param(["sft", "--out", ""], "the path is empty", id="sft-out-empty"),
-    pytest.param([*EVAL, "--metrics", ""], "the path is empty", id="metrics-empty"),
-    pytest.param([*UPD, "--tensorboard", ""], "the path is empty", id="tensorboard-empty"),
-    pytest.param(["rollout", "--policy", "{pol}", "--out", "{w}/m.jsonl/sub.arrow"],
-                 "its parent {w}/m.jsonl is a file, not a directory", id="out-parent-is-a-file"),
-    pytest.param([*EVAL, "--metrics", "{w}/m.jsonl/x/m.jsonl"], "its parent {w}/m.jsonl is a file",
-                 id="metrics-parent-is-a-file"),
+    _row([*UPD[:-1], "{places}/loop"], "--out {places}/loop is a symbolic link that leads nowhere",
+         id="out=symlink-loop"),
+    _row(["freeze-ref", "--policy", "{pol}", "--out", "{places}/dangling"], "is a symbolic link that leads nowhere",
+         id="out=dangling-symlink"),
+    _row(["rollout", "--policy", "{pol}", "--out", "{places}/loop/r.arrow"],
+         "its parent {places}/loop is a symbolic link that leads nowhere", id="out-under-symlink-loop"),
+    _row(["update", "--policy", "{pol}", "--in", "{w}/scored.arrow", "--out", "{places}/to-ref"],
+         "--out {places}/to-ref is a symbolic link (to", id="out=symlink-to-checkpoint"),
+    _row(["rollout", "--policy", "{pol}", "--out", "{places}/to-roll"], "is a symbolic link (to",
+         id="out=symlink-to-table"),
+    _row([*EVAL, "--metrics", "{places}/loop"], "--metrics {places}/loop is a symbolic link that leads nowhere",
+         id="metrics=symlink-loop"),
+    _row(["rollout", "--policy", "{pol}", "--out", ""], "the path is empty", id="rollout-out-empty"),
+    _row(["sft", "--out", ""], "the path is empty", id="sft-out-empty"),
+    _row([*EVAL, "--metrics", ""], "the path is empty", id="metrics-empty"),
+    _row([*UPD, "--tensorboard", ""], "the path is empty", id="tensorboard-empty"),
+    _row(["rollout", "--policy", "{pol}", "--out", "{w}/m.jsonl/sub.arrow"],
+         "its parent {w}/m.jsonl is a file, not a directory", id="out-parent-is-a-file", rc=74),
+    _row([*EVAL, "--metrics", "{w}/m.jsonl/x/m.jsonl"], "its parent {w}/m.jsonl is a file",
+         id="metrics-parent-is-a-file", rc=74),
     # update --follow on a table that is not a follow stream: a whole line, and no --out left behind
-    pytest.param(["update", "--follow", "--policy", "{pol}", "--in", "{w}/scored.arrow", "--out", "{out}"],
-                 "is not a stream from `rlkit rollout --follow`, whose manifest records its --batch-prompts",
-                 id="follow-on-a-plain-table"),
+    _row(["update", "--follow", "--policy", "{pol}", "--in", "{w}/scored.arrow", "--out", "{out}"],
+         "is not a stream from `rlkit rollout --follow`, whose manifest records its --batch-prompts",
+         id="follow-on-a-plain-table"),
 ]
 
 
@@ -326,11 +330,11 @@ def _fill(argv: list[str], expect: str, work: Path, **more: Path) -> tuple[list[
     return [fill(a) for a in argv], fill(expect)
 
 
-@pytest.mark.parametrize("argv,expect", SIDE_OUTPUT_ROWS)
-def test_side_output_rows(work, places, argv, expect, capfd):
+@pytest.mark.parametrize("argv,expect,rc", SIDE_OUTPUT_ROWS)
+def test_side_output_rows(work, places, argv, expect, rc, capfd):
     before = _places_state(places)
     argv, expect = _fill(argv, expect, work, places=places)
-    _check(work, argv, capfd, expect)
+    _check(work, argv, capfd, expect, rc)
     assert _places_state(places) == before
 
 

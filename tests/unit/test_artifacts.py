@@ -1,5 +1,6 @@
 """Artifact round trips, schema rejections, end markers, fingerprints, atomic writes."""
 
+import json
 import os
 import subprocess
 
@@ -174,6 +175,85 @@ def test_check_out_refuses_foreign_files(tmp_path):
     artifacts.check_out(_prompts(tmp_path / "ok.arrow"), "table")  # an rlkit table may be replaced
     artifacts.check_out(tmp_path / "new.arrow", "table")
 
+
+
+def test_a_swap_that_fails_leaves_no_temporary(tmp_path):
+    """The rename into place itself fails (a directory over a file): the temporary goes, the file stays."""
+    out = tmp_path / "m"
+    out.write_text("precious")
+    with pytest.raises(OSError):
+        with artifacts.atomic_dir(out) as d:
+            (d / "a").write_text("1")
+    assert sorted(os.listdir(tmp_path)) == ["m"] and out.read_text() == "precious"
+
+
+def test_check_outputs_side_outputs(tmp_path):
+    """--metrics and --tensorboard are claimed like --out: not an input, not another output, of their form."""
+    table = _prompts(tmp_path / "p.arrow")
+    ins = {"--in": table}
+    metrics = {"--metrics": (tmp_path / "m.jsonl", "metrics")}
+    artifacts.check_outputs({"--out": (tmp_path / "o", "model"), **metrics}, ins)  # new paths: fine
+    with pytest.raises(RlkitError, match=r"--metrics .*p.arrow is one of this stage's inputs \(--in"):
+        artifacts.check_outputs({"--metrics": (table, "metrics")}, ins)
+    with pytest.raises(RlkitError, match=r"--metrics .*/o/m.jsonl lies inside --out"):
+        artifacts.check_outputs({"--out": (tmp_path / "o", "model"), "--metrics": (tmp_path / "o/m.jsonl", "metrics")})
+    with pytest.raises(RlkitError, match="is an rlkit 'prompts' table, not a metrics file"):
+        artifacts.check_outputs({"--metrics": (table, "metrics")})
+    tb = tmp_path / "tb"
+    tb.mkdir()
+    (tb / "events.out.tfevents.1.host").write_bytes(b"\0")
+    artifacts.check_outputs({"--tensorboard": (tb, "events")})  # only event files: fine
+    (tb / "notes.txt").write_text("x")
+    with pytest.raises(RlkitError, match="holds notes.txt, which is not a TensorBoard event file"):
+        artifacts.check_outputs({"--tensorboard": (tb, "events")})
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "rlkit.json").write_text("{}")
+    with pytest.raises(RlkitError, match="lies inside the checkpoint"):
+        artifacts.check_outputs({"--metrics": (ck / "m.jsonl", "metrics")})
+    (tmp_path / "loop").symlink_to("loop")
+    with pytest.raises(RlkitError, match="symbolic link that leads nowhere"):
+        artifacts.check_outputs({"--out": (tmp_path / "loop", "model")})
+    (tmp_path / "link").symlink_to(ck)
+    with pytest.raises(RlkitError, match="is a symbolic link \\(to "):
+        artifacts.check_outputs({"--out": (tmp_path / "link", "model")})
+    with pytest.raises(RlkitError, match="its parent .*p.arrow is a file, not a directory"):
+        artifacts.check_outputs({"--out": (table / "sub.arrow", "table")})
+
+
+def test_metrics_files_take_rows_only_of_metrics(tmp_path):
+    from rlkit.io import metrics_log
+
+    m = tmp_path / "m.jsonl"
+    metrics_log.check_target("--metrics", m)  # new
+    metrics_log.write({"stage": "eval", "step": 0, "accuracy": 0.5}, m)
+    metrics_log.check_target("--metrics", m)  # rlkit's rows
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1+1=", "completion": "2"}\n')
+    with pytest.raises(RlkitError, match=r"not a metrics file \(line 1 is not a JSON row with 'stage' and 'step'\)"):
+        metrics_log.check_target("--metrics", data)
+
+
+def test_a_metrics_row_is_taken_back_when_its_output_fails(tmp_path):
+    """`appending`: the row goes in first and comes out again if the block raises (the checkpoint it describes
+    was not written); a file it made goes entirely."""
+    from rlkit.io import metrics_log
+
+    m = tmp_path / "sub" / "m.jsonl"
+    with pytest.raises(RuntimeError):
+        with metrics_log.appending({"stage": "update", "step": 1}, m):
+            assert m.read_text().count("\n") == 1
+            raise RuntimeError
+    assert os.listdir(tmp_path) == []  # the file and the folder it made
+    metrics_log.write({"stage": "update", "step": 1}, m)
+    before = m.read_bytes()
+    with pytest.raises(RuntimeError):
+        with metrics_log.appending({"stage": "update", "step": 2}, m):
+            raise RuntimeError
+    assert m.read_bytes() == before
+    with metrics_log.appending({"stage": "update", "step": 2}, m):
+        pass
+    assert [json.loads(line)["step"] for line in m.read_text().splitlines()] == [1, 2]
 
 def test_fingerprint_follows_content_and_rewrites(tmp_path):
     a = _prompts(tmp_path / "a.arrow", cfg={"x": 1})
