@@ -117,12 +117,12 @@ def writer_lock(root: Path) -> Iterator[None]:
     goes, and DIR too if this run made it."""
     import fcntl
 
-    from rlkit.io.artifacts import OutputBusy, _remove_empty
+    from rlkit.io.artifacts import OutputBusy, OutputUnwritable, _out_of_space, _remove_empty
 
     made = [p for p in (root, *root.parents) if not p.exists()]
-    root.mkdir(parents=True, exist_ok=True)
     lock = root / LOCK
     try:
+        root.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -139,6 +139,10 @@ def writer_lock(root: Path) -> Iterator[None]:
             except FileNotFoundError:
                 pass
             os.close(fd)
+    except OSError as e:
+        _remove_empty(made)
+        raise OutputUnwritable(f"cannot write --follow {root}: {e.strerror or e} ({e.filename or root}); choose a "
+                               "writable location") from None
     except BaseException:
         _remove_empty(made)
         raise
@@ -146,6 +150,12 @@ def writer_lock(root: Path) -> Iterator[None]:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
+    except Exception as e:
+        full = None if isinstance(e, RlkitError) else _out_of_space(e)
+        if full is None:
+            raise
+        raise OutputUnwritable(f"writing --follow {root} failed: {full}; the steps published before are complete "
+                               "and the unfinished one was removed (free space, or choose another location)") from e
     finally:
         try:
             if not scan(root)[0]:  # no step published: DIR as it was
@@ -191,11 +201,19 @@ def publish(root: Path, step: int, write: Callable[[Path], dict]) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     with signals_deferred():
-        os.rename(tmp, final)
+        try:
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         link = root / f".{LATEST}.tmp-{os.getpid()}"
-        link.unlink(missing_ok=True)
-        os.symlink(final.name, link)
-        os.replace(link, root / LATEST)
+        try:
+            link.unlink(missing_ok=True)
+            os.symlink(final.name, link)
+            os.replace(link, root / LATEST)
+        except BaseException:  # the step is published (readers scan for it); `latest` lags until the next one
+            link.unlink(missing_ok=True)
+            raise
     fsync_dir(root)
     return final
 

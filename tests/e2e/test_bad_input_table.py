@@ -377,6 +377,9 @@ FULL_ROWS = [  # (argv with {full}, the metrics file's text there before or None
     pytest.param(["update", "--policy", "{pol}", "--in", "{w}/scored.arrow", "--out", "{out}", "--metrics",
                   "{full}/m.jsonl"], None, True, "cannot write --metrics {full}/m.jsonl: no space left",
                  id="update-metrics"),  # and no checkpoint at --out: `work` is unchanged
+    pytest.param(["update", "--follow", "--batch-prompts", "2", "--policy", "{pol}", "--in", "{w}/scored.arrow",
+                  "--out", "{full}/steps"], None, False, "writing --follow {full}/steps failed: no space left",
+                 id="update-follow"),
 ]
 
 
