@@ -73,6 +73,7 @@ class SftConfig:
     verify: bool = True  # --no-verify: load without the weights' hash check (never for a reference)
     metrics: Path | None = None
     save_steps: int = 0  # a resume snapshot beside --out every this many steps (rlkit.training.resume); 0: none
+    resume: str = "auto"  # --resume auto|must|never: what to do with a snapshot a stopped run left
     tracking: TrackingConfig = field(default_factory=TrackingConfig)  # --report-to, --run-name, --project, --tensorboard
     logging_steps: int = 10  # a training row (loss, lr, grad norm) to the trackers every this many steps
     force: bool = False
@@ -90,10 +91,8 @@ def _lr_lambda(total: int, warmup: int, min_ratio: float):
     return f
 
 
-def run(cfg: SftConfig, resume: str = "auto") -> Path:
-    """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage. `resume`
-    (--resume: auto, must, never) is what to do with a snapshot a stopped run left (`rlkit.training.resume`);
-    not a setting of the result, so not in the config."""
+def run(cfg: SftConfig) -> Path:
+    """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
     from rlkit import devices
     from rlkit.io import artifacts, checkpoints, tracking
 
@@ -102,10 +101,10 @@ def run(cfg: SftConfig, resume: str = "auto") -> Path:
     side = {"--metrics": (cfg.metrics, "metrics"), **tracking.outputs(cfg.tracking, "sft")}
     with artifacts.claim_out(cfg.out, "model", {"--model": model, "--data": cfg.data, "--task": cfg.task}, side), \
             checkpoints.verifying(cfg.verify), tracking.Tracking() as tracker:
-        return _run(cfg, tracker, resume)
+        return _run(cfg, tracker)
 
 
-def _run(cfg: SftConfig, tracker, resume_mode: str = "auto") -> Path:
+def _run(cfg: SftConfig, tracker) -> Path:
     import math
     import random
     import time
@@ -130,7 +129,7 @@ def _run(cfg: SftConfig, tracker, resume_mode: str = "auto") -> Path:
 
     cfg.train.check(distributed=distributed.launched())
     tracking.check(cfg.tracking)
-    resume.check(cfg.save_steps, resume_mode, cfg.out)  # and nothing at the snapshot path that is not rlkit's
+    resume.check(cfg.save_steps, cfg.resume, cfg.out)  # and nothing at the snapshot path that is not rlkit's
     from rlkit import devices
 
     dev = devices.resolve(cfg.device)
@@ -180,7 +179,7 @@ def _run(cfg: SftConfig, tracker, resume_mode: str = "auto") -> Path:
     lengths = [len(s) for s in ids]
     epochs = [data.token_batches(lengths, cfg.batch_tokens, rng) for _ in range(cfg.epochs)]
     total = sum(len(e) for e in epochs)
-    snaps = resume.Snapshots("sft", cfg.out, cfg, inputs, cfg.save_steps, dp=dp, mode=resume_mode)
+    snaps = resume.Snapshots("sft", cfg.out, cfg, inputs, cfg.save_steps, dp=dp, mode=cfg.resume)
     snap = snaps.find(total)  # one line when a snapshot is there: resumed from, or not and why
     tracker.start(resume.tracking_of(cfg.tracking, snap), "sft", cfg)  # a resumed run: its tracker run too
     if snap is not None:
@@ -332,4 +331,5 @@ def command(
         trust_remote_code=trust_remote_code, verify=not no_verify, metrics=metrics, force=force,
         save_steps=save_steps,
         tracking=tracking_options(report_to, project, run_name, tensorboard), logging_steps=logging_steps,
-    ), resume=resume)
+        resume=resume,
+    ))

@@ -68,14 +68,13 @@ class TrainRmConfig:
     force: bool = False
     metrics: Path | None = None  # append the run's metrics as one JSON line
     save_steps: int = 0  # a resume snapshot beside --out every this many steps (rlkit.training.resume); 0: none
+    resume: str = "auto"  # --resume auto|must|never: what to do with a snapshot a stopped run left
     tracking: TrackingConfig = field(default_factory=TrackingConfig)  # --report-to, --run-name, --project, --tensorboard
     logging_steps: int = 10  # a training row (loss, lr, grad norm) to the trackers every this many steps
 
 
-def run(cfg: TrainRmConfig, resume: str = "auto") -> Path:
-    """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage. `resume`
-    (--resume: auto, must, never) is what to do with a snapshot a stopped run left (`rlkit.training.resume`);
-    not a setting of the result, so not in the config."""
+def run(cfg: TrainRmConfig) -> Path:
+    """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
     from rlkit import devices
 
     devices.parse(cfg.device)
@@ -84,10 +83,10 @@ def run(cfg: TrainRmConfig, resume: str = "auto") -> Path:
     side = {"--metrics": (cfg.metrics, "metrics"), **tracking.outputs(cfg.tracking, "train-rm")}
     with artifacts.claim_out(cfg.out, "model", {"--model": cfg.base, "--prefs": cfg.prefs}, side), \
             checkpoints.verifying(cfg.verify), tracking.Tracking() as tracker:
-        return _run(cfg, tracker, resume)
+        return _run(cfg, tracker)
 
 
-def _run(cfg: TrainRmConfig, tracker, resume_mode: str = "auto") -> Path:
+def _run(cfg: TrainRmConfig, tracker) -> Path:
     import json
     import math
     import random
@@ -108,7 +107,7 @@ def _run(cfg: TrainRmConfig, tracker, resume_mode: str = "auto") -> Path:
 
     cfg.train.check(distributed=distributed.launched())
     tracking.check(cfg.tracking)
-    resume.check(cfg.save_steps, resume_mode, cfg.out)  # and nothing at the snapshot path that is not rlkit's
+    resume.check(cfg.save_steps, cfg.resume, cfg.out)  # and nothing at the snapshot path that is not rlkit's
     from rlkit import devices
 
     dev = devices.resolve(cfg.device)
@@ -138,7 +137,7 @@ def _run(cfg: TrainRmConfig, tracker, resume_mode: str = "auto") -> Path:
     model = training.prepare_model(model, train_opts, "seq-cls", base=cfg.base)
     prec = training.Precision(train_opts.dtype, dev.type)
     steps = cfg.epochs * -(-len(train) // cfg.batch_size)
-    snaps = resume.Snapshots("train-rm", cfg.out, cfg, inputs, cfg.save_steps, dp=dp, mode=resume_mode)
+    snaps = resume.Snapshots("train-rm", cfg.out, cfg, inputs, cfg.save_steps, dp=dp, mode=cfg.resume)
     snap = snaps.find(steps)  # one line when a snapshot is there: resumed from, or not and why
     if snap is not None:
         snaps.restore_weights(snap, model)  # before sharding: every rank loads the full tensors
@@ -397,4 +396,4 @@ def command(
                       device=device, trust_remote_code=trust_remote_code, verify=not no_verify, force=force,
                       save_steps=save_steps,
                       metrics=metrics, tracking=tracking_options(report_to, project, run_name, tensorboard),
-                      logging_steps=logging_steps), resume=resume)
+                      logging_steps=logging_steps, resume=resume))

@@ -339,6 +339,8 @@ def read_manifest(path: str | Path) -> dict | None:
             return json.loads(m.read_text())
         except (OSError, ValueError):
             return None
+    if not p.is_file():  # a named pipe or device: opening it could block, and it holds no artifact
+        return None
     try:
         with pa.OSFile(str(p), "rb") as f:
             schema = pa.ipc.open_stream(f).schema
@@ -353,7 +355,7 @@ def read_manifest(path: str | Path) -> dict | None:
 
 # Settings that do not change what a stage writes: a rerun that differs only in these is up to date.
 # where a run's figures go (trackers, their training-curve interval) and how often it snapshots: not the result
-NOT_COMPARED = ("force", "out", "verify", "reward_timeout", "save_steps", "tracking", "logging_steps")
+NOT_COMPARED = ("force", "out", "verify", "reward_timeout", "save_steps", "resume", "tracking", "logging_steps")
 
 
 def _comparable(config: Any) -> Any:
@@ -392,6 +394,9 @@ def check_out(out: Path | None, expect: str) -> None:
     """Refuse an --out that exists but is not an rlkit artifact of the expected form (table/model)."""
     if out is None or not out.exists():
         return
+    if not out.is_dir() and not out.is_file():  # opening a named pipe to read its manifest would block
+        raise RlkitError(f"--out {out} is {_special(out)}, not a file: a stage writes its output to a temporary "
+                         "file and renames it into place; to stream a table into a pipe, leave out --out (stdout)")
     if expect == "file":
         if out.is_dir():
             raise RlkitError(f"--out {out} is a directory, expected a file path; refusing to overwrite it")
@@ -413,6 +418,15 @@ def check_out(out: Path | None, expect: str) -> None:
                 f"--out {out} exists and is not an rlkit table; refusing to overwrite it: "
                 "choose another path or delete it"
             )
+
+
+def _special(p: Path) -> str:
+    """What a path that is neither a file nor a directory is: 'a named pipe', 'a device', 'a socket'."""
+    import stat
+
+    mode = p.stat().st_mode
+    return ("a named pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
 
 
 def _tmp_sibling(out: Path, tag: str) -> Path:

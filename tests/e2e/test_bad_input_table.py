@@ -603,6 +603,26 @@ def test_process_rows(specials, argv, expect, capfd):
     _check(specials, argv, capfd, expect)
 
 
+# A named pipe as --out ({out} is made one): refused before it is opened (opening a pipe no process reads blocks,
+# deaf to Ctrl-C and SIGTERM); streaming into a pipe is what stdout is for.
+FIFO_OUT_ROWS = [
+    pytest.param(["prompts", "--out", "{out}"], id="prompts"),
+    pytest.param(["cat", "{w}/roll.arrow", "--out", "{out}"], id="cat"),
+    pytest.param(["rollout", "--policy", "{pol}", "--out", "{out}"], id="rollout"),
+    pytest.param(["update", "--policy", "{pol}", "--in", "{w}/scored.arrow", "--out", "{out}"], id="update"),
+    pytest.param(["freeze-ref", "--policy", "{pol}", "--out", "{out}"], id="freeze-ref"),
+]
+
+
+@pytest.mark.parametrize("argv", FIFO_OUT_ROWS)
+def test_a_named_pipe_as_out(work, argv, capfd):
+    os.mkfifo(work / "new-out")
+    try:
+        _check(work, argv, capfd, "new-out is a named pipe")
+    finally:
+        (work / "new-out").unlink()
+
+
 @pytest.mark.parametrize("where", ["init", "log", "finish"])
 def test_a_tracker_that_exits_is_warned_about_and_dropped(work, where, monkeypatch, capfd):
     """A tracker that calls sys.exit() when it starts, logs or finishes (a stand-in `trackio` module: the

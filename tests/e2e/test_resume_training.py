@@ -163,7 +163,7 @@ def test_save_steps_maps_into_both_configs_and_refuses_a_negative_count(monkeypa
 
     seen = []
     for module in (sft, train_rm):
-        monkeypatch.setattr(module, "run", lambda cfg, resume: seen.append((cfg.save_steps, resume)))
+        monkeypatch.setattr(module, "run", lambda cfg: seen.append((cfg.save_steps, cfg.resume)))
     runner = CliRunner()
     r = runner.invoke(app, ["sft", "--out", str(tmp_path / "o"), "--save-steps", "25"])
     assert r.exit_code == 0, r.output

@@ -21,7 +21,7 @@ runner = CliRunner()
 
 def _capture(monkeypatch, module):
     seen = []
-    monkeypatch.setattr(module, "run", lambda cfg, **_: seen.append(cfg))  # sft, train-rm: also run(cfg, resume=...)
+    monkeypatch.setattr(module, "run", lambda cfg: seen.append(cfg))
     return seen
 
 
