@@ -418,7 +418,7 @@ def device_line(log: Path, stage: str) -> str | None:
 
 def stage_figures(st: dict, rec: dict, on_gpu: bool) -> dict:
     """The profile's figures of one finished stage from its outputs: tokens, tokens/s, peak memory."""
-    from rlkit.io import artifacts
+    from rlkit.io import streams
 
     out, name = Path(st["out"]), st["stage"]
     row: dict = {"seconds": rec["seconds"], "peak_rss_mib": round(rec["peak_rss_kib"] / 1024, 1),
@@ -431,7 +431,7 @@ def stage_figures(st: dict, rec: dict, on_gpu: bool) -> dict:
         metrics = man.get("metrics") or {}
         tokens = metrics.get("tokens")  # sft's; update logs the rate alone: its input's tokens, once an epoch
         if tokens is None and "--in" in st["argv"]:
-            table, _ = artifacts.read_table(Path(st["argv"][st["argv"].index("--in") + 1]), ["rollouts", "scored"])
+            table, _ = streams.read_table(Path(st["argv"][st["argv"].index("--in") + 1]), ["rollouts", "scored"])
             tokens = sum(len(p) + len(c) for p, c in zip(table.column("prompt_ids").to_pylist(),
                                                          table.column("completion_ids").to_pylist(), strict=True))
         row.update(tokens=tokens, tokens_per_s=metrics.get("tokens_per_s"),
@@ -445,7 +445,7 @@ def stage_figures(st: dict, rec: dict, on_gpu: bool) -> dict:
             row.update(trainable_params=trainable_params(out), loss=metrics.get("loss"), grad_norm=metrics.get("grad_norm"),
                        old_logprobs=metrics.get("old_logprobs"))
     elif name in ("rollout", "score-ref"):
-        table, reader = artifacts.read_table(out, ["rollouts", "scored"])
+        table, reader = streams.read_table(out, ["rollouts", "scored"])
         comp = sum(len(c) for c in table.column("completion_ids").to_pylist())
         prompt = sum(len(p) for p in table.column("prompt_ids").to_pylist())
         tokens = comp if name == "rollout" else comp + prompt

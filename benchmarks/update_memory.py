@@ -99,14 +99,14 @@ def kib():
 a = json.loads(sys.argv[1])
 import torch, transformers
 from rlkit import cli
-from rlkit.io import artifacts, checkpoints  # noqa: F401 (update's imports: the CLI, torch, transformers)
+from rlkit.io import checkpoints, claims, streams  # noqa: F401 (update's imports: the CLI, torch, transformers)
 imports = kib()
 model, tokenizer = checkpoints.load_policy(a["policy"], "fp32")
 with torch.no_grad():  # the weights are mmapped from the safetensors file: read each page once, as training will
     for p in model.parameters():
         p.sum()
 model_kib = kib()
-table, _ = artifacts.read_table(a["batch"], ["rollouts", "scored"])
+table, _ = streams.read_table(a["batch"], ["rollouts", "scored"])
 loaded = kib()
 cpu = open("/proc/cpuinfo").read()
 flags = re.search(r"^flags\s*:(.*)$", cpu, re.M)
@@ -328,9 +328,9 @@ def last_line(log: Path) -> str:
 
 def mixed_rewards(src: Path, dst: Path) -> None:
     """`src` with `reward/verifier` 1 for a seeded half of each group's samples, 0 for the rest."""
-    from rlkit.io import artifacts
+    from rlkit.io import streams
 
-    table, reader = artifacts.read_table(src, ["rollouts"])
+    table, reader = streams.read_table(src, ["rollouts"])
     cols = table.to_pydict()
     groups: dict[int, list[int]] = {}
     for i, g in enumerate(cols["group_id"]):
@@ -343,7 +343,7 @@ def mixed_rewards(src: Path, dst: Path) -> None:
     manifest = {**(reader.manifest or {}), "benchmark": "benchmarks/update_memory.py: reward/verifier replaced by "
                 "1 for a seeded half of each group (the random-init policy scores 0 everywhere)"}
     extra = [f for f in table.schema if f.name.startswith("reward/")]
-    with artifacts.write_table("rollouts", dst, manifest, extra) as w:
+    with streams.write_table("rollouts", dst, manifest, extra) as w:
         w.write(cols)
 
 
@@ -430,12 +430,12 @@ def measure(a, work: Path, P: int, G: int, T: int, M: int) -> dict:
     base = subprocess.run([sys.executable, "-c", BASELINE, json.dumps({"policy": str(model), "batch": str(batch)})],
                           capture_output=True, text=True, check=True, env=env)
     baseline = json.loads(base.stdout.strip().splitlines()[-1])
-    from rlkit.io import artifacts
+    from rlkit.io import streams
 
-    table, _ = artifacts.read_table(batch, ["rollouts"])
+    table, _ = streams.read_table(batch, ["rollouts"])
     comp = [len(c) for c in table.column("completion_ids").to_pylist()]
     prm = [len(c) for c in table.column("prompt_ids").to_pylist()]
-    stage, _ = artifacts.read_table(bdir / "rollouts.arrow", ["rollouts"])
+    stage, _ = streams.read_table(bdir / "rollouts.arrow", ["rollouts"])
     batch_info = {"stage_reward_mean": sum(stage.column("reward/verifier").to_pylist()) / stage.num_rows,
                   "prompts": P, "n": G, "max_new_tokens": T, "rows": table.num_rows, "minibatch_size": M,
                   "optimizer_steps": -(-table.num_rows // M), "tokens": sum(comp) + sum(prm),

@@ -192,7 +192,7 @@ def _recording(cmd):
     inner = cmd.callback
 
     def run(**kwargs):
-        from rlkit.io.artifacts import command_options  # pyarrow: loaded when a stage runs, not for --help
+        from rlkit.io.manifests import command_options  # pyarrow: loaded when a stage runs, not for --help
 
         try:
             with command_options({keys.get(k, k): v for k, v in kwargs.items()}):
@@ -335,8 +335,8 @@ def _exit_now(rc: int) -> None:
             f.flush()
         except (OSError, ValueError):
             pass
-    if "rlkit.io.artifacts" in sys.modules:
-        sys.modules["rlkit.io.artifacts"].flush_stdout_sink()
+    if "rlkit.io.streams" in sys.modules:
+        sys.modules["rlkit.io.streams"].flush_stdout_sink()
     os._exit(rc)
 
 
@@ -367,9 +367,9 @@ def _exit_if_reader_blocked(rc: int) -> None:
             f.flush()
         except (OSError, ValueError):
             pass
-    from rlkit.io import artifacts
+    from rlkit.io import streams
 
-    artifacts.flush_stdout_sink()
+    streams.flush_stdout_sink()
     os._exit(rc)
 
 
@@ -406,7 +406,7 @@ def _main(argv: list[str] | None = None) -> int:
         return 130
     except DownstreamClosed:
         # a --follow stage whose reader ended (e.g. `update --follow --max-steps`): the run's normal end
-        from rlkit.io.artifacts import drop_stdout_sink
+        from rlkit.io.streams import drop_stdout_sink
 
         drop_stdout_sink()
         print("rlkit: the downstream stage ended; stopping", file=err)
@@ -414,8 +414,8 @@ def _main(argv: list[str] | None = None) -> int:
     except (BrokenPipeError, PipeClosed):
         # The downstream stage exited: stop, with the shell's code for SIGPIPE, and keep Python from
         # complaining at exit about what is still buffered for the closed pipe.
-        if "rlkit.io.artifacts" in sys.modules:
-            sys.modules["rlkit.io.artifacts"].drop_stdout_sink()
+        if "rlkit.io.streams" in sys.modules:
+            sys.modules["rlkit.io.streams"].drop_stdout_sink()
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         print("rlkit: output pipe closed by the downstream stage", file=err)
         return 141

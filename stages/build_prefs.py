@@ -43,12 +43,12 @@ class BuildPrefsConfig:
 
 
 def run(cfg: BuildPrefsConfig) -> Path | None:
-    """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
+    """Claims --out (see `claims.claim_out`: never over an input, one writer) and runs the stage."""
     from rlkit import devices
-    from rlkit.io import artifacts, checkpoints
+    from rlkit.io import checkpoints, claims
 
     devices.parse(cfg.device)
-    with artifacts.claim_out(cfg.out, "table", {"--policy": cfg.policy, "--from": cfg.source, "--task": cfg.task}), \
+    with claims.claim_out(cfg.out, "table", {"--policy": cfg.policy, "--from": cfg.source, "--task": cfg.task}), \
             checkpoints.verifying(cfg.verify):
         return _run(cfg)
 
@@ -56,7 +56,7 @@ def run(cfg: BuildPrefsConfig) -> Path | None:
 def _run(cfg: BuildPrefsConfig) -> Path | None:
     from rlkit import console
     from rlkit.errors import RlkitError
-    from rlkit.io import artifacts
+    from rlkit.io import claims, manifests, streams
 
     if not 0 < cfg.eval_fraction < 1:
         raise RlkitError(f"--eval-fraction {cfg.eval_fraction} must be between 0 and 1 (e.g. 0.1)")
@@ -66,16 +66,16 @@ def _run(cfg: BuildPrefsConfig) -> Path | None:
         raise RlkitError("--from imports a preference set as it is: leave out --policy and --bias")
     if cfg.source is None and cfg.policy is None and cfg.bias != "length":
         raise RlkitError("pass --policy DIR (sample and verify) or --from FILE (import a preference set)")
-    out = artifacts.resolve_out(cfg.out)
-    artifacts.check_out(out, "table")
+    out = streams.resolve_out(cfg.out)
+    claims.check_out(out, "table")
     rows, inputs, cfg = _imported(cfg) if cfg.source else _sampled(cfg)
-    if artifacts.skip_if_current(out, "build-prefs", cfg, inputs):
+    if manifests.skip_if_current(out, "build-prefs", cfg, inputs):
         return out
     if not rows["prompt"]:
         raise RlkitError("no preference pairs came out; sample more prompts (--num-prompts) or check the input")
     held = rows["split"].count("heldout")
-    manifest = artifacts.make_manifest("prefs", "build-prefs", cfg, inputs)
-    with artifacts.write_table("prefs", out, manifest) as w:
+    manifest = manifests.make_manifest("prefs", "build-prefs", cfg, inputs)
+    with streams.write_table("prefs", out, manifest) as w:
         w.write(rows)
     kinds: dict[str, int] = {}
     for k in rows["negative"]:
@@ -90,7 +90,7 @@ def _sampled(cfg: BuildPrefsConfig):
 
     from rlkit import engines
     from rlkit.errors import RlkitError
-    from rlkit.io import artifacts, checkpoints, data
+    from rlkit.io import checkpoints, data, fingerprints
     from rlkit.tasks import get_task, prefs, task_inputs
 
     task = get_task(cfg.task)
@@ -98,7 +98,7 @@ def _sampled(cfg: BuildPrefsConfig):
     inputs = task_inputs(task)
     if cfg.policy is not None:
         checkpoints.check_model_dir(cfg.policy, "policy")
-        inputs["policy"] = artifacts.fingerprint(cfg.policy)
+        inputs["policy"] = fingerprints.fingerprint(cfg.policy)
     ex = task.examples("train", cfg.num_prompts, cfg.seed, unique=True)
     rows: dict[str, list] = {k: [] for k in ("prompt_id", "prompt", "chosen", "rejected", "split", "answer", "negative")}
     if cfg.bias == "length":

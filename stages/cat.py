@@ -40,9 +40,9 @@ def _settings(m: dict) -> tuple:
 
 
 def run(cfg: CatConfig) -> Path | None:
-    from rlkit.io import artifacts
+    from rlkit.io import claims
 
-    with artifacts.claim_out(cfg.out, "table", {"TABLE": list(cfg.inputs)}):
+    with claims.claim_out(cfg.out, "table", {"TABLE": list(cfg.inputs)}):
         return _run(cfg)
 
 
@@ -50,15 +50,15 @@ def _run(cfg: CatConfig) -> Path | None:
     import pyarrow as pa
 
     from rlkit.errors import RlkitError
-    from rlkit.io import artifacts, shards
+    from rlkit.io import claims, manifests, schemas, shards, streams
 
     if len(cfg.inputs) < 1:
         raise RlkitError("no input tables; expected FILE [FILE ...] (the shards of one run, or tables of one kind)")
     if sum(str(i) == "-" for i in cfg.inputs) > 1:
         raise RlkitError("'-' (stdin) may be given once")
-    out = artifacts.resolve_out(cfg.out)
-    artifacts.check_out(out, "table")
-    readers = [artifacts.TableReader(src, list(artifacts.KINDS)) for src in cfg.inputs]
+    out = streams.resolve_out(cfg.out)
+    claims.check_out(out, "table")
+    readers = [streams.TableReader(src, list(schemas.KINDS)) for src in cfg.inputs]
     kinds = {r.kind for r in readers}
     if len(kinds) > 1:
         raise RlkitError(f"the inputs are tables of different kinds ({', '.join(sorted(kinds))}); join one kind")
@@ -67,34 +67,34 @@ def _run(cfg: CatConfig) -> Path | None:
         if sorted(n) != sorted(names[0]):
             diff = sorted(set(n) ^ set(names[0]))
             raise RlkitError(f"{r.label} has different columns from {readers[0].label} ({', '.join(diff)})")
-    manifests = [r.manifest or {} for r in readers]
+    heads = [r.manifest or {} for r in readers]
     labels = [r.label for r in readers]
-    order = shards.cat_order(manifests, labels)
+    order = shards.cat_order(heads, labels)
     dups = None
-    if not any(m.get("shard") for m in manifests):  # one run's shards are disjoint by construction (cat_order)
+    if not any(m.get("shard") for m in heads):  # one run's shards are disjoint by construction (cat_order)
         shards.same_files(cfg.inputs, labels)
-        shards.same_manifests(manifests, labels)
+        shards.same_manifests(heads, labels)
         dups = shards.Duplicates(readers[0].kind)
-    if any(m.get("shard") for m in manifests):
-        first = _settings(manifests[order[0]])
+    if any(m.get("shard") for m in heads):
+        first = _settings(heads[order[0]])
         for i in order[1:]:
-            if _settings(manifests[i]) != first:
+            if _settings(heads[i]) != first:
                 raise RlkitError(f"{readers[i].label} was made with other settings or inputs than "
                                  f"{readers[order[0]].label}; join the shards of one run only")
-    head = dict(manifests[order[0]])
-    paths = artifacts.carried_paths(head)
+    head = dict(heads[order[0]])
+    paths = manifests.carried_paths(head)
     if head.get("command") == "rollout":  # downstream reads the sampling settings from here
         head.setdefault("rollout", head.get("config"))
         head.setdefault("temperature", (head.get("config") or {}).get("temperature"))
     kind = readers[0].kind
-    base = {f.name for f in artifacts.kind(kind).schema()}
+    base = {f.name for f in schemas.kind(kind).schema()}
     extra = [f for f in readers[order[0]].schema if f.name not in base]
-    total = sum(((m.get("shard") or {}).get("stop", 0) - (m.get("shard") or {}).get("start", 0)) for m in manifests)
-    manifest = artifacts.make_manifest(kind, "cat", cfg, {r.label: r.fingerprint for r in readers},
+    total = sum(((m.get("shard") or {}).get("stop", 0) - (m.get("shard") or {}).get("start", 0)) for m in heads)
+    manifest = manifests.make_manifest(kind, "cat", cfg, {r.label: r.fingerprint for r in readers},
                                        **{k: head[k] for k in CARRIED if k in head}, carried_paths=paths,
                                        **({"joined_shards": len(readers), "shard_units": total}
                                           if head.get("shard") else {}))
-    with artifacts.write_table(kind, out, manifest, extra) as w:
+    with streams.write_table(kind, out, manifest, extra) as w:
         for i in order:
             row0 = 0
             for batch in readers[i]:

@@ -55,15 +55,15 @@ class EvalConfig:
 
 
 def run(cfg: EvalConfig) -> dict:
-    """Claims its outputs, --metrics and the trackers' (see `artifacts.claim_out`: never an input, never a
+    """Claims its outputs, --metrics and the trackers' (see `claims.claim_out`: never an input, never a
     file it did not make) and runs the stage."""
     from rlkit import devices
-    from rlkit.io import artifacts, checkpoints, tracking
+    from rlkit.io import checkpoints, claims, tracking
 
     devices.parse(cfg.device)
     inputs = {"--policy": cfg.policy, "--prompts": cfg.prompts, "--rm": cfg.rm, "--task": cfg.task}
     side = {"--metrics": (cfg.metrics, "metrics"), **tracking.outputs(cfg.tracking, "eval", cfg.policy)}
-    with artifacts.claim_out(None, "file", inputs, side), checkpoints.verifying(cfg.verify):
+    with claims.claim_out(None, "file", inputs, side), checkpoints.verifying(cfg.verify):
         return _run(cfg)
 
 

@@ -36,10 +36,10 @@ class FreezeRefConfig:
 
 
 def run(cfg: FreezeRefConfig) -> Path:
-    """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
-    from rlkit.io import artifacts, checkpoints
+    """Claims --out (see `claims.claim_out`: never over an input, one writer) and runs the stage."""
+    from rlkit.io import checkpoints, claims
 
-    with artifacts.claim_out(cfg.out, "model", {"--policy": cfg.policy}), checkpoints.verifying(cfg.verify):
+    with claims.claim_out(cfg.out, "model", {"--policy": cfg.policy}), checkpoints.verifying(cfg.verify):
         return _run(cfg)
 
 
@@ -48,25 +48,24 @@ def _run(cfg: FreezeRefConfig) -> Path:
 
     from rlkit import console
     from rlkit.errors import RlkitError
-    from rlkit.io import artifacts, checkpoints
-    from rlkit.training import lora
+    from rlkit.io import adapters, atomic, checkpoints, claims, fingerprints, manifests
 
     if cfg.dtype is not None and cfg.dtype not in checkpoints.DTYPES:
         raise RlkitError(f"--dtype {cfg.dtype!r} is not one of {', '.join(checkpoints.DTYPES)}")
     checkpoints.check_model_dir(cfg.policy, "policy")
-    artifacts.check_out(cfg.out, "model")
+    claims.check_out(cfg.out, "model")
     if cfg.link:
         cfg = replace(cfg, dtype=_link_dtype(cfg))
     cfg = replace(cfg, dtype=cfg.dtype or "bf16")
-    inputs = {"policy": artifacts.fingerprint(cfg.policy)}
-    if artifacts.skip_if_current(cfg.out, "freeze-ref", cfg, inputs):
+    inputs = {"policy": fingerprints.fingerprint(cfg.policy)}
+    if manifests.skip_if_current(cfg.out, "freeze-ref", cfg, inputs):
         return cfg.out
     parent = checkpoints.load_manifest(cfg.policy) or {}
-    manifest = artifacts.make_manifest(
+    manifest = manifests.make_manifest(
         "reference", "freeze-ref", cfg, inputs, step=parent.get("step", 0), frozen_from=str(cfg.policy),
-        **({"frozen_from_lora": parent.get("lora")} if lora.is_adapter_dir(cfg.policy) else {}),
+        **({"frozen_from_lora": parent.get("lora")} if adapters.is_adapter_dir(cfg.policy) else {}),
     )
-    with artifacts.atomic_dir(cfg.out) as tmp:
+    with atomic.atomic_dir(cfg.out) as tmp:
         if cfg.link:
             manifest = _link(cfg, tmp, manifest)
         else:  # a LoRA checkpoint: merged into its (hash-verified) base
@@ -76,7 +75,7 @@ def _run(cfg: FreezeRefConfig) -> Path:
     src = checkpoints.safetensors_summary(cfg.policy)
     how = (f"hard-linked from {cfg.policy}, no copy" if cfg.link else
            f"policy: {src['bytes']:,} bytes as {'/'.join(src['dtypes'])}" + (" (LoRA adapter, merged)"
-                                                                             if lora.is_adapter_dir(cfg.policy) else ""))
+                                                                             if adapters.is_adapter_dir(cfg.policy) else ""))
     console.info(
         f"freeze-ref: {s['parameters']:,} parameters, {s['bytes']:,} bytes as {cfg.dtype} ({how}); "
         f"sha256 {manifest['weights_digest'][:16]}… -> {cfg.out}"
@@ -87,10 +86,9 @@ def _run(cfg: FreezeRefConfig) -> Path:
 def _link_dtype(cfg: FreezeRefConfig) -> str:
     """The dtype --link freezes in: the policy's stored one (--dtype, when given, must be it)."""
     from rlkit.errors import RlkitError
-    from rlkit.io import checkpoints
-    from rlkit.training import lora
+    from rlkit.io import adapters, checkpoints
 
-    if lora.is_adapter_dir(cfg.policy):
+    if adapters.is_adapter_dir(cfg.policy):
         raise RlkitError(f"freeze-ref --link: {cfg.policy} is a LoRA checkpoint, whose weights exist only merged "
                          "into its base: link the base itself (the reference of a LoRA run), or leave out --link for "
                          "a merged copy")
@@ -113,10 +111,10 @@ def _link(cfg: FreezeRefConfig, tmp: Path, manifest: dict) -> dict:
     import shutil
 
     from rlkit.errors import RlkitError
-    from rlkit.io import artifacts, checkpoints
+    from rlkit.io import checkpoints, manifests
 
     for f in sorted(cfg.policy.iterdir()):
-        if f.is_dir() or f.name == artifacts.MODEL_MANIFEST:
+        if f.is_dir() or f.name == manifests.MODEL_MANIFEST:
             continue  # trainer/, critic/: not the policy's weights
         if f.suffix != ".safetensors":
             shutil.copy2(f, tmp / f.name)
@@ -130,7 +128,7 @@ def _link(cfg: FreezeRefConfig, tmp: Path, manifest: dict) -> dict:
     per_file, digest = checkpoints.hash_weights(tmp)
     manifest = {**manifest, "weights_sha256": per_file, "weights_digest": digest, "weights_dtype": cfg.dtype,
                 "linked_from": str(cfg.policy.absolute())}
-    (tmp / artifacts.MODEL_MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    (tmp / manifests.MODEL_MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
 
 

@@ -28,9 +28,9 @@ class InspectConfig:
 
 def is_current(path: Path) -> bool:
     """True when `path` is an rlkit artifact and none of its recorded file inputs changed since."""
-    from rlkit.io import artifacts
+    from rlkit.io import manifests
 
-    manifest = artifacts.read_manifest(path) if path.exists() else None
+    manifest = manifests.read_manifest(path) if path.exists() else None
     if manifest is None:
         return False
     for e in _lineage(manifest):
@@ -40,7 +40,7 @@ def is_current(path: Path) -> bool:
 
 
 def _lineage(manifest: dict | None, depth: int = 0) -> list[dict[str, Any]]:
-    from rlkit.io import artifacts
+    from rlkit.io import fingerprints, manifests
 
     out: list[dict[str, Any]] = []
     if not manifest or depth > 32:
@@ -49,15 +49,15 @@ def _lineage(manifest: dict | None, depth: int = 0) -> list[dict[str, Any]]:
     for key in _LINEAGE_KEYS:
         src = config.get(key)
         # read at the path resolved when it was recorded: inspect may run in another directory
-        found = artifacts.recorded_path(manifest, "config", key)
+        found = manifests.recorded_path(manifest, "config", key)
         if not isinstance(src, str) or not found or not Path(found).exists():
             if isinstance(src, str):
                 out.append({"depth": depth, "role": key, "path": src, "kind": "embedded" if src == "tiny" else "not found"})
             continue
-        parent = artifacts.read_manifest(found)
+        parent = manifests.read_manifest(found)
         entry = {"depth": depth, "role": key, "path": src, "kind": (parent or {}).get("kind", "external")}
         if key in inputs:
-            entry["changed_since"] = artifacts.fingerprint(found) != inputs[key]
+            entry["changed_since"] = fingerprints.fingerprint(found) != inputs[key]
         out.append(entry)
         out.extend(_lineage(parent, depth + 1))
     return out
@@ -69,7 +69,7 @@ def run(cfg: InspectConfig) -> dict[str, Any]:
 
     from rlkit import console
     from rlkit.errors import RlkitError
-    from rlkit.io import artifacts, checkpoints
+    from rlkit.io import checkpoints, fingerprints, manifests, streams
 
     p = cfg.path
     _only_files(p)
@@ -91,12 +91,12 @@ def run(cfg: InspectConfig) -> dict[str, Any]:
         manifest = checkpoints.load_manifest(p)
         info: dict[str, Any] = {"path": str(p), "type": "model", **checkpoints.safetensors_summary(p)}
         cfg_path = p / "config.json"
-        from rlkit.training import lora
+        from rlkit.io import adapters
 
-        if lora.is_adapter_dir(p):  # the adapter; the architecture is its base's
+        if adapters.is_adapter_dir(p):  # the adapter; the architecture is its base's
             entry = (manifest or {}).get("lora") or {}
             try:
-                base, _ = lora.verify_base(p.absolute())
+                base, _ = adapters.verify_base(p.absolute())
                 info["lora_base"], cfg_path = f"{base} (sha256 as recorded)", base / "config.json"
             except RlkitError as e:
                 info["lora_base"] = str(e)
@@ -112,14 +112,14 @@ def run(cfg: InspectConfig) -> dict[str, Any]:
                 info["tracking"] = f"run {tr.get('run_name')!r} in project {tr.get('project')!r} ({', '.join(tr.get('report_to') or [])})"
             info["lineage"] = _lineage(manifest)
         if cfg.verify:
-            per_file = {f.name: artifacts.sha256_file(f) for f in checkpoints.weight_files(p)}  # read now, no cache
+            per_file = {f.name: fingerprints.sha256_file(f) for f in checkpoints.weight_files(p)}  # read now, no cache
             info["weights_verified"] = bool(manifest) and per_file == manifest.get("weights_sha256")
             info["weights_sha256_now"] = per_file
     else:
-        manifest = artifacts.read_manifest(p)
+        manifest = manifests.read_manifest(p)
         if manifest is None:
             raise RlkitError(f"{p} is not an rlkit artifact (neither a model directory nor an rlkit Arrow table)")
-        table, _ = artifacts.read_table(p, [manifest["kind"]], require_rows=False)
+        table, _ = streams.read_table(p, [manifest["kind"]], require_rows=False)
         info = {"path": str(p), "type": "table", "kind": manifest["kind"], "rows": table.num_rows,
                 "manifest": manifest, "schema": {f.name: str(f.type) for f in table.schema},
                 "first_rows": table.slice(0, cfg.rows).to_pylist(), "lineage": _lineage(manifest)}
@@ -199,11 +199,11 @@ def _print_config(p: Path) -> dict[str, Any]:
 
     from rlkit import config_file
     from rlkit.errors import RlkitError
-    from rlkit.io import artifacts
+    from rlkit.io import manifests
 
     if not p.exists():
         raise RlkitError(f"{p}: no such file or directory")
-    manifest = artifacts.read_manifest(p)
+    manifest = manifests.read_manifest(p)
     if manifest is None:
         raise RlkitError(f"{p} is not an rlkit artifact (neither a model directory nor an rlkit Arrow table)")
     options = manifest.get("options")
@@ -218,12 +218,12 @@ def _verify_now(p: Path, manifest: dict | None) -> None:
     """`--verify`: read every weights file now (no cache) and fail in one line unless each matches the
     sha256 its rlkit.json records."""
     from rlkit.errors import RlkitError
-    from rlkit.io import artifacts, checkpoints
+    from rlkit.io import checkpoints, fingerprints
 
     want = (manifest or {}).get("weights_sha256")
     if not want:
         raise RlkitError(f"{p}: nothing to verify against (no weights_sha256 in its rlkit.json: not written by rlkit)")
-    have = {f.name: artifacts.sha256_file(f) for f in checkpoints.weight_files(p)}
+    have = {f.name: fingerprints.sha256_file(f) for f in checkpoints.weight_files(p)}
     bad = sorted({n for n, _ in set(have.items()) ^ set(want.items())})
     if bad:
         raise RlkitError(f"{p} fails its hash check: sha256 mismatch in {', '.join(bad)} (the weights changed after "

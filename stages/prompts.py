@@ -28,28 +28,28 @@ class PromptsConfig:
 
 
 def run(cfg: PromptsConfig) -> Path | None:
-    from rlkit.io import artifacts
+    from rlkit.io import claims
 
-    with artifacts.claim_out(cfg.out, "table", {"--task": cfg.task}):
+    with claims.claim_out(cfg.out, "table", {"--task": cfg.task}):
         return _run(cfg)
 
 
 def _run(cfg: PromptsConfig) -> Path | None:
-    from rlkit.io import artifacts
+    from rlkit.io import claims, manifests, streams
     from rlkit.tasks import get_task, task_inputs
 
     task = get_task(cfg.task)
     cfg = replace(cfg, task=task.spec)
-    out = artifacts.resolve_out(cfg.out)
-    artifacts.check_out(out, "table")
+    out = streams.resolve_out(cfg.out)
+    claims.check_out(out, "table")
     inputs = task_inputs(task)
-    if artifacts.skip_if_current(out, "prompts", cfg, inputs):
+    if manifests.skip_if_current(out, "prompts", cfg, inputs):
         return out
     import itertools
 
     examples = itertools.islice(task.iter_examples(cfg.split, cfg.seed), cfg.num)
     kind = "sft" if cfg.sft else "prompts"
-    with artifacts.write_table(kind, out, artifacts.make_manifest(kind, "prompts", cfg, inputs)) as w:
+    with streams.write_table(kind, out, manifests.make_manifest(kind, "prompts", cfg, inputs)) as w:
         while chunk := list(itertools.islice(examples, 4096)):
             cols = {
                 "prompt_id": [e.prompt_id for e in chunk],

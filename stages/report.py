@@ -94,10 +94,10 @@ def _not_metrics(path: Path) -> str | None:
     device), in words; None when it may be one (a file of text, a pipe: `rlkit report <(...)`)."""
     import stat
 
-    from rlkit.io import artifacts
+    from rlkit.io import manifests
 
     if path.is_dir():
-        m = artifacts.read_manifest(path)
+        m = manifests.read_manifest(path)
         return "a directory" + (f" (an rlkit {m.get('kind')} checkpoint)" if m else "")
     if not path.exists():
         return "missing"
@@ -108,7 +108,7 @@ def _not_metrics(path: Path) -> str | None:
             head = f.read(4096)
     except OSError as e:
         return f"unreadable ({e.strerror or e})"
-    m = artifacts.read_manifest(path) if head.startswith(b"\xff\xff\xff\xff") else None
+    m = manifests.read_manifest(path) if head.startswith(b"\xff\xff\xff\xff") else None
     if m is not None:
         return f"an Arrow table (an rlkit '{m.get('kind')}' table)"
     if head.startswith(b"\xff\xff\xff\xff"):
@@ -260,10 +260,10 @@ def _html(png: bytes, rows: list[dict], runs: list[Run], title: str) -> str:
 
 
 def run(cfg: ReportConfig) -> Path:
-    from rlkit.io import artifacts
+    from rlkit.io import claims
 
     inputs = {"metrics": [p for _, p in parse_runs(cfg.metrics)]}
-    with artifacts.claim_out(cfg.out, "file", inputs):
+    with claims.claim_out(cfg.out, "file", inputs):
         return _run(cfg)
 
 
@@ -274,7 +274,7 @@ def _run(cfg: ReportConfig) -> Path:
 
     from rlkit import console
     from rlkit.errors import RlkitError
-    from rlkit.io import artifacts
+    from rlkit.io import atomic
 
     if cfg.out.suffix.lower() not in FORMATS:
         raise RlkitError(f"--out {cfg.out}: unknown format {cfg.out.suffix or '(none)'!r}; expected one of "
@@ -296,7 +296,7 @@ def _run(cfg: ReportConfig) -> Path:
     data = buf.getvalue()
     if cfg.out.suffix.lower() == ".html":
         data = _html(data, rows, runs, title).encode()
-    with artifacts.atomic_file(cfg.out) as tmp:
+    with atomic.atomic_file(cfg.out) as tmp:
         tmp.write_bytes(data)
     t = Table(title=title)
     for h, _, _ in SUMMARY_COLUMNS:

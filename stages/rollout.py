@@ -86,13 +86,13 @@ class RolloutConfig:
 
 
 def run(cfg: RolloutConfig) -> Path | None:
-    """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
-    from rlkit.io import artifacts, checkpoints
+    """Claims --out (see `claims.claim_out`: never over an input, one writer) and runs the stage."""
+    from rlkit.io import checkpoints, claims
 
     _check_device(cfg.device)  # a bad --device is one line before anything is claimed or written
     inputs = {"--policy": cfg.policy, "--prompts": cfg.prompts, "--task": cfg.task, "--reward-fn": cfg.reward_fn,
               "--follow": cfg.follow, "--colocate": cfg.colocate}
-    with artifacts.claim_out(cfg.out, "table", inputs), checkpoints.verifying(cfg.verify):
+    with claims.claim_out(cfg.out, "table", inputs), checkpoints.verifying(cfg.verify):
         return _run(cfg)
 
 
@@ -115,7 +115,7 @@ def _run(cfg: RolloutConfig) -> Path | None:
     from rlkit import console, devices, engines
     from rlkit.engines import memory
     from rlkit.errors import RlkitError
-    from rlkit.io import artifacts, checkpoints, data, shards
+    from rlkit.io import checkpoints, claims, data, fingerprints, manifests, shards, streams
     from rlkit.tasks import get_task, reward_fns, task_inputs
 
     task = get_task(cfg.task)
@@ -132,14 +132,14 @@ def _run(cfg: RolloutConfig) -> Path | None:
     if cfg.vllm_lora not in ("adapter", "merge"):
         raise RlkitError(f"--vllm-lora {cfg.vllm_lora!r} is not one of adapter, merge")
     checkpoints.check_model_dir(cfg.policy, "policy")
-    out = artifacts.resolve_out(cfg.out)
-    artifacts.check_out(out, "table")
+    out = streams.resolve_out(cfg.out)
+    claims.check_out(out, "table")
     cfg = replace(cfg, task=task.spec)
     if cfg.follow is not None:
         return _run_follow(cfg, task, out, fns)
     if cfg.batch_prompts is not None or cfg.max_steps is not None:
         raise RlkitError("--batch-prompts and --max-steps are --follow options (without it: --num-prompts)")
-    inputs = {"policy": artifacts.fingerprint(cfg.policy), **task_inputs(task), **reward_fns.fingerprints(fns)}
+    inputs = {"policy": fingerprints.fingerprint(cfg.policy), **task_inputs(task), **reward_fns.fingerprints(fns)}
     # prompts stream: a chunk of --chunk-prompts is drawn (or sliced), rendered and tokenized only when it
     # is sampled, so memory stays flat and the first rows come out at once whatever --num-prompts
     if cfg.prompts:
@@ -157,7 +157,7 @@ def _run(cfg: RolloutConfig) -> Path | None:
     span = range(total)
     if cfg.shard:
         span = shards.prompt_span(shards.parse(cfg.shard), total, cfg.chunk_prompts)
-    if artifacts.skip_if_current(out, "rollout", cfg, inputs):
+    if manifests.skip_if_current(out, "rollout", cfg, inputs):
         return out
 
     engine = _start_engine(cfg, cfg.policy)
@@ -169,11 +169,11 @@ def _run(cfg: RolloutConfig) -> Path | None:
         console.warn("some prompts have no gold answer: no verifier reward column is written")
     extra = [pa.field(f"reward/{n}", pa.float64()) for n in [*(["verifier"] if scored else []), *(f.name for f in fns)]]
     fp, step = inputs["policy"], checkpoints.policy_step(cfg.policy)
-    manifest = artifacts.make_manifest("rollouts", "rollout", cfg, inputs,
+    manifest = manifests.make_manifest("rollouts", "rollout", cfg, inputs,
                                        tokenizer=checkpoints.tokenizer_fingerprint(tokenizer), engine=engine.name,
                                        **devices.manifest_entry(device),
-                                       **shards.manifest_entry(cfg.shard, span, total, artifacts.jsonable(cfg), inputs))
-    with artifacts.write_table("rollouts", out, manifest, extra) as w, \
+                                       **shards.manifest_entry(cfg.shard, span, total, manifests.jsonable(cfg), inputs))
+    with streams.write_table("rollouts", out, manifest, extra) as w, \
             console.progress("rollout", len(span) * cfg.n) as bar:
         # chunks keep their global position and seed whatever the shard, so shards concatenate into the
         # table one job gives
@@ -191,7 +191,7 @@ def _run_follow(cfg: RolloutConfig, task, out: Path | None, fns=()) -> Path | No
 
     from rlkit import console, devices, engines
     from rlkit.errors import DownstreamClosed, RlkitError
-    from rlkit.io import artifacts, checkpoints, data, follow
+    from rlkit.io import checkpoints, data, fingerprints, follow, manifests, streams
     from rlkit.tasks import reward_fns, task_inputs
 
     if cfg.shard or cfg.num_prompts is not None:
@@ -207,7 +207,7 @@ def _run_follow(cfg: RolloutConfig, task, out: Path | None, fns=()) -> Path | No
     base_tok = checkpoints.tokenizer_fingerprint(checkpoints.load_tokenizer(cfg.policy, cfg.trust_remote_code))
     newest = follow.newest(root)
     start = newest.path if newest else cfg.policy
-    inputs = {"policy": artifacts.fingerprint(cfg.policy), **task_inputs(task), **reward_fns.fingerprints(fns)}
+    inputs = {"policy": fingerprints.fingerprint(cfg.policy), **task_inputs(task), **reward_fns.fingerprints(fns)}
     if newest:
         m = follow.verify_step(start)
         if (m.get("follow") or {}).get("base_fingerprint") != inputs["policy"]:
@@ -253,21 +253,21 @@ def _run_follow(cfg: RolloutConfig, task, out: Path | None, fns=()) -> Path | No
         console.warn("some prompts have no gold answer: no verifier reward column is written")
     extra = [pa.field(f"reward/{n}", pa.float64()) for n in [*(["verifier"] if scored else []), *(f.name for f in fns)]]
     # no rows without an engine: the name recorded then is the fallback's, as it has always been
-    manifest = artifacts.make_manifest("rollouts", "rollout", cfg, inputs, tokenizer=base_tok,
+    manifest = manifests.make_manifest("rollouts", "rollout", cfg, inputs, tokenizer=base_tok,
                                        engine=engine.name if engine is not None else engines.FALLBACK,
                                        **devices.manifest_entry(device),
                                        follow={"dir": str(root), "start_step": step, "base_step": base_step})
-    fp = artifacts.fingerprint(start)
+    fp = fingerprints.fingerprint(start)
     reloads: list[float] = []
     wakes: list[float] = []
     asleep = False
     try:
-        with artifacts.write_table("rollouts", out, manifest, extra) as w:
+        with streams.write_table("rollouts", out, manifest, extra) as w:
             while cfg.max_steps is None or b < cfg.max_steps:
                 need = base_step + b - cfg.max_lag
                 s = follow.newest(root)
                 if step < need and (s is None or s.step < need):
-                    s = follow.wait_for(root, need, stop=artifacts.downstream_closed)
+                    s = follow.wait_for(root, need, stop=streams.downstream_closed)
                     if s is None:
                         raise DownstreamClosed("rollout")
                 if asleep:
@@ -277,7 +277,7 @@ def _run_follow(cfg: RolloutConfig, task, out: Path | None, fns=()) -> Path | No
                     wakes.append(time.monotonic() - t1)
                 if s is not None and s.step > step:
                     s, secs = _switch(engine, s, root, base_tok, cfg.policy)
-                    step, fp = s.step, artifacts.fingerprint(s.path)
+                    step, fp = s.step, fingerprints.fingerprint(s.path)
                     reloads.append(secs)
                     console.info(f"rollout: batch {b}: sampling with {s.path.name} (weights reloaded in {secs:.3f}s)")
                 seed = cfg.seed + b + 1  # batch b samples as `rollout --seed SEED+b+1 --num-prompts P` would
@@ -301,7 +301,7 @@ def _run_follow(cfg: RolloutConfig, task, out: Path | None, fns=()) -> Path | No
                                      "while update trains)")
             console.info(f"rollout: --max-steps {cfg.max_steps} reached; the stream ends")
     except (BrokenPipeError, DownstreamClosed):
-        artifacts.drop_stdout_sink()
+        streams.drop_stdout_sink()
         console.info(f"rollout: the downstream stage ended; stopping after {b} batches")
     finally:
         if reloads:

@@ -23,11 +23,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
 from rlkit.options import Device, Force, InTable, NoVerify, OutTable, RewardFn, RewardTimeout, TrustRemoteCode
+
+if TYPE_CHECKING:
+    from rlkit.io.manifests import Manifest
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,7 @@ def _score_prefs(cfg, reader, model, tokenizer, out, inputs, reference: dict, li
     from rlkit import console
     from rlkit.algorithms.inputs import check_pair_lengths
     from rlkit.errors import RlkitError
-    from rlkit.io import artifacts
+    from rlkit.io import manifests, streams
     from rlkit.io.data import encode_responses
 
     if model is None or cfg.rm or cfg.reward_fn:
@@ -91,10 +94,10 @@ def _score_prefs(cfg, reader, model, tokenizer, out, inputs, reference: dict, li
                          "--reward-fn")
     from rlkit import devices
 
-    manifest = artifacts.make_manifest("prefs", "score-ref", cfg, inputs, **reference,
+    manifest = manifests.make_manifest("prefs", "score-ref", cfg, inputs, **reference,
                                        **devices.manifest_entry(devices.model_device(model)))
     rows = 0
-    with artifacts.write_table("prefs", out, manifest) as w, console.progress("score-ref", None, unit="pairs") as bar:
+    with streams.write_table("prefs", out, manifest) as w, console.progress("score-ref", None, unit="pairs") as bar:
         for batch in reader:
             if rows == 0:
                 devices.announce("score-ref", devices.model_device(model), None)
@@ -116,17 +119,16 @@ def _score_prefs(cfg, reader, model, tokenizer, out, inputs, reference: dict, li
     return out
 
 
-def recorded_reference(upstream: dict) -> tuple[Path, Path]:
+def recorded_reference(upstream: Manifest) -> tuple[Path, Path]:
     """(the reference, the policy that records it, as the rollout named it) for rollouts sampled by a policy
     `update` trained: its manifest names the reference its input was scored against. The policy is read at the
     path resolved when the rollout ran (this stage may run elsewhere). Checked against the fingerprint recorded
     then; an SFT checkpoint records none: the error says how to make one and pass it."""
     from rlkit.errors import RlkitError
-    from rlkit.io import artifacts, checkpoints
+    from rlkit.io import checkpoints, fingerprints
 
-    section = "rollout" if upstream.get("rollout") else "config"
-    policy = artifacts.recorded_path(upstream, section, "policy")
-    given = (upstream.get(section) or {}).get("policy")
+    policy = upstream.path(upstream.sampling_section, "policy")
+    given = upstream.sampling.get("policy")
     nothing = ("nothing to score with: pass --ref REF (reference log-probs), --rm NAME=DIR and/or "
                "--reward-fn NAME=FILE.py:FUNC")
     if not policy or not Path(policy).is_dir():
@@ -139,7 +141,7 @@ def recorded_reference(upstream: dict) -> tuple[Path, Path]:
     ref = Path(entry["path"])
     if not ref.is_dir():
         raise RlkitError(f"{policy} was trained against the reference {ref}, which is not there any more; pass --ref REF")
-    if entry.get("fingerprint") and artifacts.fingerprint(ref) != entry["fingerprint"]:
+    if entry.get("fingerprint") and fingerprints.fingerprint(ref) != entry["fingerprint"]:
         raise RlkitError(f"the reference {ref} has changed since {policy} was trained against it; pass --ref REF")
     return ref, Path(given if isinstance(given, str) else policy)
 
@@ -162,14 +164,14 @@ def parse_rms(specs: tuple[str, ...]) -> dict[str, Path]:
 
 
 def run(cfg: ScoreRefConfig) -> Path | None:
-    """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
+    """Claims --out (see `claims.claim_out`: never over an input, one writer) and runs the stage."""
     from rlkit import devices
-    from rlkit.io import artifacts, checkpoints
+    from rlkit.io import checkpoints, claims
 
     devices.parse(cfg.device)
     inputs = {"--ref": cfg.ref, "--rm": [r.partition("=")[2] or r for r in cfg.rm], "--in": cfg.inp,
               "--reward-fn": cfg.reward_fn}
-    with artifacts.claim_out(cfg.out, "table", inputs), checkpoints.verifying(cfg.verify):
+    with claims.claim_out(cfg.out, "table", inputs), checkpoints.verifying(cfg.verify):
         return _run(cfg)
 
 
@@ -178,7 +180,7 @@ def _run(cfg: ScoreRefConfig) -> Path | None:
 
     from rlkit import console, devices
     from rlkit.errors import DownstreamClosed, RlkitError
-    from rlkit.io import artifacts, checkpoints, shards
+    from rlkit.io import checkpoints, claims, fingerprints, manifests, schemas, shards, streams
     from rlkit.tasks import reward_fns
 
     rms = parse_rms(cfg.rm)
@@ -190,13 +192,13 @@ def _run(cfg: ScoreRefConfig) -> Path | None:
                              "`rollout --shard` needs no --shard here)")
     recorded = None
     if cfg.ref is None and not rms and not fns:  # the reference the sampling policy was trained against
-        pending = artifacts.open_table(cfg.inp, ["rollouts", "scored", "prefs"])
-        recorded = recorded_reference(pending.result().manifest or {})
+        pending = streams.open_table(cfg.inp, ["rollouts", "scored", "prefs"])
+        recorded = recorded_reference(pending.result().record)
         cfg = replace(cfg, ref=recorded[0])
     if cfg.dtype not in ("auto", "stored", "fp32"):
         raise RlkitError(f"--dtype {cfg.dtype!r} is not one of auto, stored, fp32")
-    out = artifacts.resolve_out(cfg.out)
-    artifacts.check_out(out, "table")
+    out = streams.resolve_out(cfg.out)
+    claims.check_out(out, "table")
     dev = devices.resolve(cfg.device) if cfg.ref is not None or rms else None  # reward functions run on the host
     if cfg.ref is not None:
         checkpoints.verify_reference(cfg.ref)
@@ -205,7 +207,7 @@ def _run(cfg: ScoreRefConfig) -> Path | None:
     if recorded is not None:
         console.info(f"score-ref: reference {recorded[0]} (recorded by {recorded[1]})")
     else:  # the input opens and streams into memory on a thread while torch imports and the models load
-        pending = artifacts.open_table(cfg.inp, ["rollouts", "scored", "prefs"])
+        pending = streams.open_table(cfg.inp, ["rollouts", "scored", "prefs"])
     model = tokenizer = limits = None
     reference: dict = {}  # the manifest entries naming the reference: its path and its weights' digest
     if cfg.ref is not None:
@@ -219,16 +221,16 @@ def _run(cfg: ScoreRefConfig) -> Path | None:
 
     scorers = {name: load_reward_model(d, cfg.trust_remote_code, device=dev) for name, d in rms.items()}
     reader = pending.result()
-    inputs = {"in": reader.fingerprint, **({"ref": artifacts.fingerprint(cfg.ref)} if cfg.ref else {}),
-              **{name: artifacts.fingerprint(d) for name, d in rms.items()}, **reward_fns.fingerprints(fns)}
-    if artifacts.skip_if_current(out, "score-ref", cfg, inputs):
+    inputs = {"in": reader.fingerprint, **({"ref": fingerprints.fingerprint(cfg.ref)} if cfg.ref else {}),
+              **{name: fingerprints.fingerprint(d) for name, d in rms.items()}, **reward_fns.fingerprints(fns)}
+    if manifests.skip_if_current(out, "score-ref", cfg, inputs):
         return out
     if reader.kind == "prefs":
         if cfg.shard:
             raise RlkitError("--shard cuts rollouts tables; score a prefs table whole")
         return _score_prefs(cfg, reader, model, tokenizer, out, inputs, reference, limits)
-    upstream = reader.manifest or {}
-    want = upstream.get("tokenizer")
+    upstream = reader.record
+    want = upstream.tokenizer
     if tokenizer is not None and want and want != checkpoints.tokenizer_fingerprint(tokenizer):
         raise RlkitError(
             f"reference {cfg.ref} has a different tokenizer from the policy that sampled these rollouts "
@@ -240,8 +242,8 @@ def _run(cfg: ScoreRefConfig) -> Path | None:
                          f"{'reward model' if clash[0] in rms else '--reward-fn'} differently")
     if reader.kind == "scored" and cfg.ref is not None:
         raise RlkitError("the input already has reference log-probs; pass only --rm to add reward-model scores")
-    temperature = float(upstream.get("temperature", (upstream.get("config") or {}).get("temperature", 1.0)))
-    batches, shard = reader, {"shard": upstream["shard"]} if upstream.get("shard") else {}
+    temperature = upstream.temperature
+    batches, shard = reader, {"shard": upstream.shard} if upstream.shard else {}
     if cfg.shard:
         if shard:
             raise RlkitError(f"{reader.label} is already shard {shard['shard']['index']}/{shard['shard']['count']} "
@@ -249,23 +251,23 @@ def _run(cfg: ScoreRefConfig) -> Path | None:
         table = reader.read_all()
         span = shards.group_span(shards.parse(cfg.shard), table.column("group_id").to_pylist())
         batches = table.slice(span.start, len(span)).to_batches(max_chunksize=4096)
-        shard = shards.manifest_entry(cfg.shard, span, table.num_rows, artifacts.jsonable(cfg), inputs)
+        shard = shards.manifest_entry(cfg.shard, span, table.num_rows, manifests.jsonable(cfg), inputs)
     out_kind = "scored" if cfg.ref is not None or reader.kind == "scored" else "rollouts"
     extra = [f for f in reader.schema if f.name.startswith("reward/")]
     extra += [pa.field(f"reward/{n}", pa.float64()) for n in [*rms, *(f.name for f in fns)]]
-    manifest = artifacts.make_manifest(out_kind, "score-ref", cfg, inputs, tokenizer=want,
-                                       rollout=upstream.get("rollout") or upstream.get("config"), temperature=temperature,
-                                       engine=upstream.get("engine"), reward_models={n: str(d) for n, d in rms.items()},
+    manifest = manifests.make_manifest(out_kind, "score-ref", cfg, inputs, tokenizer=want,
+                                       rollout=dict(upstream.sampling) or None, temperature=temperature,
+                                       engine=upstream.engine, reward_models={n: str(d) for n, d in rms.items()},
                                        reward_fns={f.name: f.label for f in fns},
                                        **(reference or {k: upstream.get(k) for k in ("reference", "reference_digest")}),
-                                       carried_paths=artifacts.carried_paths(upstream), **shard,
+                                       carried_paths=manifests.carried_paths(upstream.raw), **shard,
                                        **(devices.manifest_entry(dev) if dev is not None else {}))
-    lp_type = artifacts.kind("scored").schema().field("ref_logprobs").type
-    following = bool((upstream.get("rollout") or upstream.get("config") or {}).get("follow"))
+    lp_type = schemas.kind("scored").schema().field("ref_logprobs").type
+    following = bool(upstream.sampling.get("follow"))
     if following and not cfg.shard:
         # an unbounded `rollout --follow` stream: batch by batch as it comes, and the end of the run is
         # the downstream stage ending (`update --follow --max-steps`), noticed even while no input comes
-        batches = reader.batches(idle=artifacts.downstream_closed)
+        batches = reader.batches(idle=streams.downstream_closed)
     try:
         rows = _score_stream(cfg, batches, w_args=(out_kind, out, manifest, extra), model=model, tokenizer=tokenizer,
                              temperature=temperature, scorers=scorers, lp_type=lp_type, reader=reader,
@@ -295,11 +297,11 @@ def _score_stream(cfg: ScoreRefConfig, batches, w_args, model, tokenizer, temper
     from rlkit import console
     from rlkit.algorithms.inputs import check_rows
     from rlkit.errors import RlkitError
-    from rlkit.io import artifacts
+    from rlkit.io import streams
     from rlkit.tasks import reward_fns
     from rlkit.tasks.reward_model import score_texts
 
-    with artifacts.write_table(*w_args) as w, console.progress("score-ref", None, unit="rows") as bar:
+    with streams.write_table(*w_args) as w, console.progress("score-ref", None, unit="rows") as bar:
         for batch in batches:
             if limits is not None:
                 check_rows(batch, limits, reader.label, row0=row0, budget=cfg.batch_tokens)

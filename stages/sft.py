@@ -92,14 +92,14 @@ def _lr_lambda(total: int, warmup: int, min_ratio: float):
 
 
 def run(cfg: SftConfig) -> Path:
-    """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
+    """Claims --out (see `claims.claim_out`: never over an input, one writer) and runs the stage."""
     from rlkit import devices
-    from rlkit.io import artifacts, checkpoints, tracking
+    from rlkit.io import checkpoints, claims, tracking
 
     devices.parse(cfg.device)
     model = cfg.model if cfg.model != "tiny" else None
     side = {"--metrics": (cfg.metrics, "metrics"), **tracking.outputs(cfg.tracking, "sft")}
-    with artifacts.claim_out(cfg.out, "model", {"--model": model, "--data": cfg.data, "--task": cfg.task}, side), \
+    with claims.claim_out(cfg.out, "model", {"--model": model, "--data": cfg.data, "--task": cfg.task}, side), \
             checkpoints.verifying(cfg.verify), tracking.Tracking() as tracker:
         return _run(cfg, tracker)
 
@@ -113,7 +113,7 @@ def _run(cfg: SftConfig, tracker) -> Path:
 
     from rlkit import console, tiny
     from rlkit.errors import RlkitError
-    from rlkit.io import artifacts, checkpoints, data, metrics_log, tracking
+    from rlkit.io import atomic, checkpoints, claims, data, fingerprints, manifests, metrics_log, tracking
     from rlkit.tasks import get_task, task_inputs
     from rlkit.tasks.evaluate import greedy_eval
 
@@ -123,7 +123,7 @@ def _run(cfg: SftConfig, tracker) -> Path:
     cfg = replace(cfg, task=task.spec if task else None)
     if cfg.model != checkpoints.TINY:
         cfg = replace(cfg, tiny=None)
-    artifacts.check_out(cfg.out, "model")
+    claims.check_out(cfg.out, "model")
     from rlkit import training
     from rlkit.training import distributed, resume
 
@@ -138,12 +138,12 @@ def _run(cfg: SftConfig, tracker) -> Path:
     inputs = task_inputs(task) if task else {}
     if cfg.model != checkpoints.TINY and Path(cfg.model).exists():
         checkpoints.check_model_dir(Path(cfg.model), "base model")
-        inputs["model"] = artifacts.fingerprint(cfg.model)
+        inputs["model"] = fingerprints.fingerprint(cfg.model)
     source = None
     if cfg.data:
         source = data.load_source(cfg.data, "sft", {"prompt": cfg.prompt_column, "completion": cfg.completion_column})
         inputs["data"] = source.fingerprint
-    if artifacts.skip_if_current(cfg.out, "sft", cfg, inputs):
+    if manifests.skip_if_current(cfg.out, "sft", cfg, inputs):
         return cfg.out
 
     dp = distributed.init(cfg.device)  # None unless started by torchrun
@@ -266,11 +266,11 @@ def _run(cfg: SftConfig, tracker) -> Path:
     full = distributed.full_model_state(model) if dp is not None else None  # gathered: a collective
     if distributed.stand_down(dp, metrics):
         return cfg.out
-    manifest = artifacts.make_manifest("model", "sft", cfg, inputs, step=0, metrics=metrics, **devices.manifest_entry(dev),
+    manifest = manifests.make_manifest("model", "sft", cfg, inputs, step=0, metrics=metrics, **devices.manifest_entry(dev),
                                        **tracker.manifest_entry())
     row = {"stage": "sft", "out": str(cfg.out), "step": 0, **metrics}
     # the row first, taken back out if the checkpoint is not written: never one without the other
-    with metrics_log.appending(row, cfg.metrics), artifacts.atomic_dir(cfg.out) as tmp:
+    with metrics_log.appending(row, cfg.metrics), atomic.atomic_dir(cfg.out) as tmp:
         checkpoints.save_model(model, tokenizer, tmp, manifest, state_dict=full)
     snaps.remove()  # --out holds the result now
     tracker.log(row)

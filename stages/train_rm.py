@@ -74,14 +74,14 @@ class TrainRmConfig:
 
 
 def run(cfg: TrainRmConfig) -> Path:
-    """Claims --out (see `artifacts.claim_out`: never over an input, one writer) and runs the stage."""
+    """Claims --out (see `claims.claim_out`: never over an input, one writer) and runs the stage."""
     from rlkit import devices
 
     devices.parse(cfg.device)
-    from rlkit.io import artifacts, checkpoints, tracking
+    from rlkit.io import checkpoints, claims, tracking
 
     side = {"--metrics": (cfg.metrics, "metrics"), **tracking.outputs(cfg.tracking, "train-rm")}
-    with artifacts.claim_out(cfg.out, "model", {"--model": cfg.base, "--prefs": cfg.prefs}, side), \
+    with claims.claim_out(cfg.out, "model", {"--model": cfg.base, "--prefs": cfg.prefs}, side), \
             checkpoints.verifying(cfg.verify), tracking.Tracking() as tracker:
         return _run(cfg, tracker)
 
@@ -93,11 +93,11 @@ def _run(cfg: TrainRmConfig, tracker) -> Path:
 
     from rlkit import console
     from rlkit.errors import RlkitError
-    from rlkit.io import artifacts, checkpoints, data, tracking
+    from rlkit.io import atomic, checkpoints, claims, data, fingerprints, manifests, tracking
     from rlkit.tasks import prefs
 
     checkpoints.check_model_dir(cfg.base, "base")
-    artifacts.check_out(cfg.out, "model")
+    claims.check_out(cfg.out, "model")
     if cfg.lr <= 0:
         raise RlkitError(f"--lr {cfg.lr:g}: expected a learning rate > 0")
     for flag, v in (("--batch-size", cfg.batch_size), ("--epochs", cfg.epochs)):
@@ -114,8 +114,8 @@ def _run(cfg: TrainRmConfig, tracker) -> Path:
     cfg = replace(cfg, train=cfg.train.on(dev))  # --dtype auto made concrete: what is trained and recorded
     train_opts = cfg.train
     src = data.load_source(cfg.prefs, "prefs", {})
-    inputs = {"base": artifacts.fingerprint(cfg.base), "prefs": src.fingerprint}
-    if artifacts.skip_if_current(cfg.out, "train-rm", cfg, inputs):
+    inputs = {"base": fingerprints.fingerprint(cfg.base), "prefs": src.fingerprint}
+    if manifests.skip_if_current(cfg.out, "train-rm", cfg, inputs):
         return cfg.out
     t = src.table.to_pydict()
     prefs.check_pairs(src.label, t["prompt"], t["chosen"], t["rejected"])
@@ -232,13 +232,13 @@ def _run(cfg: TrainRmConfig, tracker) -> Path:
     full = distributed.full_model_state(model) if dp is not None else None  # gathered: a collective
     if distributed.stand_down(dp, metrics):
         return cfg.out
-    manifest = artifacts.make_manifest("reward-model", "train-rm", cfg, inputs, metrics=metrics, sanity=sanity,
+    manifest = manifests.make_manifest("reward-model", "train-rm", cfg, inputs, metrics=metrics, sanity=sanity,
                                        **devices.manifest_entry(dev), **tracker.manifest_entry())
     from rlkit.io import metrics_log
 
     row = {"stage": "train-rm", "out": str(cfg.out), "step": 0, **metrics}
     # the row first, taken back out if the checkpoint is not written: never one without the other
-    with metrics_log.appending(row, cfg.metrics), artifacts.atomic_dir(cfg.out) as tmp:
+    with metrics_log.appending(row, cfg.metrics), atomic.atomic_dir(cfg.out) as tmp:
         checkpoints.save_model(model, tok, tmp, manifest, state_dict=full)
     snaps.remove()  # --out holds the result now
     tracker.log(row)
@@ -276,10 +276,10 @@ def _load_base(cfg: TrainRmConfig):
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "score.weight newly initialized" is the point here
     try:
-        from rlkit.training import lora
+        from rlkit.io import adapters
 
-        if lora.is_adapter_dir(cfg.base):  # LoRA trains on: a policy's adapter on its base, with a new score head
-            model = lora.load(cfg.base, "seq-cls", trust_remote_code=cfg.trust_remote_code)
+        if adapters.is_adapter_dir(cfg.base):  # LoRA trains on: a policy's adapter on its base, with a new score head
+            model = adapters.load(cfg.base, "seq-cls", trust_remote_code=cfg.trust_remote_code)
         else:
             model = AutoModelForSequenceClassification.from_pretrained(
                 str(cfg.base), num_labels=1, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,

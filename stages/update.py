@@ -22,12 +22,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
 from rlkit import algorithms
-from rlkit.algorithms.config import DEFAULT_DUAL_CLIP, RLConfig
+from rlkit.algorithms.config import DEFAULT_DUAL_CLIP, DEFAULT_FOLLOW_TIS_CAP, RLConfig
 from rlkit.algorithms.defaults_table import phrase as algo_default
 from rlkit.io.tracking import TrackingConfig
 from rlkit.options import (
@@ -54,12 +54,12 @@ from rlkit.options import (
 )
 from rlkit.training import TrainOptions
 
+if TYPE_CHECKING:
+    from rlkit.io.manifests import Manifest
+
 DEFAULT_MAX_DRIFT = 0.05  # relative weight-space distance from the reference; see rlkit.training.drift
 AlgoName = Literal[tuple(algorithms.names())]  # every registered --algo, shown and checked by click
 DEFAULT_MAX_LAG = 1  # --follow: steps a row's sampling policy may lag behind the policy it trains
-# --follow: --tis-cap when not given, applied whenever pi_old is recomputed (lagged rows, a non-HF engine):
-# decoupled PPO clips against the proximal policy and weighs by proximal / behaviour, capped
-DEFAULT_FOLLOW_TIS_CAP = 2.0
 
 
 @dataclass(frozen=True)
@@ -123,27 +123,27 @@ def resolve(cfg: UpdateConfig) -> UpdateConfig:
 
 
 def run(cfg: UpdateConfig) -> Path:
-    """Resolves the algorithm's defaults, claims --out (see `artifacts.claim_out`: never over an input,
+    """Resolves the algorithm's defaults, claims --out (see `claims.claim_out`: never over an input,
     one writer) and runs the stage."""
     from rlkit import devices
-    from rlkit.io import artifacts, checkpoints, tracking
+    from rlkit.io import checkpoints, claims, tracking
 
     devices.parse(cfg.device)
     cfg = resolve(cfg)
     inputs = {"--policy": cfg.policy, "--in": cfg.inp, "--ref": cfg.ref}
     side = {"--metrics": (cfg.metrics, "metrics"), **tracking.outputs(cfg.tracking, "update", cfg.policy)}
     if cfg.follow:  # --out is a directory of steps with its own writer lock (rlkit.io.follow)
-        artifacts.check_outputs({"--out": (cfg.out, "follow"), **side}, inputs)
+        claims.check_outputs({"--out": (cfg.out, "follow"), **side}, inputs)
         with checkpoints.verifying(cfg.verify):
             return _run(cfg)
-    with artifacts.claim_out(cfg.out, "model", inputs, side), checkpoints.verifying(cfg.verify):
+    with claims.claim_out(cfg.out, "model", inputs, side), checkpoints.verifying(cfg.verify):
         return _run(cfg)
 
 
 def _run(cfg: UpdateConfig) -> Path:
     from rlkit import console, devices
     from rlkit.algorithms.inputs import Limits
-    from rlkit.io import artifacts, checkpoints, metrics_log, tracking
+    from rlkit.io import atomic, checkpoints, claims, fingerprints, manifests, metrics_log, streams, tracking
     from rlkit.training import lora
     from rlkit.training.trainer import Trainer
 
@@ -153,7 +153,7 @@ def _run(cfg: UpdateConfig) -> Path:
     if cfg.follow:
         _check_follow(cfg, algo)
     else:
-        artifacts.check_out(cfg.out, "model")
+        claims.check_out(cfg.out, "model")
     # Open the input on a background thread and import torch and load the policy meanwhile: in a pipe
     # all stages then start up at once, and upstream streams into memory instead of a full pipe.
     cfg.rl.check()
@@ -172,7 +172,7 @@ def _run(cfg: UpdateConfig) -> Path:
         from rlkit.training import distributed
 
         dp = distributed.init(cfg.device)
-    pending = artifacts.open_table(cfg.inp, list(inp.kinds)) if dp is None or dp.main else None
+    pending = streams.open_table(cfg.inp, list(inp.kinds)) if dp is None or dp.main else None
     if cfg.follow:
         return _run_follow(cfg, inp, pending, weights, dev)
     from rlkit.training import distributed
@@ -188,15 +188,15 @@ def _run(cfg: UpdateConfig) -> Path:
     t = start() if dev.type != "cuda" else None
     reader = pending.result() if dp is None else distributed.share_table(pending, dp)
     inp.check(reader.kind, cfg.rl)
-    check_reference(cfg.ref, reader.manifest, reader.kind, reader.label)
-    inputs = {"policy": artifacts.fingerprint(cfg.policy), "in": reader.fingerprint}
-    if artifacts.skip_if_current(cfg.out, "update", cfg, inputs):
+    check_reference(cfg.ref, reader.record, reader.kind, reader.label)
+    inputs = {"policy": fingerprints.fingerprint(cfg.policy), "in": reader.fingerprint}
+    if manifests.skip_if_current(cfg.out, "update", cfg, inputs):
         return cfg.out
     table = reader.read_all()
     t = t or start()
     tokenizer = t.tokenizer
     limits = Limits.of(t.model, f"--policy {cfg.policy}")
-    upstream = reader.manifest or {}
+    upstream = reader.record
     inp.check_upstream(upstream, tokenizer, cfg.policy)
     loaded = inp.load(table, upstream=upstream, tokenizer=tokenizer, rl=cfg.rl, dtype=t.train_options.dtype, weights=weights,
                       length_penalty=cfg.length_penalty, policy_fingerprint=inputs["policy"], label=reader.label,
@@ -211,13 +211,13 @@ def _run(cfg: UpdateConfig) -> Path:
         gathered = t.gather()
         if distributed.stand_down(dp, metrics):
             return cfg.out
-        metrics.update(_drift(cfg, lora.plain_state_dict(t.model, gathered[0]), artifacts.recorded_path(upstream, "reference")))
-        manifest = artifacts.make_manifest("model", "update", cfg, inputs, step=step, metrics=metrics,
+        metrics.update(_drift(cfg, lora.plain_state_dict(t.model, gathered[0]), upstream.path("reference")))
+        manifest = manifests.make_manifest("model", "update", cfg, inputs, step=step, metrics=metrics,
                                            **_reward_weights(loaded), **devices.manifest_entry(dev),
                                            **_reference_entry(upstream, cfg), **tracker.manifest_entry())
         row = {"stage": "update", "out": str(cfg.out), **metrics}
         # the row first, taken back out if the checkpoint is not written: never one without the other
-        with metrics_log.appending(row, cfg.metrics), artifacts.atomic_dir(cfg.out) as tmp:
+        with metrics_log.appending(row, cfg.metrics), atomic.atomic_dir(cfg.out) as tmp:
             t.save(tmp, manifest, gathered)
         tracker.log(row)
     _show(metrics, inp, t.algo)
@@ -225,23 +225,23 @@ def _run(cfg: UpdateConfig) -> Path:
     return cfg.out
 
 
-def _reference_entry(upstream: dict, cfg: UpdateConfig) -> dict:
+def _reference_entry(upstream: Manifest, cfg: UpdateConfig) -> dict:
     """{'reference': {'path', 'fingerprint'}}: the frozen reference this checkpoint was trained against, so
     that `score-ref` without --ref can find it: --ref (`check_reference` made sure the input was scored by
     it, or a copy), else the input's (score-ref's --ref), else the one --policy records. The path is
     absolute: a later stage may run in another directory."""
-    from rlkit.io import artifacts, checkpoints
+    from rlkit.io import checkpoints, fingerprints
 
     if cfg.ref is not None:
-        return {"reference": {"path": str(cfg.ref.resolve()), "fingerprint": artifacts.fingerprint(cfg.ref)}}
-    ref, fp = artifacts.recorded_path(upstream, "reference"), (upstream.get("inputs") or {}).get("ref")
+        return {"reference": {"path": str(cfg.ref.resolve()), "fingerprint": fingerprints.fingerprint(cfg.ref)}}
+    ref, fp = upstream.path("reference"), upstream.inputs.get("ref")
     if ref:
-        return {"reference": {"path": str(Path(ref).absolute()), "fingerprint": fp or artifacts.fingerprint(ref)}}
+        return {"reference": {"path": str(Path(ref).absolute()), "fingerprint": fp or fingerprints.fingerprint(ref)}}
     recorded = (checkpoints.load_manifest(cfg.policy) or {}).get("reference")
     return {"reference": recorded} if isinstance(recorded, dict) else {}
 
 
-def check_reference(ref: Path | None, upstream: dict | None, kind: str, label: str) -> None:
+def check_reference(ref: Path | None, upstream: Manifest, kind: str, label: str) -> None:
     """Refuse --ref when the input's reference log-probs (a scored table's ref_logprobs, a scored prefs
     table's ref_*_logp) came from another reference: the KL or DPO term would pull towards that one while the
     checkpoint records --ref. Same weights count as the same reference (a copy, a moved directory): the
@@ -249,17 +249,16 @@ def check_reference(ref: Path | None, upstream: dict | None, kind: str, label: s
     recorded path's weights. A table that records no reference is taken as scored by --ref, with a warning."""
     from rlkit import console
     from rlkit.errors import RlkitError
-    from rlkit.io import artifacts, checkpoints
+    from rlkit.io import checkpoints, fingerprints
 
     if ref is None or kind not in ("scored", "prefs"):
         return
-    m = upstream or {}
+    m = upstream
     have = checkpoints.verify_reference(ref).get("weights_digest")
-    recorded = artifacts.recorded_path(m, "reference")
+    recorded = m.path("reference")
     if m.get("reference_digest"):
-        same = m["reference_digest"] == have
-    elif (m.get("inputs") or {}).get("ref") and m.get("command") == "score-ref" and \
-            m["inputs"]["ref"] == artifacts.fingerprint(ref):
+        same = m.get("reference_digest") == have
+    elif m.inputs.get("ref") and m.command == "score-ref" and m.inputs["ref"] == fingerprints.fingerprint(ref):
         same = True
     elif recorded and Path(recorded).is_dir():
         same = (checkpoints.load_manifest(Path(recorded)) or {}).get("weights_digest") == have
@@ -298,13 +297,20 @@ def _run_follow(cfg: UpdateConfig, inp, pending, weights: dict[str, float] | Non
     from rlkit import console, devices
     from rlkit.algorithms.inputs import Limits
     from rlkit.errors import RlkitError
-    from rlkit.io import artifacts, checkpoints, follow, metrics_log, tracking
+    from rlkit.io import (
+        checkpoints,
+        fingerprints,
+        follow,
+        manifests,
+        metrics_log,
+        tracking,
+    )
     from rlkit.training import lora
     from rlkit.training.follow_batches import Batcher
     from rlkit.training.trainer import Trainer
 
     root = cfg.out
-    base_fp = artifacts.fingerprint(cfg.policy)
+    base_fp = fingerprints.fingerprint(cfg.policy)
     base_step = checkpoints.policy_step(cfg.policy)
     with follow.writer_lock(root):
         stale = follow.clean_stale(root)
@@ -312,7 +318,7 @@ def _run_follow(cfg: UpdateConfig, inp, pending, weights: dict[str, float] | Non
             console.info(f"update: removed {len(stale)} unfinished step(s) a killed writer left in {root}")
         steps, partial = follow.scan(root)
         if partial:
-            raise RlkitError(f"{partial[0]} has no {artifacts.MODEL_MANIFEST}: an incomplete step directory that "
+            raise RlkitError(f"{partial[0]} has no {manifests.MODEL_MANIFEST}: an incomplete step directory that "
                              "`rlkit update --follow` did not write; remove it")
         start = steps[-1].path if steps else cfg.policy
         if steps:
@@ -336,11 +342,11 @@ def _run_follow(cfg: UpdateConfig, inp, pending, weights: dict[str, float] | Non
             console.info(f"update: {root} already has --max-steps {cfg.max_steps} steps after --policy; nothing to do")
             return root
         reader = pending.result()
-        upstream = reader.manifest or {}
+        upstream = reader.record
         inp.check(reader.kind, cfg.rl)
-        check_reference(cfg.ref, reader.manifest, reader.kind, reader.label)
+        check_reference(cfg.ref, reader.record, reader.kind, reader.label)
         inp.check_upstream(upstream, tokenizer, cfg.policy)
-        rollout_cfg = upstream.get("rollout") or upstream.get("config") or {}
+        rollout_cfg = upstream.sampling
         P = cfg.batch_prompts or rollout_cfg.get("batch_prompts")
         if P is None:
             raise RlkitError(f"update --follow needs --batch-prompts P (prompts per step): {reader.label} is not a "
@@ -380,9 +386,9 @@ def _run_follow(cfg: UpdateConfig, inp, pending, weights: dict[str, float] | Non
                 metrics = {"step": step, **loaded.metrics, **m}
                 metrics.update(lag_mean=float(lags.float().mean()), lag_max=int(lags.max()), rows_dropped=drop,
                                rows_dropped_total=dropped, prompts=P)
-                metrics.update(_drift(cfg, lora.plain_state_dict(t.model), artifacts.recorded_path(upstream, "reference"),
+                metrics.update(_drift(cfg, lora.plain_state_dict(t.model), upstream.path("reference"),
                                       ref_cache))
-                manifest = artifacts.make_manifest(
+                manifest = manifests.make_manifest(
                     "model", "update", cfg, inputs, step=step, metrics=metrics, **_reward_weights(loaded),
                     **devices.manifest_entry(dev), **_reference_entry(upstream, cfg), follow={"base": str(cfg.policy), "base_fingerprint": base_fp, "base_step": base_step},
                     **tracker.manifest_entry())

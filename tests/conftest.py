@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# The verified-weights cache (rlkit.io.artifacts.file_facts) of this test session, not the user's ~/.cache.
+# The verified-weights cache (rlkit.io.fingerprints.file_facts) of this test session, not the user's ~/.cache.
 os.environ.setdefault("RLKIT_CACHE_DIR", tempfile.mkdtemp(prefix="rlkit-test-cache-"))
 
 
@@ -79,12 +79,12 @@ def updates_in_one_process(model, tok, cfg, tables: list[Path]):
     """The updates `rlkit update` runs, one per rollouts table, in this process with one Trainer (optimizer
     kept in memory): what N sequential `update` processes must equal. -> the TrainerState after them."""
     from rlkit.algorithms.inputs import build_batch
-    from rlkit.io import artifacts
+    from rlkit.io import streams
     from rlkit.training.trainer import Trainer
 
     trainer = Trainer(model, cfg, tokenizer=tok)
     for src in tables:
-        t, _ = artifacts.read_table(src, ["rollouts"])
+        t, _ = streams.read_table(src, ["rollouts"])
         batch, _ = build_batch(t, tok.pad_token_id)
         trainer.train(batch, temperature=1.0, length_norm=16.0)
     return trainer.state
@@ -96,7 +96,7 @@ def make_lora_checkpoint(base: Path, out: Path, seed: int, rank: int = 4) -> Pat
     import torch
 
     from rlkit import training
-    from rlkit.io import artifacts, checkpoints
+    from rlkit.io import checkpoints, manifests
     from rlkit.training import LoraOptions, TrainOptions
 
     model, tok = checkpoints.load_policy(base)
@@ -107,7 +107,7 @@ def make_lora_checkpoint(base: Path, out: Path, seed: int, rank: int = 4) -> Pat
             if "lora_B" in n:
                 p.copy_(0.05 * torch.randn(p.shape, generator=g))
     out.mkdir(parents=True)
-    checkpoints.save_model(model, tok, out, artifacts.make_manifest("model", "test", {}, {}, step=0))
+    checkpoints.save_model(model, tok, out, manifests.make_manifest("model", "test", {}, {}, step=0))
     return out
 
 

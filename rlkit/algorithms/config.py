@@ -18,6 +18,9 @@ from dataclasses import dataclass, fields, replace
 DEFAULT_KL_ESTIMATOR = {"reward": "k1", "loss": "k3+"}
 # verl's clip_ratio_c: for A < 0 the clipped surrogate is capped at -DUAL_CLIP * A.
 DEFAULT_DUAL_CLIP = 3.0
+# --follow: --tis-cap when not given, applied whenever pi_old is recomputed (lagged rows, a non-HF engine):
+# decoupled PPO clips against the proximal policy and weighs by proximal / behaviour, capped
+DEFAULT_FOLLOW_TIS_CAP = 2.0
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from collections import Counter
 from pathlib import Path
 
 from rlkit.algorithms import REGISTRY, Entry
-from rlkit.algorithms.config import DEFAULT_KL_ESTIMATOR, RLConfig
+from rlkit.algorithms.config import DEFAULT_FOLLOW_TIS_CAP, DEFAULT_KL_ESTIMATOR, RLConfig
 
 BEGIN = "<!-- BEGIN defaults table: generated from rlkit/algorithms by `python -m rlkit.algorithms.defaults_table --write`; edit the registry, not this table -->"
 END = "<!-- END defaults table -->"
@@ -71,8 +71,6 @@ def phrase(field: str) -> str:
 def table() -> str:
     """docs/algorithms.md's defaults tables (markdown, no markers): one row per algorithm, then the flags
     every algorithm shares."""
-    from rlkit.stages.update import DEFAULT_FOLLOW_TIS_CAP  # typer, no torch
-
     cfg = RLConfig()
     offline = [name for name, e in REGISTRY.items() if e.reads != "rollouts"]
     rl = f"all but {', '.join(offline)}" if offline else "all"

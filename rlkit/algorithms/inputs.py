@@ -14,6 +14,7 @@ from torch import Tensor
 
 from rlkit.algorithms.config import RLConfig
 from rlkit.errors import RlkitError, non_finite_cause
+from rlkit.io.manifests import Manifest
 from rlkit.ops.logprobs import completion_logprobs, pack_sequences
 from rlkit.ops.losses import importance_ess
 from rlkit.training import Precision
@@ -320,14 +321,14 @@ class Rollouts:
         if cfg.beta > 0 and kind == "rollouts":
             raise RlkitError(NO_REF)
 
-    def check_upstream(self, upstream: dict, tokenizer, policy) -> None:
+    def check_upstream(self, upstream: Manifest, tokenizer, policy) -> None:
         from rlkit.io import checkpoints
 
-        want = upstream.get("tokenizer")
+        want = upstream.tokenizer
         if want and want != checkpoints.tokenizer_fingerprint(tokenizer):
             raise RlkitError(f"policy {policy} has a different tokenizer from the one that sampled these rollouts")
 
-    def load(self, table, *, upstream: dict, tokenizer, rl: RLConfig, dtype: str, weights: dict[str, float] | None,
+    def load(self, table, *, upstream: Manifest, tokenizer, rl: RLConfig, dtype: str, weights: dict[str, float] | None,
              length_penalty: float, policy_fingerprint: str | None = None, lags: Tensor | None = None,
              label: str = "the input", limits: Limits | None = None) -> Loaded:
         """`policy_fingerprint`: warn when the rows were sampled from another checkpoint (one update; under
@@ -345,8 +346,7 @@ class Rollouts:
                 p != policy_fingerprint for p in set(table.column("policy_fingerprint").to_pylist())):
             console.warn("these rollouts were sampled from another checkpoint than --policy (off-policy); "
                          "the pi_theta/pi_old ratio corrects for it, within the clip range")
-        rollout_cfg = upstream.get("rollout") or upstream.get("config") or {}
-        temperature = float(upstream.get("temperature", rollout_cfg.get("temperature", 1.0)))
+        temperature = upstream.temperature
         batch, used = build_batch(table, tokenizer.pad_token_id, weights, length_penalty)
         if not self.said_reward:
             console.info("update: reward = " + " + ".join(f"{w:g}*{k}" for k, w in used.items())
@@ -355,7 +355,7 @@ class Rollouts:
             self.said_reward = True
         from rlkit import engines
 
-        engine = upstream.get("engine")
+        engine = upstream.engine
         trusted = engines.capabilities(engine).logprobs_match_trainer  # hf: True; vllm, unknown or none: False
         lagged = lags is not None and int(lags.max()) > 0
         recompute = rl.old_logprobs == "recompute" or (rl.old_logprobs == "auto" and (
@@ -375,7 +375,7 @@ class Rollouts:
                if "verifier" in comps else {}),
         }
         train = {"temperature": temperature, "recompute": recompute, "lags": lags,
-                 "length_norm": float(rollout_cfg.get("max_new_tokens") or batch.targets.shape[1])}  # Dr. GRPO's
+                 "length_norm": float(upstream.sampling.get("max_new_tokens") or batch.targets.shape[1])}  # Dr. GRPO's
         return Loaded(batch, train, metrics, used)
 
 
@@ -388,7 +388,7 @@ class Prefs:
     def check(self, kind: str, cfg: RLConfig) -> None:
         """Nothing to refuse before reading: `build_pref_batch` names missing reference scores."""
 
-    def check_upstream(self, upstream: dict, tokenizer, policy) -> None:
+    def check_upstream(self, upstream: Manifest, tokenizer, policy) -> None:
         """Prefs are text: the policy's tokenizer encodes them."""
 
     def load(self, table, *, tokenizer, limits: Limits | None = None, label: str = "the input", **_: Any) -> Loaded:

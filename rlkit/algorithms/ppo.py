@@ -26,7 +26,7 @@ from rlkit.algorithms.config import RLConfig
 from rlkit.algorithms.inputs import RLBatch
 from rlkit.algorithms.policy_gradient import PGPlan, PolicyGradient
 from rlkit.errors import RlkitError
-from rlkit.io.artifacts import MODEL_MANIFEST
+from rlkit.io.manifests import MODEL_MANIFEST
 from rlkit.ops.gae import (
     AdaptiveKLController,
     clipped_value_loss,
@@ -168,10 +168,11 @@ def load_critic(policy: Path, cfg: RLConfig, tokenizer, trust_remote_code: bool 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # a fresh value head is "newly initialized" on purpose
     try:
+        from rlkit.io import adapters
         from rlkit.training import lora
 
-        if lora.is_adapter_dir(src):  # a LoRA critic resumed, or started from a LoRA policy's or reward model's adapter
-            critic = lora.load(src, "seq-cls", trust_remote_code=trust_remote_code)
+        if adapters.is_adapter_dir(src):  # a LoRA critic resumed, or started from a LoRA policy's or reward model's adapter
+            critic = adapters.load(src, "seq-cls", trust_remote_code=trust_remote_code)
         else:
             critic = AutoModelForSequenceClassification.from_pretrained(
                 str(src), dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True, **kw)
@@ -215,12 +216,12 @@ def gather_critic(critic, opt, dp: DataParallel | None) -> tuple[dict | None, di
 
 def save_critic(critic, opt, cstate: TrainerState, ctrl: AdaptiveKLController | None, d: Path,
                 gathered: tuple[dict | None, dict] | None = None) -> None:
-    from rlkit.training import lora
+    from rlkit.io import adapters
 
     full, tensors = gathered if gathered is not None else (None, None)
-    if lora.state(critic) is not None:  # the adapter, and its base's path and hashes for the next update
+    if adapters.state(critic) is not None:  # the adapter, and its base's path and hashes for the next update
         d.mkdir(parents=True, exist_ok=True)
-        entry = lora.save(critic, d, full)
+        entry = adapters.save(critic, d, full)
         (d / MODEL_MANIFEST).write_text(json.dumps({"kind": "critic", "lora": entry}, indent=2, sort_keys=True) + "\n")
     else:
         critic.save_pretrained(d, safe_serialization=True, **({"state_dict": full} if full is not None else {}))

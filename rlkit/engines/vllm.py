@@ -141,11 +141,12 @@ class VLLMEngine:
         self.lora_request = None  # the adapter sent with every generate call (a LoRA checkpoint on vLLM's LoRA)
         self._lora_ids, self._tmp = 0, None  # LoRARequest ids used; the temporary merged weights held now
         self.weights, lora_kw = self.policy, {}  # the plain weights (directory) loaded into the engine
+        from rlkit.io import adapters
         from rlkit.training import lora
 
-        if lora.is_adapter_dir(self.policy):
-            base, _ = lora.verify_base(self.policy)
-            max_rank = lora.vllm_rank(lora.adapter_rank(self.policy))
+        if adapters.is_adapter_dir(self.policy):
+            base, _ = adapters.verify_base(self.policy)
+            max_rank = lora.vllm_rank(adapters.adapter_rank(self.policy))
             if opts.lora == "adapter" and max_rank is not None:
                 self.weights, lora_kw = base, {"enable_lora": True, "max_lora_rank": max_rank, "max_loras": 1}
             else:
@@ -169,11 +170,11 @@ class VLLMEngine:
         """LoRA checkpoint `d` merged into its base, in a fresh temporary directory (removed once replaced)."""
         import tempfile
 
-        from rlkit.training import lora
+        from rlkit.io import adapters
 
         out = Path(tempfile.mkdtemp(prefix="rlkit-lora-merged-"))
         try:
-            lora.write_merged(d, out, self.trust_remote_code)
+            adapters.write_merged(d, out, self.trust_remote_code)
         except BaseException:
             import shutil
 
@@ -239,7 +240,7 @@ class VLLMEngine:
         that fails inside vLLM leaves the engine half loaded: RlkitError, and the engine is of no further use."""
         import time
 
-        from rlkit.training import lora
+        from rlkit.io import adapters
 
         model_dir = Path(model_dir).absolute()  # vLLM takes a path it cannot find for a Hugging Face Hub id
         if not model_dir.is_dir() or not any(model_dir.glob("*.safetensors")):
@@ -247,9 +248,9 @@ class VLLMEngine:
         self.wake_up()  # a sleeping engine holds its weights in host memory: back on the GPU first
         t0 = time.perf_counter()
         weights = model_dir
-        if lora.is_adapter_dir(model_dir):
-            base, _ = lora.verify_base(model_dir)
-            if base == self.weights and lora.adapter_rank(model_dir) <= self.max_lora_rank:
+        if adapters.is_adapter_dir(model_dir):
+            base, _ = adapters.verify_base(model_dir)
+            if base == self.weights and adapters.adapter_rank(model_dir) <= self.max_lora_rank:
                 try:
                     self._use_adapter(model_dir)
                 except Exception as e:

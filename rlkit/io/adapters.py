@@ -83,13 +83,13 @@ def is_adapter_dir(d: str | Path) -> bool:
     return (Path(d) / ADAPTER_CONFIG).is_file()
 
 
-def _attach(pm, st: LoraState):
+def attach(pm, st: LoraState):
     inner = pm.get_base_model()
     object.__setattr__(inner, "_rlkit_lora", st)  # not a submodule: no module cycle, not in state_dict
     return inner
 
 
-def _peft_config(opts: LoraOptions, kind: str):
+def peft_config(opts: LoraOptions, kind: str):
     from peft import LoraConfig
 
     return LoraConfig(r=opts.rank, lora_alpha=opts.scale_alpha, lora_dropout=opts.dropout,
@@ -98,8 +98,8 @@ def _peft_config(opts: LoraOptions, kind: str):
 
 
 def base_hashes(base: Path) -> tuple[dict[str, str], str]:
-    """`checkpoints.hash_weights(base)`: each file read once per version of it (`artifacts.file_facts`)."""
-    from rlkit.io.checkpoints import hash_weights
+    """`checkpoints.hash_weights(base)`: each file read once per version of it (`fingerprints.file_facts`)."""
+    from rlkit.io.model_files import hash_weights
 
     return hash_weights(base)
 
@@ -121,7 +121,7 @@ def save(model, tmp: Path, state_dict: dict | None = None) -> dict[str, Any]:
 
 def _entry(d: Path) -> tuple[dict, dict]:
     """(the manifest's lora entry or {}, adapter_config.json)."""
-    from rlkit.io.checkpoints import load_manifest
+    from rlkit.io.model_files import load_manifest
 
     try:
         acfg = json.loads((d / ADAPTER_CONFIG).read_text())
@@ -136,7 +136,7 @@ def verify_base(d: Path) -> tuple[Path, dict]:
     """(the base directory of LoRA checkpoint `d`, its lora entry) once the base's weights hash as
     recorded; one clear line naming both directories otherwise."""
     from rlkit import console
-    from rlkit.io.checkpoints import weight_files
+    from rlkit.io.model_files import weight_files
 
     entry, acfg = _entry(d)
     base = Path(entry.get("base") or acfg.get("base_model_name_or_path") or "")
@@ -180,7 +180,7 @@ def _base_model(base: Path, kind: str, trust_remote_code: bool):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
-    from rlkit.io.checkpoints import quiet_transformers
+    from rlkit.io.model_files import quiet_transformers
 
     quiet_transformers()
     if kind == "causal-lm":
@@ -205,7 +205,7 @@ def load(d: str | Path, kind: str = "causal-lm", *, merged: bool = False, dtype:
     import torch
     from peft import PeftModel, get_peft_model
 
-    from rlkit.io.checkpoints import DTYPES
+    from rlkit.devices import TORCH_DTYPES as DTYPES
 
     d = Path(d).absolute()
     base, _ = verify_base(d)
@@ -218,7 +218,7 @@ def load(d: str | Path, kind: str = "causal-lm", *, merged: bool = False, dtype:
     if have == kind:
         pm = PeftModel.from_pretrained(model, str(d), is_trainable=not merged)
     else:
-        cfg = _peft_config(opts, kind)
+        cfg = peft_config(opts, kind)
         cfg.target_modules = acfg.get("target_modules") or cfg.target_modules
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(INIT_SEED)
@@ -230,7 +230,7 @@ def load(d: str | Path, kind: str = "causal-lm", *, merged: bool = False, dtype:
         return plain.to(getattr(torch, DTYPES[dtype]))
     pm.peft_config["default"].base_model_name_or_path = str(base)
     per_file, digest = base_hashes(base)
-    return _attach(pm, LoraState(pm, base, per_file, digest, opts, kind, source=d))
+    return attach(pm, LoraState(pm, base, per_file, digest, opts, kind, source=d))
 
 
 def _load_lora_weights(pm, d: Path) -> None:
@@ -253,7 +253,7 @@ def adapter_rank(d: Path) -> int:
 
 def write_merged(d: Path, out: Path, trust_remote_code: bool = False) -> Path:
     """LoRA checkpoint `d` merged into its base, written as a plain Hugging Face directory `out`."""
-    from rlkit.io.checkpoints import load_tokenizer, quiet_transformers
+    from rlkit.io.model_files import load_tokenizer, quiet_transformers
 
     model = load(d, "causal-lm", merged=True, trust_remote_code=trust_remote_code)
     quiet_transformers()

@@ -18,7 +18,16 @@ from typing import Any
 
 from rlkit.devices import TORCH_DTYPES as DTYPES  # fp32/bf16/fp16 -> torch's names
 from rlkit.errors import RlkitError
-from rlkit.io.artifacts import MODEL_MANIFEST, file_facts, sha256_cached, sha256_file
+from rlkit.io.fingerprints import file_facts, sha256_file
+from rlkit.io.manifests import MODEL_MANIFEST
+from rlkit.io.model_files import (  # noqa: F401 (checkpoints.X is their public name)
+    TOKENIZER_FILES,
+    hash_weights,
+    load_manifest,
+    load_tokenizer,
+    quiet_transformers,
+    weight_files,
+)
 
 TINY = "tiny"
 
@@ -26,35 +35,11 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I1
                 "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
-def weight_files(d: Path) -> list[Path]:
-    return sorted(d.glob("*.safetensors"))
-
-
-def hash_weights(d: Path) -> tuple[dict[str, str], str]:
-    """sha256 of each weights file and one digest over all of them (each file read once per version of
-    it, whatever the number of processes: `artifacts.file_facts`)."""
-    per_file = {f.name: sha256_cached(f) for f in weight_files(d)}
-    digest = hashlib.sha256(json.dumps(per_file, sort_keys=True).encode()).hexdigest()
-    return per_file, digest
-
-
-def load_manifest(d: Path) -> dict | None:
-    m = d / MODEL_MANIFEST
-    if not m.is_file():
-        return None
-    try:
-        manifest = json.loads(m.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise RlkitError(f"{m} is not valid JSON ({e}); the checkpoint's manifest is damaged") from None
-    if not isinstance(manifest, dict):
-        raise RlkitError(f"{m} is not a JSON object; the checkpoint's manifest is damaged")
-    return manifest
 
 
 # Every rlkit checkpoint a stage loads is checked against the sha256 its rlkit.json records (references
 # always; policies, reward models and critics unless the stage runs with --no-verify).
 _VERIFY: contextvars.ContextVar[bool] = contextvars.ContextVar("rlkit_verify_checkpoints", default=True)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
 @contextmanager
@@ -139,7 +124,7 @@ def verify_weights(d: Path, what: str = "model", manifest: dict | None = None) -
     """Check that every weights file of rlkit checkpoint `d` still has the sha256 its rlkit.json records
     and holds finite numbers; one line naming the file otherwise. A directory without recorded hashes (a
     plain Hugging Face model) passes. Each file version is read once, whatever the process
-    (`artifacts.file_facts`). Returns the manifest."""
+    (`fingerprints.file_facts`). Returns the manifest."""
     m = manifest if manifest is not None else load_manifest(d)
     want = (m or {}).get("weights_sha256")
     if not want:
@@ -224,27 +209,6 @@ def _weights_dtype(sd: dict) -> str:
     names = {v: k for k, v in DTYPES.items()}
     found = sorted({str(t.dtype).removeprefix("torch.") for t in sd.values() if t.is_floating_point()})
     return "+".join(names.get(d, d) for d in found)
-
-
-def quiet_transformers() -> None:
-    """No per-load progress bars on stderr (stages print their own one-line summaries), and transformers'
-    log records go to Python's root logger: the command's one handler (rlkit.console.set_level)."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.disable_default_handler()
-    hf_logging.enable_propagation()
-
-
-def load_tokenizer(src: str | Path, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(src), trust_remote_code=trust_remote_code)
-    if tok.pad_token is None:
-        if tok.eos_token is None:
-            raise RlkitError(f"{src}: tokenizer has neither a pad nor an eos token")
-        tok.pad_token = tok.eos_token
-    return tok
 
 
 def load_policy(src: str | Path, dtype: str = "fp32", trust_remote_code: bool = False, merged: bool = False):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from rlkit.errors import RlkitError
-from rlkit.io import artifacts
+from rlkit.io import fingerprints, manifests, schemas, streams
 
 IGNORE = -100
 
@@ -55,7 +55,7 @@ def _read_any(source: str) -> tuple[pa.Table | None, str, bool]:
             raise RlkitError(f"{p} is a directory, expected a data file (.arrow, .parquet, .jsonl)")
         suffix = p.suffix.lower()
         if suffix == ".arrow":
-            if artifacts.read_manifest(p) is not None:
+            if manifests.read_manifest(p) is not None:
                 return None, "", True
             import datasets
 
@@ -79,7 +79,7 @@ def _read_any(source: str) -> tuple[pa.Table | None, str, bool]:
                 raise RlkitError(f"{p}: cannot read JSON lines ({str(e).splitlines()[0]})") from e
         else:
             raise RlkitError(f"{p}: unsupported data file type {suffix!r}; expected .arrow, .parquet or .jsonl")
-        return table, artifacts.fingerprint(p), False
+        return table, fingerprints.fingerprint(p), False
     if source.startswith((".", "/", "~")) or p.suffix.lower() in (".arrow", ".parquet", ".jsonl", ".json"):
         raise RlkitError(f"{source}: no such file")
     datasets = _quiet_datasets()
@@ -101,7 +101,7 @@ def load_source(source: str, kind: str, columns: Mapping[str, str | None]) -> So
     """
     table, fp, is_rlkit = (None, "", True) if source == "-" else _read_any(source)
     if is_rlkit:
-        table, reader = artifacts.read_table(source, [kind])
+        table, reader = streams.read_table(source, [kind])
         return Source(table, reader.fingerprint, source, chat=False)
     renames = {user: ours for ours, user in columns.items() if user and user != ours}
     for user in renames:
@@ -123,7 +123,7 @@ def load_source(source: str, kind: str, columns: Mapping[str, str | None]) -> So
         if col in table.column_names and not pa.types.is_string(table.schema.field(col).type):
             idx = table.column_names.index(col)
             table = table.set_column(idx, col, pa.array([None if v is None else str(v) for v in table.column(col).to_pylist()], pa.string()))
-    artifacts.validate_schema(table.schema.remove_metadata(), [kind], source)
+    schemas.validate_schema(table.schema.remove_metadata(), [kind], source)
     if table.num_rows == 0:
         raise RlkitError(f"{source}: the table has no rows")
     return Source(table, fp, source, chat=chat)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlkit.errors import RlkitError
-from rlkit.io.artifacts import MODEL_MANIFEST
+from rlkit.io.manifests import MODEL_MANIFEST
 
 STEP_RE = re.compile(r"^step-(\d{6,})$")
 LATEST = "latest"
@@ -117,7 +117,8 @@ def writer_lock(root: Path) -> Iterator[None]:
     goes, and DIR too if this run made it."""
     import fcntl
 
-    from rlkit.io.artifacts import OutputBusy, OutputUnwritable, _out_of_space, _remove_empty
+    from rlkit.io.atomic import OutputUnwritable, _out_of_space, _remove_empty
+    from rlkit.io.claims import OutputBusy
 
     made = [p for p in (root, *root.parents) if not p.exists()]
     lock = root / LOCK
@@ -182,7 +183,7 @@ def publish(root: Path, step: int, write: Callable[[Path], dict]) -> Path:
     `write(tmp)` saves everything except `rlkit.json` into the hidden directory `tmp` and returns
     the manifest, which is written last, after every other file is fsynced.
     """
-    from rlkit.io.artifacts import fsync_dir, fsync_tree, signals_deferred
+    from rlkit.io.atomic import fsync_dir, fsync_tree, signals_deferred
 
     final = root / step_name(step)
     if final.exists():

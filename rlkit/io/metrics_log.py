@@ -5,7 +5,7 @@ clip fraction, length, drift; `eval` rows: held-out accuracy; `sft`/`train-rm` r
 the policy `step`, so a recipe's whole run is one file that `rlkit report` plots. The same rows go to the
 experiment trackers (`rlkit.io.tracking`).
 
-The file is an output like `--out` (`artifacts.claim_out` checks it before any work with `check_target`):
+The file is an output like `--out` (`claims.claim_out` checks it before any work with `check_target`):
 rows are appended only to a new file or to one of metrics rows, never to a table, a checkpoint's file or
 any other file. A row is one `write` of one line; a write that fails (no space, file-size limit) leaves
 the file as it was, and `appending` takes a row back out when the output it describes is not written.
@@ -30,7 +30,7 @@ def check_target(label: str, path: Path) -> None:
     whose lines are not JSON objects with 'stage' and 'step' (the rows rlkit writes). New, empty, a metrics
     file, or not a regular file (/dev/stderr, a FIFO): fine."""
     from rlkit.errors import RlkitError
-    from rlkit.io.artifacts import read_manifest
+    from rlkit.io.manifests import read_manifest
 
     if not path.exists():
         return
@@ -83,7 +83,7 @@ def _append(row: dict[str, Any], jsonl: Path | None) -> Callable[[], None]:
     """Append one line; returns what takes it back out (only while nothing else was appended after it)."""
     if jsonl is None:
         return lambda: None
-    from rlkit.io.artifacts import OutputUnwritable, _out_of_space, _remove_empty
+    from rlkit.io.atomic import OutputUnwritable, _out_of_space, _remove_empty
 
     line = (json.dumps(row) + "\n").encode()
     made = [p for p in (jsonl.parent, *jsonl.parent.parents) if not p.exists()]

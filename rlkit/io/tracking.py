@@ -165,7 +165,7 @@ def _mlflow_store() -> Path | None:
 
 
 def outputs(cfg: TrackingConfig, stage: str, policy: Path | None = None) -> dict[str, tuple[Path, str]]:
-    """Where the trackers `cfg` asks for write, for `artifacts.claim_out(..., side=...)` (flag -> (path, form)):
+    """Where the trackers `cfg` asks for write, for `claims.claim_out(..., side=...)` (flag -> (path, form)):
     TensorBoard's log directory, and the local stores of wandb ($WANDB_DIR/wandb), MLflow (its tracking URI's
     file) and trackio ($TRACKIO_DIR). Checks --run-name and --project first (`check_names`)."""
     check_names(cfg)
@@ -360,7 +360,7 @@ class Tracking:
         """Start the trackers `cfg` names (none: nothing happens), logging `config` (a stage config) once.
         `policy`: the checkpoint whose recorded run update/eval continue (see resolve_name)."""
         from rlkit import console
-        from rlkit.io.artifacts import jsonable
+        from rlkit.io.manifests import jsonable
 
         self.stage, self.cfg = stage, cfg
         if not cfg.trackers:

@@ -21,15 +21,14 @@ def load_reward_model(src: str | Path, trust_remote_code: bool = False, num_labe
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from rlkit.io import checkpoints
-    from rlkit.training import lora
+    from rlkit.io import adapters, checkpoints
 
     checkpoints.check_model_dir(Path(src), "reward model")
     checkpoints.quiet_transformers()
-    if lora.is_adapter_dir(src):  # a LoRA reward model: merged into its hash-verified base
-        if num_labels_check and lora.kind_of(Path(src)) != "seq-cls":
+    if adapters.is_adapter_dir(src):  # a LoRA reward model: merged into its hash-verified base
+        if num_labels_check and adapters.kind_of(Path(src)) != "seq-cls":
             raise RlkitError(f"{src} is a LoRA policy, not a reward model; make one with `rlkit train-rm`")
-        model = lora.load(src, "seq-cls", merged=True, trust_remote_code=trust_remote_code)
+        model = adapters.load(src, "seq-cls", merged=True, trust_remote_code=trust_remote_code)
     else:
         cfg = AutoConfig.from_pretrained(str(src), trust_remote_code=trust_remote_code)
         if num_labels_check and getattr(cfg, "num_labels", None) != 1:

@@ -114,12 +114,12 @@ def source_file(obj: object) -> Path | None:
 
 def fingerprint(obj: object, label: str) -> str:
     """A manifest identity for user code: the content hash of the file that defines `obj`."""
-    from rlkit.io import artifacts
+    from rlkit.io import fingerprints
 
     f = source_file(obj)
     if f is None:
         return f"unhashed:{label}"  # e.g. a C extension: nothing rlkit can hash
-    return artifacts.fingerprint(f)
+    return fingerprints.fingerprint(f)
 
 
 def as_number(value: object) -> float | None:

@@ -9,24 +9,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlkit.errors import RlkitError
-from rlkit.io.adapters import (  # noqa: F401 (re-exported: callers name them lora.X)
-    ADAPTER_CONFIG,
-    ADAPTER_WEIGHTS,
+from rlkit.io.adapters import (
     INIT_SEED,
     KINDS,
     LoraOptions,
     LoraState,
-    _attach,
-    _peft_config,
-    adapter_rank,
+    attach,
     base_hashes,
     is_adapter_dir,
-    kind_of,
-    load,
-    save,
+    peft_config,
     state,
-    verify_base,
-    write_merged,
 )
 
 # the ranks vLLM's LoRA kernels take (vllm.config.lora.MaxLoRARanks); an adapter's rank is rounded up
@@ -77,11 +69,11 @@ def wrap(model, opts: LoraOptions, kind: str, base: str | Path | None):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(INIT_SEED)
         try:
-            pm = get_peft_model(model, _peft_config(opts, kind))
+            pm = get_peft_model(model, peft_config(opts, kind))
         except ValueError as e:  # peft's NoMatchingPeftModuleError and friends
             raise RlkitError(f"--lora-targets: {str(e).splitlines()[0]}") from e
     pm.peft_config["default"].base_model_name_or_path = str(base)
-    return _attach(pm, LoraState(pm, base, per_file, digest, opts, kind))
+    return attach(pm, LoraState(pm, base, per_file, digest, opts, kind))
 
 
 def options_of(model) -> LoraOptions | None:

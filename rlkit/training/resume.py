@@ -1,7 +1,7 @@
 """Resume snapshots for `sft` and `train-rm` (`--save-steps N`), so a killed run picks up where it was.
 
 Every N optimizer steps the stage saves a snapshot in `.NAME.resume/` beside its `--out NAME` (outside
-the directory written atomically at the end, and not a name `artifacts.clean_leftovers(out)` removes):
+the directory written atomically at the end, and not a name `claims.clean_leftovers(out)` removes):
 
     model.safetensors       the trainable parameters by name (LoRA: the adapter and the head)
     optimizer.safetensors   AdamW moments and step per parameter name, the torch CPU RNG, and the
@@ -12,9 +12,9 @@ the directory written atomically at the end, and not a name `artifacts.clean_lef
                             the sha256 of each file above, and a digest of itself; written last
 
 No pickle: tensors in safetensors, the rest JSON (floats round-trip exactly). Each save goes to a
-temporary sibling swapped in whole (`artifacts.atomic_dir`), so a kill during a save leaves the previous
+temporary sibling swapped in whole (`atomic.atomic_dir`), so a kill during a save leaves the previous
 snapshot. On start (`find`), before any weights are read from it, a snapshot is checked: resume.json
-against its digest, then its settings, then every file against its sha256 (`artifacts.sha256_cached`: a
+against its digest, then its settings, then every file against its sha256 (`fingerprints.sha256_cached`: a
 snapshot this machine wrote and nobody touched is not read again). `--resume` says what happens:
 
     auto    resume an intact snapshot of the same command, settings and inputs; a damaged or unreadable
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from rlkit.errors import RlkitError
-from rlkit.io import artifacts
+from rlkit.io import atomic, claims, fingerprints, manifests
 
 FORMAT = 2  # 2: resume.json holds the sha256 of every file and a digest of itself
 MODES = ("auto", "must", "never")  # --resume
@@ -51,7 +51,7 @@ FILES = ("model.safetensors", "optimizer.safetensors", "state.json")  # hashed i
 ALL_FILES = (*FILES, "resume.json")
 # Config fields that do not change the weights (a rerun's, and the metrics file): a snapshot made with other
 # values of these is resumed.
-NOT_COMPARED = (*artifacts.NOT_COMPARED, "metrics")
+NOT_COMPARED = (*manifests.NOT_COMPARED, "metrics")
 
 
 def snapshot_dir(out: Path) -> Path:
@@ -108,9 +108,9 @@ def _digest(state: dict) -> str:
 
 def seal(state: dict, d: Path) -> dict:
     """`state` (resume.json's content) with the sha256 of the snapshot files in `d` and its own digest: what
-    `find` checks. The hashes are cached by file version (`artifacts.sha256_cached`), and a file keeps its
+    `find` checks. The hashes are cached by file version (`fingerprints.sha256_cached`), and a file keeps its
     version through the rename of its directory, so `find` reads again only what was touched (or copied)."""
-    state = {**state, "files": {name: artifacts.sha256_cached(d / name) for name in FILES}}
+    state = {**state, "files": {name: fingerprints.sha256_cached(d / name) for name in FILES}}
     return {**state, "digest": _digest(state)}
 
 
@@ -138,7 +138,7 @@ def _verify(d: Path, state: dict) -> str | None:
     bad = []
     for name in FILES:
         try:
-            if artifacts.sha256_cached(d / name) != want[name]:
+            if fingerprints.sha256_cached(d / name) != want[name]:
                 bad.append(name)
         except FileNotFoundError:
             return f"{name} is missing"
@@ -149,7 +149,7 @@ def _verify(d: Path, state: dict) -> str | None:
 
 def comparable(config: Any) -> dict:
     """The resolved config as JSON, less the fields that do not change the result."""
-    from rlkit.io.artifacts import jsonable
+    from rlkit.io.manifests import jsonable
 
     cfg = jsonable(config)
     return {k: v for k, v in cfg.items() if k not in NOT_COMPARED} if isinstance(cfg, dict) else cfg
@@ -255,7 +255,7 @@ class Snapshots:
         from rlkit import console
 
         d, name = self.dir, self.stage
-        artifacts.clean_leftovers(d)  # the temporary directory of a save that was killed
+        claims.clean_leftovers(d)  # the temporary directory of a save that was killed
         if self.every <= 0:
             if d.is_dir() and not_ours(d) is None:
                 console.info(f"{name}: not resuming from {d} (--save-steps 0); it is removed once --out is written")
@@ -350,7 +350,7 @@ class Snapshots:
             "skipped_steps": prec.skipped,
         }
         json.dumps(state, allow_nan=False)  # before any write: a value JSON cannot hold fails here
-        with artifacts.atomic_dir(self.dir) as tmp:
+        with atomic.atomic_dir(self.dir) as tmp:
             save_file(weights, str(tmp / "model.safetensors"))
             save_trainer(model, opt, TrainerState(optimizer_step=step, precision=prec.state()), tmp, tensors)
             sealed = seal(state, tmp)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rlkit.io import artifacts
+from rlkit.io import fingerprints, manifests, schemas, streams
 
 STAGES = ("prompts", "sft", "build-prefs", "train-rm", "freeze-ref", "rollout", "score-ref", "update", "eval",
           "inspect", "report", "cat")
@@ -44,7 +44,7 @@ def work(tmp_path_factory, sft_dir, ref_dir) -> Path:
 
 
 def _snapshot(w: Path) -> dict[str, str]:
-    return {str(p.relative_to(w)): artifacts.sha256_file(p) if p.is_file() else "dir"
+    return {str(p.relative_to(w)): fingerprints.sha256_file(p) if p.is_file() else "dir"
             for p in sorted(w.rglob("*"))}
 
 
@@ -203,7 +203,7 @@ def test_config_rows(work, argv, cfg, expect, capfd, tmp_path):
     _check(work, argv, capfd, expect)
 
 
-# Every path a stage writes is claimed as --out is (artifacts.check_outputs), before any work: --metrics and
+# Every path a stage writes is claimed as --out is (claims.check_outputs), before any work: --metrics and
 # --tensorboard pointed at each input of each stage that has them (a table, a checkpoint, a file inside one, a
 # new path inside one), run and project names that are paths, two outputs on one path, symbolic links, empty
 # paths and parents that are files. {places}: the module's `places` folder (links, files rlkit did not make).
@@ -313,7 +313,7 @@ def places(tmp_path_factory, work) -> Path:
 
 
 def _places_state(d: Path) -> dict[str, str]:
-    return {e.name: os.readlink(e.path) if e.is_symlink() else artifacts.sha256_file(Path(e.path))
+    return {e.name: os.readlink(e.path) if e.is_symlink() else fingerprints.sha256_file(Path(e.path))
             for e in os.scandir(d)}
 
 
@@ -398,10 +398,10 @@ def test_a_full_disk_is_exit_74_and_leaves_nothing(work, full_disk, argv, metric
                     os.write(fd, b"\0" * 4096)
         finally:
             os.close(fd)
-    state = {p.name: artifacts.sha256_file(p) for p in full_disk.iterdir()}
+    state = {p.name: fingerprints.sha256_file(p) for p in full_disk.iterdir()}
     argv, expect = _fill(argv, expect, work, full=full_disk)
     _check(work, argv, capfd, expect, rc_expected=74)
-    assert {p.name: artifacts.sha256_file(p) for p in full_disk.iterdir()} == state
+    assert {p.name: fingerprints.sha256_file(p) for p in full_disk.iterdir()} == state
 
 
 def test_stdout_without_space_is_exit_74(tmp_path):
@@ -474,10 +474,10 @@ def _rewrite(src: Path, dst: Path, edit) -> None:
     manifest as they were and rlkit's end marker: a table a stage made, then changed."""
     import pyarrow as pa
 
-    t, _ = artifacts.read_table(src, list(artifacts.KINDS))
+    t, _ = streams.read_table(src, list(schemas.KINDS))
     cols = {n: t.column(n).to_pylist() for n in t.column_names}
     edit(cols)
-    with artifacts.write_table(artifacts.read_manifest(src)["kind"], dst, artifacts.read_manifest(src),
+    with streams.write_table(manifests.read_manifest(src)["kind"], dst, manifests.read_manifest(src),
                                [f for f in t.schema if f.name.startswith("reward/")]) as w:
         w.write(pa.record_batch([pa.array(cols[f.name], f.type) for f in w.schema], schema=w.schema))
 
@@ -539,17 +539,19 @@ def test_table_checks_accept_what_is_fine(tables):
     from rlkit.io import shards
     from rlkit.stages.update import check_reference
 
-    m = artifacts.read_manifest(tables / "scored.arrow")
+    raw = manifests.read_manifest(tables / "scored.arrow")
+    m = manifests.Manifest.parse(raw)
     for ref in ("ref", "refcopy"):
         check_reference(tables / ref, m, "scored", "scored.arrow")
-    old = {k: v for k, v in m.items() if k not in ("reference_digest", "paths")}
+    old = manifests.Manifest.parse({k: v for k, v in raw.items() if k not in ("reference_digest", "paths")})
     check_reference(tables / "refcopy", old, "scored", "scored.arrow")  # by the input fingerprint score-ref recorded
     with pytest.raises(RlkitError, match="is not the reference"):
-        check_reference(tables / "ref", {k: v for k, v in artifacts.read_manifest(tables / "scored2.arrow").items()
-                                         if k != "reference_digest"}, "scored", "scored2.arrow")
+        check_reference(tables / "ref", manifests.Manifest.parse({
+            k: v for k, v in manifests.read_manifest(tables / "scored2.arrow").items() if k != "reference_digest"}),
+            "scored", "scored2.arrow")
     check_reference(tables / "ref2", m, "rollouts", "roll.arrow")  # no reference log-probs in the input: nothing to match
 
-    t, _ = artifacts.read_table(tables / "scored.arrow", ["scored"])
+    t, _ = streams.read_table(tables / "scored.arrow", ["scored"])
     some = t.set_column(t.schema.get_field_index("completion_ids"), "completion_ids",
                         pa.array([[]] * 4 + t.column("completion_ids").to_pylist()[4:], pa.list_(pa.int32())))
     check_not_all_empty(some, "some-empty")

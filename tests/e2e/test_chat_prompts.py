@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from rlkit.io import artifacts, checkpoints
+from rlkit.io import checkpoints, streams
 from rlkit.io.data import encode_responses, encode_texts
 from rlkit.tasks.reward_model import encode_pairs
 
@@ -74,7 +74,7 @@ def test_every_stage_sees_the_same_prompt_tokens(chat_policy, tmp_path):
     assert ev.returncode == 0, err
 
     # rollout: the rendered text and its ids, the same for both samples of a prompt
-    table, _ = artifacts.read_table(scored, ["scored"])
+    table, _ = streams.read_table(scored, ["scored"])
     by_prompt = {}
     for x in table.to_pylist():
         by_prompt.setdefault(x["prompt_id"], []).append(x)

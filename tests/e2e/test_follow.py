@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlkit.errors import RlkitError
-from rlkit.io import artifacts, follow
+from rlkit.io import follow, manifests, streams
 
 from conftest import one_error_line, rlkit_cmd, run_cli, stage
 
@@ -201,7 +201,7 @@ def test_k1_pipe_resumes_without_losing_or_repeating_a_step(sft_dir, ref_dir, tm
     rows = [json.loads(line) for line in (tmp_path / "ckpts.metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in rows] == [1, 2, 3]
     assert [s.step for s in follow.scan(root)[0]] == [1, 2, 3]  # --keep is at least --max-lag + 2
-    m = artifacts.read_manifest(root / "step-000003")
+    m = manifests.read_manifest(root / "step-000003")
     assert m["step"] == 3 and json.loads((root / "step-000003/trainer/state.json").read_text())["updates"] == 3
     assert m["tracking"]["run_name"] == "k1"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -270,7 +270,7 @@ def test_follow_bad_input_one_line_each(sft_dir, ref_dir, tmp_path):
 
     # upstream dying mid-stream: the first full batch is a step, the partial second one is not
     cut = tmp_path / "cut.arrow"
-    t, _ = artifacts.read_table(scored, ["scored"])
+    t, _ = streams.read_table(scored, ["scored"])
     with pa.OSFile(str(cut), "wb") as f, pa.ipc.new_stream(f, t.schema) as w:
         w.write_table(t.slice(0, P * N + N))  # one whole batch and one group more, and no end marker
     root = tmp_path / "ckpts"
@@ -335,7 +335,7 @@ def test_rollout_follow_never_reads_a_half_written_step(sft_dir, ref_dir, tmp_pa
     r = run_cli("rollout", "--follow", str(root), "--policy", str(sft_dir), "--n", str(N), "--batch-prompts", str(P),
                 "--max-steps", "2", "--out", str(out))
     assert r.returncode == 0, r.stderr.decode()[-2000:]
-    t, _ = artifacts.read_table(out, ["rollouts"])
+    t, _ = streams.read_table(out, ["rollouts"])
     assert set(t.column("policy_step").to_pylist()) == {1}  # sampled by step 1, not the half-written step 2
     assert len(t) == P * N and min(t.column("group_id").to_pylist()) == P  # batch 1: groups P .. 2P-1
 
@@ -346,7 +346,7 @@ def test_score_ref_streams_an_unbounded_input(sft_dir, ref_dir, tmp_path):
     src = tmp_path / "r.arrow"
     r = run_cli("rollout", "--policy", str(sft_dir), "--num-prompts", str(P), "--n", str(N), "--out", str(src))
     assert r.returncode == 0
-    t, reader = artifacts.read_table(src, ["rollouts"])
+    t, reader = streams.read_table(src, ["rollouts"])
     m = dict(reader.manifest)
     m["config"] = {**m["config"], "follow": str(tmp_path / "ckpts"), "batch_prompts": P}
     proc = subprocess.Popen([*rlkit_cmd(), "score-ref", "--ref", str(ref_dir)], stdin=subprocess.PIPE,

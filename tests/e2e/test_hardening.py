@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from rlkit.errors import RlkitError
-from rlkit.io import artifacts, checkpoints
+from rlkit.io import atomic, checkpoints, claims, fingerprints
 
 from conftest import one_error_line, rlkit_cmd, run_cli
 
@@ -28,7 +28,7 @@ def _flip_last_byte(f: Path) -> None:
 
 
 def _tree_sha(d: Path) -> dict[str, str]:
-    return {str(p.relative_to(d)): artifacts.sha256_file(p) for p in sorted(d.rglob("*")) if p.is_file()}
+    return {str(p.relative_to(d)): fingerprints.sha256_file(p) for p in sorted(d.rglob("*")) if p.is_file()}
 
 
 def test_out_equal_to_an_input_is_refused_and_untouched(tmp_path, sft_dir):
@@ -55,7 +55,7 @@ def test_out_equal_to_the_input_table_or_a_lora_base(tmp_path, sft_dir):
 
     table = tmp_path / "p.arrow"
     assert run_cli("prompts", "--num-prompts", "4", "--out", str(table)).returncode == 0
-    before = artifacts.sha256_file(table)
+    before = fingerprints.sha256_file(table)
     r = run_cli("cat", str(table), "--out", str(table))
     assert f"is one of this stage's inputs (TABLE {table})" in one_error_line(r)
     base = tmp_path / "base"
@@ -64,7 +64,7 @@ def test_out_equal_to_the_input_table_or_a_lora_base(tmp_path, sft_dir):
     base_sha = _tree_sha(base)
     r = run_cli("freeze-ref", "--policy", str(lora), "--out", str(base))
     assert "(--policy's LoRA base" in one_error_line(r)
-    assert _tree_sha(base) == base_sha and artifacts.sha256_file(table) == before
+    assert _tree_sha(base) == base_sha and fingerprints.sha256_file(table) == before
 
 
 def test_a_second_writer_of_the_same_out_is_refused_naming_the_first(tmp_path, ref_dir):
@@ -85,21 +85,21 @@ def test_a_second_writer_of_the_same_out_is_refused_naming_the_first(tmp_path, r
 
 def test_the_lock_is_kernel_held_and_reentrant(tmp_path):
     out = tmp_path / "o"
-    with artifacts.claim_out(out, "model"), artifacts.claim_out(out, "model"):  # one process: re-entrant
+    with claims.claim_out(out, "model"), claims.claim_out(out, "model"):  # one process: re-entrant
         assert (tmp_path / ".o.lock").read_text().strip() == str(os.getpid())
-        code = ("import sys\nfrom pathlib import Path\nfrom rlkit.io import artifacts\nfrom rlkit.errors import RlkitError\n"
-                f"try:\n    artifacts._lock(Path({str(out)!r}))\nexcept RlkitError as e:\n    print(e)\n")
+        code = ("import sys\nfrom pathlib import Path\nfrom rlkit.io import claims\nfrom rlkit.errors import RlkitError\n"
+                f"try:\n    claims._lock(Path({str(out)!r}))\nexcept RlkitError as e:\n    print(e)\n")
         r = subprocess.run([rlkit_cmd()[0], "-c", code], capture_output=True, text=True, timeout=60)
         assert f"(pid {os.getpid()})" in r.stdout
     assert os.listdir(tmp_path) == []  # released and removed
     # a holder killed with SIGKILL leaves the file, never the lock
-    p = subprocess.Popen([rlkit_cmd()[0], "-c", "from pathlib import Path\nfrom rlkit.io import artifacts\n"
-                          f"artifacts._lock(Path({str(out)!r}))\nimport time\nprint('held', flush=True)\n"
+    p = subprocess.Popen([rlkit_cmd()[0], "-c", "from pathlib import Path\nfrom rlkit.io import claims\n"
+                          f"claims._lock(Path({str(out)!r}))\nimport time\nprint('held', flush=True)\n"
                           "time.sleep(600)"], stdout=subprocess.PIPE)
     assert p.stdout.readline().strip() == b"held"
     p.kill()
     p.wait()
-    with artifacts.claim_out(out, "model"):
+    with claims.claim_out(out, "model"):
         pass
 
 
@@ -121,13 +121,13 @@ def test_verification_reads_each_file_version_once(tmp_path, sft_dir, monkeypatc
     pol = tmp_path / "pol"
     shutil.copytree(sft_dir, pol)
     reads = []
-    real = artifacts.sha256_file
+    real = fingerprints.sha256_file
     monkeypatch.setattr(checkpoints, "sha256_file", lambda f: reads.append(f) or real(f))
     checkpoints.check_model_dir(pol, "policy")
     assert len(reads) == 1
     checkpoints.check_model_dir(pol, "policy")
     assert len(reads) == 1  # this process: memory
-    artifacts._FACTS.clear()
+    fingerprints._FACTS.clear()
     checkpoints.check_model_dir(pol, "policy")
     assert len(reads) == 1  # another process: the cache directory
     entry = json.loads(next((tmp_path / "cache" / "files").iterdir()).read_text())
@@ -270,7 +270,7 @@ def test_leftovers_of_killed_writers_are_cleaned_and_a_half_swap_restored(tmp_pa
     # hidden and --out is missing; the next run puts it back before anything else
     before = _tree_sha(out)
     os.rename(out, tmp_path / f".ref.old-{dead}-0a0b0c")
-    with artifacts.claim_out(out, "model"):
+    with claims.claim_out(out, "model"):
         assert _tree_sha(out) == before
     assert not (tmp_path / f".ref.old-{dead}-0a0b0c").exists()
 
@@ -281,9 +281,9 @@ def test_a_directory_swap_is_one_atomic_exchange(tmp_path):
     b.mkdir()
     (a / "x").write_text("new")
     (b / "x").write_text("old")
-    if not artifacts._exchange(a, b):
+    if not atomic._exchange(a, b):
         pytest.skip("no renameat2(RENAME_EXCHANGE) on this file system: the two-rename fallback is used")
     assert (b / "x").read_text() == "new" and (a / "x").read_text() == "old"
-    with artifacts.atomic_dir(b) as tmp:
+    with atomic.atomic_dir(b) as tmp:
         (tmp / "x").write_text("newer")
     assert (b / "x").read_text() == "newer" and sorted(os.listdir(tmp_path)) == ["a", "b"]

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from rlkit import training
 from rlkit.algorithms.inputs import build_batch
-from rlkit.io import artifacts, checkpoints
+from rlkit.io import adapters, checkpoints, fingerprints, streams
 from rlkit.training import LoraOptions, TrainOptions, lora
 
 from conftest import make_lora_checkpoint, one_error_line, rlkit_cmd, run_cli, updates_in_one_process
@@ -62,7 +62,7 @@ def prefs(sft_dir, tmp_path_factory) -> Path:
 
 
 def _adapter(d: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(d / lora.ADAPTER_WEIGHTS))
+    return load_file(str(d / adapters.ADAPTER_WEIGHTS))
 
 
 # PEFT's own loader, in a process that never imports rlkit: prints the policy's logits (and a reward
@@ -94,7 +94,7 @@ def test_sft_lora_checkpoint_is_peft_layout_with_its_base_recorded(sft_dir, lora
     assert (entry["rank"], entry["alpha"], entry["dropout"]) == (4, 8.0, 0.0)
     assert set(entry["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     # the manifest's weights hash covers the adapter
-    assert m["weights_sha256"] == {"adapter_model.safetensors": artifacts.sha256_file(lora_sft / "adapter_model.safetensors")}
+    assert m["weights_sha256"] == {"adapter_model.safetensors": fingerprints.sha256_file(lora_sft / "adapter_model.safetensors")}
     acfg = json.loads((lora_sft / "adapter_config.json").read_text())
     assert acfg["base_model_name_or_path"] == str(sft_dir.absolute()) and acfg["r"] == 4
     assert m["metrics"]["heldout_n"] == 10
@@ -134,8 +134,8 @@ def test_train_rm_with_lora_then_score_ref_eval_and_peft_without_rlkit(sft_dir, 
     roll = tmp_path / "r.arrow"
     r = run_cli("rollout", "--policy", str(lora_sft), "--num-prompts", "4", "--n", "2", "--engine", "hf", "--out", str(roll))
     assert r.returncode == 0, r.stderr
-    t, _ = artifacts.read_table(roll, ["rollouts"])
-    assert set(t.column("policy_fingerprint").to_pylist()) == {artifacts.fingerprint(lora_sft)}
+    t, _ = streams.read_table(roll, ["rollouts"])
+    assert set(t.column("policy_fingerprint").to_pylist()) == {fingerprints.fingerprint(lora_sft)}
     merged, tok = checkpoints.load_policy(lora_sft, merged=True)
     b, _ = build_batch(t, tok.pad_token_id)
     with torch.no_grad():
@@ -146,7 +146,7 @@ def test_train_rm_with_lora_then_score_ref_eval_and_peft_without_rlkit(sft_dir, 
     scored = tmp_path / "s.arrow"
     r = run_cli("score-ref", "--rm", f"h={rm}", "--in", str(roll), "--out", str(scored))
     assert r.returncode == 0, r.stderr
-    s, _ = artifacts.read_table(scored, ["rollouts"])
+    s, _ = streams.read_table(scored, ["rollouts"])
     model, rtok = load_reward_model(rm)
     want = score_texts(model, rtok, s.column("prompt").to_pylist(), s.column("completion").to_pylist())
     assert s.column("reward/rm:h").to_pylist() == pytest.approx(want, abs=1e-5)
@@ -230,11 +230,11 @@ def test_sequential_lora_ppo_updates_equal_one_process(sft_dir, rolls, tmp_path)
     trainer.load(sft_dir)  # a LoRA critic too, on the same base
     model, critic = trainer.model, trainer.algo.critic.model
     for src in (r1, r2):
-        t, _ = artifacts.read_table(src, ["rollouts"])
+        t, _ = streams.read_table(src, ["rollouts"])
         batch, _ = build_batch(t, tok.pad_token_id)
         trainer.train(batch)
     seq, _ = checkpoints.load_policy(tmp_path / "p2")
-    for a, b in ((seq, model), (lora.load(tmp_path / "p2" / "critic", "seq-cls"), critic)):
+    for a, b in ((seq, model), (adapters.load(tmp_path / "p2" / "critic", "seq-cls"), critic)):
         pa_, pb = dict(a.named_parameters()), dict(b.named_parameters())
         trained = [n for n, p in pb.items() if p.requires_grad]
         assert trained and all(torch.allclose(pa_[n], pb[n], atol=1e-6, rtol=1e-5) for n in trained)
@@ -306,7 +306,7 @@ def test_bad_lora_inputs_are_one_line_and_write_nothing(sft_dir, lora_sft, tmp_p
     base = tmp_path / "base"
     shutil.copytree(sft_dir, base)
     ck = make_lora_checkpoint(base, tmp_path / "ck", seed=0)
-    fp = artifacts.fingerprint(ck)
+    fp = fingerprints.fingerprint(ck)
     w = base / "model.safetensors"
     data = bytearray(w.read_bytes())
     data[-1] ^= 1
@@ -317,16 +317,16 @@ def test_bad_lora_inputs_are_one_line_and_write_nothing(sft_dir, lora_sft, tmp_p
     shutil.move(base, tmp_path / "moved")
     line = refused("rollout", "--policy", str(ck), "--num-prompts", "2", "--n", "2", "--out", str(out))
     assert f"its base model {base.absolute()} is missing" in line
-    assert artifacts.fingerprint(ck) == fp  # nothing damaged
+    assert fingerprints.fingerprint(ck) == fp  # nothing damaged
 
     # LoRA flags
     assert "--lora-rank 0: must be >= 1" in refused("update", "--policy", str(sft_dir), "--in", str(roll), "--out",
                                                     str(out), "--beta", "0", "--lora-rank", "0")
     assert "need --lora-rank" in refused("sft", "--model", str(sft_dir), "--out", str(out), "--lora-alpha", "16")
-    fp = artifacts.fingerprint(lora_sft)
+    fp = fingerprints.fingerprint(lora_sft)
     line = refused("update", "--policy", str(lora_sft), "--in", str(roll), "--out", str(out), "--beta", "0",
                    "--lora-rank", "8")
-    assert "has rank 4" in line and "rank 8" in line and artifacts.fingerprint(lora_sft) == fp
+    assert "has rank 4" in line and "rank 8" in line and fingerprints.fingerprint(lora_sft) == fp
     line = refused("update", "--policy", str(sft_dir), "--in", str(roll), "--out", str(out), "--beta", "0",
                    "--lora-rank", "4", "--lora-targets", "q_proj,attn_out")
     assert "--lora-targets attn_out: no module" in line and "q_proj" in line

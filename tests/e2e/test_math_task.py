@@ -9,7 +9,7 @@ import time
 import pytest
 
 from rlkit.errors import RlkitError
-from rlkit.io import artifacts
+from rlkit.io import fingerprints, streams
 from rlkit.tasks import get_task, task_inputs
 from rlkit.tasks.math import (
     SAMPLE,
@@ -95,7 +95,7 @@ def test_the_shipped_sample():
         assert t.reward(" #### 12345", e.answer) == 0.0
     more = t.examples("train", 3 * len(train), 5)  # not unique: pass after pass, each reshuffled
     assert len(more) == 3 * len(train) and more[: len(train)] != more[len(train): 2 * len(train)]
-    assert task_inputs(t) == {"task": artifacts.fingerprint(SAMPLE)}
+    assert task_inputs(t) == {"task": fingerprints.fingerprint(SAMPLE)}
 
 
 def _jsonl(path, rows):
@@ -117,7 +117,7 @@ def test_columns_solutions_and_a_test_file(tmp_path):
     tt = get_task(f"math:data={data},test={test},question=problem,answer=final")
     held = tt.examples("heldout", 1000, 0)
     assert len(held) == 7 and len(tt.examples("train", 1000, 0, unique=True)) == len(rows) - 7  # never trained on
-    assert task_inputs(tt)["task"] == f"{artifacts.fingerprint(data)}+{artifacts.fingerprint(test)}"
+    assert task_inputs(tt)["task"] == f"{fingerprints.fingerprint(data)}+{fingerprints.fingerprint(test)}"
 
 
 @pytest.mark.parametrize(("spec", "msg"), [
@@ -153,7 +153,7 @@ def test_a_stage_reruns_after_the_data_file_changes(tmp_path):
     cmd = ("prompts", "--task", f"math:data={data}", "--split", "heldout", "--num-prompts", "500", "--out", str(tmp_path / "p.arrow"))
     r = run_cli(*cmd)
     assert r.returncode == 0, r.stderr
-    t, _ = artifacts.read_table(tmp_path / "p.arrow", ["prompts"])
+    t, _ = streams.read_table(tmp_path / "p.arrow", ["prompts"])
     assert 1 <= t.num_rows < 20 and all(t.column("answer").to_pylist())  # the held-out questions, each once
     assert b"up to date" in run_cli(*cmd).stderr
     data.write_text(data.read_text().replace("Tom has 3 bags", "Tom has 3 big bags"))

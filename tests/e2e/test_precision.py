@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from rlkit.algorithms.config import RLConfig
 from rlkit.algorithms.inputs import build_batch
-from rlkit.io import artifacts, checkpoints
+from rlkit.io import checkpoints, streams
 from rlkit.ops.logprobs import gather_logprobs
 from rlkit.training import Precision, TrainOptions
 from rlkit.training.trainer import Trainer
@@ -97,7 +97,7 @@ def test_sequential_half_precision_updates_equal_one_process(sft_dir, tmp_path, 
     trainer = Trainer(model, cfg, tokenizer=tok, train=TrainOptions(dtype=dtype))
     prec = trainer.prec
     for src in (r1, r2):
-        t, _ = artifacts.read_table(src, ["rollouts"])
+        t, _ = streams.read_table(src, ["rollouts"])
         batch, _ = build_batch(t, tok.pad_token_id, length_penalty=0.05)
         m = trainer.train(batch, length_norm=16.0, recompute=True)
         assert m["logprob_mismatch"] > 0  # the trainer's half-precision pass is not the fp32 engine's
@@ -122,7 +122,7 @@ def test_gradient_checkpointing_changes_memory_not_the_update(sft_dir, tmp_path)
     """Recomputing activations in backward gives the same weights (fp32 and bf16) as keeping them."""
     r = _rollouts(sft_dir, tmp_path / "r.arrow", seed=3)
     cfg = RLConfig(beta=0.0, minibatch_size=16, epochs=1, lr=1e-3)
-    t, _ = artifacts.read_table(r, ["rollouts"])
+    t, _ = streams.read_table(r, ["rollouts"])
     for dtype in ("fp32", "bf16"):
         out = []
         for ckpt in (False, True):

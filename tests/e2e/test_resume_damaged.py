@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from rlkit.io import artifacts
+from rlkit.io import fingerprints
 
 SFT = ["sft", "--data", "{w}/d.jsonl", "--batch-tokens", "32", "--layers", "1", "--hidden", "32", "--save-steps", "3"]
 RM = ["train-rm", "--model", "{w}/full", "--prefs", "{w}/prefs.jsonl", "--batch-size", "2", "--epochs", "2",
@@ -108,11 +108,11 @@ def _case(work: Path, tmp_path: Path, damage, snap: str = "snap") -> tuple[Path,
 
 
 def _tree(d: Path) -> dict[str, str]:
-    return {str(p.relative_to(d)): artifacts.sha256_file(p) if p.is_file() else "dir" for p in sorted(d.rglob("*"))}
+    return {str(p.relative_to(d)): fingerprints.sha256_file(p) if p.is_file() else "dir" for p in sorted(d.rglob("*"))}
 
 
 def _same_weights(a: Path, b: Path, name: str = "model.safetensors") -> None:
-    assert artifacts.sha256_file(a / name) == artifacts.sha256_file(b / name), f"{name} differs from {a}"
+    assert fingerprints.sha256_file(a / name) == fingerprints.sha256_file(b / name), f"{name} differs from {a}"
 
 
 def _refused(work: Path, tmp_path: Path, argv: list[str], capfd, expect: str) -> str:

@@ -10,7 +10,7 @@ import shutil
 import pyarrow as pa
 import pytest
 
-from rlkit.io import artifacts
+from rlkit.io import manifests, streams
 from rlkit.tasks import get_task
 from rlkit.tasks import prefs as prefs_lib
 
@@ -37,7 +37,7 @@ def rm_dir(sft_dir, prefs, tmp_path_factory):
 
 
 def test_build_prefs_pairs_a_correct_answer_with_plausible_wrong_ones(prefs):
-    t, reader = artifacts.read_table(prefs, ["prefs"])
+    t, reader = streams.read_table(prefs, ["prefs"])
     rows = t.to_pylist()
     task = get_task("arithmetic")
     assert {r["split"] for r in rows} == {"train", "heldout"}
@@ -66,7 +66,7 @@ def test_length_biased_prefs_always_prefer_the_longer_answer(tmp_path):
     out = tmp_path / "biased.arrow"
     r = run_cli("build-prefs", "--bias", "length", "--num-prompts", "50", "--out", str(out))
     assert r.returncode == 0, r.stderr
-    rows = artifacts.read_table(out, ["prefs"])[0].to_pylist()
+    rows = streams.read_table(out, ["prefs"])[0].to_pylist()
     assert len(rows) == 50 and all(len(r["chosen"]) > len(r["rejected"]) for r in rows)
     task = get_task("arithmetic")
     correct_chosen = sum(task.reward(r["chosen"], r["answer"]) for r in rows)
@@ -81,7 +81,7 @@ def test_train_rm_saves_a_plain_sequence_classifier_with_a_sanity_report(rm_dir,
     assert m["kind"] == "reward-model" and m["command"] == "train-rm"
     assert 0 <= m["metrics"]["heldout_pair_accuracy"] <= 1 and m["metrics"]["heldout_pairs"] > 0
     # per kind of negative, and the kinds add up to the overall figure
-    held = [r["negative"] for r in artifacts.read_table(prefs, ["prefs"])[0].to_pylist() if r["split"] == "heldout"]
+    held = [r["negative"] for r in streams.read_table(prefs, ["prefs"])[0].to_pylist() if r["split"] == "heldout"]
     by_kind = m["metrics"]["heldout_pair_accuracy_by_kind"]
     assert set(by_kind) == set(held)
     assert sum(by_kind[k] * held.count(k) for k in by_kind) / len(held) == pytest.approx(m["metrics"]["heldout_pair_accuracy"])
@@ -129,7 +129,7 @@ def test_reward_models_score_as_named_components_and_update_weighs_them(sft_dir,
     r = run_cli("score-ref", "--ref", str(ref_dir), "--rm", f"helpful={rm_dir}", "--rm", str(rm_dir), "--in", str(roll),
                 "--out", str(scored))
     assert r.returncode == 0, r.stderr
-    t, reader = artifacts.read_table(scored, ["scored"])
+    t, reader = streams.read_table(scored, ["scored"])
     assert {"reward/verifier", "reward/rm:helpful", "reward/rm:rm", "ref_logprobs"} <= set(t.column_names)
     # the column is the reward model's score of prompt + completion, as plain transformers computes it
     import torch
@@ -145,7 +145,7 @@ def test_reward_models_score_as_named_components_and_update_weighs_them(sft_dir,
     # only reward models, no reference: still a rollouts table, enough for --beta 0
     r = run_cli("score-ref", "--rm", f"helpful={rm_dir}", "--in", str(roll), "--out", str(tmp_path / "rm-only.arrow"))
     assert r.returncode == 0, r.stderr
-    assert artifacts.read_manifest(tmp_path / "rm-only.arrow")["kind"] == "rollouts"
+    assert manifests.read_manifest(tmp_path / "rm-only.arrow")["kind"] == "rollouts"
     m = tmp_path / "m.jsonl"
     r = run_cli("update", "--policy", str(sft_dir), "--in", str(scored), "--out", str(tmp_path / "u"),
                 "--reward", "verifier=1", "--reward", "rm:helpful=0.5", "--length-penalty", "0.01", "--metrics", str(m))
@@ -184,7 +184,7 @@ def test_bad_preference_and_scoring_inputs(sft_dir, ref_dir, rm_dir, tmp_path):
     r = run_cli("build-prefs", "--from", jsonl("ok.jsonl", good), "--prompt-column", "question", "--chosen-column", "good",
                 "--rejected-column", "bad", "--out", str(out))
     assert r.returncode == 0, r.stderr
-    t = artifacts.read_table(out, ["prefs"])[0]
+    t = streams.read_table(out, ["prefs"])[0]
     assert t.num_rows == 20 and set(t.column("split").to_pylist()) <= {"train", "heldout"}
     same = [{**good[0], "bad": good[0]["good"]}, *good[1:]]
     line = one_error_line(run_cli("build-prefs", "--from", jsonl("same.jsonl", same), "--prompt-column", "question",
@@ -231,7 +231,7 @@ def test_dpo_from_the_users_pipe(sft_dir, ref_dir, prefs, tmp_path):
     scored = tmp_path / "scored-prefs.arrow"
     r = run_cli("score-ref", "--ref", str(ref_dir), "--in", str(prefs), "--out", str(scored))
     assert r.returncode == 0, r.stderr
-    t, reader = artifacts.read_table(scored, ["prefs"])
+    t, reader = streams.read_table(scored, ["prefs"])
     # the columns are the reference's summed log-probs of prompt -> response + eos
     ref, tok, _ = checkpoints.load_reference(ref_dir, compute_dtype="fp32")
     rows = t.slice(0, 5).to_pydict()
@@ -335,7 +335,7 @@ def test_sequential_ppo_updates_equal_one_process(sft_dir, tmp_path):
     critic = trainer.algo.critic.model
     torch.manual_seed(0)
     for src in rolls:
-        t, _ = artifacts.read_table(src, ["rollouts"])
+        t, _ = streams.read_table(src, ["rollouts"])
         batch, _ = build_batch(t, tok.pad_token_id)
         trainer.train(batch)
     seq = checkpoints.load_policy(tmp_path / "u2")[0].state_dict()

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from rlkit.io import artifacts, checkpoints
+from rlkit.io import checkpoints, fingerprints, manifests, streams
 
 from conftest import one_error_line, rlkit_cmd, run_cli, stage, updates_in_one_process
 
@@ -27,7 +27,7 @@ def _rollouts(sft_dir, out, seed=0, num=16, n=4, extra=()):
 
 
 def _table_rows(path):
-    t, _ = artifacts.read_table(path, ["rollouts", "scored"])
+    t, _ = streams.read_table(path, ["rollouts", "scored"])
     return t.to_pylist()
 
 
@@ -49,12 +49,12 @@ def test_rollout_schema_and_determinism(sft_dir, tmp_path):
         assert (r["completion_ids"][-1] == tok.eos_token_id) == (r["finish_reason"] == "eos")
         assert tok.decode(r["completion_ids"], skip_special_tokens=True) == r["completion"]
         assert r["reward/verifier"] in (0.0, 1.0)
-        assert r["policy_step"] == 0 and r["policy_fingerprint"] == artifacts.fingerprint(sft_dir)
+        assert r["policy_step"] == 0 and r["policy_fingerprint"] == fingerprints.fingerprint(sft_dir)
     groups = {}
     for r in rows:
         groups.setdefault(r["group_id"], set()).add((r["prompt_id"], r["sample_idx"]))
     assert len(groups) == 16 and all(len(g) == 4 for g in groups.values())
-    m = artifacts.read_manifest(a)
+    m = manifests.read_manifest(a)
     assert m["kind"] == "rollouts" and m["config"]["temperature"] == 1.0 and m["tokenizer"].startswith("tok:")
 
 
@@ -63,7 +63,7 @@ def test_old_logprobs_match_the_trainers_forward_pass(sft_dir, tmp_path):
     from rlkit.algorithms.inputs import build_batch
     from rlkit.ops.logprobs import completion_logprobs
 
-    t, _ = artifacts.read_table(_rollouts(sft_dir, tmp_path / "r.arrow"), ["rollouts"])
+    t, _ = streams.read_table(_rollouts(sft_dir, tmp_path / "r.arrow"), ["rollouts"])
     model, tok = checkpoints.load_policy(sft_dir)
     b, _ = build_batch(t, tok.pad_token_id)
     with torch.no_grad():
@@ -98,7 +98,7 @@ def test_the_pipe_from_the_users_card(sft_dir, ref_dir, tmp_path):
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert (out / "trainer" / "optimizer.safetensors").is_file()
     assert not list(out.glob("*.bin")) and not list(out.rglob("*.pt"))
-    assert m["reference"] == {"path": str(ref_dir.absolute()), "fingerprint": artifacts.fingerprint(ref_dir)}
+    assert m["reference"] == {"path": str(ref_dir.absolute()), "fingerprint": fingerprints.fingerprint(ref_dir)}
 
     # the card's line as written, without --ref: score-ref scores with the reference ckpt/ was trained against
     card = "rlkit rollout --policy ckpt/ --n 8 | rlkit score-ref | rlkit update --policy ckpt/ --out ckpt2/"
@@ -167,7 +167,7 @@ def test_bad_inputs_to_the_loop(sft_dir, ref_dir, tmp_path):
                                    "--beta", "0.1"))
     assert "score-ref" in line and not (tmp_path / "u").exists()
     # rollouts without token ids (a plain table from another tool)
-    t, _ = artifacts.read_table(roll, ["rollouts"])
+    t, _ = streams.read_table(roll, ["rollouts"])
     plain = tmp_path / "plain.arrow"
     stripped = t.drop_columns(["completion_ids"]).replace_schema_metadata(None)
     with pa.ipc.new_stream(str(plain), stripped.schema) as w:
@@ -176,7 +176,7 @@ def test_bad_inputs_to_the_loop(sft_dir, ref_dir, tmp_path):
     assert "missing column 'completion_ids'" in line and "`rlkit rollout`" in line
     # empty input
     empty = tmp_path / "empty.arrow"
-    with artifacts.write_table("rollouts", empty, artifacts.read_manifest(roll),
+    with streams.write_table("rollouts", empty, manifests.read_manifest(roll),
                                [pa.field("reward/verifier", pa.float64())]):
         pass
     line = one_error_line(run_cli("score-ref", "--ref", str(ref_dir), "--in", str(empty), "--out", str(tmp_path / "s.arrow")))
@@ -259,8 +259,8 @@ def test_engine_choice_and_recomputed_pi_old(sft_dir, tmp_path):
                 "--out", str(path))
     assert r.returncode == 0, r.stderr
     assert "rollout: engine hf (auto: no GPU here" in r.stderr.decode()  # --engine auto on a CPU, and why
-    assert artifacts.read_manifest(path)["engine"] == "hf"
-    t, _ = artifacts.read_table(path, ["rollouts"])
+    assert manifests.read_manifest(path)["engine"] == "hf"
+    t, _ = streams.read_table(path, ["rollouts"])
     # trusting the HF engine's pi_old or recomputing it (with TIS) gives the same update: the engine is exact
     params, metrics = [], []
     for recompute, cap in ((False, None), (True, None), (True, 2.0)):

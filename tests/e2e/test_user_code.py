@@ -7,7 +7,7 @@ import math
 import pytest
 
 from rlkit.errors import RlkitError
-from rlkit.io import artifacts
+from rlkit.io import fingerprints, manifests, streams
 from rlkit.tasks import UserTask, get_task, reward_fns, task_inputs
 
 from conftest import one_error_line, rlkit_cmd, run_cli
@@ -167,7 +167,7 @@ def test_a_task_class_from_a_file(code):
     e = train[0]
     assert t.completion(e) == e.answer  # no completion(): the SFT target is the answer
     assert t.reward(e.answer, e.answer) == 1.0 and t.reward("nope", e.answer) == 0.0
-    assert task_inputs(t)["task"] == artifacts.fingerprint(code / "my_tasks.py")
+    assert task_inputs(t)["task"] == fingerprints.fingerprint(code / "my_tasks.py")
     assert task_inputs(get_task("arithmetic")) == {}
 
 
@@ -201,7 +201,7 @@ def test_a_module_and_an_entry_point(code, monkeypatch):
     assert m.spec == "userpkg_a.tasks:Countdown:max=5" and len(m.examples("train", 4, 0)) == 4
     ep = get_task("countdown:max=5")  # a package's registered name, options as for a built-in
     assert ep.spec == "countdown:max=5" and ep.examples("train", 4, 0) == m.examples("train", 4, 0)
-    assert task_inputs(ep) == task_inputs(m) == {"task": artifacts.fingerprint(pkg / "tasks.py")}
+    assert task_inputs(ep) == task_inputs(m) == {"task": fingerprints.fingerprint(pkg / "tasks.py")}
     assert get_task("arithmetic").name == "arithmetic"  # a built-in name is never taken over
     assert "known tasks: arithmetic, math, countdown" in _error("chess")
     assert "no module named 'nosuchpkg'" in _error("nosuchpkg.tasks:Countdown")
@@ -256,7 +256,7 @@ def test_reward_fn_conventions(code):
     assert batch.score(_cols()) == [1.0, 0.0, 1.0]
     row = reward_fns.load(f"exact={r}:exact")
     assert row.needs_all_columns and row.score(_cols()) == [1.0, 0.0, 0.0]
-    assert reward_fns.fingerprints([one]) == {"reward_fn:len": artifacts.fingerprint(r)}
+    assert reward_fns.fingerprints([one]) == {"reward_fn:len": fingerprints.fingerprint(r)}
     with pytest.raises(RlkitError, match="already a reward component named 'verifier'"):
         reward_fns.load_all([f"verifier={r}:brevity"], taken=["verifier"])
     with pytest.raises(RlkitError, match="already a reward component named 'len'"):
@@ -340,16 +340,16 @@ def test_a_user_task_and_reward_fns_through_the_pipe(sft_dir, code):
                            f"exact={r}:exact", "--out", str(roll)], stdin=p1.stdout, stderr=subprocess.PIPE)
     p1.stdout.close()
     assert p1.wait() == 0 and p2.wait() == 0, (p1.stderr.read(), p2.stderr.read())
-    t, _ = artifacts.read_table(roll, ["rollouts"])
+    t, _ = streams.read_table(roll, ["rollouts"])
     rows = t.to_pylist()
     assert len(rows) == 32 and all(x["prompt"].startswith("<") and "-" in x["prompt"] for x in rows)
     for x in rows:
         assert x["reward/len"] == pytest.approx(-0.01 * len(x["completion"]))
         assert x["reward/has_digit"] == float(any(c.isdigit() for c in x["completion"]))
         assert x["reward/exact"] == x["reward/verifier"] == float(x["completion"].strip() == x["answer"])
-    m = artifacts.read_manifest(roll)
+    m = manifests.read_manifest(roll)
     assert m["reward_fns"] == {"has_digit": f"{r}:has_digit", "exact": f"{r}:exact"}
-    assert m["inputs"]["reward_fn:exact"] == artifacts.fingerprint(r)
+    assert m["inputs"]["reward_fn:exact"] == fingerprints.fingerprint(r)
     assert m["rollout"]["task"] == task and m["rollout"]["reward_fn"] == [f"len={r}:brevity"]
 
     metrics = code / "m.jsonl"
@@ -373,8 +373,8 @@ def _rollouts(path, n=4):
             "prompt_ids": [[1, 30, 22, 15, 23, 32, 31]] * n, "completion_ids": [[2]] * n, "old_logprobs": [[-0.5]] * n,
             "finish_reason": ["eos"] * n, "policy_fingerprint": ["sha256:0"] * n, "policy_step": [0] * n,
             "answer": ["7"] * n, "reward/verifier": [1.0, 0.0, 1.0, 0.0][:n]}
-    m = artifacts.make_manifest("rollouts", "rollout", {"temperature": 1.0}, {})
-    with artifacts.write_table("rollouts", path, m, [pa.field("reward/verifier", pa.float64())]) as w:
+    m = manifests.make_manifest("rollouts", "rollout", {"temperature": 1.0}, {})
+    with streams.write_table("rollouts", path, m, [pa.field("reward/verifier", pa.float64())]) as w:
         w.write(cols)
     return path
 
@@ -460,7 +460,7 @@ def test_editing_user_code_reruns_the_stage(code):
     r.write_text(REWARDS.replace("-0.01 *", "-0.02 *"))
     again = run_cli(*s)
     assert again.returncode == 0 and b"up to date" not in again.stderr
-    rows = artifacts.read_table(code / "s.arrow", ["rollouts"])[0].to_pylist()
+    rows = streams.read_table(code / "s.arrow", ["rollouts"])[0].to_pylist()
     assert all(x["reward/len"] == pytest.approx(-0.02 * len(x["completion"])) for x in rows)
 
 
@@ -471,7 +471,7 @@ def test_sft_and_eval_on_a_user_task(code, tmp_path):
     r = run_cli("sft", "--task", task, "--num-examples", "100", "--eval-num", "8", "--out", str(out))
     assert r.returncode == 0, r.stderr
     m = json.loads((out / "rlkit.json").read_text())
-    assert m["config"]["task"] == task and m["inputs"]["task"] == artifacts.fingerprint(code / "my_tasks.py")
+    assert m["config"]["task"] == task and m["inputs"]["task"] == fingerprints.fingerprint(code / "my_tasks.py")
     assert m["metrics"]["heldout_n"] == 8
     r = run_cli("eval", "--policy", str(out), "--task", task, "--num-prompts", "8", "--json")
     assert r.returncode == 0, r.stderr

@@ -13,7 +13,7 @@ TOL_MEAN = 1e-2  # mean |log-prob gap| per token, vLLM in bf16 with its LoRA ker
 
 def test_lora_checkpoint_on_vllm_then_update_on_cuda(vllm_ok, cuda_sft, gpu, tmp_path):
     from rlkit.algorithms.inputs import build_batch, recompute_logprobs
-    from rlkit.io import artifacts, checkpoints
+    from rlkit.io import checkpoints, streams
 
     # an adapter far from zero on the GPU-trained policy (made on the CPU of this process, as `update` saves one)
     lora = make_lora_checkpoint(cuda_sft.dir, tmp_path / "lora", seed=1, rank=4)
@@ -28,7 +28,7 @@ def test_lora_checkpoint_on_vllm_then_update_on_cuda(vllm_ok, cuda_sft, gpu, tmp
     device_line(r.stderr, "rollout")
     device_line(r.stderr, "update")
 
-    rolls, reader = artifacts.read_table(d / "rollouts.arrow", ["rollouts"])
+    rolls, reader = streams.read_table(d / "rollouts.arrow", ["rollouts"])
     on_cuda(reader.manifest)
     assert reader.manifest["engine"] == "vllm" and rolls.num_rows == 32 * 4
 

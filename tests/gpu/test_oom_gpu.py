@@ -73,9 +73,9 @@ def long_rollouts(tmp_path_factory) -> Path:
 
 
 def test_update_out_of_gpu_memory_is_one_line_exit_71_and_writes_nothing(long_rollouts, tmp_path):
-    from rlkit.io import artifacts
+    from rlkit.io import streams
 
-    table, _ = artifacts.read_table(long_rollouts, ["rollouts"])
+    table, _ = streams.read_table(long_rollouts, ["rollouts"])
     assert table.num_rows == ROWS
     assert min(len(p) for p in table.column("prompt_ids").to_pylist()) >= PROMPT_CHARS
     big = tmp_path / "big"

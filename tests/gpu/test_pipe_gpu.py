@@ -32,7 +32,7 @@ def test_sft_defaults_on_cuda_train_in_bf16_and_record_the_gpu(cuda_sft, gpu):
 
 def test_card_pipe_with_vllm_on_one_gpu(vllm_ok, cuda_sft, cuda_ref, gpu, tmp_path):
     from rlkit.algorithms.inputs import build_batch, recompute_logprobs
-    from rlkit.io import artifacts, checkpoints
+    from rlkit.io import checkpoints, streams
 
     sft, ref, d, cmd = cuda_sft.dir, cuda_ref, tmp_path, " ".join(rlkit_cmd())
     r = bash(
@@ -49,8 +49,8 @@ def test_card_pipe_with_vllm_on_one_gpu(vllm_ok, cuda_sft, cuda_ref, gpu, tmp_pa
     # every stage says once where it runs, and records it
     device_line(err, "rollout")
     device_line(err, "score-ref")
-    rolls, rman = artifacts.read_table(d / "rollouts.arrow", ["rollouts"])
-    _, sman = artifacts.read_table(d / "scored.arrow", ["scored"])
+    rolls, rman = streams.read_table(d / "rollouts.arrow", ["rollouts"])
+    _, sman = streams.read_table(d / "scored.arrow", ["scored"])
     man = json.loads((d / "upd" / "rlkit.json").read_text())
     for mf in (rman.manifest, sman.manifest, man):
         on_cuda(mf)

@@ -9,12 +9,12 @@ import pyarrow as pa
 import pytest
 
 from rlkit.errors import RlkitError, TruncatedStream
-from rlkit.io import artifacts
+from rlkit.io import atomic, claims, fingerprints, manifests, schemas, streams
 
 
 def _prompts(path, n=10, cfg=None, chunk=4):
-    m = artifacts.make_manifest("prompts", "prompts", cfg or {"n": n}, {})
-    with artifacts.write_table("prompts", path, m) as w:
+    m = manifests.make_manifest("prompts", "prompts", cfg or {"n": n}, {})
+    with streams.write_table("prompts", path, m) as w:
         for i in range(0, n, chunk):
             ids = range(i, min(n, i + chunk))
             w.write({"prompt_id": [f"p{j}" for j in ids], "prompt": [f"<{j}+1>=" for j in ids],
@@ -24,7 +24,7 @@ def _prompts(path, n=10, cfg=None, chunk=4):
 
 def test_round_trip_with_manifest_and_plain_readers(tmp_path):
     p = _prompts(tmp_path / "p.arrow", n=10)
-    table, reader = artifacts.read_table(p, ["prompts"])
+    table, reader = streams.read_table(p, ["prompts"])
     assert table.num_rows == 10 and table.column("prompt")[3].as_py() == "<3+1>="
     assert reader.manifest["kind"] == "prompts" and reader.manifest["schema_version"] == 1
     assert reader.manifest["command"] == "prompts" and reader.manifest["config"] == {"n": 10}
@@ -37,11 +37,11 @@ def test_round_trip_with_manifest_and_plain_readers(tmp_path):
 
 def test_wrong_kind_names_both_kinds_and_the_producer(tmp_path):
     p = tmp_path / "prefs.arrow"
-    m = artifacts.make_manifest("prefs", "build-prefs", {}, {})
-    with artifacts.write_table("prefs", p, m) as w:
+    m = manifests.make_manifest("prefs", "build-prefs", {}, {})
+    with streams.write_table("prefs", p, m) as w:
         w.write({"prompt_id": ["a"], "prompt": ["x"], "chosen": ["1"], "rejected": ["2"], "split": ["train"]})
     with pytest.raises(RlkitError, match=r"is a 'prefs' table, expected a 'prompts' table \(made by `rlkit prompts`\)"):
-        artifacts.read_table(p, ["prompts"])
+        streams.read_table(p, ["prompts"])
 
 
 def _plain(path, table):
@@ -53,31 +53,31 @@ def _plain(path, table):
 def test_missing_and_mistyped_columns(tmp_path):
     p = _plain(tmp_path / "a.arrow", pa.table({"prompt_id": ["a"], "text": ["x"]}))
     with pytest.raises(RlkitError, match=r"missing column 'prompt' \(string\).*`rlkit prompts`"):
-        artifacts.read_table(p, ["prompts"])
+        streams.read_table(p, ["prompts"])
     p = _plain(tmp_path / "b.arrow", pa.table({"prompt_id": ["a"], "prompt": [3]}))
     with pytest.raises(RlkitError, match="column 'prompt' has type int64, expected string"):
-        artifacts.read_table(p, ["prompts"])
+        streams.read_table(p, ["prompts"])
 
 
 def test_plain_table_with_the_right_columns_is_accepted(tmp_path):
     p = _plain(tmp_path / "a.arrow", pa.table({"prompt_id": ["a"], "prompt": pa.array(["x"], pa.large_string())}))
-    table, reader = artifacts.read_table(p, ["prompts"])
+    table, reader = streams.read_table(p, ["prompts"])
     assert table.num_rows == 1 and reader.manifest is None
 
 
 def test_empty_table_is_rejected_unless_allowed(tmp_path):
     p = _prompts(tmp_path / "e.arrow", n=0)
     with pytest.raises(RlkitError, match="has no rows"):
-        artifacts.read_table(p, ["prompts"])
-    assert artifacts.read_table(p, ["prompts"], require_rows=False)[0].num_rows == 0
+        streams.read_table(p, ["prompts"])
+    assert streams.read_table(p, ["prompts"], require_rows=False)[0].num_rows == 0
 
 
 def test_stream_cut_at_a_batch_boundary_is_detected(tmp_path):
     full = _prompts(tmp_path / "p.arrow", n=12).read_bytes()
     # find a cut after the second batch: write the same batches without closing the writer
     p = tmp_path / "cut.arrow"
-    m = artifacts.make_manifest("prompts", "prompts", {}, {})
-    schema = artifacts.kind("prompts").schema(manifest=m)
+    m = manifests.make_manifest("prompts", "prompts", {}, {})
+    schema = schemas.kind("prompts").schema(manifest=m)
     with open(p, "wb") as f:
         writer = pa.ipc.new_stream(f, schema)
         writer.write_batch(pa.record_batch([pa.array(["a"]), pa.array(["x"]), pa.array(["1"]), pa.array(["t"]),
@@ -86,11 +86,11 @@ def test_stream_cut_at_a_batch_boundary_is_detected(tmp_path):
     # plain pyarrow reads this as a valid one-row stream; rlkit does not
     assert pa.ipc.open_stream(p.read_bytes()).read_all().num_rows == 1
     with pytest.raises(TruncatedStream, match="without rlkit's end marker"):
-        artifacts.read_table(p, ["prompts"])
+        streams.read_table(p, ["prompts"])
     p2 = tmp_path / "mid.arrow"
     p2.write_bytes(full[: len(full) // 2])
     with pytest.raises(TruncatedStream):
-        artifacts.read_table(p2, ["prompts"])
+        streams.read_table(p2, ["prompts"])
 
 
 def test_open_table_reads_ahead_so_a_piped_producer_never_blocks(tmp_path):
@@ -102,7 +102,7 @@ def test_open_table_reads_ahead_so_a_piped_producer_never_blocks(tmp_path):
     producer = subprocess.Popen(["cat", str(src)], stdout=w)
     os.close(w)
     try:
-        pending = artifacts.open_table(f"/dev/fd/{r}", ["prompts"])
+        pending = streams.open_table(f"/dev/fd/{r}", ["prompts"])
         assert producer.wait(timeout=60) == 0  # finished with nobody consuming yet
         reader = pending.result()
         table = reader.read_all()
@@ -115,13 +115,13 @@ def test_open_table_reads_ahead_so_a_piped_producer_never_blocks(tmp_path):
 def test_open_table_raises_open_and_stream_errors_at_the_consumer(tmp_path):
     bad = tmp_path / "x.arrow"
     bad.write_text("hello")
-    pending = artifacts.open_table(bad, ["prompts"])
+    pending = streams.open_table(bad, ["prompts"])
     with pytest.raises(RlkitError, match="not an Arrow IPC stream"):
         pending.result()
     full = _prompts(tmp_path / "p.arrow", n=12).read_bytes()
     cut = tmp_path / "cut.arrow"
     cut.write_bytes(full[: len(full) // 2])
-    reader = artifacts.open_table(cut, ["prompts"]).result()
+    reader = streams.open_table(cut, ["prompts"]).result()
     with pytest.raises(TruncatedStream):
         reader.read_all()
 
@@ -130,16 +130,16 @@ def test_not_an_arrow_file(tmp_path):
     p = tmp_path / "x.arrow"
     p.write_text("hello")
     with pytest.raises(RlkitError, match="not an Arrow IPC stream"):
-        artifacts.read_table(p, ["prompts"])
+        streams.read_table(p, ["prompts"])
     with pytest.raises(RlkitError, match="no such file"):
-        artifacts.read_table(tmp_path / "missing.arrow", ["prompts"])
+        streams.read_table(tmp_path / "missing.arrow", ["prompts"])
 
 
 def test_failed_write_leaves_nothing_and_keeps_the_old_file(tmp_path):
     p = _prompts(tmp_path / "p.arrow", n=5)
     before = p.read_bytes()
     with pytest.raises(KeyboardInterrupt):
-        with artifacts.write_table("prompts", p, artifacts.make_manifest("prompts", "prompts", {}, {})) as w:
+        with streams.write_table("prompts", p, manifests.make_manifest("prompts", "prompts", {}, {})) as w:
             w.write({"prompt_id": ["z"], "prompt": ["y"]})
             raise KeyboardInterrupt
     assert p.read_bytes() == before
@@ -148,14 +148,14 @@ def test_failed_write_leaves_nothing_and_keeps_the_old_file(tmp_path):
 
 def test_atomic_dir_replaces_only_on_success(tmp_path):
     out = tmp_path / "m"
-    with artifacts.atomic_dir(out) as d:
+    with atomic.atomic_dir(out) as d:
         (d / "a").write_text("1")
     with pytest.raises(RuntimeError):
-        with artifacts.atomic_dir(out) as d:
+        with atomic.atomic_dir(out) as d:
             (d / "a").write_text("2")
             raise RuntimeError
     assert (out / "a").read_text() == "1" and sorted(os.listdir(tmp_path)) == ["m"]
-    with artifacts.atomic_dir(out) as d:
+    with atomic.atomic_dir(out) as d:
         (d / "b").write_text("3")
     assert sorted(os.listdir(out)) == ["b"] and sorted(os.listdir(tmp_path)) == ["m"]
 
@@ -164,16 +164,16 @@ def test_check_out_refuses_foreign_files(tmp_path):
     f = tmp_path / "notes.txt"
     f.write_text("precious")
     with pytest.raises(RlkitError, match="not an rlkit table; refusing to overwrite"):
-        artifacts.check_out(f, "table")
+        claims.check_out(f, "table")
     d = tmp_path / "somedir"
     d.mkdir()
     (d / "x").write_text("precious")
     with pytest.raises(RlkitError, match="not an rlkit checkpoint"):
-        artifacts.check_out(d, "model")
+        claims.check_out(d, "model")
     with pytest.raises(RlkitError, match="is a file, expected a model directory"):
-        artifacts.check_out(f, "model")
-    artifacts.check_out(_prompts(tmp_path / "ok.arrow"), "table")  # an rlkit table may be replaced
-    artifacts.check_out(tmp_path / "new.arrow", "table")
+        claims.check_out(f, "model")
+    claims.check_out(_prompts(tmp_path / "ok.arrow"), "table")  # an rlkit table may be replaced
+    claims.check_out(tmp_path / "new.arrow", "table")
 
 
 
@@ -182,7 +182,7 @@ def test_a_swap_that_fails_leaves_no_temporary(tmp_path):
     out = tmp_path / "m"
     out.write_text("precious")
     with pytest.raises(OSError):
-        with artifacts.atomic_dir(out) as d:
+        with atomic.atomic_dir(out) as d:
             (d / "a").write_text("1")
     assert sorted(os.listdir(tmp_path)) == ["m"] and out.read_text() == "precious"
 
@@ -192,33 +192,33 @@ def test_check_outputs_side_outputs(tmp_path):
     table = _prompts(tmp_path / "p.arrow")
     ins = {"--in": table}
     metrics = {"--metrics": (tmp_path / "m.jsonl", "metrics")}
-    artifacts.check_outputs({"--out": (tmp_path / "o", "model"), **metrics}, ins)  # new paths: fine
+    claims.check_outputs({"--out": (tmp_path / "o", "model"), **metrics}, ins)  # new paths: fine
     with pytest.raises(RlkitError, match=r"--metrics .*p.arrow is one of this stage's inputs \(--in"):
-        artifacts.check_outputs({"--metrics": (table, "metrics")}, ins)
+        claims.check_outputs({"--metrics": (table, "metrics")}, ins)
     with pytest.raises(RlkitError, match=r"--metrics .*/o/m.jsonl lies inside --out"):
-        artifacts.check_outputs({"--out": (tmp_path / "o", "model"), "--metrics": (tmp_path / "o/m.jsonl", "metrics")})
+        claims.check_outputs({"--out": (tmp_path / "o", "model"), "--metrics": (tmp_path / "o/m.jsonl", "metrics")})
     with pytest.raises(RlkitError, match="is an rlkit 'prompts' table, not a metrics file"):
-        artifacts.check_outputs({"--metrics": (table, "metrics")})
+        claims.check_outputs({"--metrics": (table, "metrics")})
     tb = tmp_path / "tb"
     tb.mkdir()
     (tb / "events.out.tfevents.1.host").write_bytes(b"\0")
-    artifacts.check_outputs({"--tensorboard": (tb, "events")})  # only event files: fine
+    claims.check_outputs({"--tensorboard": (tb, "events")})  # only event files: fine
     (tb / "notes.txt").write_text("x")
     with pytest.raises(RlkitError, match="holds notes.txt, which is not a TensorBoard event file"):
-        artifacts.check_outputs({"--tensorboard": (tb, "events")})
+        claims.check_outputs({"--tensorboard": (tb, "events")})
     ck = tmp_path / "ck"
     ck.mkdir()
     (ck / "rlkit.json").write_text("{}")
     with pytest.raises(RlkitError, match="lies inside the checkpoint"):
-        artifacts.check_outputs({"--metrics": (ck / "m.jsonl", "metrics")})
+        claims.check_outputs({"--metrics": (ck / "m.jsonl", "metrics")})
     (tmp_path / "loop").symlink_to("loop")
     with pytest.raises(RlkitError, match="symbolic link that leads nowhere"):
-        artifacts.check_outputs({"--out": (tmp_path / "loop", "model")})
+        claims.check_outputs({"--out": (tmp_path / "loop", "model")})
     (tmp_path / "link").symlink_to(ck)
     with pytest.raises(RlkitError, match="is a symbolic link \\(to "):
-        artifacts.check_outputs({"--out": (tmp_path / "link", "model")})
+        claims.check_outputs({"--out": (tmp_path / "link", "model")})
     with pytest.raises(RlkitError, match="its parent .*p.arrow is a file, not a directory"):
-        artifacts.check_outputs({"--out": (table / "sub.arrow", "table")})
+        claims.check_outputs({"--out": (table / "sub.arrow", "table")})
 
 
 def test_metrics_files_take_rows_only_of_metrics(tmp_path):
@@ -257,39 +257,39 @@ def test_a_metrics_row_is_taken_back_when_its_output_fails(tmp_path):
 
 def test_fingerprint_follows_content_and_rewrites(tmp_path):
     a = _prompts(tmp_path / "a.arrow", cfg={"x": 1})
-    fp = artifacts.fingerprint(a)
-    assert fp == artifacts.fingerprint(a)
+    fp = fingerprints.fingerprint(a)
+    assert fp == fingerprints.fingerprint(a)
     _prompts(a, cfg={"x": 2})
-    assert artifacts.fingerprint(a) != fp
+    assert fingerprints.fingerprint(a) != fp
     d = tmp_path / "d"
     d.mkdir()
     (d / "config.json").write_text("{}")
     big = d / "model.safetensors"
     big.write_bytes(b"0" * 10)
-    fd = artifacts.fingerprint(d)
+    fd = fingerprints.fingerprint(d)
     big.write_bytes(b"1" * 10)
-    assert artifacts.fingerprint(d) != fd
+    assert fingerprints.fingerprint(d) != fd
 
 
 def test_big_files_are_fingerprinted_by_stat(tmp_path, monkeypatch):
-    monkeypatch.setattr(artifacts, "CONTENT_HASH_LIMIT", 4)
+    monkeypatch.setattr(fingerprints, "CONTENT_HASH_LIMIT", 4)
     f = tmp_path / "w.safetensors"
     f.write_bytes(b"0123456789")
-    fp = artifacts.fingerprint(f)
+    fp = fingerprints.fingerprint(f)
     os.utime(f, ns=(1, 1))
-    assert artifacts.fingerprint(f) != fp  # a rewrite (new mtime) changes it without reading content
+    assert fingerprints.fingerprint(f) != fp  # a rewrite (new mtime) changes it without reading content
 
 
 def test_up_to_date_compares_command_config_and_inputs(tmp_path):
     p = tmp_path / "p.arrow"
-    m = artifacts.make_manifest("prompts", "prompts", {"num": 3, "force": False}, {"src": "sha256:1"})
-    with artifacts.write_table("prompts", p, m) as w:
+    m = manifests.make_manifest("prompts", "prompts", {"num": 3, "force": False}, {"src": "sha256:1"})
+    with streams.write_table("prompts", p, m) as w:
         w.write({"prompt_id": ["a"], "prompt": ["b"]})
-    assert artifacts.up_to_date(p, "prompts", {"num": 3, "force": True}, {"src": "sha256:1"})
-    assert not artifacts.up_to_date(p, "prompts", {"num": 4}, {"src": "sha256:1"})
-    assert not artifacts.up_to_date(p, "prompts", {"num": 3}, {"src": "sha256:2"})
-    assert not artifacts.up_to_date(p, "sft", {"num": 3}, {"src": "sha256:1"})
-    assert not artifacts.up_to_date(tmp_path / "nope.arrow", "prompts", {"num": 3}, {})
+    assert manifests.up_to_date(p, "prompts", {"num": 3, "force": True}, {"src": "sha256:1"})
+    assert not manifests.up_to_date(p, "prompts", {"num": 4}, {"src": "sha256:1"})
+    assert not manifests.up_to_date(p, "prompts", {"num": 3}, {"src": "sha256:2"})
+    assert not manifests.up_to_date(p, "sft", {"num": 3}, {"src": "sha256:1"})
+    assert not manifests.up_to_date(tmp_path / "nope.arrow", "prompts", {"num": 3}, {})
 
 
 def test_rollout_kinds_carry_named_reward_components(tmp_path):
@@ -298,9 +298,9 @@ def test_rollout_kinds_carry_named_reward_components(tmp_path):
     row = {"prompt_id": ["a"], "group_id": [0], "sample_idx": [0], "prompt": ["<1+1>="], "completion": ["2"],
            "prompt_ids": [[1, 2]], "completion_ids": [[3]], "old_logprobs": [[-0.1]], "finish_reason": ["eos"],
            "policy_fingerprint": ["sha256:x"], "policy_step": [0], "reward/verifier": [1.0]}
-    with artifacts.write_table("rollouts", p, artifacts.make_manifest("rollouts", "rollout", {}, {}), extra) as w:
+    with streams.write_table("rollouts", p, manifests.make_manifest("rollouts", "rollout", {}, {}), extra) as w:
         w.write(row)
-    table, _ = artifacts.read_table(p, ["rollouts", "scored"])
+    table, _ = streams.read_table(p, ["rollouts", "scored"])
     assert table.column("reward/verifier").to_pylist() == [1.0]
     with pytest.raises(RlkitError, match="expected a 'scored' table"):
-        artifacts.read_table(p, ["scored"])
+        streams.read_table(p, ["scored"])

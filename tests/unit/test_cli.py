@@ -106,10 +106,10 @@ def test_missing_file_and_missing_policy(tmp_path):
 def test_wrong_kind_missing_column_and_empty_table(tmp_path, sft_dir):
     import pyarrow as pa
 
-    from rlkit.io import artifacts
+    from rlkit.io import manifests, streams
 
     prefs = tmp_path / "prefs.arrow"
-    with artifacts.write_table("prefs", prefs, artifacts.make_manifest("prefs", "build-prefs", {}, {})) as w:
+    with streams.write_table("prefs", prefs, manifests.make_manifest("prefs", "build-prefs", {}, {})) as w:
         w.write({"prompt_id": ["a"], "prompt": ["<1+1>="], "chosen": ["2"], "rejected": ["3"], "split": ["train"]})
     line = one_error_line(run_cli("eval", "--policy", str(sft_dir), "--prompts", str(prefs)))
     assert "is a 'prefs' table, expected a 'prompts' table" in line
@@ -123,7 +123,7 @@ def test_wrong_kind_missing_column_and_empty_table(tmp_path, sft_dir):
     empty = tmp_path / "empty.arrow"
     r = run_cli("prompts", "--num-prompts", "1", "--out", str(empty))
     assert r.returncode == 0
-    with artifacts.write_table("prompts", empty, artifacts.make_manifest("prompts", "prompts", {}, {})):
+    with streams.write_table("prompts", empty, manifests.make_manifest("prompts", "prompts", {}, {})):
         pass
     line = one_error_line(run_cli("eval", "--policy", str(sft_dir), "--prompts", str(empty)))
     assert "has no rows" in line
@@ -154,11 +154,11 @@ def test_refuses_to_write_a_table_to_a_terminal(monkeypatch):
     import sys as _sys
 
     from rlkit.errors import RlkitError
-    from rlkit.io import artifacts
+    from rlkit.io import streams
 
     monkeypatch.setattr(_sys.stdout, "isatty", lambda: True)
     with pytest.raises(RlkitError, match="refusing to write an Arrow table to the terminal"):
-        artifacts.resolve_out(None)
+        streams.resolve_out(None)
 
 
 def test_prompts_stream_through_a_pipe_into_eval(tmp_path, sft_dir):
@@ -202,18 +202,18 @@ def test_interrupt_during_a_write_leaves_nothing(tmp_path, sig):
 def test_interrupted_sft_keeps_the_existing_checkpoint(tmp_path, sft_dir):
     import shutil
 
-    from rlkit.io import artifacts
+    from rlkit.io import fingerprints
 
     out = tmp_path / "sft"
     shutil.copytree(sft_dir, out)
-    before = artifacts.fingerprint(out)
+    before = fingerprints.fingerprint(out)
     p = subprocess.Popen([*rlkit_cmd(), "sft", "--out", str(out), "--num-examples", "200000", "--force"],
                          stderr=subprocess.PIPE, preexec_fn=default_signals)
     time.sleep(6)
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130, err
-    assert artifacts.fingerprint(out) == before and sorted(os.listdir(tmp_path)) == ["sft"]
+    assert fingerprints.fingerprint(out) == before and sorted(os.listdir(tmp_path)) == ["sft"]
 
 
 @pytest.mark.parametrize("producer", ["prompts", "cat"])
@@ -244,12 +244,12 @@ def test_stray_stdout_writes_cannot_corrupt_a_streamed_table(tmp_path):
     (vLLM's engine workers log to stdout) go to stderr and the downstream reader gets a clean table."""
     code = (
         "import os, sys\n"
-        "from rlkit.io import artifacts\n"
-        "out = artifacts.resolve_out(None)\n"
+        "from rlkit.io import manifests, streams\n"
+        "out = streams.resolve_out(None)\n"
         "print('noise from the stage')\n"
         "os.system('echo noise from a child process')\n"
-        "m = artifacts.make_manifest('prompts', 'prompts', {}, {})\n"
-        "with artifacts.write_table('prompts', out, m) as w:\n"
+        "m = manifests.make_manifest('prompts', 'prompts', {}, {})\n"
+        "with streams.write_table('prompts', out, m) as w:\n"
         "    w.write({'prompt_id': ['a'], 'prompt': ['1+1='], 'answer': ['2'], 'split': ['train']})\n"
         "print('more noise')\n"
     )
@@ -259,9 +259,9 @@ def test_stray_stdout_writes_cannot_corrupt_a_streamed_table(tmp_path):
     assert b"noise from the stage" in err and b"noise from a child process" in err and b"more noise" in err
     p = tmp_path / "t.arrow"
     p.write_bytes(table)
-    from rlkit.io import artifacts
+    from rlkit.io import streams
 
-    t, _ = artifacts.read_table(p, ["prompts"])
+    t, _ = streams.read_table(p, ["prompts"])
     assert t.column("prompt").to_pylist() == ["1+1="]
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from rlkit import config_file
 from rlkit.cli import command
-from rlkit.io import artifacts
+from rlkit.io import manifests, streams
 
 from conftest import run_cli, stage
 
@@ -100,10 +100,10 @@ def test_the_command_line_wins_over_the_file_and_inspect_writes_it_back(tmp_path
     a = tmp_path / "a.arrow"
     r = run_cli("prompts", "--config", str(tmp_path / "run.toml"), "--num-prompts", "4", "--out", str(a))
     assert r.returncode == 0, r.stderr
-    m = artifacts.read_manifest(a)
+    m = manifests.read_manifest(a)
     assert "config" not in m["options"]  # the file's values are recorded, not the file
     assert m["options"]["num_prompts"] == 4 and m["options"]["seed"] == 7 and m["options"]["split"] == "heldout"
-    t, _ = artifacts.read_table(a, ["prompts"])
+    t, _ = streams.read_table(a, ["prompts"])
     assert t.num_rows == 4
 
     r = run_cli("inspect", str(a), "--config")
@@ -112,7 +112,7 @@ def test_the_command_line_wins_over_the_file_and_inspect_writes_it_back(tmp_path
     b = tmp_path / "b.arrow"
     r = run_cli("prompts", "--config", str(tmp_path / "back.toml"), "--out", str(b))
     assert r.returncode == 0, r.stderr
-    tb, _ = artifacts.read_table(b, ["prompts"])
+    tb, _ = streams.read_table(b, ["prompts"])
     assert tb.to_pylist() == t.to_pylist()
 
     r = run_cli("prompts", "--config", str(tmp_path / "nope.toml"), "--out", str(tmp_path / "c.arrow"))

@@ -136,7 +136,7 @@ class _ToyEngine:
 
 
 def test_a_registered_toy_engine_runs_the_real_rollout_stage(tmp_path):
-    from rlkit.io import artifacts
+    from rlkit.io import streams
     from rlkit.stages.rollout import RolloutConfig, run
 
     policy = _toy_policy(tmp_path / "toy-policy")
@@ -157,7 +157,7 @@ def test_a_registered_toy_engine_runs_the_real_rollout_stage(tmp_path):
     # chunks of 2, 2, 1 prompts, each seeded seed * 1_000_003 + (its first prompt)
     assert samples == [{"prompts": p, "n": 3, "temperature": 0.5, "seed": 7 * 1_000_003 + c0}
                        for p, c0 in ((2, 0), (2, 2), (1, 4))]
-    table, reader = artifacts.read_table(out, ["rollouts"])
+    table, reader = streams.read_table(out, ["rollouts"])
     assert reader.manifest["engine"] == "toy"
     assert table.num_rows == 15
     assert table.column("group_id").to_pylist() == [g for g in range(5) for _ in range(3)]
@@ -347,7 +347,7 @@ def test_follow_sleeps_between_batches_only_at_lag_0_on_a_gpu(device, lag, tmp_p
     import torch
 
     from rlkit import devices
-    from rlkit.io import artifacts
+    from rlkit.io import streams
     from rlkit.stages.rollout import RolloutConfig, run
 
     monkeypatch.setattr(devices, "describe", lambda d, dtype=None: str(d))  # no GPU to name here
@@ -368,7 +368,7 @@ def test_follow_sleeps_between_batches_only_at_lag_0_on_a_gpu(device, lag, tmp_p
     assert start["engine"].opts.sleep is (lag == 0) and start["engine"].closed == 1
     got = [c if not isinstance(c, dict) else "sample" for c in rest]
     err = capsys.readouterr().err
-    t, reader = artifacts.read_table(out, ["rollouts"])
+    t, reader = streams.read_table(out, ["rollouts"])
     assert reader.manifest["device"] == ("cuda:0" if device == "cuda" else "cpu")
     if (device, lag) == ("cuda", 0):
         assert got == ["sample", "sleep", "wake_up", ("reload", "step-000001"), "sample"]
@@ -417,7 +417,7 @@ def test_hf_on_cpu_is_auto_here_row_for_row(sft_dir, tmp_path):
     """On a machine without a GPU --device auto is the CPU: the same table, and the manifest says where it ran."""
     import torch
 
-    from rlkit.io import artifacts
+    from rlkit.io import streams
 
     from conftest import run_cli
 
@@ -431,7 +431,7 @@ def test_hf_on_cpu_is_auto_here_row_for_row(sft_dir, tmp_path):
         err = r.stderr.decode()
         assert r.returncode == 0, err[-2000:]
         assert err.count("rollout: device cpu (fp32)") == 1
-        tables[dev] = artifacts.read_table(out, ["rollouts"])
+        tables[dev] = streams.read_table(out, ["rollouts"])
     (a, ra), (c, rc) = tables["auto"], tables["cpu"]
     assert a.equals(c)  # every column, bit for bit
     assert ra.manifest["device"] == rc.manifest["device"] == "cpu" and "gpu" not in ra.manifest

@@ -17,9 +17,79 @@ from conftest import REPO
 
 def _modules():
     for pkg in (rlkit, rlkit.stages):
-        for m in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + "."):
+        for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
             if not m.name.endswith("__main__"):
                 yield m.name
+
+
+def _imports() -> dict[str, set[str]]:
+    """module -> the rlkit modules it imports, at top level or inside a function (a lazy import is an arrow too),
+    read from the source with `ast`: `from rlkit.io import claims` names rlkit.io.claims."""
+    import ast
+    import importlib.util
+
+    names = set(_modules()) | {"rlkit", "rlkit.stages"}
+    graph: dict[str, set[str]] = {}
+    for name in sorted(names):
+        spec = importlib.util.find_spec(name)
+        tree = ast.parse(Path(spec.origin).read_text())
+        package = name if spec.submodule_search_locations else name.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in names else base for a in node.names}
+        graph[name] = {m for m in found if m in names and m != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_rlkit_io_is_a_layer_without_circles():
+    """rlkit.io (artifacts on disk: schemas, manifests, fingerprints, atomic writes, claims, streams, checkpoints,
+    the LoRA format) imports nothing above it (training, algorithms, engines, tasks, stages, the CLI), and no
+    import circle runs through it."""
+    graph = _imports()
+    above = ("rlkit.training", "rlkit.algorithms", "rlkit.engines", "rlkit.tasks", "rlkit.stages", "rlkit.cli")
+    up = sorted(f"{m} -> {t}" for m, ts in graph.items() if m.startswith("rlkit.io")
+                for t in ts if t.startswith(above))
+    assert not up, up
+    circles = [c for c in _cycles(graph) if any(m.startswith("rlkit.io") for m in c)]
+    assert not circles, circles
+    assert {"rlkit.io.claims", "rlkit.io.streams"} <= set(graph["rlkit.stages.update"] | graph["rlkit.stages.rollout"])
 
 
 @pytest.mark.parametrize("name", sorted(_modules()))

@@ -9,7 +9,7 @@ import torch
 
 from rlkit.algorithms.config import RLConfig
 from rlkit.errors import RlkitError, non_finite_cause
-from rlkit.io import artifacts
+from rlkit.io import manifests, schemas, streams
 
 from conftest import one_error_line, run_cli, stage
 
@@ -127,14 +127,14 @@ def test_ppo_names_nan_critic_weights(sft_dir):
 
 def _edit(src, dst, column, fn):
     """Copy rlkit table `src` to `dst` with `column`'s per-row values passed through fn(row index, value)."""
-    t, _ = artifacts.read_table(src, ["rollouts", "scored"])
+    t, _ = streams.read_table(src, ["rollouts", "scored"])
     i = t.schema.get_field_index(column)
     vals = [fn(r, v) for r, v in enumerate(t.column(column).to_pylist())]
     t = t.set_column(i, t.schema.field(i), pa.array(vals, type=t.schema.field(i).type))
     with pa.ipc.new_stream(str(dst), t.schema) as w:
         w.write_table(t)
         empty = pa.record_batch([pa.array([], type=f.type) for f in t.schema], schema=t.schema)
-        w.write_batch(empty, custom_metadata={artifacts.END_KEY: str(t.num_rows)})
+        w.write_batch(empty, custom_metadata={schemas.END_KEY: str(t.num_rows)})
     return dst
 
 
@@ -199,7 +199,7 @@ def test_train_rm_names_nan_starting_weights_not_the_lr(nan_checkpoint, tmp_path
 
     d, name = nan_checkpoint
     prefs = tmp_path / "prefs.arrow"
-    with artifacts.write_table("prefs", prefs, artifacts.make_manifest("prefs", "build-prefs", {}, {})) as w:
+    with streams.write_table("prefs", prefs, manifests.make_manifest("prefs", "build-prefs", {}, {})) as w:
         w.write({"prompt_id": ["a", "b", "c", "d"], "prompt": ["1+1=", "2+2=", "3+3=", "4+4="],
                  "chosen": ["2", "4", "6", "8"], "rejected": ["3", "5", "7", "9"],
                  "split": ["train", "train", "train", "heldout"]})

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pytest
 
 from rlkit.errors import RlkitError
-from rlkit.io import artifacts, shards
+from rlkit.io import schemas, shards, streams
 
 from conftest import one_error_line, run_cli
 
@@ -36,7 +36,7 @@ def _rollout(policy, out, **kw):
 
 
 def _table(path) -> pa.Table:
-    t, _ = artifacts.read_table(path, list(artifacts.KINDS))
+    t, _ = streams.read_table(path, list(schemas.KINDS))
     return t.replace_schema_metadata(None)
 
 
@@ -52,7 +52,7 @@ def test_sharded_rollouts_and_scoring_join_into_the_single_job_table(sft_dir, re
     r = run_cli("cat", str(parts[2]), str(parts[0]), str(parts[1]), "--out", str(joined))  # any order
     assert r.returncode == 0, r.stderr
     assert _table(joined).equals(whole)  # every column, every row, in order: the same samples and log-probs
-    t, reader = artifacts.read_table(joined, ["rollouts"])
+    t, reader = streams.read_table(joined, ["rollouts"])
     assert reader.manifest["command"] == "cat" and reader.manifest["temperature"] == 1.0
 
     # score-ref: each shard streamed through its own job, or one file cut between groups by --shard

@@ -1,5 +1,5 @@
 """What a table must be before a model reads it (`rlkit.algorithms.inputs.check_rows`), and the resolved paths
-manifests record beside the given ones (`artifacts.make_manifest`, `recorded_path`, `carried_paths`)."""
+manifests record beside the given ones (`manifests.make_manifest`, `recorded_path`, `carried_paths`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from rlkit.algorithms.inputs import Limits, check_not_all_empty, check_rows
 from rlkit.errors import RlkitError
-from rlkit.io import artifacts
+from rlkit.io import manifests
 
 
 def _rows(prompts, comps) -> pa.Table:
@@ -79,7 +79,7 @@ def test_manifests_record_resolved_paths_beside_the_given_ones(tmp_path, monkeyp
     (run_dir / "roll.arrow").write_bytes(b"")
     elsewhere.mkdir()
     monkeypatch.chdir(run_dir)
-    m = artifacts.make_manifest("scored", "score-ref", _Cfg(Path("pol"), "roll.arrow", out=Path("s.arrow")), {},
+    m = manifests.make_manifest("scored", "score-ref", _Cfg(Path("pol"), "roll.arrow", out=Path("s.arrow")), {},
                                 reference=Path("ref"), rollout={"policy": "pol"},
                                 carried_paths={"rollout": {"policy": str(run_dir / "pol")}})
     assert m["config"]["policy"] == "pol" and m["reference"] == "ref"  # as given
@@ -87,14 +87,14 @@ def test_manifests_record_resolved_paths_beside_the_given_ones(tmp_path, monkeyp
                                      "out": str(run_dir / "s.arrow")},  # not 'task': no such file
                           "reference": str(run_dir / "ref"), "rollout": {"policy": str(run_dir / "pol")}}
     monkeypatch.chdir(elsewhere)  # a later stage in another directory finds them
-    assert artifacts.recorded_path(m, "reference") == str(run_dir / "ref")
-    assert artifacts.recorded_path(m, "rollout", "policy") == str(run_dir / "pol")
-    assert artifacts.recorded_path(m, "config", "task") == "arithmetic"
-    assert artifacts.recorded_path(m, "config", "nothing") is None
-    assert artifacts.carried_paths(m) == {"rollout": {"policy": str(run_dir / "pol")}, "reference": str(run_dir / "ref")}
+    assert manifests.recorded_path(m, "reference") == str(run_dir / "ref")
+    assert manifests.recorded_path(m, "rollout", "policy") == str(run_dir / "pol")
+    assert manifests.recorded_path(m, "config", "task") == "arithmetic"
+    assert manifests.recorded_path(m, "config", "nothing") is None
+    assert manifests.carried_paths(m) == {"rollout": {"policy": str(run_dir / "pol")}, "reference": str(run_dir / "ref")}
     old = {k: v for k, v in m.items() if k != "paths"}  # a manifest from before: the given path
-    assert artifacts.recorded_path(old, "reference") == "ref"
+    assert manifests.recorded_path(old, "reference") == "ref"
     moved = tmp_path / "moved"
     os.rename(run_dir, moved)  # the tree moved as a whole, read from its new place: the given path, which exists
     monkeypatch.chdir(moved)
-    assert artifacts.recorded_path(m, "reference") == "ref"
+    assert manifests.recorded_path(m, "reference") == "ref"

@@ -41,9 +41,9 @@ def pipe(sft_dir, ref_dir, d: Path) -> Path:
 
 def check_rollouts_flow_through_score_ref_and_update(piped):
     from rlkit import engines
-    from rlkit.io import artifacts
+    from rlkit.io import streams
 
-    table, reader = artifacts.read_table(piped / "rollouts.arrow", ["rollouts"])
+    table, reader = streams.read_table(piped / "rollouts.arrow", ["rollouts"])
     assert table.num_rows == 24 * 4
     assert reader.manifest["engine"] == "vllm"
     assert set(table.column("group_id").to_pylist()) == set(range(24))
@@ -67,9 +67,9 @@ def check_rollouts_flow_through_score_ref_and_update(piped):
 
 def check_logprobs_match_the_hf_forward_pass_in_fp32(piped, sft_dir):
     from rlkit.algorithms.inputs import build_batch, recompute_logprobs
-    from rlkit.io import artifacts, checkpoints
+    from rlkit.io import checkpoints, streams
 
-    table, _ = artifacts.read_table(piped / "rollouts.arrow", ["rollouts"])
+    table, _ = streams.read_table(piped / "rollouts.arrow", ["rollouts"])
     model, tok = checkpoints.load_policy(sft_dir, "fp32")
     batch, _ = build_batch(table, tok.pad_token_id)
     hf = recompute_logprobs(model, batch, 1.0, 64)

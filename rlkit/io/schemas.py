@@ -1,0 +1,173 @@
+"""Table kinds: the versioned Arrow schema of every table rlkit writes (its kind, version and producing command),
+and the check a reader runs on a table's schema."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.ipc
+
+from rlkit.errors import RlkitError
+
+SCHEMA_KEY = b"rlkit"
+
+
+END_KEY = "rlkit.end"
+
+
+_STR = pa.string()
+
+
+_IDS = pa.list_(pa.int32())
+
+
+_LOGPROBS = pa.list_(pa.float32())
+
+
+_MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+
+
+def _f(name: str, typ: pa.DataType, nullable: bool = False) -> pa.Field:
+    return pa.field(name, typ, nullable=nullable)
+
+
+@dataclass(frozen=True)
+class TableKind:
+    """One table kind: its versioned schema and the command that produces it.
+
+    Written tables carry every field (optional ones as nullable columns); readers require only
+    `fields`, so plain tables made by other tools need just the columns a stage uses.
+    ``prefixes`` are families of dynamic columns, e.g. ``reward/<component>`` (float64), so that
+    verifier and reward-model scores travel as named components side by side.
+    """
+
+    name: str
+    version: int
+    fields: tuple[pa.Field, ...]
+    producer: str
+    optional: tuple[pa.Field, ...] = ()
+    prefixes: tuple[tuple[str, pa.DataType], ...] = ()
+
+    def schema(self, extra: Sequence[pa.Field] = (), manifest: Mapping[str, Any] | None = None) -> pa.Schema:
+        meta = {SCHEMA_KEY: json.dumps(manifest, sort_keys=True).encode()} if manifest else None
+        return pa.schema([*self.fields, *self.optional, *extra], metadata=meta)
+
+
+_ROLLOUT_FIELDS = (
+    _f("prompt_id", _STR),
+    _f("group_id", pa.int64()),
+    _f("sample_idx", pa.int32()),
+    _f("prompt", _STR),
+    _f("completion", _STR),
+    _f("prompt_ids", _IDS),
+    _f("completion_ids", _IDS),
+    _f("old_logprobs", _LOGPROBS),
+    _f("finish_reason", _STR),
+    _f("policy_fingerprint", _STR),
+    _f("policy_step", pa.int64()),
+)
+
+
+_ROLLOUT_OPTIONAL = (_f("answer", _STR, True),)
+
+
+_REWARDS = (("reward/", pa.float64()),)
+
+
+KINDS: dict[str, TableKind] = {
+    k.name: k
+    for k in (
+        TableKind(
+            "prompts", 1, (_f("prompt_id", _STR), _f("prompt", _STR)), "rlkit prompts",
+            optional=(_f("answer", _STR, True), _f("split", _STR, True), _f("messages", _MESSAGES, True)),
+        ),
+        TableKind(
+            "sft", 1, (_f("prompt", _STR), _f("completion", _STR)), "rlkit prompts --sft",
+            optional=(_f("prompt_id", _STR, True), _f("split", _STR, True), _f("messages", _MESSAGES, True)),
+        ),
+        TableKind(
+            "prefs", 1,
+            (_f("prompt_id", _STR), _f("prompt", _STR), _f("chosen", _STR), _f("rejected", _STR), _f("split", _STR)),
+            "rlkit build-prefs",
+            optional=(_f("answer", _STR, True), _f("negative", _STR, True),
+                      # summed reference log-probs of each response, added by `rlkit score-ref --ref` (DPO)
+                      _f("ref_chosen_logp", pa.float64(), True), _f("ref_rejected_logp", pa.float64(), True)),
+        ),
+        TableKind("rollouts", 1, _ROLLOUT_FIELDS, "rlkit rollout", optional=_ROLLOUT_OPTIONAL, prefixes=_REWARDS),
+        TableKind(
+            "scored", 1, (*_ROLLOUT_FIELDS, _f("ref_logprobs", _LOGPROBS)), "rlkit score-ref",
+            optional=_ROLLOUT_OPTIONAL, prefixes=_REWARDS,
+        ),
+    )
+}
+
+
+def kind(name: str) -> TableKind:
+    try:
+        return KINDS[name]
+    except KeyError:
+        raise RlkitError(f"unknown table kind {name!r}; known kinds: {', '.join(KINDS)}") from None
+
+
+def _compatible(actual: pa.DataType, expected: pa.DataType) -> bool:
+    if actual == expected:
+        return True
+    strings = (pa.types.is_string, pa.types.is_large_string)
+    if any(f(expected) for f in strings):
+        return any(f(actual) for f in strings)
+    if pa.types.is_integer(expected):
+        return pa.types.is_integer(actual)
+    if pa.types.is_floating(expected):
+        return pa.types.is_floating(actual) or pa.types.is_integer(actual)
+    if pa.types.is_list(expected) and (pa.types.is_list(actual) or pa.types.is_large_list(actual)):
+        return _compatible(actual.value_type, expected.value_type)
+    return False
+
+
+def validate_schema(schema: pa.Schema, kinds: Sequence[str], label: str) -> dict | None:
+    """Check a table's manifest kind and columns against the kinds a stage accepts.
+
+    Returns the manifest (None for a plain Arrow table without one, which is checked by columns).
+    """
+    raw = (schema.metadata or {}).get(SCHEMA_KEY)
+    try:
+        manifest = json.loads(raw) if raw else None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RlkitError(f"{label}: its rlkit manifest (schema metadata) is not valid JSON ({e}); the table is "
+                         "damaged") from None
+    if manifest is not None and not isinstance(manifest, dict):
+        raise RlkitError(f"{label}: its rlkit manifest (schema metadata) is not a JSON object; the table is damaged")
+    want = [kind(k) for k in kinds]
+    names = " or ".join(f"'{k.name}'" for k in want)
+    makers = " or ".join(f"`{k.producer}`" for k in want)
+    if manifest is not None:
+        got = manifest.get("kind")
+        if got not in kinds:
+            raise RlkitError(f"{label} is a '{got}' table, expected a {names} table (made by {makers})")
+        k = KINDS[got]
+        if manifest.get("schema_version", 1) > k.version:
+            raise RlkitError(
+                f"{label} has '{got}' schema version {manifest['schema_version']}, newer than this rlkit "
+                f"reads ({k.version}); upgrade rlkit"
+            )
+        check = [k]
+    else:
+        check = want
+    errors = []
+    for k in check:
+        problems = []
+        for f in k.fields:
+            idx = schema.get_field_index(f.name)
+            if idx < 0:
+                problems.append(f"missing column '{f.name}' ({f.type})")
+            elif not _compatible(schema.field(idx).type, f.type):
+                problems.append(f"column '{f.name}' has type {schema.field(idx).type}, expected {f.type}")
+        if not problems:
+            return manifest
+        errors.append(problems)
+    first = min(errors, key=len)
+    raise RlkitError(f"{label}: {first[0]}; a {names} table is made by {makers}")
