@@ -294,6 +294,13 @@ class SharedTable:
     label: str
     table: object  # pa.Table
 
+    @property
+    def record(self):
+        """The manifest parsed (`rlkit.io.manifests.Manifest`), as `TableReader.record`."""
+        from rlkit.io.manifests import Manifest
+
+        return Manifest.parse(self.manifest)
+
     def read_all(self, require_rows: bool = True):
         if require_rows and self.table.num_rows == 0:
             raise RlkitError(f"{self.label}: the table has no rows")
