@@ -293,6 +293,8 @@ def _show_usage_error(e) -> None:
     errors = e.__cause__.errors() if callable(getattr(e.__cause__, "errors", None)) else None  # pydantic's
     if errors and isinstance(errors[0].get("input"), str):
         e.message = f"{e.message} (got {errors[0]['input']!r})"
+    if errors and isinstance(getattr(e, "message", None), str):  # pydantic prefixes a validator's own words
+        e.message = e.message.replace("Value error, ", "", 1)
     e.show()
 
 

@@ -283,7 +283,7 @@ SIDE_OUTPUT_ROWS = _side_rows() + [
          id="out=symlink-to-table"),
     _row([*EVAL, "--metrics", "{places}/loop"], "--metrics {places}/loop is a symbolic link that leads nowhere",
          id="metrics=symlink-loop"),
-    _row(["rollout", "--policy", "{pol}", "--out", ""], "the path is empty", id="rollout-out-empty"),
+    _row(["rollout", "--policy", "{pol}", "--out", ""], "'--out' / '-o': the path is empty", id="rollout-out-empty"),
     _row(["sft", "--out", ""], "the path is empty", id="sft-out-empty"),
     _row([*EVAL, "--metrics", ""], "the path is empty", id="metrics-empty"),
     _row([*UPD, "--tensorboard", ""], "the path is empty", id="tensorboard-empty"),
