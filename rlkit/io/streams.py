@@ -82,6 +82,36 @@ def drop_stdout_sink() -> None:
         os.close(devnull)
 
 
+_PYARROW_READY = False
+
+
+def _load_pyarrow_converters() -> None:
+    """Load what pyarrow loads on its first `pa.array` (pandas, where installed) before a table's first write,
+    with Ctrl-C and SIGTERM held until it is done: pyarrow's lazy `import pandas` swallows whatever the import
+    raises, so a Ctrl-C landing inside it was lost and the stage wrote on to the end, exit 0. Held here, the
+    signal is raised again right after, before any output exists."""
+    global _PYARROW_READY
+    if _PYARROW_READY:
+        return
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():  # signal handlers are the main thread's
+        pa.array([], type=pa.int32())
+        _PYARROW_READY = True
+        return
+    held: list[int] = []
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    old = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in sigs}
+    try:
+        pa.array([], type=pa.int32())
+        _PYARROW_READY = True
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    if held:
+        signal.raise_signal(held[0])
+
+
 class TableWriter:
     """Writes record batches of one kind as they are produced, flushing each to the sink.
 
@@ -96,6 +126,7 @@ class TableWriter:
         self.schema = self.kind.schema(extra, manifest)
         self.rows = 0
         self._tmp: Path | None = None
+        _load_pyarrow_converters()
         if out is None:
             self._sink: BinaryIO = stdout_sink()
         else:

@@ -304,3 +304,28 @@ def test_rollout_kinds_carry_named_reward_components(tmp_path):
     assert table.column("reward/verifier").to_pylist() == [1.0]
     with pytest.raises(RlkitError, match="expected a 'scored' table"):
         streams.read_table(p, ["scored"])
+
+
+def test_ctrl_c_inside_pyarrows_first_conversion_is_raised_after_it():
+    """pyarrow imports pandas on its first `pa.array` and swallows what that import raises: a Ctrl-C landing
+    there was lost (the stage wrote on to the end, exit 0). The writer loads it first with the signal held, and
+    raises it right after. Here the signal arrives inside that first conversion (sent by a wrapper around it)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, signal, pyarrow as pa\n"
+        "from rlkit.io import streams\n"
+        "real = pa.array\n"
+        "def first(*a, **k):\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    return real(*a, **k)\n"
+        "streams.pa.array = first\n"
+        "try:\n"
+        "    streams._load_pyarrow_converters()\n"
+        "    print('lost')\n"
+        "except KeyboardInterrupt:\n"
+        "    print('raised after', streams._PYARROW_READY)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "raised after True", (r.stdout, r.stderr)
