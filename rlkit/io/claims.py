@@ -8,7 +8,7 @@ import os
 import re
 import shutil
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -294,21 +294,19 @@ def _unwritable(out: Path, e: OSError, label: str = "--out", where: Path | None 
                             "choose a writable location with free space")
 
 
-def _lock(out: Path) -> int:
-    """flock `.NAME.lock` beside `out` (kernel-held: dropped when this process dies, so never stale);
-    the file holds the holder's pid. Returns the open descriptor."""
+def flock_file(lock: Path, busy: Callable[[str], Exception]) -> int:
+    """Open and flock `lock` (kernel-held: dropped when this process dies, so never stale) and write this
+    process's pid into it; returns the open descriptor. Held by another process: raise `busy(its pid)`."""
     import fcntl
 
-    lock = out.parent / f".{out.name}.lock"
     while True:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise OutputBusy(f"--out {out} is being written by another rlkit process (pid {holder}); wait for it "
-                             "to finish or choose another --out") from None
+            raise busy(holder) from None
         try:  # the previous holder may have unlinked the file between our open and our flock
             if os.fstat(fd).st_ino == os.stat(lock).st_ino:
                 break
@@ -320,9 +318,16 @@ def _lock(out: Path) -> int:
     return fd
 
 
+def _lock(out: Path) -> int:
+    """flock `.NAME.lock` beside `out` (`flock_file`). Returns the open descriptor."""
+    return flock_file(out.parent / f".{out.name}.lock", lambda holder: OutputBusy(
+        f"--out {out} is being written by another rlkit process (pid {holder}); wait for it to finish or choose "
+        "another --out"))
+
+
 def _unlock(out: Path, fd: int) -> None:
     try:
-        os.unlink(out.parent / f".{out.name}.lock")  # while still holding it: see the inode check in _lock
+        os.unlink(out.parent / f".{out.name}.lock")  # while still holding it: see the inode check in flock_file
     except FileNotFoundError:
         pass
     os.close(fd)

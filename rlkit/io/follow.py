@@ -115,31 +115,16 @@ def writer_lock(root: Path) -> Iterator[None]:
     """Hold DIR/.lock for the lifetime of one `update --follow`; a second one is refused (exit 75, naming
     the holder's pid). A run that ends having published no step leaves DIR as it found it: the lock file
     goes, and DIR too if this run made it."""
-    import fcntl
-
     from rlkit.io.atomic import OutputUnwritable, _out_of_space, _remove_empty
-    from rlkit.io.claims import OutputBusy
+    from rlkit.io.claims import OutputBusy, flock_file
 
     made = [p for p in (root, *root.parents) if not p.exists()]
     lock = root / LOCK
     try:
         root.mkdir(parents=True, exist_ok=True)
-        while True:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-                os.close(fd)
-                raise OutputBusy(f"--follow {root} is being written by another `rlkit update --follow` (pid {holder}); "
-                                 "refusing to start a second writer on the same directory: wait for it to end or "
-                                 "choose another --out") from None
-            try:  # the previous holder may have removed the file between our open and our flock
-                if os.fstat(fd).st_ino == os.stat(lock).st_ino:
-                    break
-            except FileNotFoundError:
-                pass
-            os.close(fd)
+        fd = flock_file(lock, lambda holder: OutputBusy(
+            f"--follow {root} is being written by another `rlkit update --follow` (pid {holder}); refusing to start "
+            "a second writer on the same directory: wait for it to end or choose another --out"))
     except OSError as e:
         _remove_empty(made)
         raise OutputUnwritable(f"cannot write --follow {root}: {e.strerror or e} ({e.filename or root}); choose a "
@@ -148,8 +133,6 @@ def writer_lock(root: Path) -> Iterator[None]:
         _remove_empty(made)
         raise
     try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     except Exception as e:
         full = None if isinstance(e, RlkitError) else _out_of_space(e)
@@ -160,7 +143,7 @@ def writer_lock(root: Path) -> Iterator[None]:
     finally:
         try:
             if not scan(root)[0]:  # no step published: DIR as it was
-                lock.unlink(missing_ok=True)  # while still holding it: see the inode check above
+                lock.unlink(missing_ok=True)  # while still holding it: see the inode check in flock_file
         except (OSError, RlkitError):
             pass
         os.close(fd)  # releases the flock
