@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -45,6 +46,20 @@ def default_signals() -> None:
 
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def tmpfs(d: Path, size: str):
+    """A real file system of `size` (tmpfs, e.g. "4k") mounted at the new folder `d`, for out-of-space tests;
+    skips the test where this process may not mount one (needs root with CAP_SYS_ADMIN)."""
+    d.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root with CAP_SYS_ADMIN")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], check=False)
 
 
 def one_error_line(r: subprocess.CompletedProcess) -> str:

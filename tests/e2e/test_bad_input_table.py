@@ -352,17 +352,11 @@ def test_a_busy_follow_directory_is_exit_75(work, capfd):
 @pytest.fixture
 def full_disk(tmp_path):
     """A real 64 KiB file system (tmpfs) filled up but for 8 KiB; skipped where this process may not mount one."""
-    import subprocess
+    from conftest import tmpfs
 
-    d = tmp_path / "full"
-    d.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(d)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("mounting a tmpfs needs root with CAP_SYS_ADMIN")
-    (d / "filler").write_bytes(b"\0" * (56 << 10))
-    yield d
-    subprocess.run(["umount", "-l", str(d)], check=False)
-
+    with tmpfs(tmp_path / "full", "64k") as d:
+        (d / "filler").write_bytes(b"\0" * (56 << 10))
+        yield d
 
 FULL_ROWS = [  # (argv with {full}, the metrics file's text there before or None, fill the disk up entirely)
     pytest.param(["rollout", "--policy", "{pol}", "--num-prompts", "16", "--n", "2", "--engine", "hf",

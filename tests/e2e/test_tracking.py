@@ -198,14 +198,10 @@ def test_sft_and_train_rm_report_their_rows_and_training_curves(tmp_path):
 @pytest.fixture
 def small_disk(tmp_path):
     """A real 4 KiB file system (tmpfs), to fill up; skipped where this process may not mount one."""
-    d = tmp_path / "small"
-    d.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(d)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("mounting a tmpfs needs root with CAP_SYS_ADMIN")
-    yield d
-    subprocess.run(["umount", "-l", str(d)], check=False)
+    from conftest import tmpfs
 
+    with tmpfs(tmp_path / "small", "4k") as d:
+        yield d
 
 @pytest.mark.slow
 def test_a_tracker_whose_disk_fills_mid_run_warns_once_and_training_finishes(small_disk, tmp_path):
