@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rlkit import devices
-from rlkit.engines import Generated
+from rlkit.engines.base import Generated
 from rlkit.io.data import token_batches
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from rlkit.engines import Capabilities, EngineOptions, Generated, register
+from rlkit.engines.base import Capabilities, EngineOptions, Generated, register
 from rlkit.errors import RlkitError
 
 

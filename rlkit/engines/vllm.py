@@ -17,7 +17,8 @@ import hashlib
 import os
 from pathlib import Path
 
-from rlkit.engines import Capabilities, EngineOptions, Generated, memory, register
+from rlkit.engines import memory
+from rlkit.engines.base import Capabilities, EngineOptions, Generated, register
 from rlkit.errors import RlkitError
 
 

@@ -63,12 +63,13 @@ def test_auto_prefers_the_highest_ranked_available_engine(monkeypatch):
     if not torch.cuda.is_available():  # this machine: vLLM is never auto's pick without a GPU
         assert engines.choose("auto") == ("hf", "auto: no GPU here; vLLM on a CPU is for tests, not speed")
     assert engines.choose("vllm") == ("vllm", "asked for")
-    monkeypatch.setattr(engines, "ENGINES", {"hf": engines.ENGINES["hf"]})
+    # the registry lives in rlkit.engines.base (the package re-exports it): replace it there for this test
+    monkeypatch.setattr(engines.base, "ENGINES", {"hf": engines.ENGINES["hf"]})
     assert engines.choose("auto") == ("hf", "auto: no other engine is registered")
     engines.register("slow")(_toy("Slow", 5, None))
     engines.register("gone")(_toy("Gone", 20, "gone is not installed"))
     assert engines.choose("auto") == ("slow", "auto: Slow is here")  # gone ranks higher but is unavailable
-    engines.ENGINES.pop("slow")
+    engines.base.ENGINES.pop("slow")
     assert engines.choose("auto") == ("hf", "auto: gone is not installed")  # the fallback, and why
 
 

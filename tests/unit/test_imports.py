@@ -92,6 +92,18 @@ def test_rlkit_io_is_a_layer_without_circles():
     assert {"rlkit.io.claims", "rlkit.io.streams"} <= set(graph["rlkit.stages.update"] | graph["rlkit.stages.rollout"])
 
 
+def test_no_import_circles():
+    """No import circle anywhere in rlkit or its stages: every module's rlkit imports, lazy ones included, form a
+    graph without a strongly connected component of more than one module (a package's `__init__` and the
+    submodules it imports count as separate modules)."""
+    graph = _imports()
+    assert {"rlkit.engines.hf", "rlkit.engines.base"} <= graph["rlkit.engines"]  # the walk saw the arrows
+    circles = _cycles(graph)
+    for c in circles:
+        print("import circle:", " <-> ".join(c))
+    assert not circles, circles
+
+
 @pytest.mark.parametrize("name", sorted(_modules()))
 def test_every_module_imports(name):
     importlib.import_module(name)
