@@ -16,7 +16,7 @@ import sys
 CHILD = r"""
 import json, resource, sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from rlkit.ops.logprobs import completion_logprobs, pack_sequences
+from rlkit.ops.logprobs import completion_logprobs, padded, pack_sequences
 a = json.loads(sys.argv[1])
 torch.manual_seed(0)
 model = LlamaForCausalLM(LlamaConfig(vocab_size=a["vocab"], hidden_size=256, intermediate_size=512,
@@ -33,7 +33,7 @@ with torch.no_grad():
         out = torch.stack([lp[b, start[b] + torch.arange(targets.shape[1])].gather(-1, targets[b].unsqueeze(-1)).squeeze(-1)
                            for b in range(len(prompts))])
     else:
-        out, _ = completion_logprobs(model, ids, attn, targets, start)
+        out, _ = completion_logprobs(model, padded(ids, attn, start))
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(json.dumps({"base_kb": base, "peak_kb": peak, "checksum": float(out.sum())}))
 """

@@ -14,17 +14,19 @@ loss and gradient-norm logging, save and resume) is the trainer's.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from torch import Tensor
 
 from rlkit.algorithms.config import RLConfig
+from rlkit.training.engine import Minibatch, Objective, StepOut  # noqa: F401 (an algorithm's step reads and returns them)
+from rlkit.training.engine import Plan as EnginePlan
 
 if TYPE_CHECKING:
-    from rlkit.training.trainer import Trained, Trainer
+    from rlkit.training.engine import Engine as Trainer
+    from rlkit.training.engine import Trained
 
 
 class Context(NamedTuple):
@@ -40,43 +42,17 @@ class Context(NamedTuple):
 
 
 @dataclass(kw_only=True)
-class Plan:
-    """What `Algorithm.prepare` made of one batch; algorithms subclass it for their own tensors."""
+class Plan(EnginePlan):
+    """What `Algorithm.prepare` made of one batch (see `rlkit.training.engine.Plan`: rows, per-term weights,
+    row lengths, metrics); algorithms subclass it for their own tensors."""
 
     cfg: RLConfig
-    batch: Any
     ctx: Context
-    rows: Tensor  # (R,) long: the batch rows the epochs shuffle and train on
-    # per loss term: what it averages over, rows (r,) -> weight (tokens, sequences, pairs); a data-parallel
-    # rank scales the term by its share of that weight (rlkit.training.distributed.split_rows). The first term's
-    # split decides the rank's rows.
-    weights: dict[str, Callable[[Tensor], Any]]
-    metrics: dict[str, Any] = field(default_factory=dict)  # known before the first step
-    sums: tuple[str, ...] = ()  # names of `StepOut.sums`, added up over steps (and ranks)
-    maxes: tuple[str, ...] = ()  # names of `StepOut.maxes`, maximised over steps (and ranks)
+    # the batch's sequences on the host, (token lists, prompt lengths): what `Trainer.layout` packs per micro-batch
+    source: tuple[list[list[int]], list[int]] | None = None
 
 
-class Minibatch(NamedTuple):
-    idx: Tensor  # (r,) this rank's rows of the minibatch, on the trainer's device
-    shares: dict[str, float]  # per loss term: this rank's factor (1.0 in one process; 0.0: no rows here)
-    epoch: int
-    first: bool  # the update's first step (`non_finite_error` then blames the starting weights)
-    rows: Tensor | None = None  # the same rows on the host, to index `Context.host` (None: idx)
-
-
-class StepOut(NamedTuple):
-    """One minibatch's result: the trainer backpropagates `loss` and logs each of `terms`. Figures stay
-    () tensors on the device: the trainer reads them all on the host in one sync per optimizer step."""
-
-    loss: Tensor  # () what backward runs on: the sum of the terms
-    terms: dict[str, Tensor]  # () each logged term ("loss" first: the progress bar shows it)
-    sums: dict[str, Tensor | float] = {}  # counts for metrics (clipped tokens, ...), keys from Plan.sums
-    maxes: dict[str, Tensor | float] = {}  # keys from Plan.maxes (-inf: none in this step)
-    tokens: int = 0  # prompt + completion tokens this rank ran forward (tokens_per_s), counted on the host
-    inputs: Callable[[], dict] | None = None  # what the step read, root causes first (non_finite_error)
-
-
-class Algorithm:
+class Algorithm(Objective):
     """One --algo. Subclasses set the class attributes and implement `prepare`, `step` (and `finish`);
     a registry line in `rlkit.algorithms` makes it selectable and holds its defaults (`AlgoDefaults`). An instance lives as long as the trainer
     that runs it (its extra models, e.g. PPO's critic, live on it)."""

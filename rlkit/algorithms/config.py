@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+from rlkit.algorithms.registry import AlgoDefaults  # noqa: F401 (the per-algorithm defaults RLConfig resolves from)
+
 # --kl-estimator when neither the flag nor the algorithm names one, by --kl-in (see `rlkit.ops.kl` for the
 # table). In the reward the penalty is a per-token return, and only k1 = log(pi/pi_ref) makes its policy
 # gradient the gradient of KL(pi || pi_ref) (k3 there is ~k1^2/2: near the reference it pulls back at
@@ -21,18 +23,6 @@ DEFAULT_DUAL_CLIP = 3.0
 # --follow: --tis-cap when not given, applied whenever pi_old is recomputed (lagged rows, a non-HF engine):
 # decoupled PPO clips against the proximal policy and weighs by proximal / behaviour, capped
 DEFAULT_FOLLOW_TIS_CAP = 2.0
-
-
-@dataclass(frozen=True)
-class AlgoDefaults:
-    """What an algorithm uses for each RLConfig field left at None (its `rlkit.algorithms.REGISTRY` entry's)."""
-
-    beta: float = 0.01  # KL coefficient to the reference (DPO: its temperature)
-    kl_in: str = "loss"  # loss | reward
-    kl_estimator: str | None = None  # None: DEFAULT_KL_ESTIMATOR[kl_in]
-    loss_agg: str = "token-mean"  # a name in rlkit.ops.losses.AGGREGATIONS
-    clip_low: float = 0.2
-    clip_high: float = 0.28
 
 
 @dataclass(frozen=True)
@@ -72,12 +62,12 @@ class RLConfig:
         resolve(self)._check()
 
     def _check(self) -> None:
-        from rlkit import algorithms
+        from rlkit.algorithms import registry
         from rlkit.errors import RlkitError
         from rlkit.ops.kl import KL_ESTIMATORS, KL_HELP
         from rlkit.ops.losses import AGGREGATIONS
 
-        algo = algorithms.get(self.algo)
+        algo = registry.get(self.algo)
         for flag, v in (("--gamma", self.gamma), ("--lam", self.lam)):
             if not 0 <= v <= 1:
                 raise RlkitError(f"{flag} {v:g}: expected a number in [0, 1]")
@@ -113,9 +103,9 @@ class RLConfig:
 def resolve(cfg: RLConfig) -> RLConfig:
     """`cfg` with every None that means "the algorithm's default" filled from its registry entry.
     Idempotent; an unknown --algo is refused here. Imports no torch."""
-    from rlkit import algorithms
+    from rlkit.algorithms import registry
 
-    d = algorithms.defaults(cfg.algo)
+    d = registry.defaults(cfg.algo)
     given = {f.name: getattr(cfg, f.name) for f in fields(AlgoDefaults)}
     out = {k: getattr(d, k) if v is None else v for k, v in given.items()}
     out["kl_estimator"] = given["kl_estimator"] or d.kl_estimator or DEFAULT_KL_ESTIMATOR.get(out["kl_in"])

@@ -20,11 +20,11 @@ from rlkit.algorithms.config import RLConfig
 from rlkit.algorithms.inputs import PrefBatch, Prefs
 from rlkit.errors import RlkitError
 from rlkit.ops.logprobs import completion_logprobs
+from rlkit.ops.packing import from_padded
 from rlkit.ops.preference import dpo_loss
-from rlkit.training import Precision
 
 if TYPE_CHECKING:
-    from rlkit.training.trainer import Trainer
+    from rlkit.training.engine import Engine as Trainer
 
 _SPLIT_METRICS = ("reward_margin", "reward_accuracy", "logp_chosen", "logp_rejected", "logp_chosen_delta",
                   "logp_rejected_delta")
@@ -40,13 +40,15 @@ class DPO(Algorithm):
         train = torch.arange(len(host.heldout))[~host.heldout]  # on the host: the trainer shuffles them there
         if len(train) == 0:
             raise RlkitError("the prefs table has no train pairs (every pair is split=heldout)")
-        return Plan(cfg=cfg, batch=batch, ctx=ctx, rows=train, weights={"loss": len},
+        P = len(host.heldout)
+        lengths = host.attn.sum(1)
+        return Plan(cfg=cfg, batch=batch, ctx=ctx, rows=train, weights={"loss": len}, lengths=lengths[:P] + lengths[P:],
+                    source=from_padded(host.input_ids, host.attn, host.start),
                     metrics={"algo": self.name, "beta": cfg.beta, "pairs_trained": len(train)})
 
     def step(self, trainer: Trainer, plan: Plan, mb: Minibatch) -> StepOut:
         b, idx, P = plan.batch, mb.idx, len(plan.batch.heldout)
-        host = plan.ctx.host if plan.ctx.host is not None else b
-        pi, tokens = _pair_logps(trainer.model, b, idx, trainer.prec, host, mb.rows)
+        pi, tokens = _pair_logps(trainer, plan.source, mb.rows if mb.rows is not None else idx, P)
         p = len(idx)
         loss, _, _ = dpo_loss(pi[:p], pi[p:], b.ref_logp[idx], b.ref_logp[idx + P], plan.cfg.beta)
         loss = loss.mean() * mb.shares["loss"]
@@ -58,9 +60,8 @@ class DPO(Algorithm):
         b, cfg = plan.batch, plan.cfg
         P = len(b.heldout)
         trainer.model.eval()
-        with torch.no_grad():
-            pi = _both_sides(trainer.model, b, cfg.minibatch_size, trainer.prec,
-                             plan.ctx.host if plan.ctx.host is not None else b)
+        with torch.no_grad(), trainer.prec.autocast():
+            pi = _both_sides(trainer, plan.source, P, cfg.minibatch_size, plan.lengths)
         metrics: dict[str, Any] = {}
         for name, sel in (("train", ~b.heldout), ("heldout", b.heldout)):
             if not bool(sel.any()):
@@ -77,20 +78,16 @@ class DPO(Algorithm):
         return metrics
 
 
-def _pair_logps(model, b: PrefBatch, pairs: Tensor, prec: Precision | None = None, host: PrefBatch | None = None,
-                host_pairs: Tensor | None = None) -> tuple[Tensor, int]:
-    """Summed policy log-probs (2p,) of the chosen then rejected responses of `pairs` (p,) (on `b`'s
-    device), and the number of tokens run forward. `host`, `host_pairs`: the batch and the pairs on the
-    CPU, which size the forward pass without a device sync (default: `b` and `pairs`)."""
-    host = b if host is None else host
-    host_pairs = pairs if host_pairs is None else host_pairs
-    P = len(b.heldout)
-    rows, hrows = torch.cat([pairs, pairs + P]), torch.cat([host_pairs, host_pairs + P])
-    L = int(host.attn[hrows].sum(1).max())
-    C = int(host.mask[hrows].sum(1).max())
-    with (prec or Precision()).autocast():
-        lp, _ = completion_logprobs(model, b.input_ids[rows, :L], b.attn[rows, :L], b.targets[rows, :C], b.start[rows])
-    return (lp * b.mask[rows, :C]).sum(1), int(host.attn[hrows, :L].sum())
+def _pair_logps(engine, source: tuple[list[list[int]], list[int]], pairs: Tensor, P: int) -> tuple[Tensor, int]:
+    """Summed policy log-probs (2p,) of the chosen then rejected responses of `pairs` (p,) (host indices into
+    P pairs; `source`: the 2P sequences on the host, chosen then rejected), and the tokens run forward.
+    Both sides of the pairs run in one forward pass, laid out by the engine (packed unless --no-packing)."""
+    rows = torch.cat([pairs, pairs + P]).tolist()
+    tokens, plens = source
+    seqs = engine.layout([tokens[i] for i in rows], [plens[i] for i in rows])
+    with engine.prec.autocast():
+        lp, _ = completion_logprobs(engine.model, seqs)
+    return lp.sum(1), seqs.tokens
 
 
 def _pref_inputs(b: PrefBatch, model=None) -> dict:
@@ -100,11 +97,10 @@ def _pref_inputs(b: PrefBatch, model=None) -> dict:
             "the starting weights": model}
 
 
-def _both_sides(model, b: PrefBatch, chunk: int, prec: Precision | None = None, host: PrefBatch | None = None) -> Tensor:
-    """Summed policy log-probs (2P,) of every chosen then every rejected response, no grad."""
-    P = len(b.heldout)
-    dev = b.input_ids.device
-    parts = [_pair_logps(model, b, c.to(dev), prec, host, c)[0] for c in torch.arange(P).split(chunk)]
+def _both_sides(engine, source: tuple[list[list[int]], list[int]], P: int, chunk: int, lengths: Tensor) -> Tensor:
+    """Summed policy log-probs (2P,) of every chosen then every rejected response, no grad: `chunk` pairs (or
+    the engine's micro-batches) at a time; `lengths` (P,): the tokens of each pair."""
+    parts = [_pair_logps(engine, source, c, P)[0] for c in engine.forward_chunks(torch.arange(P), lengths, chunk)]
     chosen = torch.cat([x[: len(x) // 2] for x in parts])
     rejected = torch.cat([x[len(x) // 2:] for x in parts])
     return torch.cat([chosen, rejected])

@@ -20,7 +20,7 @@ from rlkit.algorithms.policy_gradient import PGPlan, PolicyGradient
 from rlkit.ops.advantages import ADVANTAGES, GROUP_BASELINE, GroupCounts
 
 if TYPE_CHECKING:
-    from rlkit.training.trainer import Trainer
+    from rlkit.training.engine import Engine as Trainer
 
 
 class GroupAdvantage(PolicyGradient):

@@ -255,23 +255,29 @@ def build_pref_batch(table, tokenizer, limits: Limits | None = None, label: str 
     return PrefBatch(ids, attn, targets, mask, start, ref, held)
 
 
-def recompute_logprobs(model, batch: RLBatch, temperature: float, minibatch_size: int,
-                       prec: Precision | None = None, host: RLBatch | None = None) -> Tensor:
-    """The trainer's own log-probs of the sampled tokens under `model` in its training precision, no
-    grad: (N, C) on the batch's device, 0 off the mask. `host`: the same batch on the CPU, which sizes
-    each chunk without a device sync (default: `batch` itself)."""
+def recompute_logprobs(model, batch: RLBatch, temperature: float, chunk_rows: int, prec: Precision | None = None,
+                       host: RLBatch | None = None, *, engine=None) -> Tensor:
+    """Log-probs of the sampled tokens under `model` in precision `prec`, no grad: (N, C) on the batch's
+    device, 0 off the mask; `chunk_rows` rows per forward pass, packed (`rlkit.ops.packing`). `host`: the
+    same batch on the CPU, which sizes the passes without a device sync (default `batch`). `engine`
+    (`rlkit.training.engine.Engine`): its model, precision, micro-batches and layout (--no-packing) instead."""
+    from rlkit.ops.packing import from_padded, layout
+
     host = batch if host is None else host
+    tokens, plens = from_padded(host.input_ids, host.attn, host.start)
+    rows = torch.arange(len(batch.old_logp))
+    if engine is not None:
+        model, prec = engine.model, engine.prec
+        chunks, lay = engine.forward_chunks(rows, host.attn.sum(1), chunk_rows), engine.layout
+    else:
+        chunks = list(rows.split(chunk_rows))
+        lay = lambda t, p: layout(t, p).to(batch.old_logp.device)  # noqa: E731
     out = torch.zeros_like(batch.old_logp)
     with torch.no_grad(), (prec or Precision()).autocast():
-        for s in range(0, len(out), minibatch_size):
-            rows = torch.arange(s, min(len(out), s + minibatch_size))
-            idx = rows.to(out.device)
-            L = int(host.attn[rows].sum(1).max())
-            C = int(host.mask[rows].sum(1).max())
-            lp, _ = completion_logprobs(model, batch.input_ids[idx, :L], batch.attn[idx, :L], batch.targets[idx, :C],
-                                        batch.start[idx], temperature=temperature)
-            out[idx, :C] = lp * batch.mask[idx, :C]
-    return out
+        for c in chunks:
+            lp, _ = completion_logprobs(model, lay([tokens[i] for i in c], [plens[i] for i in c]), temperature=temperature)
+            out[c.to(out.device), : lp.shape[1]] = lp
+    return out * batch.mask
 
 
 def mismatch_metrics(old_logp: Tensor, engine_logp: Tensor, mask: Tensor, lags: Tensor | None = None) -> dict[str, Any]:

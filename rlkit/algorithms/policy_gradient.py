@@ -29,9 +29,10 @@ from rlkit.ops.losses import (
     token_log_ratio,
     truncated_is_weights,
 )
+from rlkit.ops.packing import Seqs, from_padded
 
 if TYPE_CHECKING:
-    from rlkit.training.trainer import Trainer
+    from rlkit.training.engine import Engine as Trainer
 
 SUMS = ("clipped", "dual_clipped", "policy_tokens", "ratio_sum", "entropy_sum", "entropy_tokens")
 MAXES = ("ratio_max", "ratio_neg_min")
@@ -71,10 +72,11 @@ class PolicyGradient(Algorithm):
         `batch` is on the trainer's device; `host` is the same batch on the CPU (sizes without a sync)."""
         raise NotImplementedError
 
-    def extra_terms(self, trainer: Trainer, plan: PGPlan, mb: Minibatch, input_ids: Tensor, attn: Tensor,
+    def extra_terms(self, trainer: Trainer, plan: PGPlan, mb: Minibatch, seqs: Seqs,
                     mask: Tensor) -> tuple[dict[str, Tensor], dict[str, float]]:
-        """Loss terms beside the policy's for this minibatch (name -> () tensor) and their counts (`extra_sums`).
-        input_ids, attn (r, L): the rows the policy ran on; mask (r, C): their completion tokens trained on."""
+        """Loss terms beside the policy's for this micro-batch (name -> () tensor) and their counts (`extra_sums`).
+        seqs: the rows' sequences as the policy ran them (`rlkit.ops.packing`); mask (r, C): their completion
+        tokens trained on."""
         return {}, {}
 
     def step_inputs(self, plan: PGPlan, first: bool) -> dict:
@@ -91,8 +93,10 @@ class PolicyGradient(Algorithm):
             raise RlkitError("--tis-cap needs the recomputed pi_old (--old-logprobs recompute)")
         metrics: dict[str, Any] = {"old_logprobs": "recompute" if ctx.recompute else "engine"}
         old_logp, tis = batch.old_logp, None
+        source = from_padded(host.input_ids, host.attn, host.start)  # the sequences each micro-batch lays out
         if ctx.recompute:
-            old_logp = recompute_logprobs(trainer.model, batch, ctx.temperature, cfg.minibatch_size, trainer.prec, host)
+            old_logp = recompute_logprobs(trainer.model, batch, ctx.temperature, cfg.minibatch_size, host=host,
+                                          engine=trainer)
             metrics.update(mismatch_metrics(old_logp, batch.old_logp, mask, ctx.lags))
             if cfg.tis_cap is not None:
                 tis = truncated_is_weights(old_logp, batch.old_logp, cfg.tis_cap)
@@ -116,8 +120,9 @@ class PolicyGradient(Algorithm):
         agg_weight = AGG_WEIGHTS[cfg.loss_agg]
         hmask = host.mask
         return PGPlan(cfg=cfg, batch=batch, ctx=ctx, rows=rows, weights={"loss": lambda r: agg_weight(hmask[r]),
-                      **self.extra_weights(host)}, metrics=metrics, sums=SUMS + self.extra_sums, maxes=MAXES,
-                      old_logp=old_logp, tis=tis, kl_coef=kl_coef, adv=adv, extra=extra)
+                      **self.extra_weights(host)}, lengths=host.attn.sum(1), source=source, metrics=metrics,
+                      sums=SUMS + self.extra_sums, maxes=MAXES, old_logp=old_logp, tis=tis, kl_coef=kl_coef, adv=adv,
+                      extra=extra)
 
     def check_signal(self, counts: GroupCounts) -> None:
         """Hook, called with the batch's group counts: an algorithm whose advantages need reward differences
@@ -129,14 +134,14 @@ class PolicyGradient(Algorithm):
 
     def step(self, trainer: Trainer, plan: PGPlan, mb: Minibatch) -> StepOut:
         b, cfg, ctx, idx = plan.batch, plan.cfg, plan.ctx, mb.idx
-        host, rows = ctx.host if ctx.host is not None else b, mb.rows if mb.rows is not None else mb.idx
+        rows = (mb.rows if mb.rows is not None else mb.idx).tolist()
         share = mb.shares["loss"]
-        L, C = int(host.attn[rows].sum(1).max()), int(host.mask[rows].sum(1).max())  # host: no device sync
+        tokens, plens = plan.source
+        seqs = trainer.layout([tokens[i] for i in rows], [plens[i] for i in rows])
+        C = seqs.completion
         m = b.mask[idx, :C] if share else torch.zeros_like(b.mask[idx, :C])
-        ids, att = b.input_ids[idx, :L], b.attn[idx, :L]
         with trainer.prec.autocast():
-            logp, ent = completion_logprobs(trainer.model, ids, att, b.targets[idx, :C], b.start[idx],
-                                            temperature=ctx.temperature, with_entropy=mb.epoch == 0)
+            logp, ent = completion_logprobs(trainer.model, seqs, temperature=ctx.temperature, with_entropy=mb.epoch == 0)
         in_loss = cfg.kl_in == "loss" and plan.kl_coef > 0
         adv = plan.adv[idx] if plan.adv.dim() == 1 else plan.adv[idx, :C]
         tl = policy_token_loss(logp, plan.old_logp[idx, :C], adv, m, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
@@ -144,7 +149,7 @@ class PolicyGradient(Algorithm):
                                ref_logp=b.ref_logp[idx, :C] if in_loss else None, kl_estimator=cfg.kl_estimator,
                                kl_coef=plan.kl_coef if in_loss else 0.0, log_ratio=self.log_ratio)
         loss = AGGREGATIONS[cfg.loss_agg](tl.loss, m, ctx.length_norm) * share
-        extra, extra_sums = self.extra_terms(trainer, plan, mb, ids, att, m)
+        extra, extra_sums = self.extra_terms(trainer, plan, mb, seqs, m)
         total = loss
         for term in extra.values():
             total = total + term
@@ -164,7 +169,7 @@ class PolicyGradient(Algorithm):
             return {**batch_inputs(b, plan.old_logp, ctx.recompute, plan.tis, uses_ref, trainer.model if mb.first else None),
                     **self.step_inputs(plan, mb.first)}
 
-        return StepOut(total, {"loss": loss, **extra}, sums, maxes, int(host.attn[rows, :L].sum()) if share else 0, inputs)
+        return StepOut(total, {"loss": loss, **extra}, sums, maxes, seqs.tokens if share else 0, inputs)
 
     def finish(self, trainer: Trainer, plan: PGPlan, sums: dict[str, float], maxes: dict[str, float]) -> dict[str, Any]:
         n = sums["policy_tokens"]

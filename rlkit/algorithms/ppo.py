@@ -35,10 +35,12 @@ from rlkit.ops.gae import (
     kl_penalised_token_rewards,
     masked_whiten,
 )
+from rlkit.ops.logprobs import hidden_states
 from rlkit.ops.losses import token_mean
-from rlkit.training import Precision
+from rlkit.ops.packing import Seqs, scatter
+from rlkit.training import Optim
 from rlkit.training.distributed import DataParallel
-from rlkit.training.trainer import (
+from rlkit.training.engine import (
     TRAINER_DIR,
     Trained,
     TrainerState,
@@ -50,7 +52,7 @@ from rlkit.training.trainer import (
 
 if TYPE_CHECKING:
     from rlkit.algorithms.base import Minibatch
-    from rlkit.training.trainer import Trainer
+    from rlkit.training.engine import Engine as Trainer
 
 CRITIC_DIR = "critic"
 KL_STATE = "kl_controller.json"
@@ -102,7 +104,7 @@ class PPO(PolicyGradient):
         kl = kl_tok if kl_tok is not None else torch.zeros_like(old_logp)
         in_reward = cfg.kl_in == "reward" and kl_coef > 0
         token_rewards = kl_penalised_token_rewards(batch.rewards, kl, mask, kl_coef if in_reward else 0.0)
-        old_values = _values(self._critic().model, batch, cfg.minibatch_size, trainer.prec, host)
+        old_values = _values(trainer, self._critic().model, batch, cfg.minibatch_size, host)
         adv, returns = gae(token_rewards, old_values, mask, cfg.gamma, cfg.lam)
         adv = masked_whiten(adv, mask)
         ret_m, val_m = returns[mask], old_values[mask]
@@ -113,12 +115,12 @@ class PPO(PolicyGradient):
     def extra_weights(self, host: RLBatch) -> dict:
         return {"value_loss": lambda rows: host.mask[rows].sum()}  # the value loss is a token mean
 
-    def extra_terms(self, trainer: Trainer, plan: PGPlan, mb: Minibatch, input_ids: Tensor, attn: Tensor,
+    def extra_terms(self, trainer: Trainer, plan: PGPlan, mb: Minibatch, seqs: Seqs,
                     mask: Tensor) -> tuple[dict[str, Tensor], dict[str, float]]:
         """PPO's clipped value loss, a token mean over the policy's tokens, and its clipped-token count."""
-        b, idx, C = plan.batch, mb.idx, mask.shape[1]
+        idx, C = mb.idx, mask.shape[1]
         with trainer.prec.autocast():
-            v = critic_values(self._critic().model, input_ids, attn, b.start[idx], C)
+            v = critic_values(self._critic().model, seqs)
         returns = plan.extra["returns"][idx, :C]
         vl_tok = clipped_value_loss(v, plan.extra["old_values"][idx, :C], returns, plan.cfg.vf_clip)
         vloss = token_mean(vl_tok, mask) * mb.shares["value_loss"]
@@ -198,7 +200,7 @@ def load_critic(policy: Path, cfg: RLConfig, tokenizer, trust_remote_code: bool 
         critic = shard_model(critic, dp, _critic_values)
     elif device is not None:
         critic.to(device)  # beside the policy, before its optimizer state is loaded onto it
-    opt = make_optimizer(critic, cfg.critic_lr or 2 * cfg.lr, cfg.weight_decay)
+    opt = make_optimizer(critic, Optim(lr=cfg.critic_lr or 2 * cfg.lr, weight_decay=cfg.weight_decay))
     cstate = load_trainer(critic, opt, d / TRAINER_DIR, dp) if d.is_dir() else TrainerState()
     ctrl = None
     if cfg.target_kl is not None:
@@ -230,30 +232,31 @@ def save_critic(critic, opt, cstate: TrainerState, ctrl: AdaptiveKLController | 
         (d / KL_STATE).write_text(json.dumps(ctrl.state_dict()) + "\n")
 
 
-def critic_values(critic, input_ids: Tensor, attn: Tensor, start: Tensor, C: int) -> Tensor:
-    """V(state before completion token t) for t < C: the value head at position start + t. -> (B, C)."""
+def critic_values(critic, seqs: Seqs) -> Tensor:
+    """V(state before completion token t) for each completion token of `seqs` (`rlkit.ops.packing`, padded or
+    packed): the value head at the position whose output predicts the token. -> (r, C), 0 past each end."""
     root = getattr(critic, "_rlkit_fsdp_root", None)
     if root is not None:  # FSDP2: through the root unit, fn = _critic_values
-        return root(input_ids, attn, start, C)
-    return _critic_values(critic, input_ids, attn, start, C)
+        return root(seqs)
+    return _critic_values(critic, seqs)
 
 
-def _critic_values(critic, input_ids: Tensor, attn: Tensor, start: Tensor, C: int) -> Tensor:
-    hidden = critic.base_model(input_ids=input_ids, attention_mask=attn, use_cache=False).last_hidden_state  # (B, L, H)
-    idx = (start.unsqueeze(1) + torch.arange(C, device=start.device).unsqueeze(0)).clamp(max=input_ids.shape[1] - 1)
-    h = hidden.gather(1, idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # (B, C, H)
-    return critic.score(h).squeeze(-1).float()
+def _critic_values(critic, seqs: Seqs) -> Tensor:
+    h = hidden_states(critic, seqs)[seqs.pos]  # (K, H)
+    return scatter(critic.score(h).squeeze(-1).float(), seqs)
 
 
-def _values(critic, batch: RLBatch, chunk: int, prec: Precision, host: RLBatch | None = None) -> Tensor:
-    """The critic's values (N, C) of a batch on its device, chunk by chunk (sized from `host`, the batch on
-    the CPU, without a device sync), 0 off the mask."""
+def _values(engine, critic, batch: RLBatch, chunk: int, host: RLBatch | None = None) -> Tensor:
+    """The critic's values (N, C) of a batch on its device, `chunk` rows (or the engine's micro-batches) at a
+    time, laid out like the policy's (`Engine.layout`), 0 off the mask. `host`: the same batch on the CPU
+    (sizes and tokens without a device sync; default `batch`)."""
+    from rlkit.ops.packing import from_padded
+
     host = batch if host is None else host
+    tokens, plens = from_padded(host.input_ids, host.attn, host.start)
     out = torch.zeros_like(batch.old_logp)
-    with torch.no_grad(), prec.autocast():
-        for s in range(0, len(out), chunk):
-            rows = torch.arange(s, min(len(out), s + chunk))
-            idx = rows.to(out.device)
-            L, C = int(host.attn[rows].sum(1).max()), int(host.mask[rows].sum(1).max())
-            out[idx, :C] = critic_values(critic, batch.input_ids[idx, :L], batch.attn[idx, :L], batch.start[idx], C)
+    with torch.no_grad(), engine.prec.autocast():
+        for rows in engine.forward_chunks(torch.arange(len(out)), host.attn.sum(1), chunk):
+            v = critic_values(critic, engine.layout([tokens[i] for i in rows], [plens[i] for i in rows]))
+            out[rows.to(out.device), : v.shape[1]] = v
     return out * batch.mask

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from rlkit.ops.packing import Seqs
+
 
 def gather_logprobs(logits: Tensor, targets: Tensor, chunk: int = 32, temperature: float = 1.0,
                     with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -20,11 +22,11 @@ def gather_logprobs(logits: Tensor, targets: Tensor, chunk: int = 32, temperatur
 
     logits (B, T, V) any float dtype; targets (B, T) long -> (B, T) float32 (and (B, T) float32).
     Differentiable. `temperature` divides the logits first (the sampling distribution).
-    Half-precision logits that need a gradient (bf16/fp16 training) go through `_TokenLogprob`, which
-    keeps only the logits themselves for backward: upcasting them chunk by chunk under autograd would
-    keep a second, fp32 copy of all (B, T, V) of them.
+    Logits that need a gradient go through `_TokenLogprob`, which keeps only the logits themselves for
+    backward and writes the gradient into their storage: no second (B, T, V) tensor exists at any point
+    (autograd over chunks would make one per chunk, and upcasting half-precision logits a third, fp32 one).
     """
-    if logits.dtype != torch.float32 and logits.requires_grad and torch.is_grad_enabled():
+    if logits.requires_grad and torch.is_grad_enabled():
         lp = _TokenLogprob.apply(logits, targets, temperature, chunk)
         if not with_entropy:
             return lp, None
@@ -47,9 +49,13 @@ def gather_logprobs(logits: Tensor, targets: Tensor, chunk: int = 32, temperatur
 
 
 class _TokenLogprob(torch.autograd.Function):
-    """log softmax(logits / temperature)[target] per position, in fp32, saving only the (half-precision)
-    logits and the (B, T) log-normalisers; backward recomputes the softmax chunk by chunk:
-    d lp / d logits = (onehot(target) - softmax) / temperature."""
+    """log softmax(logits / temperature)[target] per position, in fp32, saving only the logits and the
+    (B, T) log-normalisers; backward recomputes the softmax chunk by chunk,
+    d lp / d logits = (onehot(target) - softmax) / temperature, and writes it over the logits themselves
+    (nothing else reads them after the loss: the output head's backward needs its input and weight, not
+    its output), so the gradient costs no second full-vocabulary tensor. Autograd's version counter
+    still guards the reuse: another node that saved the same logits would fail loudly, never read
+    gradients as logits."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, temperature: float, chunk: int) -> Tensor:
@@ -69,14 +75,14 @@ class _TokenLogprob(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         logits, targets, lse = ctx.saved_tensors
         t, chunk = ctx.temperature, ctx.chunk
-        out = torch.empty_like(logits)
+        out = logits  # the gradient is written over the logits, chunk by chunk (see the class docstring)
         for s in range(0, logits.shape[1], chunk):
             sl = slice(s, s + chunk)
             p = torch.exp(logits[:, sl].float() / t - lse[:, sl].unsqueeze(-1))  # softmax
             g = grad[:, sl].unsqueeze(-1)
             d = -p * g
             d.scatter_add_(-1, targets[:, sl].unsqueeze(-1), g)
-            out[:, sl] = (d / t).to(logits.dtype)
+            out[:, sl] = d / t if t != 1.0 else d
         return out, None, None, None
 
 
@@ -105,32 +111,51 @@ def pack_sequences(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence
     return input_ids, attn, targets, cmask, start
 
 
-def completion_logprobs(model, input_ids: Tensor, attn: Tensor, targets: Tensor, start: Tensor,
-                        temperature: float = 1.0, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-    """(B, C) log-probs of the completion tokens under `model` (and entropies), from one forward pass.
+def completion_logprobs(model, seqs: Seqs, temperature: float = 1.0,
+                        with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """(r, C) log-probs of the completion tokens of `seqs` (`rlkit.ops.packing.layout`, padded or packed)
+    under `model` (and their entropies), from one forward pass; 0 past each completion's end.
 
-    Only completion positions reach the output head: (B, C, V) logits, never (B, L, V); without
-    grad (scoring) the head runs on 32 positions at a time, so peak memory is (B, 32, V).
-    """
+    Only the K completion positions reach the output head: (K, V) logits, never (R, W, V); without grad
+    (scoring) the head runs on SCORE_CHUNK positions at a time."""
     root = getattr(model, "_rlkit_fsdp_root", None)
     if root is not None:  # FSDP2: go through the root unit's forward, whose hooks gather and reduce its weights
-        return root(input_ids, attn, targets, start, temperature, with_entropy)  # fn = completion_logprobs_local
-    return completion_logprobs_local(model, input_ids, attn, targets, start, temperature, with_entropy)
+        return root(seqs, temperature, with_entropy)  # fn = completion_logprobs_local
+    return completion_logprobs_local(model, seqs, temperature, with_entropy)
 
 
-def completion_logprobs_local(model, input_ids: Tensor, attn: Tensor, targets: Tensor, start: Tensor,
-                         temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-    C = targets.shape[1]
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attn, use_cache=False).last_hidden_state  # (B, L, H)
-    idx = (start.unsqueeze(1) + torch.arange(C, device=start.device).unsqueeze(0)).clamp(max=input_ids.shape[1] - 1)
-    h = hidden.gather(1, idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # (B, C, H)
+def padded(input_ids: Tensor, attn: Tensor, start: Tensor) -> Seqs:
+    """Right-padded rows (`pack_sequences`' layout) as a padded `Seqs` on their device: a batch made for
+    padding, scored through `completion_logprobs`."""
+    from rlkit.ops.packing import from_padded, layout
+
+    tokens, plens = from_padded(input_ids.cpu(), attn.cpu(), start.cpu())
+    return layout(tokens, plens, packed=False).to(input_ids.device)
+
+
+SCORE_CHUNK = 1024  # positions per output-head call when scoring (no grad): (SCORE_CHUNK, V) logits at a time
+
+
+def hidden_states(model, seqs: Seqs) -> Tensor:
+    """The last layer's hidden states of `seqs`, flat: (R * W, H). `model` is a transformers model with a
+    base (decoder) model: a causal LM, a sequence classifier, or a peft model of either."""
+    hidden = model.base_model(input_ids=seqs.input_ids, attention_mask=seqs.attn, position_ids=seqs.position_ids,
+                              use_cache=False).last_hidden_state
+    return hidden.reshape(-1, hidden.shape[-1])
+
+
+def completion_logprobs_local(model, seqs: Seqs, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    from rlkit.ops.packing import scatter
+
+    h = hidden_states(model, seqs)[seqs.pos]  # (K, H)
     head = model.get_output_embeddings()
-    if torch.is_grad_enabled():  # training: autograd keeps the (B, C, V) logits for backward anyway
-        return gather_logprobs(head(h), targets, temperature=temperature, with_entropy=with_entropy)
-    # forward-only scoring: project `chunk` positions at a time, never holding (B, C, V)
-    chunk = 32
-    parts = [gather_logprobs(head(h[:, s : s + chunk]), targets[:, s : s + chunk], chunk, temperature, with_entropy)
-             for s in range(0, C, chunk)]
-    lp = torch.cat([p[0] for p in parts], 1) if parts else h.new_zeros((h.shape[0], 0), dtype=torch.float32)
-    ent = torch.cat([p[1] for p in parts], 1) if with_entropy and parts else None
-    return lp, ent
+    targets = seqs.targets.unsqueeze(0)
+    if torch.is_grad_enabled():  # training: autograd keeps the (K, V) logits for backward anyway
+        lp, ent = gather_logprobs(head(h).unsqueeze(0), targets, temperature=temperature, with_entropy=with_entropy)
+    else:  # forward-only scoring: SCORE_CHUNK positions at a time, never holding (K, V)
+        parts = [gather_logprobs(head(h[s : s + SCORE_CHUNK]).unsqueeze(0), targets[:, s : s + SCORE_CHUNK],
+                                 temperature=temperature, with_entropy=with_entropy)
+                 for s in range(0, len(h), SCORE_CHUNK)]
+        lp = torch.cat([p[0] for p in parts], 1) if parts else h.new_zeros((1, 0), dtype=torch.float32)
+        ent = torch.cat([p[1] for p in parts], 1) if with_entropy and parts else None
+    return scatter(lp[0], seqs), (scatter(ent[0], seqs) if ent is not None else None)

@@ -54,36 +54,29 @@ def encode_pairs(tokenizer, prompts: Sequence[str], responses: Sequence[str], ma
     return [x[-max_length:] for x in ids]
 
 
-def forward_scores(model, ids: Sequence[Sequence[int]], pad_id: int):
-    """Scores (B,) float32 for a batch of token-id lists, right-padded; keeps the autograd graph."""
+def forward_scores(model, ids: Sequence[Sequence[int]], pad_id: int, packed: bool = True):
+    """Scores (B,) float32 for a batch of token-id lists: the score head at each sequence's last token, the
+    sequences packed into rows without padding (`rlkit.ops.packing`; packed=False: right-padded rows); keeps
+    the autograd graph."""
     root = getattr(model, "_rlkit_fsdp_root", None)
     if root is not None:  # FSDP2 (train-rm under torchrun): through the root unit, fn = forward_scores_local
-        return root(ids, pad_id)
-    return forward_scores_local(model, ids, pad_id)
+        return root(ids, pad_id, packed)
+    return forward_scores_local(model, ids, pad_id, packed)
 
 
-def forward_scores_local(model, ids: Sequence[Sequence[int]], pad_id: int):
-    import torch
-
+def forward_scores_local(model, ids: Sequence[Sequence[int]], pad_id: int, packed: bool = True):
     from rlkit import devices
+    from rlkit.ops.logprobs import hidden_states
+    from rlkit.ops.packing import layout
 
-    L = max(len(x) for x in ids)
-    input_ids = torch.full((len(ids), L), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(ids), L), dtype=torch.long)
-    for i, x in enumerate(ids):
-        input_ids[i, : len(x)] = torch.tensor(list(x), dtype=torch.long)
-        attn[i, : len(x)] = 1
-    last = attn.sum(1) - 1  # the last real token of each right-padded row
-    input_ids, attn, last, rows = devices.to_device((input_ids, attn, last, torch.arange(len(ids))),
-                                                    devices.model_device(model))
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attn, use_cache=False).last_hidden_state  # (B, L, H)
-    h = hidden[rows, last]  # (B, H)
-    return model.score(h).squeeze(-1).float()
+    seqs = layout(ids, [len(x) for x in ids], packed=packed, pad_id=pad_id).to(devices.model_device(model))
+    return model.score(hidden_states(model, seqs)[seqs.last]).squeeze(-1).float()
 
 
 def score_texts(model, tokenizer, prompts: Sequence[str], responses: Sequence[str], batch_tokens: int = 16384,
-                max_length: int = 1024) -> list[float]:
-    """Reward-model scores of prompt + response, in input order (batches sorted by length)."""
+                max_length: int = 1024, packed: bool = True) -> list[float]:
+    """Reward-model scores of prompt + response, in input order (batches sorted by length; packed unless
+    packed=False)."""
     import torch
 
     ids = encode_pairs(tokenizer, prompts, responses, max_length)
@@ -96,7 +89,7 @@ def score_texts(model, tokenizer, prompts: Sequence[str], responses: Sequence[st
             while e < len(order) and (e - s + 1) * len(ids[order[e]]) <= batch_tokens:
                 e += 1
             batch = order[s:e]
-            for i, v in zip(batch, forward_scores(model, [ids[i] for i in batch], tokenizer.pad_token_id).cpu().tolist(),
+            for i, v in zip(batch, forward_scores(model, [ids[i] for i in batch], tokenizer.pad_token_id, packed).cpu().tolist(),
                             strict=True):
                 out[i] = v
             s = e

@@ -30,28 +30,63 @@ from rlkit.devices import TORCH_DTYPES  # noqa: F401 (fp32/bf16/fp16 -> torch's 
 from rlkit.errors import RlkitError
 from rlkit.training.lora import LoraOptions, lora_options  # noqa: F401 (the options every trainer takes)
 
+# micro-batch tokens on a GPU when neither --micro-batch-size nor --micro-batch-tokens is given (verl's
+# ppo_max_token_len_per_gpu is 16k): one micro-batch's logits are then at most 16k x the vocabulary
+GPU_MICRO_BATCH_TOKENS = 16_384
 DTYPES = ("auto", "fp32", "bf16", "fp16")  # auto: bf16 on a GPU with bf16 kernels, fp32 on the CPU (rlkit.devices)
 
 
 @dataclass(frozen=True)
+class Optim:
+    """AdamW's settings: rlkit's one set of optimizer defaults, for every training stage. A stage that wants
+    another value says so in its config (sft: betas (0.9, 0.95), weight decay 0.01; train-rm: weight decay
+    0.01), so the difference is visible there and in its manifest."""
+
+    lr: float
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.99)
+    eps: float = 1e-8
+    grad_clip: float | None = 1.0  # max gradient norm (None: no clipping)
+
+
+@dataclass(frozen=True)
 class TrainOptions:
-    """How a stage trains: compute dtype, gradient checkpointing, LoRA (None: full fine-tuning)."""
+    """How a stage trains: compute dtype, gradient checkpointing, LoRA (None: full fine-tuning), micro-batches
+    (rows or tokens per forward/backward, gradients accumulating to one optimizer step) and packing."""
 
     dtype: str = "auto"
     gradient_checkpointing: bool = False
     lora: LoraOptions | None = None
+    micro_batch_size: int | None = None  # rows per forward/backward; None: the whole step (or the token budget)
+    micro_batch_tokens: int | None = None  # rows packed up to this many tokens per forward/backward
+    packing: bool = True  # sequences concatenated without padding (rlkit.ops.packing); False: right-padded rows
 
     def on(self, device) -> TrainOptions:
-        """These options with --dtype auto made concrete for `device` (bf16 on a GPU with bf16, else fp32)."""
+        """These options made concrete for `device`: --dtype auto (bf16 on a GPU with bf16, else fp32) and, on a
+        GPU with neither micro-batch option given, micro-batches of GPU_MICRO_BATCH_TOKENS tokens."""
         from dataclasses import replace
 
         from rlkit import devices
 
-        return replace(self, dtype=devices.auto_dtype(device, self.dtype))
+        out = replace(self, dtype=devices.auto_dtype(device, self.dtype))
+        if getattr(device, "type", str(device)) == "cuda" and self.micro_batch_size is None and self.micro_batch_tokens is None:
+            out = replace(out, micro_batch_tokens=GPU_MICRO_BATCH_TOKENS)
+        return out
 
-    def check(self, distributed: bool = False) -> None:
+    def check(self, distributed: bool = False, step_rows: int | None = None, step_flag: str = "--minibatch-size") -> None:
+        """Refuse bad settings with the flag's name; `step_rows`: the rows of one optimizer step (a
+        --micro-batch-size above it is refused, naming `step_flag`)."""
         if self.dtype not in DTYPES:
             raise RlkitError(f"--dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
+        for flag, v in (("--micro-batch-size", self.micro_batch_size), ("--micro-batch-tokens", self.micro_batch_tokens)):
+            if v is not None and v < 1:
+                raise RlkitError(f"{flag} {v}: expected an integer >= 1 (leave it out for one forward per step)")
+        if self.micro_batch_size is not None and self.micro_batch_tokens is not None:
+            raise RlkitError("--micro-batch-size and --micro-batch-tokens both cut the optimizer step into micro-batches; "
+                             "give one of them")
+        if step_rows is not None and self.micro_batch_size is not None and self.micro_batch_size > step_rows:
+            raise RlkitError(f"--micro-batch-size {self.micro_batch_size} is larger than {step_flag} {step_rows}, "
+                             f"the rows of one optimizer step; expected at most {step_rows}")
         if self.dtype == "fp16" and distributed:
             raise RlkitError("--dtype fp16 under torchrun would need a sharded loss scaler, which rlkit does not run; "
                              "use --dtype bf16 (no scaler needed)")

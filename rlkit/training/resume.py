@@ -318,7 +318,7 @@ class Snapshots:
         import torch
         from safetensors.torch import save_file
 
-        from rlkit.training.trainer import TrainerState, save_trainer, trainer_tensors
+        from rlkit.training.engine import TrainerState, save_trainer, trainer_tensors
 
         trainable = [name for name, p in model.named_parameters() if p.requires_grad]
         if self.dp is None:
@@ -386,7 +386,7 @@ class Snapshots:
         import torch
         from safetensors import SafetensorError, safe_open
 
-        from rlkit.training.trainer import load_trainer
+        from rlkit.training.engine import load_trainer
 
         rank, world = (0, 1) if self.dp is None else (self.dp.rank, self.dp.world)
         cuda = device is not None and getattr(device, "type", str(device)) == "cuda"

@@ -118,7 +118,7 @@ def test_sft_lora_checkpoint_is_peft_layout_with_its_base_recorded(sft_dir, lora
 def test_train_rm_with_lora_then_score_ref_eval_and_peft_without_rlkit(sft_dir, lora_sft, prefs, tmp_path):
     """train-rm --lora-rank, score-ref --rm on the LoRA reward model, rollout and eval on the LoRA policy,
     and PEFT's own loader (no rlkit) on both checkpoints."""
-    from rlkit.ops.logprobs import completion_logprobs
+    from rlkit.ops.logprobs import completion_logprobs, padded
     from rlkit.tasks.reward_model import load_reward_model, score_texts
 
     rm = tmp_path / "rm"
@@ -139,7 +139,7 @@ def test_train_rm_with_lora_then_score_ref_eval_and_peft_without_rlkit(sft_dir, 
     merged, tok = checkpoints.load_policy(lora_sft, merged=True)
     b, _ = build_batch(t, tok.pad_token_id)
     with torch.no_grad():
-        lp, _ = completion_logprobs(merged, b.input_ids, b.attn, b.targets, b.start)
+        lp, _ = completion_logprobs(merged, padded(b.input_ids, b.attn, b.start))
     assert float((lp - b.old_logp)[b.mask].abs().max()) < 1e-4
 
     # score-ref --rm with the LoRA reward model: the merged model's scores

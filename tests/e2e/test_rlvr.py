@@ -61,13 +61,13 @@ def test_rollout_schema_and_determinism(sft_dir, tmp_path):
 def test_old_logprobs_match_the_trainers_forward_pass(sft_dir, tmp_path):
     """pi_old logged by the engine equals the policy's own log-prob of the sampled tokens."""
     from rlkit.algorithms.inputs import build_batch
-    from rlkit.ops.logprobs import completion_logprobs
+    from rlkit.ops.logprobs import completion_logprobs, padded
 
     t, _ = streams.read_table(_rollouts(sft_dir, tmp_path / "r.arrow"), ["rollouts"])
     model, tok = checkpoints.load_policy(sft_dir)
     b, _ = build_batch(t, tok.pad_token_id)
     with torch.no_grad():
-        lp, _ = completion_logprobs(model, b.input_ids, b.attn, b.targets, b.start)
+        lp, _ = completion_logprobs(model, padded(b.input_ids, b.attn, b.start))
     assert float((lp - b.old_logp)[b.mask].abs().max()) < 1e-4
 
 

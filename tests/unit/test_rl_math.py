@@ -180,7 +180,7 @@ def test_gspo_token_form_has_the_sequence_objectives_gradient():
 
 def test_chunked_scoring_equals_the_training_path():
     """Without grad the output head runs 32 positions at a time; values must not change."""
-    from rlkit.ops.logprobs import completion_logprobs, pack_sequences
+    from rlkit.ops.logprobs import completion_logprobs, padded, pack_sequences
     from rlkit.tiny import TinyConfig, build_model, build_tokenizer
 
     tok = build_tokenizer()
@@ -189,9 +189,9 @@ def test_chunked_scoring_equals_the_training_path():
     prompts = [torch.randint(4, 100, (n,), generator=g).tolist() for n in (3, 9)]
     comps = [torch.randint(4, 100, (n,), generator=g).tolist() for n in (70, 5)]
     ids, attn, targets, mask, start = pack_sequences(prompts, comps, tok.pad_token_id)
-    lp_grad, ent_grad = completion_logprobs(model, ids, attn, targets, start, 0.9, with_entropy=True)
+    lp_grad, ent_grad = completion_logprobs(model, padded(ids, attn, start), 0.9, with_entropy=True)
     with torch.no_grad():
-        lp, ent = completion_logprobs(model, ids, attn, targets, start, 0.9, with_entropy=True)
+        lp, ent = completion_logprobs(model, padded(ids, attn, start), 0.9, with_entropy=True)
         full = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits / 0.9, -1)
     assert torch.allclose(lp_grad.detach()[mask], lp[mask], atol=1e-5)
     assert torch.allclose(ent_grad[mask], ent[mask], atol=1e-5)

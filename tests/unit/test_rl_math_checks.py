@@ -44,11 +44,13 @@ def test_a_pad_token_logprob_of_minus_100_keeps_the_loss_and_its_gradient_finite
 
 
 def test_train_on_batch_survives_padding_at_a_low_sampling_temperature(sft_dir):
-    """Through the real trainer: at temperature 0.01 the pad token's log-prob at padded positions is in
-    the hundreds below 0, which made k3 in the loss inf x 0 = NaN ("non-finite loss ... lower --lr")."""
+    """Through the real trainer: at temperature 0.01 the pad token's log-prob at padded positions would be in
+    the hundreds below 0, which made k3 in the loss inf x 0 = NaN ("non-finite loss ... lower --lr"); the
+    padded positions are never scored now (0 there), with or without packing."""
     from rlkit.algorithms.inputs import RLBatch
     from rlkit.io import checkpoints
-    from rlkit.ops.logprobs import completion_logprobs, pack_sequences
+    from rlkit.ops.logprobs import completion_logprobs, padded, pack_sequences
+    from rlkit.training import TrainOptions
     from rlkit.training.trainer import Trainer
 
     model, tok = checkpoints.load_policy(sft_dir)
@@ -57,14 +59,15 @@ def test_train_on_batch_survives_padding_at_a_low_sampling_temperature(sft_dir):
     ids, attn, targets, mask, start = pack_sequences(prompts, comps, tok.pad_token_id)
     temp = 0.01
     with torch.no_grad():
-        lp_all, _ = completion_logprobs(model, ids, attn, targets, start, temperature=temp)
-    assert lp_all[~mask].min() < -88.7  # the padded positions really are that far down
+        lp_all, _ = completion_logprobs(model, padded(ids, attn, start), temperature=temp)
+    assert lp_all[~mask].abs().max() == 0 and lp_all[mask].min() < -1  # padding is never scored
     old = torch.where(mask, lp_all, 0)
     batch = RLBatch(ids, attn, targets, mask, start, old, old - 0.05 * mask,
                     torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.zeros(4, dtype=torch.long))
     cfg = RLConfig(beta=0.1, kl_in="loss", kl_estimator="k3", minibatch_size=4, epochs=1, lr=1e-4)
-    m = Trainer(model, cfg).train(batch, temperature=temp)
-    assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) and m["optimizer_steps"] == 1
+    for packing in (True, False):
+        m = Trainer(model, cfg, train=TrainOptions(packing=packing)).train(batch, temperature=temp)
+        assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) and m["optimizer_steps"] == 1
 
 
 # ---------------------------------------------------------------- 2. which KL estimator pulls where
