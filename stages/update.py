@@ -14,7 +14,8 @@ advantages; the KL leash to pi_ref (never pi_old) is a loss term (k3+ by default
 forward KL's gradient) or a reward penalty (k1 by default); `rlkit.ops.kl` says which estimator belongs
 where. This module is the I/O around it: flags, input, checkpoint, metrics (the screen, the manifest,
 --metrics FILE and --tensorboard DIR; among them `drift`, the policy's relative weight distance from
-the reference, `rlkit.training.drift`, with a warning above --max-drift), once or `--follow`. Under torchrun the
+the reference, `rlkit.training.drift`, with a warning above --max-drift), once, or under `--follow` by the loop
+in `rlkit.training.follow_loop`; both check, record and show through `rlkit.training.update_record`. Under torchrun the
 update is data-parallel (FSDP2, `rlkit.training.distributed`): same result as one process, rank 0 writes.
 """
 
@@ -22,12 +23,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import Annotated, Literal
 
 import typer
 
 from rlkit import algorithms
-from rlkit.algorithms.config import DEFAULT_DUAL_CLIP, DEFAULT_FOLLOW_TIS_CAP, RLConfig
+from rlkit.algorithms.config import DEFAULT_DUAL_CLIP, RLConfig
 from rlkit.algorithms.defaults_table import phrase as algo_default
 from rlkit.io.tracking import TrackingConfig
 from rlkit.options import (
@@ -40,8 +41,11 @@ from rlkit.options import (
     LoraRank,
     LoraTargets,
     Metrics,
+    MicroBatchSize,
+    MicroBatchTokens,
     NoVerify,
     OutDir,
+    Packing,
     PolicyDir,
     Project,
     ReportTo,
@@ -53,9 +57,8 @@ from rlkit.options import (
     train_options,
 )
 from rlkit.training import TrainOptions
-
-if TYPE_CHECKING:
-    from rlkit.io.manifests import Manifest
+from rlkit.training.follow_loop import check_follow, run_follow
+from rlkit.training.update_record import check_reference, drift, reference_entry, reward_weights, show
 
 DEFAULT_MAX_DRIFT = 0.05  # relative weight-space distance from the reference; see rlkit.training.drift
 AlgoName = Literal[tuple(algorithms.names())]  # every registered --algo, shown and checked by click
@@ -151,13 +154,13 @@ def _run(cfg: UpdateConfig) -> Path:
     checkpoints.check_model_dir(cfg.policy, "policy")
     algo = algorithms.get(cfg.rl.algo)
     if cfg.follow:
-        _check_follow(cfg, algo)
+        check_follow(cfg, algo, distributed=distributed_launch())
     else:
         claims.check_out(cfg.out, "model")
     # Open the input on a background thread and import torch and load the policy meanwhile: in a pipe
     # all stages then start up at once, and upstream streams into memory instead of a full pipe.
     cfg.rl.check()
-    cfg.train.check(distributed=distributed_launch())
+    cfg.train.check(distributed=distributed_launch(), step_rows=cfg.rl.minibatch_size)
     dev = devices.resolve(cfg.device)
     cfg = replace(cfg, train=cfg.train.on(dev))  # --dtype auto made concrete: what is trained and recorded
     tracking.check(cfg.tracking)
@@ -174,7 +177,7 @@ def _run(cfg: UpdateConfig) -> Path:
         dp = distributed.init(cfg.device)
     pending = streams.open_table(cfg.inp, list(inp.kinds)) if dp is None or dp.main else None
     if cfg.follow:
-        return _run_follow(cfg, inp, pending, weights, dev)
+        return run_follow(cfg, inp, pending, weights, dev)
     from rlkit.training import distributed
 
     def start() -> Trainer:
@@ -211,246 +214,18 @@ def _run(cfg: UpdateConfig) -> Path:
         gathered = t.gather()
         if distributed.stand_down(dp, metrics):
             return cfg.out
-        metrics.update(_drift(cfg, lora.plain_state_dict(t.model, gathered[0]), upstream.path("reference")))
+        metrics.update(drift(cfg, lora.plain_state_dict(t.model, gathered[0]), upstream.path("reference")))
         manifest = manifests.make_manifest("model", "update", cfg, inputs, step=step, metrics=metrics,
-                                           **_reward_weights(loaded), **devices.manifest_entry(dev),
-                                           **_reference_entry(upstream, cfg), **tracker.manifest_entry())
+                                           **reward_weights(loaded), **devices.manifest_entry(dev),
+                                           **reference_entry(upstream, cfg), **tracker.manifest_entry())
         row = {"stage": "update", "out": str(cfg.out), **metrics}
         # the row first, taken back out if the checkpoint is not written: never one without the other
         with metrics_log.appending(row, cfg.metrics), atomic.atomic_dir(cfg.out) as tmp:
             t.save(tmp, manifest, gathered)
         tracker.log(row)
-    _show(metrics, inp, t.algo)
+    show(metrics, inp, t.algo)
     distributed.barrier(dp)
     return cfg.out
-
-
-def _reference_entry(upstream: Manifest, cfg: UpdateConfig) -> dict:
-    """{'reference': {'path', 'fingerprint'}}: the frozen reference this checkpoint was trained against, so
-    that `score-ref` without --ref can find it: --ref (`check_reference` made sure the input was scored by
-    it, or a copy), else the input's (score-ref's --ref), else the one --policy records. The path is
-    absolute: a later stage may run in another directory."""
-    from rlkit.io import checkpoints, fingerprints
-
-    if cfg.ref is not None:
-        return {"reference": {"path": str(cfg.ref.resolve()), "fingerprint": fingerprints.fingerprint(cfg.ref)}}
-    ref, fp = upstream.path("reference"), upstream.inputs.get("ref")
-    if ref:
-        return {"reference": {"path": str(Path(ref).absolute()), "fingerprint": fp or fingerprints.fingerprint(ref)}}
-    recorded = (checkpoints.load_manifest(cfg.policy) or {}).get("reference")
-    return {"reference": recorded} if isinstance(recorded, dict) else {}
-
-
-def check_reference(ref: Path | None, upstream: Manifest, kind: str, label: str) -> None:
-    """Refuse --ref when the input's reference log-probs (a scored table's ref_logprobs, a scored prefs
-    table's ref_*_logp) came from another reference: the KL or DPO term would pull towards that one while the
-    checkpoint records --ref. Same weights count as the same reference (a copy, a moved directory): the
-    weights' digest score-ref recorded, else (tables made before it did) the input fingerprint, else the
-    recorded path's weights. A table that records no reference is taken as scored by --ref, with a warning."""
-    from rlkit import console
-    from rlkit.errors import RlkitError
-    from rlkit.io import checkpoints, fingerprints
-
-    if ref is None or kind not in ("scored", "prefs"):
-        return
-    m = upstream
-    have = checkpoints.verify_reference(ref).get("weights_digest")
-    recorded = m.path("reference")
-    if m.get("reference_digest"):
-        same = m.get("reference_digest") == have
-    elif m.inputs.get("ref") and m.command == "score-ref" and m.inputs["ref"] == fingerprints.fingerprint(ref):
-        same = True
-    elif recorded and Path(recorded).is_dir():
-        same = (checkpoints.load_manifest(Path(recorded)) or {}).get("weights_digest") == have
-    else:
-        if kind == "scored" or m.get("reference"):
-            console.warn(f"update: cannot check that --ref {ref} is the reference {label} was scored against (its "
-                         "manifest records no reference to compare with); taking it that it is")
-        return
-    if not same:
-        raise RlkitError(f"--ref {ref} is not the reference {label} was scored against ({recorded or 'another'}): "
-                         "its reference log-probs come from that one, and the checkpoint would record --ref; pass "
-                         f"--ref {recorded or 'REF'} (same weights), or rescore with `rlkit score-ref --ref {ref}`")
-
-
-def _reward_weights(loaded) -> dict:
-    return {} if loaded.reward_weights is None else {"reward_weights": loaded.reward_weights}
-
-
-def _check_follow(cfg: UpdateConfig, algo) -> None:
-    from rlkit.errors import RlkitError
-    from rlkit.io import follow
-
-    if "rollouts" not in algo.input.kinds:
-        raise RlkitError(f"--follow trains on a stream of rollouts; --algo {cfg.rl.algo} is offline (run it without --follow)")
-    if distributed_launch():
-        raise RlkitError("--follow runs in one process for now: launch it without torchrun (or run per-round "
-                         "updates under torchrun)")
-    for flag, v, low in (("--max-lag", cfg.max_lag, 0), ("--keep", cfg.keep, 1), ("--max-steps", cfg.max_steps, 1)):
-        if v is not None and v < low:
-            raise RlkitError(f"{flag} {v}: expected an integer >= {low}")
-    follow.check_root(cfg.out)
-
-
-def _run_follow(cfg: UpdateConfig, inp, pending, weights: dict[str, float] | None, dev) -> Path:
-    """`update --follow`: one step per --batch-prompts prompts of the stream, published into --out."""
-    from rlkit import console, devices
-    from rlkit.algorithms.inputs import Limits
-    from rlkit.errors import RlkitError
-    from rlkit.io import (
-        checkpoints,
-        fingerprints,
-        follow,
-        manifests,
-        metrics_log,
-        tracking,
-    )
-    from rlkit.training import lora
-    from rlkit.training.follow_batches import Batcher
-    from rlkit.training.trainer import Trainer
-
-    root = cfg.out
-    base_fp = fingerprints.fingerprint(cfg.policy)
-    base_step = checkpoints.policy_step(cfg.policy)
-    with follow.writer_lock(root):
-        stale = follow.clean_stale(root)
-        if stale:
-            console.info(f"update: removed {len(stale)} unfinished step(s) a killed writer left in {root}")
-        steps, partial = follow.scan(root)
-        if partial:
-            raise RlkitError(f"{partial[0]} has no {manifests.MODEL_MANIFEST}: an incomplete step directory that "
-                             "`rlkit update --follow` did not write; remove it")
-        start = steps[-1].path if steps else cfg.policy
-        if steps:
-            m = follow.verify_step(start)
-            began = (m.get("follow") or {}).get("base_fingerprint")
-            if began != base_fp:
-                raise RlkitError(f"{root} holds a run started from another --policy than {cfg.policy} (or one changed "
-                                 "since); pass that --policy or a new --out")
-        model, tokenizer = checkpoints.load_policy(start, "fp32", cfg.trust_remote_code)
-        t = Trainer(model, cfg.rl, tokenizer=tokenizer, train=cfg.train, base=start,
-                    trust_remote_code=cfg.trust_remote_code, device=dev)
-        limits = Limits.of(t.model, f"--policy {start}")
-        base_tok = checkpoints.load_tokenizer(cfg.policy, cfg.trust_remote_code)
-        if checkpoints.tokenizer_fingerprint(tokenizer) != checkpoints.tokenizer_fingerprint(base_tok):
-            raise RlkitError(f"{start} has a different tokenizer from --policy {cfg.policy}")
-        t.load(start)
-        step = checkpoints.policy_step(start)
-        if steps:
-            console.info(f"update: resuming {root} from {start.name} (step {step}; {step - base_step} steps after --policy)")
-        if cfg.max_steps is not None and step - base_step >= cfg.max_steps:
-            console.info(f"update: {root} already has --max-steps {cfg.max_steps} steps after --policy; nothing to do")
-            return root
-        reader = pending.result()
-        upstream = reader.record
-        inp.check(reader.kind, cfg.rl)
-        check_reference(cfg.ref, reader.record, reader.kind, reader.label)
-        inp.check_upstream(upstream, tokenizer, cfg.policy)
-        rollout_cfg = upstream.sampling
-        P = cfg.batch_prompts or rollout_cfg.get("batch_prompts")
-        if P is None:
-            raise RlkitError(f"update --follow needs --batch-prompts P (prompts per step): {reader.label} is not a "
-                             "stream from `rlkit rollout --follow`, whose manifest records its --batch-prompts "
-                             "(pass --batch-prompts, or pipe in a `rollout --follow` stream)")
-        if rollout_cfg.get("follow") and rollout_cfg.get("batch_prompts") not in (None, P):
-            raise RlkitError(f"--batch-prompts {P} differs from the upstream rollout's {rollout_cfg['batch_prompts']}; "
-                             "the two would wait on each other forever (leave it out here)")
-        n = rollout_cfg.get("n") if rollout_cfg.get("follow") else None
-        cap = cfg.rl.tis_cap if cfg.rl.tis_cap is not None else DEFAULT_FOLLOW_TIS_CAP
-        keep = None if cfg.keep is None else max(cfg.keep, cfg.max_lag + 2)
-        if cfg.keep is not None and keep != cfg.keep:
-            console.info(f"update: --keep {cfg.keep} raised to {keep}: rollout may still be loading any of the newest "
-                         f"--max-lag + 2 steps")
-        inputs = {"policy": base_fp, "in": reader.fingerprint}
-        ref_cache: dict = {}
-        dropped = 0
-        batches = Batcher(reader, P, n, cfg.max_lag)
-        devices.announce("update", t.device, t.train_options.dtype)
-        with tracking.open_tracking(cfg.tracking, "update", cfg, policy=start) as tracker:
-            while cfg.max_steps is None or step - base_step < cfg.max_steps:
-                got = batches.next(step)
-                if got is None:
-                    console.info(f"update: the input ended; last step {step}" + (
-                        f" ({batches.leftover} rows of an unfinished batch left untrained)" if batches.leftover else ""))
-                    return root
-                table, lags, drop = got
-                dropped += drop
-                loaded = inp.load(table, upstream=upstream, tokenizer=tokenizer, rl=cfg.rl, dtype=t.train_options.dtype,
-                                  weights=weights, length_penalty=cfg.length_penalty, lags=lags, label=reader.label,
-                                  limits=limits)
-                # decoupled PPO: a recomputed pi_old is the proximal policy, weighed by proximal / behaviour, capped
-                rl = replace(cfg.rl, tis_cap=(cap or None) if loaded.train["recompute"] else None)
-                m = t.train(loaded.batch, cfg=rl, progress=lambda n, s=step: console.progress(f"update step {s + 1}", n),
-                            **loaded.train)
-                step += 1
-                metrics = {"step": step, **loaded.metrics, **m}
-                metrics.update(lag_mean=float(lags.float().mean()), lag_max=int(lags.max()), rows_dropped=drop,
-                               rows_dropped_total=dropped, prompts=P)
-                metrics.update(_drift(cfg, lora.plain_state_dict(t.model), upstream.path("reference"),
-                                      ref_cache))
-                manifest = manifests.make_manifest(
-                    "model", "update", cfg, inputs, step=step, metrics=metrics, **_reward_weights(loaded),
-                    **devices.manifest_entry(dev), **_reference_entry(upstream, cfg), follow={"base": str(cfg.policy), "base_fingerprint": base_fp, "base_step": base_step},
-                    **tracker.manifest_entry())
-                row = {"stage": "update", "out": str(root / follow.step_name(step)), **metrics}
-                with metrics_log.appending(row, cfg.metrics):  # taken back out if the step is not published
-                    path = follow.publish(root, step, lambda tmp, m=manifest: t.save(tmp, m, t.gather(), write_manifest=False))
-                pruned = follow.prune(root, keep) if keep is not None else []
-                devices.release_cached(t.device)  # a sleeping vLLM on this GPU takes its memory back for the next batch
-                tracker.log(row)
-                _show(metrics, inp, t.algo)
-                console.info(f"update: wrote {path} (lag mean {metrics['lag_mean']:.2f}, max {metrics['lag_max']}; "
-                             f"{drop} rows dropped)" + (f"; pruned steps {pruned}" if pruned else ""))
-            console.info(f"update: --max-steps {cfg.max_steps} reached (step {step}); stopping")
-            return root
-
-
-def _drift(cfg: UpdateConfig, params: dict, upstream_ref: str | None, cache: dict | None = None) -> dict:
-    """{'drift': ...} of the policy's weights from --ref or the reference score-ref used; warns above --max-drift.
-    `cache` (kept by the caller across steps) holds the hash-checked reference weights after the first call."""
-    from rlkit import console
-    from rlkit.io.checkpoints import load_weights, verify_reference
-    from rlkit.training.drift import relative_drift
-
-    ref = cfg.ref or (Path(upstream_ref) if upstream_ref else None)
-    if ref is None:
-        return {}
-    if cache is None or ref not in cache:
-        if cfg.ref is None and not ref.is_dir():
-            console.warn(f"update: no drift figure: the reference score-ref used ({ref}) is not there any more; "
-                         "pass --ref")
-            return {}
-        verify_reference(ref)
-        weights = load_weights(ref)
-        if cache is not None:
-            cache[ref] = weights
-    else:
-        weights = cache[ref]
-    d = relative_drift(params, weights)
-    if d > cfg.max_drift:
-        console.warn(f"POLICY DRIFT: the weights are {d:.4f} (relative L2) away from the reference {ref}, above "
-                     f"--max-drift {cfg.max_drift:g}; check KL, held-out accuracy and response length for reward hacking")
-    return {"drift": d}
-
-
-# shown after every update, around the input's and the algorithm's own metrics
-_SHOWN_FOLLOW = ("lag_mean", "lag_max", "rows_dropped")
-_SHOWN_TRAINER = ("grad_norm", "loss_scale", "skipped_steps", "drift", "optimizer_steps", "tokens_per_s",
-                  "train_seconds", "gpu_mem_peak_gib")
-
-
-def _show(metrics: dict, inp, algo) -> None:
-    from rich.table import Table
-
-    from rlkit import console
-
-    t = Table(title=f"update step {metrics['step']}", show_header=False)
-    keys = (*[k for k in metrics if k.startswith("reward/")], *inp.shown, *algo.shown, *_SHOWN_FOLLOW, *_SHOWN_TRAINER)
-    for k in dict.fromkeys(keys):
-        v = metrics.get(k)
-        if v is not None:
-            t.add_row(k, f"{v:.4g}" if isinstance(v, float) else str(v))
-    console.err.print(t)
 
 
 def command(
@@ -497,6 +272,9 @@ def command(
     device: Device = "auto",
     dtype: TrainDtype = "auto",
     gradient_checkpointing: GradCheckpointing = False,
+    micro_batch_size: MicroBatchSize = None,
+    micro_batch_tokens: MicroBatchTokens = None,
+    packing: Packing = True,
     lora_rank: LoraRank = None,
     lora_alpha: LoraAlpha = None,
     lora_dropout: LoraDropout = 0.0,
@@ -515,7 +293,8 @@ def command(
                   grad_clip=grad_clip, warmup_steps=warmup_steps, seed=seed, old_logprobs=old_logprobs, tis_cap=tis_cap,
                   gamma=gamma, lam=lam, vf_clip=vf_clip, critic_lr=critic_lr, critic_init=critic_init,
                   target_kl=target_kl)
-    train = train_options(dtype, gradient_checkpointing, lora_rank, lora_alpha, lora_dropout, lora_targets)
+    train = train_options(dtype, gradient_checkpointing, lora_rank, lora_alpha, lora_dropout, lora_targets,
+                          micro_batch_size, micro_batch_tokens, packing)
     run(UpdateConfig(policy=policy, out=out, inp=None if inp is None else str(inp), rl=rl, train=train, device=device, reward=tuple(reward or ()), length_penalty=length_penalty,
                      metrics=metrics, tracking=tracking_options(report_to, project, run_name, tensorboard), ref=ref, max_drift=max_drift, follow=follow,
                      batch_prompts=batch_prompts, max_steps=max_steps, keep=keep, max_lag=max_lag,
