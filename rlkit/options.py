@@ -9,6 +9,7 @@ import typer
 
 from rlkit import config_file
 from rlkit.io import tracking
+from rlkit.stage_options import Group, option
 
 ConfigFile = Annotated[
     Path | None,
@@ -51,50 +52,54 @@ def output_path(value: str | Path) -> Path:
     return Path(value)
 
 
-OutDir = Annotated[Path, typer.Option("--out", "-o", parser=output_path, help="Output directory (written atomically).")]
+OutDir = Annotated[Path, typer.Option("--out", "-o", parser=output_path, rich_help_panel="Output & tracking", help="Output directory (written atomically).")]
 OutTable = Annotated[
     Path | None,
     typer.Option("--out", "-o", allow_dash=True, parser=output_path,
-                 help="Output table (.arrow). Omitted or '-': stream to stdout (must be a pipe)."),
+                 rich_help_panel="Output & tracking", help="Output table (.arrow). Omitted or '-': stream to stdout (must be a pipe)."),
 ]
 InTable = Annotated[
     Path | None,
     typer.Option("--in", "-i", allow_dash=True,
-                 help="Input table (.arrow), or '-' for stdin. Omitted: read stdin when it is a pipe."),
+                 rich_help_panel="Data", help="Input table (.arrow), or '-' for stdin. Omitted: read stdin when it is a pipe."),
 ]
-PolicyDir = Annotated[Path, typer.Option("--policy", help="Policy checkpoint directory (Hugging Face layout).")]
+PolicyDir = Annotated[Path, typer.Option("--policy", rich_help_panel="Model", help="Policy checkpoint directory (Hugging Face layout).")]
 Task = Annotated[
     str,
-    typer.Option("--task", help="Task spec NAME[:key=value,...] (built-in arithmetic or math, or an `rlkit.tasks` entry point), path/to/file.py:CLASS[:key=value,...] or package.module:CLASS[:...]; e.g. 'arithmetic:terms=2-5,max=20', 'math:data=gsm8k.jsonl', 'my_tasks.py:Countdown:max=50'. See docs/tasks-rewards.md."),
+    typer.Option("--task", rich_help_panel="Data", help="Task spec NAME[:key=value,...] (built-in arithmetic or math, or an `rlkit.tasks` entry point), path/to/file.py:CLASS[:key=value,...] or package.module:CLASS[:...]; e.g. 'arithmetic:terms=2-5,max=20', 'math:data=gsm8k.jsonl', 'my_tasks.py:Countdown:max=50'. See docs/tasks-rewards.md."),
 ]
 RewardFn = Annotated[
     list[str] | None,
-    typer.Option("--reward-fn", help="User reward function NAME=path/to/file.py:FUNC or NAME=package.module:FUNC (repeatable): adds a reward/NAME column. Parameters prompt, completion, answer, row: one row per call, returns a number; prompts, completions, answers, rows: a batch per call, returns a list. See docs/tasks-rewards.md."),
+    typer.Option("--reward-fn", rich_help_panel="Data", help="User reward function NAME=path/to/file.py:FUNC or NAME=package.module:FUNC (repeatable): adds a reward/NAME column. Parameters prompt, completion, answer, row: one row per call, returns a number; prompts, completions, answers, rows: a batch per call, returns a list. See docs/tasks-rewards.md."),
 ]
 RewardTimeout = Annotated[
     float,
-    typer.Option("--reward-timeout", min=0, help="Seconds one call of a --reward-fn may run; a call that takes longer stops the stage with one error line naming the function and the row (0: no limit)."),
+    typer.Option("--reward-timeout", min=0, rich_help_panel="Data", help="Seconds one call of a --reward-fn may run; a call that takes longer stops the stage with one error line naming the function and the row (0: no limit)."),
 ]
-Seed = Annotated[int, typer.Option("--seed", help="Random seed; same seed and inputs give the same result.")]
-Force = Annotated[bool, typer.Option("--force", help="Rerun even when --out is up to date with these inputs and settings.")]
+Seed = Annotated[int, typer.Option("--seed", rich_help_panel="Optimization", help="Random seed; same seed and inputs give the same result.")]
+Force = Annotated[bool, typer.Option("--force", rich_help_panel="Output & tracking", help="Rerun even when --out is up to date with these inputs and settings.")]
 TrustRemoteCode = Annotated[
-    bool, typer.Option("--trust-remote-code", help="Allow model code from the checkpoint (off unless asked for).")
+    bool, typer.Option("--trust-remote-code", rich_help_panel="Model", help="Allow model code from the checkpoint (off unless asked for).")
 ]
-PromptColumn = Annotated[str, typer.Option("--prompt-column", help="Column of the data that holds the prompt.")]
-AnswerColumn = Annotated[str, typer.Option("--answer-column", help="Column of the data that holds the gold answer.")]
-NoVerify = Annotated[bool, typer.Option("--no-verify", help="Load policy and reward-model checkpoints without checking their weights against the sha256 in rlkit.json (a frozen reference is always checked). Checks are cached per file version, so leaving them on costs one read per checkpoint.")]
+PromptColumn = Annotated[str, typer.Option("--prompt-column", rich_help_panel="Data", help="Column of the data that holds the prompt.")]
+AnswerColumn = Annotated[str, typer.Option("--answer-column", rich_help_panel="Data", help="Column of the data that holds the gold answer.")]
+NoVerify = Annotated[bool, typer.Option("--no-verify", rich_help_panel="Model", help="Load policy and reward-model checkpoints without checking their weights against the sha256 in rlkit.json (a frozen reference is always checked). Checks are cached per file version, so leaving them on costs one read per checkpoint.")]
 # Where the models run (every stage that runs one): see rlkit.devices
-Device = Annotated[str, typer.Option("--device", metavar="<auto|cpu|cuda|cuda:N>", help="Where the models run: auto (cuda:LOCAL_RANK under torchrun, else cuda when a GPU is visible, else cpu), cpu, cuda or cuda:N.")]
+Device = Annotated[str, typer.Option("--device", metavar="<auto|cpu|cuda|cuda:N>", rich_help_panel="Precision & memory", help="Where the models run: auto (cuda:LOCAL_RANK under torchrun, else cuda when a GPU is visible, else cpu), cpu, cuda or cuda:N.")]
 # Training numerics (sft, train-rm, update): see rlkit.training
-TrainDtype = Annotated[Literal["auto", "fp32", "bf16", "fp16"], typer.Option("--dtype", help="Compute dtype: auto (bf16 on a GPU with bf16 kernels, fp32 on the CPU), fp32, bf16 or fp16. bf16/fp16 run the forward and backward under autocast over fp32 master weights and fp32 AdamW state (the saved checkpoint is fp32); fp16 adds a dynamic loss scale. See docs/precision-lora.md.")]
-GradCheckpointing = Annotated[bool, typer.Option("--gradient-checkpointing", help="Recompute activations in backward (transformers' non-reentrant gradient checkpointing): less memory, ~30% more compute.")]
-LoraRank = Annotated[int | None, typer.Option("--lora-rank", help="Train a LoRA adapter of this rank (peft) instead of every weight; the checkpoint holds the adapter in PEFT's layout plus the base model's path and hashes.")]
-LoraAlpha = Annotated[float | None, typer.Option("--lora-alpha", help="LoRA scaling alpha (default 2 x --lora-rank).")]
-LoraDropout = Annotated[float, typer.Option("--lora-dropout", help="LoRA dropout on the adapter's input.")]
-LoraTargets = Annotated[str | None, typer.Option("--lora-targets", help="Comma-separated module names to adapt, e.g. q_proj,v_proj (default: every linear layer of the blocks, not the output head).")]
+TrainDtype = Annotated[Literal["auto", "fp32", "bf16", "fp16"], typer.Option("--dtype", rich_help_panel="Precision & memory", help="Compute dtype: auto (bf16 on a GPU with bf16 kernels, fp32 on the CPU), fp32, bf16 or fp16. bf16/fp16 run the forward and backward under autocast over fp32 master weights and fp32 AdamW state (the saved checkpoint is fp32); fp16 adds a dynamic loss scale. See docs/precision-lora.md.")]
+GradCheckpointing = Annotated[bool, typer.Option("--gradient-checkpointing", rich_help_panel="Precision & memory", help="Recompute activations in backward (transformers' non-reentrant gradient checkpointing): less memory, ~30% more compute.")]
+# Micro-batches and packing (sft, train-rm, update; score-ref packs too): see rlkit.training.engine, rlkit.ops.packing
+MicroBatchSize = Annotated[int | None, typer.Option("--micro-batch-size", help="Rows per forward/backward pass: each optimizer step runs as micro-batches of this many rows whose gradients accumulate into ONE step, with every loss term normalised over the whole step (the same update as one forward, in less memory). Default: the whole step in one pass on the CPU; on a GPU, micro-batches of 16384 tokens.")]
+MicroBatchTokens = Annotated[int | None, typer.Option("--micro-batch-tokens", help="Like --micro-batch-size, but rows are taken while their prompt + completion tokens fit in this many (a row longer than it is refused, naming the row).")]
+Packing = Annotated[bool, typer.Option("--packing/--no-packing", help="Pack the sequences of each forward pass into rows without padding, each with its own position ids and an attention that never crosses a sequence boundary (FlashAttention's varlen kernel when the model uses it); --no-packing: one right-padded row per sequence.")]
+LoraRank = Annotated[int | None, typer.Option("--lora-rank", rich_help_panel="LoRA", help="Train a LoRA adapter of this rank (peft) instead of every weight; the checkpoint holds the adapter in PEFT's layout plus the base model's path and hashes.")]
+LoraAlpha = Annotated[float | None, typer.Option("--lora-alpha", rich_help_panel="LoRA", help="LoRA scaling alpha (default 2 x --lora-rank).")]
+LoraDropout = Annotated[float, typer.Option("--lora-dropout", rich_help_panel="LoRA", help="LoRA dropout on the adapter's input.")]
+LoraTargets = Annotated[str | None, typer.Option("--lora-targets", rich_help_panel="LoRA", help="Comma-separated module names to adapt, e.g. q_proj,v_proj (default: every linear layer of the blocks, not the output head).")]
 # Resume snapshots (sft, train-rm): see rlkit.training.resume
-SaveSteps = Annotated[int, typer.Option("--save-steps", min=0, help="Every N optimizer steps save a resume snapshot (weights, AdamW, LR schedule, RNG, data position) in .NAME.resume beside --out NAME: rerunning the same command after a kill resumes from it with the same result, and it is removed once --out is written (0: no snapshots, no resuming).")]
-Resume = Annotated[Literal["auto", "must", "never"], typer.Option("--resume", help="With --save-steps: what to do with the snapshot a stopped run left. auto: resume it when it is intact and was made with these settings and inputs, else say why in one warning line, discard it and start from step 0; must: resume it or stop with one error line, changing nothing; never: start from step 0 and replace it. Each snapshot file is checked against the sha256 its resume.json records before anything is loaded.")]
+SaveSteps = Annotated[int, typer.Option("--save-steps", min=0, rich_help_panel="Output & tracking", help="Every N optimizer steps save a resume snapshot (weights, AdamW, LR schedule, RNG, data position) in .NAME.resume beside --out NAME: rerunning the same command after a kill resumes from it with the same result, and it is removed once --out is written (0: no snapshots, no resuming).")]
+Resume = Annotated[Literal["auto", "must", "never"], typer.Option("--resume", rich_help_panel="Output & tracking", help="With --save-steps: what to do with the snapshot a stopped run left. auto: resume it when it is intact and was made with these settings and inputs, else say why in one warning line, discard it and start from step 0; must: resume it or stop with one error line, changing nothing; never: start from step 0 and replace it. Each snapshot file is checked against the sha256 its resume.json records before anything is loaded.")]
 
 # Where metrics go besides the screen and the manifest (sft, train-rm, update, eval): rlkit.io.tracking
 def _report_to(ctx, param, value: str | None) -> str | None:
@@ -105,17 +110,23 @@ def _report_to(ctx, param, value: str | None) -> str | None:
     return value
 
 
-Metrics = Annotated[Path | None, typer.Option("--metrics", parser=output_path, help="Append the run's metrics as JSON lines to this file (the file `rlkit report` plots).")]
-ReportTo = Annotated[str | None, typer.Option("--report-to", callback=_report_to, help=tracking.REPORT_TO_HELP)]
-RunName = Annotated[str | None, typer.Option("--run-name", help=tracking.RUN_NAME_HELP)]
-Project = Annotated[str, typer.Option("--project", help=tracking.PROJECT_HELP)]
-TensorBoardDir = Annotated[Path | None, typer.Option("--tensorboard", parser=output_path, help="TensorBoard log directory (implies --report-to tensorboard; default runs/PROJECT/RUN_NAME).")]
+Metrics = Annotated[Path | None, typer.Option("--metrics", parser=output_path, rich_help_panel="Output & tracking", help="Append the run's metrics as JSON lines to this file (the file `rlkit report` plots).")]
+ReportTo = Annotated[str | None, typer.Option("--report-to", callback=_report_to, rich_help_panel="Output & tracking", help=tracking.REPORT_TO_HELP)]
+RunName = Annotated[str | None, typer.Option("--run-name", rich_help_panel="Output & tracking", help=tracking.RUN_NAME_HELP)]
+Project = Annotated[str, typer.Option("--project", rich_help_panel="Output & tracking", help=tracking.PROJECT_HELP)]
+TensorBoardDir = Annotated[Path | None, typer.Option("--tensorboard", parser=output_path, rich_help_panel="Output & tracking", help="TensorBoard log directory (implies --report-to tensorboard; default runs/PROJECT/RUN_NAME).")]
 
 
 def tracking_options(report_to: str | None, project: str, run_name: str | None, tensorboard: Path | None):
     """The shared tracking flags -> rlkit.io.tracking.TrackingConfig."""
     return tracking.TrackingConfig(report_to=tracking.parse_report_to(report_to), project=project,
                                    run_name=run_name, tensorboard=tensorboard)
+
+
+# The tracking flags of a stage config's `tracking: TrackingConfig = nested(TRACKING)` (rlkit.stage_options)
+TRACKING = Group(tracking.TrackingConfig, build=tracking_options, report_to=option(None, ReportTo),
+                 run_name=option(None, RunName), project=option(tracking.DEFAULT_PROJECT, Project),
+                 tensorboard=option(None, TensorBoardDir))
 
 
 # One name per concept across the commands. Old spellings keep working, hidden from --help, with one
@@ -133,29 +144,29 @@ RENAMED_VALUES: dict[str, dict[str, dict[str, str]]] = {
 
 
 # `--help` groups the options of every command with more than HELP_PANELS_FROM parameters (the shared --config,
-# --log-level and -q included: 0 is every command) into these panels (rich_help_panel), by parameter name; the
-# shared ones stay under "Options". tests/unit/test_vocabulary.py checks that none is left out.
+# --log-level and -q included: 0 is every command) into these panels (rich_help_panel); the
+# shared ones stay under "Options". An option declared on a config field names its panel there
+# (stage_options.option(panel=...), or the shared alias's rich_help_panel); the names below place, by parameter
+# name, the options of a command not yet made from its config. tests/unit/test_vocabulary.py checks that none is
+# left out, tests/unit/test_stage_options.py that a field's panel is one of these.
 HELP_PANELS_FROM = 0
 PANELS: dict[str, tuple[str, ...]] = {
-    "Model": ("policy", "model", "base", "ref", "rm", "layers", "hidden", "trust_remote_code", "no_verify"),
-    "Data": ("task", "data", "prompts", "prompt_column", "completion_column", "answer_column", "chosen_column",
-             "rejected_column", "source", "prefs", "inp", "split", "num", "num_prompts", "num_examples", "n", "sft",
-             "eval_num", "eval_fraction", "bias", "max_len", "max_length", "reward_fn", "reward_timeout"),
+    "Model": ("model", "base", "ref", "rm", "layers", "hidden"),
+    "Data": ("task", "data", "prompt_column", "completion_column", "prefs", "num_examples", "eval_num", "max_len",
+             "max_length"),
     "Algorithm": ("algo", "clip_low", "clip_high", "dual_clip", "loss_agg", "drop_degenerate", "reward",
                   "length_penalty", "gamma", "lam", "vf_clip", "critic_lr", "critic_init", "old_logprobs", "tis_cap",
                   "margin"),
     "KL": ("beta", "kl_estimator", "kl_in", "target_kl", "max_drift"),
     "Optimization": ("lr", "epochs", "minibatch_size", "batch_size", "batch_tokens", "grad_clip", "warmup_steps",
                      "warmup", "weight_decay", "seed"),
-    "Sampling": ("temperature", "top_p", "max_new_tokens"),
-    "Engine": ("engine", "tp", "gpu_memory_utilization", "colocate", "max_model_len", "enforce_eager", "vllm_lora",
-               "shard"),
-    "Precision & memory": ("device", "dtype", "gradient_checkpointing"),
-    "LoRA": ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets"),
+    "Sampling": (),
+    "Engine": ("shard",),
+    "Precision & memory": ("dtype", "micro_batch_size", "micro_batch_tokens", "packing"),
+    "LoRA": (),
     "Follow": ("follow", "batch_prompts", "max_lag", "max_steps", "keep"),
-    "Output & tracking": ("out", "metrics", "report_to", "run_name", "project", "tensorboard", "logging_steps",
-                          "save_steps", "resume", "as_json", "label", "title", "link", "force"),
-    "What to show": ("rows", "config", "check", "verify"),  # inspect's
+    "Output & tracking": ("logging_steps",),
+    "What to show": (),  # inspect's
     "Run": ("_config", "_log_level", "_quiet"),
 }
 PANEL_OF = {name: panel for panel, names in PANELS.items() for name in names}
@@ -196,9 +207,11 @@ def modernize(args: list[str], warn) -> list[str]:
 
 
 def train_options(dtype: str, gradient_checkpointing: bool, lora_rank: int | None, lora_alpha: float | None,
-                  lora_dropout: float, lora_targets: str | None):
+                  lora_dropout: float, lora_targets: str | None, micro_batch_size: int | None = None,
+                  micro_batch_tokens: int | None = None, packing: bool = True):
     """The shared training flags -> rlkit.training.TrainOptions (checked in the stage's run)."""
     from rlkit.training import TrainOptions, lora_options
 
     return TrainOptions(dtype=dtype, gradient_checkpointing=gradient_checkpointing,
-                        lora=lora_options(lora_rank, lora_alpha, lora_dropout, lora_targets))
+                        lora=lora_options(lora_rank, lora_alpha, lora_dropout, lora_targets),
+                        micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens, packing=packing)

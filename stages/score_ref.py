@@ -27,7 +27,17 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
-from rlkit.options import Device, Force, InTable, NoVerify, OutTable, RewardFn, RewardTimeout, TrustRemoteCode
+from rlkit.options import (
+    Device,
+    Force,
+    InTable,
+    NoVerify,
+    OutTable,
+    Packing,
+    RewardFn,
+    RewardTimeout,
+    TrustRemoteCode,
+)
 
 if TYPE_CHECKING:
     from rlkit.io.manifests import Manifest
@@ -44,35 +54,38 @@ class ScoreRefConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N (rlkit.devices): the reference's and the reward models'
     dtype: str = "auto"  # compute dtype: auto (fp32 on CPU, stored on GPU), stored, fp32
     batch_tokens: int = 16384
+    packing: bool = True  # sequences packed without padding in each forward batch (rlkit.ops.packing)
     shard: str | None = None  # "i/N" of an input file, cut between groups; see rlkit.io.shards
     trust_remote_code: bool = False
     verify: bool = True  # --no-verify: load without the weights' hash check (never for a reference)
     force: bool = False
 
 
-def score_batch(model, batch, pad_id: int, temperature: float, batch_tokens: int) -> list[list[float]]:
+def score_batch(model, batch, pad_id: int, temperature: float, batch_tokens: int, packed: bool = True) -> list[list[float]]:
     """Reference log-probs for every row of a rollouts record batch, in row order."""
     return score_tokens(model, batch.column("prompt_ids").to_pylist(), batch.column("completion_ids").to_pylist(),
-                        pad_id, temperature, batch_tokens)
+                        pad_id, temperature, batch_tokens, packed)
 
 
 def score_tokens(model, prompts: list[list[int]], comps: list[list[int]], pad_id: int, temperature: float,
-                 batch_tokens: int) -> list[list[float]]:
-    """Per-token log-probs of each completion given its prompt, in input order (length-bucketed)."""
+                 batch_tokens: int, packed: bool = True) -> list[list[float]]:
+    """Per-token log-probs of each completion given its prompt, in input order (length-bucketed; each forward
+    batch packed without padding unless packed=False, `rlkit.ops.packing`)."""
     import torch
 
     from rlkit import devices
     from rlkit.io.data import token_batches
-    from rlkit.ops.logprobs import completion_logprobs, pack_sequences
+    from rlkit.ops.logprobs import completion_logprobs
+    from rlkit.ops.packing import layout
 
     out: list[list[float] | None] = [None] * len(prompts)
     device = devices.model_device(model)
     lengths = [len(p) + len(c) for p, c in zip(prompts, comps, strict=True)]
     for idx in token_batches(lengths, batch_tokens):
-        ids, attn, targets, _, start = pack_sequences([prompts[i] for i in idx], [comps[i] for i in idx], pad_id)
+        seqs = layout([[*prompts[i], *comps[i]] for i in idx], [len(prompts[i]) for i in idx], packed=packed,
+                      pad_id=pad_id)
         with torch.no_grad():
-            lp, _ = completion_logprobs(model, *devices.to_device((ids, attn, targets, start), device),
-                                        temperature=temperature)
+            lp, _ = completion_logprobs(model, seqs.to(device), temperature=temperature)
         lp = lp.cpu()  # one copy to the host per forward batch
         for r, i in enumerate(idx):
             out[i] = lp[r, : len(comps[i])].tolist()
@@ -107,7 +120,7 @@ def _score_prefs(cfg, reader, model, tokenizer, out, inputs, reference: dict, li
                 p_ids, r_ids = encode_responses(tokenizer, prompts, batch.column(side).to_pylist())
                 check_pair_lengths(batch, side, p_ids, r_ids, limits, reader.label, row0=rows,
                                    budget=cfg.batch_tokens)
-                lps = score_tokens(model, p_ids, r_ids, tokenizer.pad_token_id, 1.0, cfg.batch_tokens)
+                lps = score_tokens(model, p_ids, r_ids, tokenizer.pad_token_id, 1.0, cfg.batch_tokens, cfg.packing)
                 cols[f"ref_{side}_logp"] = pa.array([sum(x) for x in lps], pa.float64())
             w.write(pa.record_batch([cols[f.name] if f.name in cols else pa.nulls(batch.num_rows, f.type)
                                      for f in w.schema], schema=w.schema))
@@ -311,11 +324,11 @@ def _score_stream(cfg: ScoreRefConfig, batches, w_args, model, tokenizer, temper
                 started = None
             cols = {name: batch.column(name) for name in batch.schema.names}
             if model is not None:
-                ref_lp = score_batch(model, batch, tokenizer.pad_token_id, temperature, cfg.batch_tokens)
+                ref_lp = score_batch(model, batch, tokenizer.pad_token_id, temperature, cfg.batch_tokens, cfg.packing)
                 cols["ref_logprobs"] = pa.array(ref_lp, lp_type)
             prompts, comps = batch.column("prompt").to_pylist(), batch.column("completion").to_pylist()
             for name, (rm, rm_tok) in scorers.items():
-                cols[f"reward/{name}"] = pa.array(score_texts(rm, rm_tok, prompts, comps, cfg.batch_tokens), pa.float64())
+                cols[f"reward/{name}"] = pa.array(score_texts(rm, rm_tok, prompts, comps, cfg.batch_tokens, packed=cfg.packing), pa.float64())
             if fns:
                 rows = reward_fns.columns_of(batch, fns)
                 for f in fns:
@@ -338,6 +351,7 @@ def command(
     device: Device = "auto",
     dtype: Annotated[Literal["auto", "stored", "fp32"], typer.Option(help="Compute dtype: auto (fp32 on CPU, the frozen dtype on GPU), stored or fp32.")] = "auto",
     batch_tokens: Annotated[int, typer.Option(min=16, help="Token budget per forward batch.")] = 16384,
+    packing: Packing = True,
     shard: Annotated[str | None, typer.Option(help="I/N: score only this job's share of --in FILE, cut between groups; `rlkit cat` joins the N outputs.")] = None,
     trust_remote_code: TrustRemoteCode = False,
     no_verify: NoVerify = False,
@@ -346,4 +360,4 @@ def command(
     """Add the frozen reference's per-token log-probs, reward-model and reward-function scores to a rollouts table (streams)."""
     run(ScoreRefConfig(ref=ref, rm=tuple(rm or ()), reward_fn=tuple(reward_fn or ()), reward_timeout=reward_timeout,
                        inp=None if inp is None else str(inp), out=out, device=device, dtype=dtype, batch_tokens=batch_tokens,
-                       shard=shard, trust_remote_code=trust_remote_code, verify=not no_verify, force=force))
+                       packing=packing, shard=shard, trust_remote_code=trust_remote_code, verify=not no_verify, force=force))

@@ -28,8 +28,11 @@ from rlkit.options import (
     LoraRank,
     LoraTargets,
     Metrics,
+    MicroBatchSize,
+    MicroBatchTokens,
     NoVerify,
     OutDir,
+    Packing,
     Project,
     ReportTo,
     Resume,
@@ -59,7 +62,8 @@ class SftConfig:
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
     warmup: float = 0.05
-    weight_decay: float = 0.01
+    weight_decay: float = 0.01  # sft's own, with adam_betas; AdamW's other settings are rlkit's (rlkit.training.Optim)
+    adam_betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
     batch_tokens: int = 512
     max_len: int = 256
@@ -91,6 +95,18 @@ def _lr_lambda(total: int, warmup: int, min_ratio: float):
     return f
 
 
+def _check_budget(cfg: SftConfig, ids: list[list[int]]) -> None:
+    """--micro-batch-tokens must hold each example: one line naming the first that does not fit."""
+    from rlkit.errors import RlkitError
+
+    budget = cfg.train.micro_batch_tokens
+    for i, x in enumerate(ids):
+        if budget is not None and len(x) > budget:
+            raise RlkitError(f"sft: example {i} is {len(x)} tokens long (prompt + completion), more than "
+                             f"--micro-batch-tokens {budget}; raise --micro-batch-tokens to at least {len(x)}, or "
+                             "lower --max-length")
+
+
 def run(cfg: SftConfig) -> Path:
     """Claims --out (see `claims.claim_out`: never over an input, one writer) and runs the stage."""
     from rlkit import devices
@@ -105,9 +121,7 @@ def run(cfg: SftConfig) -> Path:
 
 
 def _run(cfg: SftConfig, tracker) -> Path:
-    import math
     import random
-    import time
 
     import torch
 
@@ -124,7 +138,6 @@ def _run(cfg: SftConfig, tracker) -> Path:
     if cfg.model != checkpoints.TINY:
         cfg = replace(cfg, tiny=None)
     claims.check_out(cfg.out, "model")
-    from rlkit import training
     from rlkit.training import distributed, resume
 
     cfg.train.check(distributed=distributed.launched())
@@ -155,8 +168,10 @@ def _run(cfg: SftConfig, tracker) -> Path:
     else:  # fp32 master weights whatever --dtype (rlkit.training)
         model, tokenizer = checkpoints.load_policy(cfg.model, "fp32", cfg.trust_remote_code)
         base = Path(cfg.model) if Path(cfg.model).is_dir() else None
-    model = training.prepare_model(model, train, "causal-lm", base=base)
-    prec = training.Precision(train.dtype, dev.type)
+    from rlkit.ops.logprobs import completion_logprobs_local
+    from rlkit.training import Optim
+    from rlkit.training.engine import Engine
+    from rlkit.training.supervised import CrossEntropy, fit
 
     if source is not None:
         prompts = data.render_prompts(tokenizer, source, for_sft=True)
@@ -174,6 +189,7 @@ def _run(cfg: SftConfig, tracker) -> Path:
     if truncated:
         console.warn(f"{truncated} examples longer than --max-length {cfg.max_len} were truncated")
 
+    _check_budget(cfg, ids)
     devices.announce("sft", dev, train.dtype)  # once the data is known good: work starts
     rng = random.Random(cfg.seed)
     lengths = [len(s) for s in ids]
@@ -182,77 +198,25 @@ def _run(cfg: SftConfig, tracker) -> Path:
     snaps = resume.Snapshots("sft", cfg.out, cfg, inputs, cfg.save_steps, dp=dp, mode=cfg.resume)
     snap = snaps.find(total)  # one line when a snapshot is there: resumed from, or not and why
     tracker.start(resume.tracking_of(cfg.tracking, snap), "sft", cfg)  # a resumed run: its tracker run too
-    if snap is not None:
-        snaps.restore_weights(snap, model)  # before sharding: every rank loads the full tensors
-    if dp is not None:
-        model = distributed.shard_model(model, dp)
-        console.info(f"sft: data-parallel over {dp.world} processes ({dp.device.type}, FSDP2)")
-    else:
-        model.to(dev)
+    objective = CrossEntropy()
+    engine = Engine(model, objective, Optim(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.adam_betas,
+                                            grad_clip=cfg.grad_clip),
+                    train=train, base=base, dp=dp, device=dev, tokenizer=tokenizer,
+                    shard_fn=completion_logprobs_local, name="sft",
+                    # before sharding: every rank loads the snapshot's full tensors
+                    setup=(lambda m: snaps.restore_weights(snap, m)) if snap is not None else None)
+    model, prec = engine.model, engine.prec
     devices.reset_peak_memory(dev)
-    opt = training.make_adamw(model, cfg.lr, cfg.weight_decay, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total, max(1, int(cfg.warmup * total)), cfg.min_lr_ratio))
-    model.train()
-    t0, tokens, ema = time.monotonic(), 0, None
-    start = (0, 0)  # (epoch, batch) to train first
-    if snap is not None:  # its AdamW, LR position, RNG, loss scale and running figures
-        got = snaps.restore(snap, model, opt, prec, sched=sched, device=dev)
-        start, tokens, ema = (got["epoch"], got["batch"]), int(got["tokens"]), got["ema"]
-        t0 -= got["train_seconds"]
-    with console.progress("sft", total) as bar:
-        if snap is not None:
-            bar.advance(snap.step)
-        for epoch, batches in enumerate(epochs):  # the whole plan is drawn up front: a resumed run skips ahead
-            for b, batch in enumerate(batches):
-                if (epoch, b) < start:
-                    continue
-                share = 1.0
-                if dp is not None:  # this rank's rows; the loss is a mean over predicted tokens
-                    batch, share = distributed.split_rows(batch, dp, lambda rows: sum(len(ids[i]) - plens[i] for i in rows))
-                input_ids, mask, labels = data.collate_sft([ids[i] for i in batch], [plens[i] for i in batch],
-                                                           tokenizer.pad_token_id)
-                n_tokens = int(mask.sum())  # on the host, before the batch moves
-                input_ids, mask, labels = devices.to_device((input_ids, mask, labels), dev)
-                opt.zero_grad(set_to_none=True)
-                with prec.autocast():
-                    loss = model(input_ids=input_ids, attention_mask=mask, labels=labels, use_cache=False).loss.float() * share
-                prec.backward(loss)
-                groups = [(model.parameters(), opt, cfg.grad_clip)]
-                norms = prec.clip(groups)
-                value, norm = devices.host([loss, *norms])  # the step's one host sync
-                if dp is not None:
-                    value = distributed.all_sum([value / dp.world], dp)[0]
-                if not math.isfinite(value):
-                    # the failure path only: were the starting weights finite? (later, a diverged step may have made them not)
-                    from rlkit.errors import non_finite_cause
-
-                    why = non_finite_cause({"the starting weights": model}) if sched.last_epoch == 0 else None
-                    raise RlkitError(f"non-finite SFT loss at step {sched.last_epoch}; " + (why or f"lower --lr (now {cfg.lr})"))
-                stepped = prec.apply(groups, math.isfinite(norm))
-                if not stepped and prec.scaler is None:
-                    # the failure path only: were the starting weights finite? (later, a diverged step may have made them not)
-                    from rlkit.errors import non_finite_cause
-
-                    why = non_finite_cause({"the starting weights": model}) if sched.last_epoch == 0 else None
-                    raise RlkitError(f"non-finite gradient at SFT step {sched.last_epoch}; " + (why or f"lower --lr (now {cfg.lr})"))
-                sched.step()
-                tokens += n_tokens if share else 0
-                ema = value if ema is None else 0.95 * ema + 0.05 * value
-                bar.advance(1, loss=ema, **{"tok/s": int(tokens / (time.monotonic() - t0))})
-                # the trackers first: a kill right after a snapshot must not lose that step's row
-                if sched.last_epoch % cfg.logging_steps == 0:  # to the trackers alone: --metrics holds the run's row
-                    tracker.log({"step": sched.last_epoch, "loss": value, "loss_ema": ema, "lr": sched.get_last_lr()[0],
-                                 "grad_norm": norm}, axis="sft/train")
-                if snaps.due(sched.last_epoch):
-                    snaps.save(sched.last_epoch, total, model, opt, prec, sched=sched, device=dev,
-                               position={"epoch": epoch, "batch": b + 1},
-                               figures={"ema": ema, "train_seconds": time.monotonic() - t0, "run_name": tracker.run_name},
-                               per_rank={"tokens": tokens})
-    train_s = time.monotonic() - t0
+    fitted = fit(engine, objective.plan(ids, plens), epochs,
+                 _lr_lambda(total, max(1, int(cfg.warmup * total)), cfg.min_lr_ratio),
+                 name="sft", snaps=snaps, snap=snap, tracker=tracker, logging_steps=cfg.logging_steps,
+                 show=lambda f: {"loss": f.ema, "tok/s": int(f.tokens / max(f.seconds, 1e-9))})
+    ema, tokens, train_s = fitted.ema, fitted.tokens, fitted.seconds
     if dp is not None:
         tokens = int(distributed.all_sum([tokens], dp)[0])
     metrics = {"train_loss": ema, "steps": total, "examples": len(ids), "tokens": tokens,
-               "train_seconds": round(train_s, 2), "tokens_per_s": round(tokens / train_s, 1)}
+               "train_seconds": round(train_s, 2), "tokens_per_s": round(tokens / train_s, 1),
+               "padding_fraction": fitted.padding_fraction}
     if prec.scaler is not None:
         metrics.update(loss_scale=prec.scaler.get_scale(), skipped_steps=prec.skipped)
     metrics.update(devices.peak_memory(dev))
@@ -304,6 +268,9 @@ def command(
     device: Device = "auto",
     dtype: TrainDtype = "auto",
     gradient_checkpointing: GradCheckpointing = False,
+    micro_batch_size: MicroBatchSize = None,
+    micro_batch_tokens: MicroBatchTokens = None,
+    packing: Packing = True,
     lora_rank: LoraRank = None,
     lora_alpha: LoraAlpha = None,
     lora_dropout: LoraDropout = 0.0,
@@ -326,7 +293,8 @@ def command(
         out=out, model=model, task=task, data=data, prompt_column=prompt_column, completion_column=completion_column,
         num_examples=num_examples, epochs=epochs, lr=lr, warmup=warmup, weight_decay=weight_decay,
         batch_tokens=batch_tokens, max_len=max_len, eval_num=eval_num, seed=seed,
-        train=train_options(dtype, gradient_checkpointing, lora_rank, lora_alpha, lora_dropout, lora_targets), device=device,
+        train=train_options(dtype, gradient_checkpointing, lora_rank, lora_alpha, lora_dropout, lora_targets,
+                                    micro_batch_size, micro_batch_tokens, packing), device=device,
         tiny=TinyConfig(layers=layers, hidden=hidden, heads=max(1, hidden // 32), intermediate=4 * hidden),
         trust_remote_code=trust_remote_code, verify=not no_verify, metrics=metrics, force=force,
         save_steps=save_steps,

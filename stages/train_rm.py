@@ -28,8 +28,11 @@ from rlkit.options import (
     LoraRank,
     LoraTargets,
     Metrics,
+    MicroBatchSize,
+    MicroBatchTokens,
     NoVerify,
     OutDir,
+    Packing,
     Project,
     ReportTo,
     Resume,
@@ -57,6 +60,8 @@ class TrainRmConfig:
     out: Path
     epochs: int = 3
     lr: float = 5e-5  # fine-tuning a pretrained policy: 5e-4 wrecked what SFT taught it (docs/rlhf.md)
+    weight_decay: float = 0.01  # train-rm's own; AdamW's other settings are rlkit's defaults (rlkit.training.Optim)
+    grad_clip: float = 1.0
     batch_size: int = 32
     margin: float = 0.0
     max_length: int = 256
@@ -88,7 +93,6 @@ def run(cfg: TrainRmConfig) -> Path:
 
 def _run(cfg: TrainRmConfig, tracker) -> Path:
     import json
-    import math
     import random
 
     from rlkit import console
@@ -105,7 +109,7 @@ def _run(cfg: TrainRmConfig, tracker) -> Path:
             raise RlkitError(f"{flag} {v}: expected an integer >= 1")
     from rlkit.training import distributed, resume
 
-    cfg.train.check(distributed=distributed.launched())
+    cfg.train.check(distributed=distributed.launched(), step_rows=cfg.batch_size, step_flag="--batch-size")
     tracking.check(cfg.tracking)
     resume.check(cfg.save_steps, cfg.resume, cfg.out)  # and nothing at the snapshot path that is not rlkit's
     from rlkit import devices
@@ -127,95 +131,48 @@ def _run(cfg: TrainRmConfig, tracker) -> Path:
 
     import torch
 
-    from rlkit import training
-    from rlkit.ops.preference import bradley_terry_loss, pair_accuracy
-    from rlkit.tasks.reward_model import encode_pairs, forward_scores, forward_scores_local, score_texts
+    from rlkit.ops.preference import pair_accuracy
+    from rlkit.tasks.reward_model import encode_pairs, score_texts, seq_scores_local
+    from rlkit.training import Optim
+    from rlkit.training.engine import Engine
+    from rlkit.training.supervised import BradleyTerry, fit
 
     dp = distributed.init(cfg.device)  # None unless started by torchrun
     torch.manual_seed(cfg.seed)
     model, tok = _load_base(cfg)
-    model = training.prepare_model(model, train_opts, "seq-cls", base=cfg.base)
-    prec = training.Precision(train_opts.dtype, dev.type)
-    steps = cfg.epochs * -(-len(train) // cfg.batch_size)
-    snaps = resume.Snapshots("train-rm", cfg.out, cfg, inputs, cfg.save_steps, dp=dp, mode=cfg.resume)
-    snap = snaps.find(steps)  # one line when a snapshot is there: resumed from, or not and why
-    if snap is not None:
-        snaps.restore_weights(snap, model)  # before sharding: every rank loads the full tensors
-    if dp is not None:
-        model = distributed.shard_model(model, dp, forward_scores_local)
-        console.info(f"train-rm: data-parallel over {dp.world} processes ({dp.device.type}, FSDP2)")
-    else:
-        model.to(dev)
-    devices.reset_peak_memory(dev)
     chosen = encode_pairs(tok, t["prompt"], t["chosen"], cfg.max_length)
     rejected = encode_pairs(tok, t["prompt"], t["rejected"], cfg.max_length)
-    opt = training.make_adamw(model, cfg.lr, 0.01, betas=(0.9, 0.99))
+    _check_budget(cfg, src.label, t, chosen, rejected, train)
+    rng = random.Random(cfg.seed)  # the batch order of every epoch, drawn up front: a resumed run skips ahead
+    lengths = [max(len(chosen[i]), len(rejected[i])) for i in train]
+    epochs = [length_grouped_batches(train, lengths, cfg.batch_size, rng) for _ in range(cfg.epochs)]
+    steps = sum(len(e) for e in epochs)
+    snaps = resume.Snapshots("train-rm", cfg.out, cfg, inputs, cfg.save_steps, dp=dp, mode=cfg.resume)
+    snap = snaps.find(steps)  # one line when a snapshot is there: resumed from, or not and why
+    objective = BradleyTerry(cfg.margin)
+    engine = Engine(model, objective, Optim(lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip),
+                    train=train_opts, kind="seq-cls", base=cfg.base, dp=dp, device=dev, tokenizer=tok,
+                    shard_fn=seq_scores_local, name="train-rm",
+                    # before sharding: every rank loads the snapshot's full tensors
+                    setup=(lambda m: snaps.restore_weights(snap, m)) if snap is not None else None)
+    model = engine.model
+    devices.reset_peak_memory(dev)
     devices.announce("train-rm", dev, train_opts.dtype)  # once the data is known good: work starts
-    rng = random.Random(cfg.seed)
-    losses, step = [], 0
     tracker.start(resume.tracking_of(cfg.tracking, snap), "train-rm", cfg)  # a resumed run: its tracker run too
-    start = (0, 0)  # (epoch, batch) to train first
-    if snap is not None:  # its AdamW, RNG, loss scale, losses, and the batch order's RNG at its epoch's start
-        got = snaps.restore(snap, model, opt, prec, device=dev)
-        start, step, losses = (got["epoch"], got["batch"]), got["step"], got["losses"]
-        rng.setstate(resume.rng_from_json(got["rng"]))
-    model.train()
-    with console.progress("train-rm", steps) as bar:
-        if snap is not None:
-            bar.advance(step)
-        for epoch in range(start[0], cfg.epochs):
-            epoch_rng = rng.getstate()
-            for b, idx in enumerate(length_grouped_batches(train, [max(len(chosen[i]), len(rejected[i])) for i in train],
-                                                           cfg.batch_size, rng)):
-                if (epoch, b) < start:
-                    continue
-                share = 1.0
-                if dp is not None:  # this rank's pairs; the loss is a mean over pairs
-                    idx, share = distributed.split_rows(idx, dp, len)
-                opt.zero_grad(set_to_none=True)
-                for g in opt.param_groups:  # linear decay to 10%
-                    g["lr"] = cfg.lr * (1 - 0.9 * step / max(1, steps))
-                with prec.autocast():
-                    scores = forward_scores(model, [chosen[i] for i in idx] + [rejected[i] for i in idx],
-                                            tok.pad_token_id)
-                loss = bradley_terry_loss(scores[: len(idx)], scores[len(idx):], cfg.margin).mean() * share
-                prec.backward(loss)
-                groups = [(model.parameters(), opt, 1.0)]
-                norms = prec.clip(groups)
-                value, norm = devices.host([loss, *norms])  # the step's one host sync
-                if dp is not None:
-                    value = distributed.all_sum([value / dp.world], dp)[0]
-                if not math.isfinite(value):
-                    # the failure path only: were the starting weights finite? (later, a diverged step may have made them not)
-                    from rlkit.errors import non_finite_cause
-
-                    why = non_finite_cause({"the starting weights": model}) if step == 0 else None
-                    raise RlkitError(f"non-finite loss at step {step}; nothing was written"
-                                     + (f": {why}" if why else f" (lower --lr, now {cfg.lr})"))
-                stepped = prec.apply(groups, math.isfinite(norm))
-                if not stepped and prec.scaler is None:
-                    # the failure path only: were the starting weights finite? (later, a diverged step may have made them not)
-                    from rlkit.errors import non_finite_cause
-
-                    why = non_finite_cause({"the starting weights": model}) if step == 0 else None
-                    raise RlkitError(f"non-finite gradient at step {step}; nothing was written"
-                                     + (f": {why}" if why else f" (lower --lr, now {cfg.lr})"))
-                step += 1
-                losses.append(value)
-                bar.advance(1, loss=_recent_loss(losses))  # its last value is final_loss
-                # the trackers first: a kill right after a snapshot must not lose that step's row
-                if step % cfg.logging_steps == 0:  # to the trackers alone: --metrics holds the run's row
-                    tracker.log({"step": step, "loss": value, "lr": opt.param_groups[0]["lr"], "grad_norm": norm},
-                                axis="train-rm/train")
-                if snaps.due(step):
-                    snaps.save(step, steps, model, opt, prec, device=dev, figures={"losses": losses, "run_name": tracker.run_name},
-                               position={"epoch": epoch, "batch": b + 1, "rng": resume.rng_to_json(epoch_rng)})
+    fitted = fit(engine, objective.plan(chosen, rejected, range(len(chosen))), epochs,
+                 lambda step: 1 - 0.9 * step / max(1, steps),  # linear decay to 10%
+                 name="train-rm", snaps=snaps, snap=snap, tracker=tracker, logging_steps=cfg.logging_steps,
+                 show=lambda f: {"loss": _recent_loss(f.losses)})  # its last value is final_loss
+    step, losses = len(fitted.losses), fitted.losses
     model.eval()
     prompts = [t["prompt"][i] for i in held]
-    sc = score_texts(model, tok, prompts, [t["chosen"][i] for i in held], max_length=cfg.max_length)
-    sr = score_texts(model, tok, prompts, [t["rejected"][i] for i in held], max_length=cfg.max_length)
+    sc = score_texts(model, tok, prompts, [t["chosen"][i] for i in held], max_length=cfg.max_length,
+                     packed=train_opts.packing)
+    sr = score_texts(model, tok, prompts, [t["rejected"][i] for i in held], max_length=cfg.max_length,
+                     packed=train_opts.packing)
     metrics = {
         "heldout_pairs": len(held), "train_pairs": len(train), "optimizer_steps": step,
+        "padding_fraction": fitted.padding_fraction,
         "heldout_pair_accuracy": pair_accuracy(torch.tensor(sc), torch.tensor(sr)),
         "heldout_mean_margin": sum(c - r for c, r in zip(sc, sr, strict=True)) / len(held),
         "final_loss": _recent_loss(losses),
@@ -246,6 +203,22 @@ def _run(cfg: TrainRmConfig, tracker) -> Path:
     console.info(f"train-rm: -> {cfg.out}  " + json.dumps({"heldout_pair_accuracy": round(metrics["heldout_pair_accuracy"], 4)}))
     distributed.barrier(dp)
     return cfg.out
+
+
+def _check_budget(cfg: TrainRmConfig, label: str, t: dict, chosen, rejected, train: list[int]) -> None:
+    """--micro-batch-tokens must hold each train pair (both sides run in one forward pass): one line naming the
+    first pair that does not fit."""
+    from rlkit.errors import RlkitError
+
+    budget = cfg.train.micro_batch_tokens
+    if budget is None:
+        return
+    for i in train:
+        n = len(chosen[i]) + len(rejected[i])
+        if n > budget:
+            raise RlkitError(f"{label}: row {i} (a pair of {len(chosen[i])} + {len(rejected[i])} tokens, chosen and "
+                             f"rejected, which run in one forward pass) is longer than --micro-batch-tokens {budget}; "
+                             f"raise --micro-batch-tokens to at least {n}, or lower --max-length")
 
 
 def length_grouped_batches(items: list[int], lengths: list[int], batch_size: int, rng) -> list[list[int]]:
@@ -379,6 +352,9 @@ def command(
     device: Device = "auto",
     dtype: TrainDtype = "auto",
     gradient_checkpointing: GradCheckpointing = False,
+    micro_batch_size: MicroBatchSize = None,
+    micro_batch_tokens: MicroBatchTokens = None,
+    packing: Packing = True,
     lora_rank: LoraRank = None,
     lora_alpha: LoraAlpha = None,
     lora_dropout: LoraDropout = 0.0,
@@ -392,7 +368,8 @@ def command(
     """Train a reward model on preference pairs; prints held-out pair accuracy and a sanity report."""
     run(TrainRmConfig(base=base, prefs=prefs, out=out, epochs=epochs, lr=lr, batch_size=batch_size, margin=margin,
                       max_length=max_length, seed=seed,
-                      train=train_options(dtype, gradient_checkpointing, lora_rank, lora_alpha, lora_dropout, lora_targets),
+                      train=train_options(dtype, gradient_checkpointing, lora_rank, lora_alpha, lora_dropout, lora_targets,
+                                    micro_batch_size, micro_batch_tokens, packing),
                       device=device, trust_remote_code=trust_remote_code, verify=not no_verify, force=force,
                       save_steps=save_steps,
                       metrics=metrics, tracking=tracking_options(report_to, project, run_name, tensorboard),

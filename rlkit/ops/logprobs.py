@@ -75,15 +75,21 @@ class _TokenLogprob(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         logits, targets, lse = ctx.saved_tensors
         t, chunk = ctx.temperature, ctx.chunk
-        out = logits  # the gradient is written over the logits, chunk by chunk (see the class docstring)
+        # the gradient is written over the logits, chunk by chunk (see the class docstring); in fp32 at
+        # temperature 1 every operation is in place on the logits themselves: no temporary at all
         for s in range(0, logits.shape[1], chunk):
             sl = slice(s, s + chunk)
-            p = torch.exp(logits[:, sl].float() / t - lse[:, sl].unsqueeze(-1))  # softmax
+            d = logits[:, sl].float()  # the logits' own storage in fp32, a chunk's copy in half precision
+            if t != 1.0:
+                d = d / t
             g = grad[:, sl].unsqueeze(-1)
-            d = -p * g
+            d.sub_(lse[:, sl].unsqueeze(-1)).exp_().mul_(-g)  # -softmax * grad
             d.scatter_add_(-1, targets[:, sl].unsqueeze(-1), g)
-            out[:, sl] = d / t if t != 1.0 else d
-        return out, None, None, None
+            if t != 1.0:
+                d.div_(t)
+            if d.data_ptr() != logits[:, sl].data_ptr():
+                logits[:, sl] = d
+        return logits, None, None, None
 
 
 def pack_sequences(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], pad_id: int):

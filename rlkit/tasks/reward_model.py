@@ -58,18 +58,23 @@ def forward_scores(model, ids: Sequence[Sequence[int]], pad_id: int, packed: boo
     """Scores (B,) float32 for a batch of token-id lists: the score head at each sequence's last token, the
     sequences packed into rows without padding (`rlkit.ops.packing`; packed=False: right-padded rows); keeps
     the autograd graph."""
-    root = getattr(model, "_rlkit_fsdp_root", None)
-    if root is not None:  # FSDP2 (train-rm under torchrun): through the root unit, fn = forward_scores_local
-        return root(ids, pad_id, packed)
-    return forward_scores_local(model, ids, pad_id, packed)
-
-
-def forward_scores_local(model, ids: Sequence[Sequence[int]], pad_id: int, packed: bool = True):
     from rlkit import devices
-    from rlkit.ops.logprobs import hidden_states
     from rlkit.ops.packing import layout
 
-    seqs = layout(ids, [len(x) for x in ids], packed=packed, pad_id=pad_id).to(devices.model_device(model))
+    return seq_scores(model, layout(ids, [len(x) for x in ids], packed=packed, pad_id=pad_id).to(devices.model_device(model)))
+
+
+def seq_scores(model, seqs):
+    """Scores (r,) float32 of laid-out sequences `seqs` (`rlkit.ops.packing.Seqs`, on the model's device)."""
+    root = getattr(model, "_rlkit_fsdp_root", None)
+    if root is not None:  # FSDP2 (train-rm under torchrun): through the root unit, fn = seq_scores_local
+        return root(seqs)
+    return seq_scores_local(model, seqs)
+
+
+def seq_scores_local(model, seqs):
+    from rlkit.ops.logprobs import hidden_states
+
     return model.score(hidden_states(model, seqs)[seqs.last]).squeeze(-1).float()
 
 

@@ -237,11 +237,13 @@ class Engine:
 
     `train` (TrainOptions): precision, gradient checkpointing, LoRA (a fresh adapter on `model`, whose
     weights came from directory `base`), micro-batches and packing. `dp`: data parallelism (FSDP2);
-    `shard_fn`: the forward FSDP's root unit runs (`rlkit.training.distributed.shard_model`)."""
+    `shard_fn`: the forward FSDP's root unit runs (`rlkit.training.distributed.shard_model`); `setup(model)`:
+    runs once the model is prepared (LoRA), before it is sharded or moved."""
 
     def __init__(self, model, objective: Objective, optim: Optim, *, train: TrainOptions = TrainOptions(),
                  kind: str = "causal-lm", base: Path | None = None, dp: DataParallel | None = None, device=None,
-                 tokenizer=None, trust_remote_code: bool = False, shard_fn=None, name: str = "train") -> None:
+                 tokenizer=None, trust_remote_code: bool = False, shard_fn=None, name: str = "train",
+                 setup: Callable[[Any], None] | None = None) -> None:
         from rlkit import training
 
         self.objective, self.optim, self.name = objective, optim, name
@@ -251,6 +253,8 @@ class Engine:
         self.tokenizer, self.train_options, self.dp, self.trust_remote_code = tokenizer, train, dp, trust_remote_code
         self.prec = Precision(train.dtype, self.device.type)
         model = training.prepare_model(model, train, kind, base=base)
+        if setup is not None:  # e.g. a resume snapshot's weights: on the whole model, before it is sharded
+            setup(model)
         if dp is not None:
             from rlkit import console
             from rlkit.training import distributed

@@ -190,7 +190,7 @@ def test_sft_names_nan_starting_weights_not_the_lr(nan_checkpoint, tmp_path):
     msg = str(e.value)  # ours, or a load-time check's if one catches it first: either way NaN, not --lr
     assert "NaN" in msg and "--lr" not in msg, msg
     if msg.startswith("non-finite"):
-        assert msg == f"non-finite SFT loss at step 0; the starting weights hold NaN in {name}", msg
+        assert msg == f"non-finite loss at optimizer step 0; nothing was written: the starting weights hold NaN in {name}", msg
     assert not (tmp_path / "o").exists()
 
 
@@ -208,5 +208,5 @@ def test_train_rm_names_nan_starting_weights_not_the_lr(nan_checkpoint, tmp_path
     msg = str(e.value)  # ours, or a load-time check's if one catches it first: either way NaN, not --lr
     assert "NaN" in msg and "--lr" not in msg, msg
     if msg.startswith("non-finite"):  # the reward model's body is the policy's `model.` (its head is `score`)
-        assert msg == f"non-finite loss at step 0; nothing was written: the starting weights hold NaN in {name}", msg
+        assert msg == f"non-finite loss at optimizer step 0; nothing was written: the starting weights hold NaN in {name}", msg
     assert not (tmp_path / "rm").exists()
