@@ -180,9 +180,12 @@ def peak_memory(device) -> dict[str, float]:
     return {"gpu_mem_peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3)}
 
 
-# the flags that lower a stage's memory, in the order worth trying
-MEMORY_FLAGS = ("--minibatch-size", "--batch-tokens", "--gradient-checkpointing", "--lora-rank",
-                "--gpu-memory-utilization")
+# the flags that lower a stage's memory, in the order worth trying: micro-batches first (the same update in
+# less memory), --minibatch-size last among the sizes shown and never advised (it changes the algorithm:
+# more optimizer steps per batch, more off-policy)
+MEMORY_FLAGS = ("--micro-batch-size", "--micro-batch-tokens", "--batch-tokens", "--gradient-checkpointing",
+                "--lora-rank", "--gpu-memory-utilization")
+SIZE_FLAGS = ("--minibatch-size", *MEMORY_FLAGS)
 
 
 _OOM_TEXTS = ("can't allocate memory", "CUDA out of memory", "No available memory for the cache blocks")
@@ -197,13 +200,13 @@ def is_out_of_memory(e: BaseException) -> bool:
 
 
 def out_of_memory(stage: str, params: dict[str, Any], e: BaseException) -> OutOfMemory:
-    """One line: the stage, the sizes in force (those of `params` among MEMORY_FLAGS and --device/--dtype)
-    and the flags that would lower memory."""
+    """One line: the stage, the sizes in force (those of `params` among SIZE_FLAGS and --device/--dtype)
+    and the flags that would lower memory without changing the algorithm (MEMORY_FLAGS)."""
     def flag(k: str) -> str:
         return "--" + k.replace("_", "-")
 
     have = {flag(k): v for k, v in params.items()}
-    sizes = [f"{f} {have[f]}" for f in (*MEMORY_FLAGS, "--dtype", "--device") if have.get(f) not in (None, False)]
+    sizes = [f"{f} {have[f]}" for f in (*SIZE_FLAGS, "--dtype", "--device") if have.get(f) not in (None, False)]
     sizes = [s.replace(" True", "") for s in sizes]
     lower = [f for f in MEMORY_FLAGS if f in have and not (f == "--gradient-checkpointing" and have[f])]
     where = "host" if isinstance(e, MemoryError) or "can't allocate memory" in str(e) else "GPU"

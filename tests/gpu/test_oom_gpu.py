@@ -93,7 +93,7 @@ def test_update_out_of_gpu_memory_is_one_line_exit_71_and_writes_nothing(long_ro
     line = errors[0]
     print(f"\n{line}")
     assert re.fullmatch(rf"rlkit: error: update: out of GPU memory with --minibatch-size {ROWS}\b.*; lower it with "
-                        r"--minibatch-size\b.*; nothing was written", line), line
+                        r"--micro-batch-size\b.*; nothing was written", line), line
     assert "Traceback" not in err and r.stdout == b""
     # nothing at --out: no directory, no leftovers, not even the parent it created; no metrics line
     assert not out.exists() and not out.parent.exists()

@@ -247,5 +247,6 @@ def test_out_of_memory_is_one_line_naming_the_flags_and_writes_nothing(tmp_path)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 71 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert lines[-1] == ("rlkit: error: sft: out of host memory with --batch-tokens 1000000, --dtype auto, --device "
-                         "auto; lower it with --batch-tokens, --gradient-checkpointing, --lora-rank; nothing was written")
+                         "auto; lower it with --micro-batch-size, --micro-batch-tokens, --batch-tokens, --gradient-checkpointing, "
+                         "--lora-rank; nothing was written")
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == []
