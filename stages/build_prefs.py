@@ -13,33 +13,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated
 
-import typer
-
+from rlkit import stage_options
 from rlkit.options import Device, Force, NoVerify, OutTable, PromptColumn, Seed, Task, TrustRemoteCode
+from rlkit.stage_options import option
 
 
 @dataclass(frozen=True)
 class BuildPrefsConfig:
-    out: Path | None = None
-    policy: Path | None = None
-    task: str = "arithmetic"
-    num_prompts: int = 512
-    n: int = 4
-    temperature: float = 1.0
-    max_new_tokens: int = 16
-    eval_fraction: float = 0.1
-    bias: str | None = None  # None | "length"
-    source: str | None = None  # --from: an existing preference set
-    prompt_column: str = "prompt"
-    chosen_column: str = "chosen"
-    rejected_column: str = "rejected"
-    seed: int = 0
-    device: str = "auto"  # where the policy samples: auto | cpu | cuda | cuda:N (rlkit.devices)
-    trust_remote_code: bool = False
-    verify: bool = True  # --no-verify: load without the weights' hash check (never for a reference)
-    force: bool = False
+    policy: Path | None = option(None, "--policy", panel="Model", help="Policy to sample from (usually the SFT checkpoint).")
+    task: str = option("arithmetic", Task)
+    num_prompts: int = option(512, min=1, panel="Data", help="Train prompts to build pairs for.")
+    n: int = option(4, "--n", min=1, panel="Data", help="Samples per prompt to find correct and wrong answers.")
+    temperature: float = option(1.0, panel="Sampling", help="Sampling temperature.")
+    max_new_tokens: int = option(16, min=1, panel="Sampling", help="Longest sampled answer, in tokens.")
+    eval_fraction: float = option(0.1, panel="Data", help="Fraction of prompts marked split=heldout (stable per prompt).")
+    # None | "length"
+    bias: str | None = option(None, panel="Data", help="'length': the deliberately flawed set where the longer answer always wins.")
+    source: str | None = option(None, "--from", panel="Data", help="Import a preference set instead (.arrow/.parquet/.jsonl or datasets spec).")
+    prompt_column: str = option("prompt", PromptColumn)
+    chosen_column: str = option("chosen", panel="Data", help="Column of --from holding the preferred response.")
+    rejected_column: str = option("rejected", panel="Data", help="Column of --from holding the other response.")
+    seed: int = option(0, Seed)
+    device: str = option("auto", Device)  # where the policy samples (rlkit.devices)
+    out: Path | None = option(None, OutTable)
+    trust_remote_code: bool = option(False, TrustRemoteCode)
+    verify: bool = option(True, NoVerify, invert=True)  # --no-verify: no hash check of the policy (never for a reference)
+    force: bool = option(False, Force)
 
 
 def run(cfg: BuildPrefsConfig) -> Path | None:
@@ -150,29 +150,5 @@ def _imported(cfg: BuildPrefsConfig):
     return rows, {"from": src.fingerprint}, cfg
 
 
-def command(
-    policy: Annotated[Path | None, typer.Option("--policy", help="Policy to sample from (usually the SFT checkpoint).")] = None,
-    task: Task = "arithmetic",
-    num_prompts: Annotated[int, typer.Option(min=1, help="Train prompts to build pairs for.")] = 512,
-    n: Annotated[int, typer.Option("--n", min=1, help="Samples per prompt to find correct and wrong answers.")] = 4,
-    temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 1.0,
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Longest sampled answer, in tokens.")] = 16,
-    eval_fraction: Annotated[float, typer.Option(help="Fraction of prompts marked split=heldout (stable per prompt).")] = 0.1,
-    bias: Annotated[str | None, typer.Option(help="'length': the deliberately flawed set where the longer answer always wins.")] = None,
-    source: Annotated[str | None, typer.Option("--from", help="Import a preference set instead (.arrow/.parquet/.jsonl or datasets spec).")] = None,
-    prompt_column: PromptColumn = "prompt",
-    chosen_column: Annotated[str, typer.Option(help="Column of --from holding the preferred response.")] = "chosen",
-    rejected_column: Annotated[str, typer.Option(help="Column of --from holding the other response.")] = "rejected",
-    seed: Seed = 0,
-    device: Device = "auto",
-    out: OutTable = None,
-    trust_remote_code: TrustRemoteCode = False,
-    no_verify: NoVerify = False,
-    force: Force = False,
-) -> None:
-    """Build preference pairs (chosen/rejected) from verified samples, or import a preference set."""
-    run(BuildPrefsConfig(out=out, policy=policy, task=task, num_prompts=num_prompts, n=n, temperature=temperature,
-                         max_new_tokens=max_new_tokens, eval_fraction=eval_fraction, bias=bias, source=source,
-                         prompt_column=prompt_column, chosen_column=chosen_column, rejected_column=rejected_column,
-                         seed=seed, device=device, trust_remote_code=trust_remote_code, verify=not no_verify,
-                         force=force))
+command = stage_options.command(
+    BuildPrefsConfig, "Build preference pairs (chosen/rejected) from verified samples, or import a preference set.")

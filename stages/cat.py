@@ -17,19 +17,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
 
-import typer
-
+from rlkit import stage_options
 from rlkit.options import OutTable
+from rlkit.stage_options import argument, option
 
 CARRIED = ("tokenizer", "engine", "temperature", "rollout", "reference", "reference_digest", "reward_models")
 
 
 @dataclass(frozen=True)
 class CatConfig:
-    inputs: tuple[str, ...]
-    out: Path | None = None
+    inputs: tuple[str, ...] = argument(help="Tables to join: the shards of one run (any order), or tables of one kind; '-' reads stdin.", show_default=False)
+    out: Path | None = option(None, OutTable)
 
 
 def _settings(m: dict) -> tuple:
@@ -111,9 +110,5 @@ def _run(cfg: CatConfig) -> Path | None:
     return out
 
 
-def command(
-    inputs: Annotated[list[str], typer.Argument(help="Tables to join: the shards of one run (any order), or tables of one kind; '-' reads stdin.", show_default=False)],
-    out: OutTable = None,
-) -> None:
-    """Join tables of one kind, e.g. the shards of `rollout --shard I/N`, into the table one job gives."""
-    run(CatConfig(inputs=tuple(inputs), out=out))
+command = stage_options.command(
+    CatConfig, "Join tables of one kind, e.g. the shards of `rollout --shard I/N`, into the table one job gives.")

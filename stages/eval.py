@@ -8,50 +8,46 @@ JSON with --json (each sample with the prompt token ids the model saw: chat temp
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
 
-import typer
-
+from rlkit import stage_options
 from rlkit.io.tracking import TrackingConfig
 from rlkit.options import (
+    TRACKING,
     AnswerColumn,
     Device,
     Metrics,
     NoVerify,
     PolicyDir,
-    Project,
     PromptColumn,
-    ReportTo,
-    RunName,
     Seed,
     Task,
-    TensorBoardDir,
     TrustRemoteCode,
-    tracking_options,
 )
+from rlkit.stage_options import nested, option
 
 
 @dataclass(frozen=True)
 class EvalConfig:
-    policy: Path
-    task: str = "arithmetic"
-    prompts: str | None = None
-    prompt_column: str = "prompt"
-    answer_column: str = "answer"
-    num: int = 300
-    max_new_tokens: int = 16
-    batch_tokens: int = 16384
-    seed: int = 0
-    as_json: bool = False
-    metrics: Path | None = None
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)  # --report-to, --run-name, --project, --tensorboard
-    label: str | None = None
-    rm: Path | None = None  # also report the mean reward-model score of the same responses
-    device: str = "auto"  # auto | cpu | cuda | cuda:N (rlkit.devices)
-    trust_remote_code: bool = False
-    verify: bool = True  # --no-verify: load without the weights' hash check (never for a reference)
+    policy: Path = option(..., PolicyDir)
+    task: str = option("arithmetic", Task)
+    prompts: str | None = option(None, panel="Data", help="Prompts file (.arrow/.parquet/.jsonl), '-' for a table on stdin, or a datasets spec, instead of the task's held-out split.")
+    prompt_column: str = option("prompt", PromptColumn)
+    answer_column: str = option("answer", AnswerColumn)
+    num: int = option(300, "--num-prompts", min=1, panel="Data", help="Number of held-out prompts.")
+    max_new_tokens: int = option(16, min=1, panel="Sampling", help="Longest response, in tokens.")
+    batch_tokens: int = option(16384, min=16, panel="Optimization", help="Token budget per generation batch.")
+    as_json: bool = option(False, "--json", panel="Output & tracking", help="Print JSON to stdout instead of tables.")
+    metrics: Path | None = option(None, Metrics)
+    tracking: TrackingConfig = nested(TRACKING)  # --report-to, --run-name, --project, --tensorboard
+    label: str | None = option(None, panel="Output & tracking", help="A name recorded with the figures (e.g. 'round-3').")
+    # also report the mean reward-model score of the same responses
+    rm: Path | None = option(None, "--rm", panel="Model", help="Reward model DIR: also report the mean score it gives the same responses.")
+    seed: int = option(0, Seed)
+    device: str = option("auto", Device)
+    trust_remote_code: bool = option(False, TrustRemoteCode)
+    verify: bool = option(True, NoVerify, invert=True)  # --no-verify: no hash check of the policy (never for a reference)
 
 
 def run(cfg: EvalConfig) -> dict:
@@ -139,30 +135,4 @@ def _run(cfg: EvalConfig) -> dict:
     return result
 
 
-def command(
-    policy: PolicyDir,
-    task: Task = "arithmetic",
-    prompts: Annotated[str | None, typer.Option(help="Prompts file (.arrow/.parquet/.jsonl), '-' for a table on stdin, or a datasets spec, instead of the task's held-out split.")] = None,
-    prompt_column: PromptColumn = "prompt",
-    answer_column: AnswerColumn = "answer",
-    num: Annotated[int, typer.Option("--num-prompts", min=1, help="Number of held-out prompts.")] = EvalConfig.num,
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Longest response, in tokens.")] = EvalConfig.max_new_tokens,
-    batch_tokens: Annotated[int, typer.Option(min=16, help="Token budget per generation batch.")] = EvalConfig.batch_tokens,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON to stdout instead of tables.")] = False,
-    metrics: Metrics = None,
-    report_to: ReportTo = None,
-    run_name: RunName = None,
-    project: Project = TrackingConfig.project,
-    tensorboard: TensorBoardDir = None,
-    label: Annotated[str | None, typer.Option(help="A name recorded with the figures (e.g. 'round-3').")] = None,
-    rm: Annotated[Path | None, typer.Option("--rm", help="Reward model DIR: also report the mean score it gives the same responses.")] = None,
-    seed: Seed = 0,
-    device: Device = "auto",
-    trust_remote_code: TrustRemoteCode = False,
-    no_verify: NoVerify = False,
-) -> None:
-    """Greedy held-out accuracy, response length and sample responses of a policy."""
-    run(EvalConfig(policy=policy, task=task, prompts=prompts, prompt_column=prompt_column, answer_column=answer_column,
-                   num=num, max_new_tokens=max_new_tokens, batch_tokens=batch_tokens, seed=seed, as_json=as_json,
-                   metrics=metrics,
-                   tracking=tracking_options(report_to, project, run_name, tensorboard), label=label, rm=rm, device=device, trust_remote_code=trust_remote_code, verify=not no_verify))
+command = stage_options.command(EvalConfig, "Greedy held-out accuracy, response length and sample responses of a policy.")

@@ -17,22 +17,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 
-import typer
-
+from rlkit import stage_options
 from rlkit.options import Force, NoVerify, OutDir, PolicyDir, TrustRemoteCode
+from rlkit.stage_options import option
 
 
 @dataclass(frozen=True)
 class FreezeRefConfig:
-    policy: Path
-    out: Path
-    dtype: str | None = None  # None: bf16, or with `link` the stored dtype
-    link: bool = False  # hard-link the policy's weights instead of writing a copy
-    trust_remote_code: bool = False
-    verify: bool = True  # --no-verify: load without the weights' hash check (never for a reference)
-    force: bool = False
+    policy: Path = option(..., PolicyDir)
+    out: Path = option(..., OutDir)
+    # None: bf16, or with `link` the stored dtype
+    dtype: Literal["fp32", "bf16", "fp16"] | None = option(None, panel="Precision & memory", help="Reference dtype: fp32, bf16 or fp16 (default bf16; with --link the stored one).")
+    link: bool = option(False, "--link", panel="Output & tracking", help="Hard-link the policy's weights instead of writing a copy (no extra disk: the reference of a LoRA run is its base); same filesystem, stored dtype, still hash-checked. Not for a LoRA checkpoint, which freezes merged.")
+    trust_remote_code: bool = option(False, TrustRemoteCode)
+    verify: bool = option(True, NoVerify, invert=True)  # --no-verify: no hash check of the policy (never for a reference)
+    force: bool = option(False, Force)
 
 
 def run(cfg: FreezeRefConfig) -> Path:
@@ -132,15 +133,5 @@ def _link(cfg: FreezeRefConfig, tmp: Path, manifest: dict) -> dict:
     return manifest
 
 
-def command(
-    policy: PolicyDir,
-    out: OutDir,
-    dtype: Annotated[Literal["fp32", "bf16", "fp16"] | None, typer.Option(help="Reference dtype: fp32, bf16 or fp16 (default bf16; with --link the stored one).")] = None,
-    link: Annotated[bool, typer.Option("--link", help="Hard-link the policy's weights instead of writing a copy (no extra disk: the reference of a LoRA run is its base); same filesystem, stored dtype, still hash-checked. Not for a LoRA checkpoint, which freezes merged.")] = False,
-    trust_remote_code: TrustRemoteCode = False,
-    no_verify: NoVerify = False,
-    force: Force = False,
-) -> None:
-    """Freeze a policy as the hash-checked KL reference, in fp32, bf16 or fp16 (a LoRA checkpoint: merged)."""
-    run(FreezeRefConfig(policy=policy, out=out, dtype=dtype, link=link, trust_remote_code=trust_remote_code, verify=not no_verify,
-                        force=force))
+command = stage_options.command(
+    FreezeRefConfig, "Freeze a policy as the hash-checked KL reference, in fp32, bf16 or fp16 (a LoRA checkpoint: merged).")

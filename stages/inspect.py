@@ -9,21 +9,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import typer
+
+from rlkit import stage_options
+from rlkit.stage_options import argument, option
 
 _LINEAGE_KEYS = ("policy", "model", "base", "ref", "data", "prompts", "prefs")
 
 
 @dataclass(frozen=True)
 class InspectConfig:
-    path: Path
-    rows: int = 5
-    verify: bool = False
-    as_json: bool = False
-    check: bool = False
-    config: bool = False
+    path: Path = argument(help="A table (.arrow) or a model directory.")
+    rows: int = option(5, min=0, panel="What to show", help="How many first rows of a table to show.")
+    verify: bool = option(False, "--verify", panel="What to show", help="Read the weights now and compare their sha256 with the manifest; exit 2 on a mismatch (also with --check and --json).")
+    as_json: bool = option(False, "--json", panel="Output & tracking", help="Print JSON to stdout instead of tables.")
+    check: bool = option(False, "--check", panel="What to show", help="Only tell whether PATH exists and its inputs are unchanged: exit 0 if so, 1 if not (for scripts).")
+    config: bool = option(False, "--config", panel="What to show", help="Print the options the command that made PATH ran with, as a TOML file that `--config` reads (`rlkit inspect CKPT --config > run.toml`, then e.g. `rlkit update --config run.toml --out next/`); where that run wrote (out, metrics, tensorboard, run_name) is written commented out, so the next run names its own outputs.")
 
 
 def is_current(path: Path) -> bool:
@@ -230,13 +233,4 @@ def _verify_now(p: Path, manifest: dict | None) -> None:
                          "they were written)")
 
 
-def command(
-    path: Annotated[Path, typer.Argument(help="A table (.arrow) or a model directory.")],
-    rows: Annotated[int, typer.Option(min=0, help="How many first rows of a table to show.")] = 5,
-    verify: Annotated[bool, typer.Option("--verify", help="Read the weights now and compare their sha256 with the manifest; exit 2 on a mismatch (also with --check and --json).")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON to stdout instead of tables.")] = False,
-    check: Annotated[bool, typer.Option("--check", help="Only tell whether PATH exists and its inputs are unchanged: exit 0 if so, 1 if not (for scripts).")] = False,
-    config: Annotated[bool, typer.Option("--config", help="Print the options the command that made PATH ran with, as a TOML file that `--config` reads (`rlkit inspect CKPT --config > run.toml`, then e.g. `rlkit update --config run.toml --out next/`); where that run wrote (out, metrics, tensorboard, run_name) is written commented out, so the next run names its own outputs.")] = False,
-) -> None:
-    """Show an artifact's manifest, schema, rows, size, hash and lineage."""
-    run(InspectConfig(path=path, rows=rows, verify=verify, as_json=as_json, check=check, config=config))
+command = stage_options.command(InspectConfig, "Show an artifact's manifest, schema, rows, size, hash and lineage.")

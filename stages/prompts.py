@@ -9,22 +9,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 
-import typer
-
+from rlkit import stage_options
 from rlkit.options import Force, OutTable, Seed, Task
+from rlkit.stage_options import option
 
 
 @dataclass(frozen=True)
 class PromptsConfig:
-    out: Path | None = None
-    task: str = "arithmetic"
-    split: str = "train"
-    num: int = 1000
-    seed: int = 0
-    sft: bool = False
-    force: bool = False
+    task: str = option("arithmetic", Task)
+    split: Literal["train", "heldout"] = option("train", panel="Data", help="Which split: train or heldout (they never overlap).")
+    num: int = option(1000, "--num-prompts", min=1, panel="Data", help="Number of rows.")
+    sft: bool = option(False, "--sft", panel="Data", help="Write prompt/completion pairs (an 'sft' table) instead.")
+    seed: int = option(0, Seed)
+    out: Path | None = option(None, OutTable)
+    force: bool = option(False, Force)
 
 
 def run(cfg: PromptsConfig) -> Path | None:
@@ -64,14 +64,4 @@ def _run(cfg: PromptsConfig) -> Path | None:
     return out
 
 
-def command(
-    task: Task = "arithmetic",
-    split: Annotated[Literal["train", "heldout"], typer.Option(help="Which split: train or heldout (they never overlap).")] = "train",
-    num: Annotated[int, typer.Option("--num-prompts", min=1, help="Number of rows.")] = 1000,
-    sft: Annotated[bool, typer.Option("--sft", help="Write prompt/completion pairs (an 'sft' table) instead.")] = False,
-    seed: Seed = 0,
-    out: OutTable = None,
-    force: Force = False,
-) -> None:
-    """Write a task's prompts (or SFT pairs) as an Arrow table."""
-    run(PromptsConfig(out=out, task=task, split=split, num=num, seed=seed, sft=sft, force=force))
+command = stage_options.command(PromptsConfig, "Write a task's prompts (or SFT pairs) as an Arrow table.")

@@ -15,11 +15,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
 
-import typer
-
+from rlkit import stage_options
 from rlkit.options import output_path
+from rlkit.stage_options import argument, option
 
 FORMATS = (".png", ".svg", ".pdf", ".html")
 
@@ -45,9 +44,9 @@ PANELS = (
 
 @dataclass(frozen=True)
 class ReportConfig:
-    metrics: tuple[str, ...]  # FILE or NAME=FILE
-    out: Path
-    title: str | None = None
+    metrics: tuple[str, ...] = argument(help="Metrics files (JSON lines from update/eval --metrics), each FILE or NAME=FILE.", show_default=False)
+    out: Path = option(..., "--out", "-o", parser=output_path, panel="Output & tracking", help="Picture to write: .png, .svg, .pdf, or .html (picture and summary table in one page).")
+    title: str | None = option(None, panel="Output & tracking", help="Title over the panels.")
 
 
 @dataclass
@@ -308,10 +307,5 @@ def _run(cfg: ReportConfig) -> Path:
     return cfg.out
 
 
-def command(
-    metrics: Annotated[list[str], typer.Argument(help="Metrics files (JSON lines from update/eval --metrics), each FILE or NAME=FILE.", show_default=False)],
-    out: Annotated[Path, typer.Option("--out", "-o", parser=output_path, help="Picture to write: .png, .svg, .pdf, or .html (picture and summary table in one page).")],
-    title: Annotated[str | None, typer.Option(help="Title over the panels.")] = None,
-) -> None:
-    """Plot reward, held-out accuracy, KL, length, entropy, clip fraction and drift per step; runs overlaid."""
-    run(ReportConfig(metrics=tuple(metrics), out=out, title=title))
+command = stage_options.command(
+    ReportConfig, "Plot reward, held-out accuracy, KL, length, entropy, clip fraction and drift per step; runs overlaid.")

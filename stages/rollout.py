@@ -19,11 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Literal
 
-import typer
-
-from rlkit import engines
+from rlkit import engines, stage_options
 from rlkit.options import (
     AnswerColumn,
     Device,
@@ -38,6 +36,7 @@ from rlkit.options import (
     Task,
     TrustRemoteCode,
 )
+from rlkit.stage_options import option
 
 if TYPE_CHECKING:
     from rlkit.engines import Engine
@@ -47,42 +46,43 @@ EngineName = Literal[engines.names()]  # auto and every registered --engine, sho
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    policy: Path
-    out: Path | None = None
-    task: str = "arithmetic"
-    prompts: str | None = None
-    prompt_column: str = "prompt"
-    answer_column: str = "answer"
-    num_prompts: int | None = None  # task default 64; a prompts file: all rows
-    n: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 16
-    seed: int = 0
-    engine: str = "auto"
-    batch_tokens: int = 16384
-    tp: int = 1
-    gpu_memory_utilization: float | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    enforce_eager: bool = False
-    vllm_lora: str = "adapter"  # a LoRA checkpoint on vLLM: adapter (vLLM's LoRA) or merge (merged weights)
-    chunk_prompts: int = 64
-    shard: str | None = None  # "i/N": this job's share of the prompts (whole chunks), see rlkit.io.shards
+    policy: Path = option(..., PolicyDir)
+    task: str = option("arithmetic", Task)
+    prompts: str | None = option(None, panel="Data", help="Prompts file (.arrow/.parquet/.jsonl), '-' for stdin, or datasets spec; default: the task's train split.")
+    prompt_column: str = option("prompt", PromptColumn)
+    answer_column: str = option("answer", AnswerColumn)
+    num_prompts: int | None = option(None, min=1, panel="Data", help="Prompts to sample for (task default 64; a file: all rows).")
+    n: int = option(8, "--n", min=1, panel="Data", help="Completions per prompt (the group size).")
+    temperature: float = option(1.0, panel="Sampling", help="Sampling temperature (> 0).")
+    top_p: float = option(1.0, panel="Sampling", help="Nucleus sampling threshold.")
+    max_new_tokens: int = option(16, min=1, panel="Sampling", help="Longest completion, in tokens.")
+    engine: EngineName = option("auto", panel="Engine", help="Rollout engine: hf, vllm, or auto (vLLM when it imports and a GPU is present, else hf).")
+    batch_tokens: int = option(16384, min=16, panel="Optimization", help="Token budget per generation batch (hf engine).")
+    tp: int = option(1, "--tp", min=1, panel="Engine", help="vLLM tensor-parallel size (GPUs per engine).")
+    gpu_memory_utilization: float | None = option(None, min=0.01, max=1.0, panel="Engine", help="vLLM memory fraction (on a GPU default: what --colocate's models leave, capped at 0.9, or 0.5 without --colocate; 0.3 on vLLM's CPU backend). See docs/gpu.md.")
+    # models other stages run on the same GPU meanwhile (score-ref's --ref, --rm): vLLM's memory share leaves them room
+    colocate: tuple[Path, ...] = option((), "--colocate", panel="Engine", help="A model another stage of the pipe runs on this GPU at the same time, e.g. score-ref's --ref and --rm (repeatable): rollout's vLLM leaves room for it (its weights x 1.25, plus 2 GiB for CUDA contexts) when it sizes --gpu-memory-utilization. See docs/gpu.md.")
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = option("auto", panel="Precision & memory", help="Sampling dtype: auto (the checkpoint's), fp32, bf16 or fp16 (the hf engine samples in fp32; other dtypes need --engine vllm).")
+    max_model_len: int | None = option(None, min=16, panel="Engine", help="vLLM context length (default: the model's).")
+    enforce_eager: bool = option(False, "--enforce-eager", panel="Engine", help="vLLM: no CUDA graphs (faster start-up).")
+    vllm_lora: Literal["adapter", "merge"] = option("adapter", panel="Engine", help="vLLM on a LoRA checkpoint: adapter (vLLM's LoRA: the base's weights plus the adapter per request; a --follow reload swaps adapters) or merge (the merged weights, written to a temporary directory: no LoRA kernels, a weights write per reload). The hf engine always merges.")
+    # "i/N": this job's share of the prompts (whole chunks), see rlkit.io.shards
+    shard: str | None = option(None, panel="Engine", help="I/N: sample only this job's share of the prompts (0 <= I < N); `rlkit cat` joins the N shards into the table one job gives.")
     # --follow DIR: stream batches of `batch_prompts` prompts forever, switching to DIR's newest step
     # between batches (see rlkit.io.follow and `update --follow`)
-    follow: Path | None = None
-    batch_prompts: int | None = None  # default 64
-    max_lag: int = 1  # batch b starts once DIR's newest step is >= (start step) + b - max_lag
-    max_steps: int | None = None  # stop after the batch that trains step (--policy's step) + max_steps
-    reward_fn: tuple[str, ...] = ()  # NAME=FILE.py:FUNC user reward functions, each adds reward/NAME
-    reward_timeout: float = 60.0  # seconds one --reward-fn call may run (0: no limit)
-    trust_remote_code: bool = False
-    verify: bool = True  # --no-verify: load without the weights' hash check (never for a reference)
-    force: bool = False
-    device: str = "auto"  # auto | cpu | cuda | cuda:N (rlkit.devices); vllm runs on its own GPU, checked against this
-    # models other stages run on the same GPU meanwhile (score-ref's --ref, --rm): vLLM's memory share leaves them room
-    colocate: tuple[Path, ...] = ()
+    follow: Path | None = option(None, "--follow", panel="Follow", help="Persistent: stream batches of --batch-prompts prompts without end, each sampled by the newest complete step-NNNNNN/ in this directory (written by `update --follow`), loaded into the live engine between batches. See docs/follow.md.")
+    batch_prompts: int | None = option(None, min=1, panel="Follow", help="--follow: prompts per batch (default 64); batch b samples the prompts of `--seed SEED+b+1` (a --prompts file: its rows in turn).")
+    max_lag: int = option(1, min=0, panel="Follow", help="--follow: batch b waits until the newest step is at least (start step) + b - K, so rows are at most K steps older than the policy they train; 0 is synchronous (the per-round pipeline's result).")
+    max_steps: int | None = option(None, min=1, panel="Follow", help="--follow: stop after the batch that trains step (--policy's step) + N.")
+    reward_fn: tuple[str, ...] = option((), RewardFn)  # NAME=FILE.py:FUNC user reward functions, each adds reward/NAME
+    reward_timeout: float = option(60.0, RewardTimeout)  # seconds one --reward-fn call may run (0: no limit)
+    seed: int = option(0, Seed)
+    device: str = option("auto", Device)  # vllm runs on its own GPU, checked against this
+    out: Path | None = option(None, OutTable)
+    trust_remote_code: bool = option(False, TrustRemoteCode)
+    verify: bool = option(True, NoVerify, invert=True)  # --no-verify: no hash check of the policy (never for a reference)
+    force: bool = option(False, Force)
+    chunk_prompts: int = 64  # prompts per generation chunk (a shard is whole chunks); no flag
 
 
 def run(cfg: RolloutConfig) -> Path | None:
@@ -484,48 +484,5 @@ def _sample(cfg: RolloutConfig, engine: Engine, tokenizer, task, w, bar, chunks,
         bar.advance(len(rows), **({"reward": sum(cols["reward/verifier"]) / len(rows)} if scored else {}))
 
 
-def command(
-    policy: PolicyDir,
-    task: Task = "arithmetic",
-    prompts: Annotated[str | None, typer.Option(help="Prompts file (.arrow/.parquet/.jsonl), '-' for stdin, or datasets spec; default: the task's train split.")] = None,
-    prompt_column: PromptColumn = "prompt",
-    answer_column: AnswerColumn = "answer",
-    num_prompts: Annotated[int | None, typer.Option(min=1, help="Prompts to sample for (task default 64; a file: all rows).")] = None,
-    n: Annotated[int, typer.Option("--n", min=1, help="Completions per prompt (the group size).")] = 8,
-    temperature: Annotated[float, typer.Option(help="Sampling temperature (> 0).")] = 1.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling threshold.")] = 1.0,
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Longest completion, in tokens.")] = 16,
-    engine: Annotated[EngineName, typer.Option(help="Rollout engine: hf, vllm, or auto (vLLM when it imports and a GPU is present, else hf).")] = "auto",
-    batch_tokens: Annotated[int, typer.Option(min=16, help="Token budget per generation batch (hf engine).")] = 16384,
-    tp: Annotated[int, typer.Option("--tp", min=1, help="vLLM tensor-parallel size (GPUs per engine).")] = 1,
-    gpu_memory_utilization: Annotated[float | None, typer.Option(min=0.01, max=1.0, help="vLLM memory fraction (on a GPU default: what --colocate's models leave, capped at 0.9, or 0.5 without --colocate; 0.3 on vLLM's CPU backend). See docs/gpu.md.")] = None,
-    colocate: Annotated[list[Path] | None, typer.Option("--colocate", help="A model another stage of the pipe runs on this GPU at the same time, e.g. score-ref's --ref and --rm (repeatable): rollout's vLLM leaves room for it (its weights x 1.25, plus 2 GiB for CUDA contexts) when it sizes --gpu-memory-utilization. See docs/gpu.md.")] = None,
-    dtype: Annotated[Literal["auto", "fp32", "bf16", "fp16"], typer.Option(help="Sampling dtype: auto (the checkpoint's), fp32, bf16 or fp16 (the hf engine samples in fp32; other dtypes need --engine vllm).")] = "auto",
-    max_model_len: Annotated[int | None, typer.Option(min=16, help="vLLM context length (default: the model's).")] = None,
-    enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="vLLM: no CUDA graphs (faster start-up).")] = False,
-    vllm_lora: Annotated[Literal["adapter", "merge"], typer.Option(help="vLLM on a LoRA checkpoint: adapter (vLLM's LoRA: the base's weights plus the adapter per request; a --follow reload swaps adapters) or merge (the merged weights, written to a temporary directory: no LoRA kernels, a weights write per reload). The hf engine always merges.")] = "adapter",
-    shard: Annotated[str | None, typer.Option(help="I/N: sample only this job's share of the prompts (0 <= I < N); `rlkit cat` joins the N shards into the table one job gives.")] = None,
-    follow: Annotated[Path | None, typer.Option("--follow", help="Persistent: stream batches of --batch-prompts prompts without end, each sampled by the newest complete step-NNNNNN/ in this directory (written by `update --follow`), loaded into the live engine between batches. See docs/follow.md.")] = None,
-    batch_prompts: Annotated[int | None, typer.Option(min=1, help="--follow: prompts per batch (default 64); batch b samples the prompts of `--seed SEED+b+1` (a --prompts file: its rows in turn).")] = None,
-    max_lag: Annotated[int, typer.Option(min=0, help="--follow: batch b waits until the newest step is at least (start step) + b - K, so rows are at most K steps older than the policy they train; 0 is synchronous (the per-round pipeline's result).")] = 1,
-    max_steps: Annotated[int | None, typer.Option(min=1, help="--follow: stop after the batch that trains step (--policy's step) + N.")] = None,
-    reward_fn: RewardFn = None,
-    reward_timeout: RewardTimeout = 60.0,
-    seed: Seed = 0,
-    device: Device = "auto",
-    out: OutTable = None,
-    trust_remote_code: TrustRemoteCode = False,
-    no_verify: NoVerify = False,
-    force: Force = False,
-) -> None:
-    """Sample n completions per prompt with log-probs and verifier rewards; streams a rollouts table."""
-    run(RolloutConfig(policy=policy, out=out, task=task, prompts=prompts, prompt_column=prompt_column,
-                      answer_column=answer_column, num_prompts=num_prompts, n=n, temperature=temperature,
-                      top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, engine=engine,
-                      batch_tokens=batch_tokens, tp=tp, gpu_memory_utilization=gpu_memory_utilization, dtype=dtype,
-                      max_model_len=max_model_len, enforce_eager=enforce_eager, vllm_lora=vllm_lora, shard=shard,
-                      follow=follow,
-                      batch_prompts=batch_prompts, max_lag=max_lag, max_steps=max_steps,
-                      reward_fn=tuple(reward_fn or ()), reward_timeout=reward_timeout,
-                      trust_remote_code=trust_remote_code, verify=not no_verify, force=force, device=device,
-                      colocate=tuple(colocate or ())))
+command = stage_options.command(
+    RolloutConfig, "Sample n completions per prompt with log-probs and verifier rewards; streams a rollouts table.")

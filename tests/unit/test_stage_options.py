@@ -1,0 +1,143 @@
+"""Each stage option is declared once, on its config dataclass field (rlkit.stage_options): the command, its
+--help panels and the --config loader all read that one declaration, and nothing else names the option."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import typer
+
+from rlkit import options, stage_options
+from rlkit.cli import app, command
+from rlkit.stage_options import Group, nested, option
+
+# the commands made from their config (stage_options.command); the rest still list their flags in `command(...)`
+CONVERTED = ("prompts", "build-prefs", "freeze-ref", "rollout", "eval", "cat", "inspect", "report")
+SHARED = {"_config", "_log_level", "_quiet"}  # --config FILE, --log-level, -q: every command's, added by rlkit.cli
+CALLBACKS = {c.name: c.callback for c in app.registered_commands}
+
+
+def _config(name: str) -> type:
+    cfg = getattr(CALLBACKS[name], "config", None)
+    assert cfg is not None, f"rlkit {name}: its command is not made from its config (stage_options.command)"
+    return cfg
+
+
+def _fields_with_options(cls: type) -> dict[str, object]:
+    return {f.name: f.metadata[stage_options.OPTION] for f in dataclasses.fields(cls) if stage_options.OPTION in f.metadata}
+
+
+@pytest.mark.parametrize("name", CONVERTED)
+def test_every_option_is_one_config_field_and_every_option_field_one_option(name):
+    cls = _config(name)
+    plan = stage_options.params(cls)
+    click_params = [p for p in command().commands[name].params if p.name not in SHARED]
+    assert [p.name for p in click_params] == [p.name for p in plan]  # the same options, in the same order
+    by_field: dict[str, list[str]] = {}
+    for p in plan:
+        by_field.setdefault(p.field.partition(".")[0], []).append(p.name)
+    for field_name, meta in _fields_with_options(cls).items():
+        made = by_field.pop(field_name, [])
+        if isinstance(meta, Group):
+            assert made == list(meta.options), (name, field_name, made)
+        else:
+            assert len(made) == 1, (name, field_name, made)
+    assert not by_field, f"{name}: options from no field: {by_field}"
+
+
+@pytest.mark.parametrize("name", CONVERTED)
+def test_the_stage_module_declares_no_option_outside_its_config(name):
+    """No hand-written typer signature beside the config: the module has no typer.Option, typer.Argument or
+    Annotated parameter, and its command is the generated one."""
+    fn = CALLBACKS[name]
+    source = inspect.getsource(inspect.getmodule(_config(name)))
+    for word in ("typer.Option(", "typer.Argument(", "Annotated[", "def command("):
+        assert word not in source, f"rlkit {name}: {word} in {fn.__module__}"
+
+
+@pytest.mark.parametrize("name", CONVERTED)
+def test_the_command_line_defaults_are_the_config_defaults(name):
+    """Parsed by click with only the required values given, the command line makes exactly the config Python
+    gets with those values: no default is declared twice (a nested config's flags rebuild its defaults too)."""
+    cls = _config(name)
+    hints = typing.get_type_hints(cls)
+    args: list[str] = []
+    required: dict[str, object] = {}
+    for p in stage_options.params(cls):
+        if p.default is not inspect.Parameter.empty:
+            continue
+        t = hints[p.field]
+        many = typing.get_origin(t) is tuple
+        required[p.field] = ("x.arrow",) if many else (Path("x") if t is Path else "x")
+        flag = next((o for o in _click(name, p.name).opts if o.startswith("--")), None)
+        args += ["x.arrow"] if many else ([flag, "x"] if flag else ["x"])
+    cmd = command().commands[name]
+    with cmd.make_context(name, args) as ctx:
+        got = stage_options.config_from(cls, ctx.params)
+    assert got == cls(**required)
+
+
+def _click(name: str, param: str):
+    return next(p for p in command().commands[name].params if p.name == param)
+
+
+@pytest.mark.parametrize("name", CONVERTED)
+def test_the_help_panel_is_the_fields(name):
+    """Each option's --help panel comes with its declaration (typer's own tree, before rlkit.cli falls back to
+    options.PANELS), and is one of the panels options.PANELS lists."""
+    fresh = typer.main.get_command(app).commands[name]
+    for p in fresh.params:
+        if p.param_type_name == "option":
+            assert p.rich_help_panel in options.PANELS, (name, p.name, p.rich_help_panel)
+
+
+def test_panels_name_only_options_not_declared_on_a_config():
+    """options.PANELS places, by name, the options of the commands not yet made from their config: a name there
+    that only converted commands have would be a second declaration of its panel."""
+    listed = {n for names in options.PANELS.values() for n in names}
+    elsewhere = {p.name for n, c in command().commands.items() if n not in CONVERTED for p in c.params}
+    assert listed <= elsewhere | SHARED, sorted(listed - elsewhere - SHARED)
+
+
+def test_the_mechanism_refuses_an_option_declared_twice():
+    @dataclass(frozen=True)
+    class Twice:
+        a: int = option(1, "--a", name="x", panel="Data", help="a")
+        b: int = option(2, "--b", name="x", panel="Data", help="b")
+
+    with pytest.raises(TypeError, match="two fields are the option 'x'"):
+        stage_options.params(Twice)
+    with pytest.raises(TypeError, match="shared alias"):
+        option(0, options.Seed, help="its own help as well")
+    with pytest.raises(TypeError, match="must be an option"):
+        Group(Twice, a=1)
+
+
+@dataclass(frozen=True)
+class _Inner:
+    k: int = 3
+
+
+@dataclass(frozen=True)
+class _Demo:
+    inp: str | None = option(None, options.InTable)
+    names: tuple[str, ...] = option((), "--name", panel="Data", help="repeatable")
+    verify: bool = option(True, options.NoVerify, invert=True)
+    inner: _Inner = nested(Group(_Inner, k=option(3, "--k", min=1, panel="Data", help="k")))
+    fixed: int = 7  # no option
+
+
+def test_values_turn_into_the_fields_types():
+    """A repeatable option's list is the field's tuple, a path the string a str field holds, an inverted flag
+    its negation, a nested config rebuilt from its flags; a plain field keeps its default."""
+    plan = stage_options.params(_Demo)
+    assert [p.name for p in plan] == ["inp", "names", "no_verify", "k"]
+    assert [p.default for p in plan] == [None, None, False, 3]
+    got = stage_options.config_from(_Demo, {"inp": Path("r.arrow"), "names": ["a", "b"], "no_verify": True, "k": 5})
+    assert got == _Demo(inp="r.arrow", names=("a", "b"), verify=False, inner=_Inner(5))
+    assert stage_options.config_from(_Demo, {"inp": None, "names": None, "no_verify": False, "k": 3}) == _Demo()
