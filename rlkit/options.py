@@ -90,9 +90,9 @@ Device = Annotated[str, typer.Option("--device", metavar="<auto|cpu|cuda|cuda:N>
 TrainDtype = Annotated[Literal["auto", "fp32", "bf16", "fp16"], typer.Option("--dtype", rich_help_panel="Precision & memory", help="Compute dtype: auto (bf16 on a GPU with bf16 kernels, fp32 on the CPU), fp32, bf16 or fp16. bf16/fp16 run the forward and backward under autocast over fp32 master weights and fp32 AdamW state (the saved checkpoint is fp32); fp16 adds a dynamic loss scale. See docs/precision-lora.md.")]
 GradCheckpointing = Annotated[bool, typer.Option("--gradient-checkpointing", rich_help_panel="Precision & memory", help="Recompute activations in backward (transformers' non-reentrant gradient checkpointing): less memory, ~30% more compute.")]
 # Micro-batches and packing (sft, train-rm, update; score-ref packs too): see rlkit.training.engine, rlkit.ops.packing
-MicroBatchSize = Annotated[int | None, typer.Option("--micro-batch-size", help="Rows per forward/backward pass: each optimizer step runs as micro-batches of this many rows whose gradients accumulate into ONE step, with every loss term normalised over the whole step (the same update as one forward, in less memory). Default: the whole step in one pass on the CPU; on a GPU, micro-batches of 16384 tokens.")]
-MicroBatchTokens = Annotated[int | None, typer.Option("--micro-batch-tokens", help="Like --micro-batch-size, but rows are taken while their prompt + completion tokens fit in this many (a row longer than it is refused, naming the row).")]
-Packing = Annotated[bool, typer.Option("--packing/--no-packing", help="Pack the sequences of each forward pass into rows without padding, each with its own position ids and an attention that never crosses a sequence boundary (FlashAttention's varlen kernel when the model uses it); --no-packing: one right-padded row per sequence.")]
+MicroBatchSize = Annotated[int | None, typer.Option("--micro-batch-size", rich_help_panel="Precision & memory", help="Rows per forward/backward pass: each optimizer step runs as micro-batches of this many rows whose gradients accumulate into ONE step, with every loss term normalised over the whole step (the same update as one forward, in less memory). Default: the whole step in one pass on the CPU; on a GPU, micro-batches of 16384 tokens.")]
+MicroBatchTokens = Annotated[int | None, typer.Option("--micro-batch-tokens", rich_help_panel="Precision & memory", help="Like --micro-batch-size, but rows are taken while their prompt + completion tokens fit in this many (a row longer than it is refused, naming the row).")]
+Packing = Annotated[bool, typer.Option("--packing/--no-packing", rich_help_panel="Precision & memory", help="Pack the sequences of each forward pass into rows without padding, each with its own position ids and an attention that never crosses a sequence boundary (FlashAttention's varlen kernel when the model uses it); --no-packing: one right-padded row per sequence.")]
 LoraRank = Annotated[int | None, typer.Option("--lora-rank", rich_help_panel="LoRA", help="Train a LoRA adapter of this rank (peft) instead of every weight; the checkpoint holds the adapter in PEFT's layout plus the base model's path and hashes.")]
 LoraAlpha = Annotated[float | None, typer.Option("--lora-alpha", rich_help_panel="LoRA", help="LoRA scaling alpha (default 2 x --lora-rank).")]
 LoraDropout = Annotated[float, typer.Option("--lora-dropout", rich_help_panel="LoRA", help="LoRA dropout on the adapter's input.")]
@@ -151,7 +151,7 @@ RENAMED_VALUES: dict[str, dict[str, dict[str, str]]] = {
 # left out, tests/unit/test_stage_options.py that a field's panel is one of these.
 HELP_PANELS_FROM = 0
 PANELS: dict[str, tuple[str, ...]] = {
-    "Model": ("model", "base", "ref", "rm", "layers", "hidden"),
+    "Model": ("model", "base", "ref", "layers", "hidden"),
     "Data": ("task", "data", "prompt_column", "completion_column", "prefs", "num_examples", "eval_num", "max_len",
              "max_length"),
     "Algorithm": ("algo", "clip_low", "clip_high", "dual_clip", "loss_agg", "drop_degenerate", "reward",
@@ -161,8 +161,8 @@ PANELS: dict[str, tuple[str, ...]] = {
     "Optimization": ("lr", "epochs", "minibatch_size", "batch_size", "batch_tokens", "grad_clip", "warmup_steps",
                      "warmup", "weight_decay", "seed"),
     "Sampling": (),
-    "Engine": ("shard",),
-    "Precision & memory": ("dtype", "micro_batch_size", "micro_batch_tokens", "packing"),
+    "Engine": (),
+    "Precision & memory": (),
     "LoRA": (),
     "Follow": ("follow", "batch_prompts", "max_lag", "max_steps", "keep"),
     "Output & tracking": ("logging_steps",),

@@ -23,10 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Literal
 
-import typer
-
+from rlkit import stage_options
 from rlkit.options import (
     Device,
     Force,
@@ -38,6 +37,7 @@ from rlkit.options import (
     RewardTimeout,
     TrustRemoteCode,
 )
+from rlkit.stage_options import option
 
 if TYPE_CHECKING:
     from rlkit.io.manifests import Manifest
@@ -45,20 +45,22 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ScoreRefConfig:
-    ref: Path | None = None
-    rm: tuple[str, ...] = ()  # NAME=DIR reward models, each adds a `reward/rm:NAME` column
-    reward_fn: tuple[str, ...] = ()  # NAME=FILE.py:FUNC user reward functions, each adds `reward/NAME`
-    reward_timeout: float = 60.0  # seconds one --reward-fn call may run (0: no limit)
-    inp: str | None = None
-    out: Path | None = None
-    device: str = "auto"  # auto | cpu | cuda | cuda:N (rlkit.devices): the reference's and the reward models'
-    dtype: str = "auto"  # compute dtype: auto (fp32 on CPU, stored on GPU), stored, fp32
-    batch_tokens: int = 16384
-    packing: bool = True  # sequences packed without padding in each forward batch (rlkit.ops.packing)
-    shard: str | None = None  # "i/N" of an input file, cut between groups; see rlkit.io.shards
-    trust_remote_code: bool = False
-    verify: bool = True  # --no-verify: load without the weights' hash check (never for a reference)
-    force: bool = False
+    ref: Path | None = option(None, "--ref", panel="Model", help="Frozen reference directory (made by `rlkit freeze-ref`). Without --ref, --rm and --reward-fn: the reference the sampling policy was trained against (recorded by `update` in its checkpoint).")
+    # NAME=DIR reward models, each adds a `reward/rm:NAME` column
+    rm: tuple[str, ...] = option((), "--rm", panel="Model", help="Reward model NAME=DIR (repeatable; or DIR, named after it): adds reward/rm:NAME.")
+    reward_fn: tuple[str, ...] = option((), RewardFn)  # NAME=FILE.py:FUNC user reward functions, each adds `reward/NAME`
+    reward_timeout: float = option(60.0, RewardTimeout)  # seconds one --reward-fn call may run (0: no limit)
+    inp: str | None = option(None, InTable)
+    out: Path | None = option(None, OutTable)
+    device: str = option("auto", Device)  # the reference's and the reward models' (rlkit.devices)
+    dtype: Literal["auto", "stored", "fp32"] = option("auto", panel="Precision & memory", help="Compute dtype: auto (fp32 on CPU, the frozen dtype on GPU), stored or fp32.")
+    batch_tokens: int = option(16384, min=16, panel="Optimization", help="Token budget per forward batch.")
+    packing: bool = option(True, Packing)  # sequences packed without padding in each forward batch (rlkit.ops.packing)
+    # "i/N" of an input file, cut between groups; see rlkit.io.shards
+    shard: str | None = option(None, panel="Engine", help="I/N: score only this job's share of --in FILE, cut between groups; `rlkit cat` joins the N outputs.")
+    trust_remote_code: bool = option(False, TrustRemoteCode)
+    verify: bool = option(True, NoVerify, invert=True)  # --no-verify: no hash check of a reward model (never for a reference)
+    force: bool = option(False, Force)
 
 
 def score_batch(model, batch, pad_id: int, temperature: float, batch_tokens: int, packed: bool = True) -> list[list[float]]:
@@ -341,23 +343,6 @@ def _score_stream(cfg: ScoreRefConfig, batches, w_args, model, tokenizer, temper
     return w.rows
 
 
-def command(
-    ref: Annotated[Path | None, typer.Option("--ref", help="Frozen reference directory (made by `rlkit freeze-ref`). Without --ref, --rm and --reward-fn: the reference the sampling policy was trained against (recorded by `update` in its checkpoint).")] = None,
-    rm: Annotated[list[str] | None, typer.Option("--rm", help="Reward model NAME=DIR (repeatable; or DIR, named after it): adds reward/rm:NAME.")] = None,
-    reward_fn: RewardFn = None,
-    reward_timeout: RewardTimeout = 60.0,
-    inp: InTable = None,
-    out: OutTable = None,
-    device: Device = "auto",
-    dtype: Annotated[Literal["auto", "stored", "fp32"], typer.Option(help="Compute dtype: auto (fp32 on CPU, the frozen dtype on GPU), stored or fp32.")] = "auto",
-    batch_tokens: Annotated[int, typer.Option(min=16, help="Token budget per forward batch.")] = 16384,
-    packing: Packing = True,
-    shard: Annotated[str | None, typer.Option(help="I/N: score only this job's share of --in FILE, cut between groups; `rlkit cat` joins the N outputs.")] = None,
-    trust_remote_code: TrustRemoteCode = False,
-    no_verify: NoVerify = False,
-    force: Force = False,
-) -> None:
-    """Add the frozen reference's per-token log-probs, reward-model and reward-function scores to a rollouts table (streams)."""
-    run(ScoreRefConfig(ref=ref, rm=tuple(rm or ()), reward_fn=tuple(reward_fn or ()), reward_timeout=reward_timeout,
-                       inp=None if inp is None else str(inp), out=out, device=device, dtype=dtype, batch_tokens=batch_tokens,
-                       packing=packing, shard=shard, trust_remote_code=trust_remote_code, verify=not no_verify, force=force))
+command = stage_options.command(
+    ScoreRefConfig,
+    "Add the frozen reference's per-token log-probs, reward-model and reward-function scores to a rollouts table (streams).")
