@@ -20,7 +20,7 @@ import typer
 
 from rlkit import __version__, config_file
 from rlkit.errors import DownstreamClosed, RlkitError
-from rlkit.options import HELP_PANELS_FROM, PANEL_OF, ConfigFile, LogLevel, Quiet, modernize
+from rlkit.options import ConfigFile, LogLevel, Quiet, modernize
 from rlkit.stages import (
     build_prefs,
     cat,
@@ -86,7 +86,7 @@ def command():
       defaults (click's `default_map`), so the command line wins over the file; and `--log-level`, `-q`;
       an error about a value from the file names the file;
     - every command records its options, as given or defaulted, in the manifests it writes;
-    - the options of a command with more than a few are grouped in --help (options.PANELS); a flag shows no
+    - the options are grouped in --help by the panel each declares (options.PANELS); a flag shows no
       `<bool>` value, and help texts print as written (rich would read `rlkit[track]` as markup and drop it)."""
     global _COMMAND
     if _COMMAND is None:
@@ -97,11 +97,6 @@ def command():
                 cmd.params.insert(0, config)
             cmd.params += [log_level, quiet]
             cmd.callback = _recording(cmd)
-            if len(cmd.params) > HELP_PANELS_FROM:
-                for p in cmd.params:
-                    if (getattr(p, "rich_help_panel", None) is None and p.name in PANEL_OF and p not in (config, log_level, quiet)
-                            and getattr(p, "param_type_name", "option") == "option"):  # arguments keep their panel
-                        p.rich_help_panel = PANEL_OF[p.name]
         seen: set[int] = set()  # the shared options are one object in every command
         for cmd in (group, *getattr(group, "commands", {}).values()):
             _plain_help(cmd)

@@ -10,6 +10,7 @@ import typer
 from rlkit import config_file
 from rlkit.io import tracking
 from rlkit.stage_options import Group, option
+from rlkit.training import TrainOptions
 
 ConfigFile = Annotated[
     Path | None,
@@ -143,33 +144,12 @@ RENAMED_VALUES: dict[str, dict[str, dict[str, str]]] = {
 }
 
 
-# `--help` groups the options of every command with more than HELP_PANELS_FROM parameters (the shared --config,
-# --log-level and -q included: 0 is every command) into these panels (rich_help_panel); the
-# shared ones stay under "Options". An option declared on a config field names its panel there
-# (stage_options.option(panel=...), or the shared alias's rich_help_panel); the names below place, by parameter
-# name, the options of a command not yet made from its config. tests/unit/test_vocabulary.py checks that none is
-# left out, tests/unit/test_stage_options.py that a field's panel is one of these.
-HELP_PANELS_FROM = 0
-PANELS: dict[str, tuple[str, ...]] = {
-    "Model": ("model", "base", "ref", "layers", "hidden"),
-    "Data": ("task", "data", "prompt_column", "completion_column", "prefs", "num_examples", "eval_num", "max_len",
-             "max_length"),
-    "Algorithm": ("algo", "clip_low", "clip_high", "dual_clip", "loss_agg", "drop_degenerate", "reward",
-                  "length_penalty", "gamma", "lam", "vf_clip", "critic_lr", "critic_init", "old_logprobs", "tis_cap",
-                  "margin"),
-    "KL": ("beta", "kl_estimator", "kl_in", "target_kl", "max_drift"),
-    "Optimization": ("lr", "epochs", "minibatch_size", "batch_size", "batch_tokens", "grad_clip", "warmup_steps",
-                     "warmup", "weight_decay", "seed"),
-    "Sampling": (),
-    "Engine": (),
-    "Precision & memory": (),
-    "LoRA": (),
-    "Follow": ("follow", "batch_prompts", "max_lag", "max_steps", "keep"),
-    "Output & tracking": ("logging_steps",),
-    "What to show": (),  # inspect's
-    "Run": ("_config", "_log_level", "_quiet"),
-}
-PANEL_OF = {name: panel for panel, names in PANELS.items() for name in names}
+# The panels `--help` groups every command's options into (typer's rich_help_panel): each option names its own
+# where it is declared (stage_options.option(panel=...) on a config field, or the rich_help_panel of a shared alias
+# above); the shared --config, --log-level and -q stay under "Options". tests/unit/test_vocabulary.py checks that
+# no option is left out, tests/unit/test_stage_options.py that each panel is one of these.
+PANELS = ("Model", "Data", "Algorithm", "KL", "Optimization", "Sampling", "Engine", "Precision & memory", "LoRA",
+          "Follow", "Output & tracking", "What to show")
 
 
 def modernize(args: list[str], warn) -> list[str]:
@@ -215,3 +195,11 @@ def train_options(dtype: str, gradient_checkpointing: bool, lora_rank: int | Non
     return TrainOptions(dtype=dtype, gradient_checkpointing=gradient_checkpointing,
                         lora=lora_options(lora_rank, lora_alpha, lora_dropout, lora_targets),
                         micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens, packing=packing)
+
+
+# The training flags of a stage config's `train: TrainOptions = nested(TRAIN)` (sft, train-rm, update)
+TRAIN = Group(TrainOptions, build=train_options, dtype=option("auto", TrainDtype),
+              gradient_checkpointing=option(False, GradCheckpointing), micro_batch_size=option(None, MicroBatchSize),
+              micro_batch_tokens=option(None, MicroBatchTokens), packing=option(True, Packing),
+              lora_rank=option(None, LoraRank), lora_alpha=option(None, LoraAlpha), lora_dropout=option(0.0, LoraDropout),
+              lora_targets=option(None, LoraTargets))

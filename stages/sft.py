@@ -12,75 +12,76 @@ each rank takes rows rank::N of every batch; rank 0 writes the gathered checkpoi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated
 
-import typer
-
+from rlkit import stage_options
 from rlkit.io.tracking import TrackingConfig
 from rlkit.options import (
+    TRACKING,
+    TRAIN,
     Device,
     Force,
-    GradCheckpointing,
-    LoraAlpha,
-    LoraDropout,
-    LoraRank,
-    LoraTargets,
     Metrics,
-    MicroBatchSize,
-    MicroBatchTokens,
     NoVerify,
     OutDir,
-    Packing,
-    Project,
-    ReportTo,
     Resume,
-    RunName,
     SaveSteps,
     Seed,
-    TensorBoardDir,
-    TrainDtype,
     TrustRemoteCode,
-    tracking_options,
-    train_options,
 )
+from rlkit.stage_options import Group, nested, option
 from rlkit.tiny import TinyConfig
 from rlkit.training import TrainOptions
 
 
+def _tiny(layers: int, hidden: int) -> TinyConfig:
+    """The embedded model --layers and --hidden size (heads of 32 dimensions, a 4x MLP)."""
+    return TinyConfig(layers=layers, hidden=hidden, heads=max(1, hidden // 32), intermediate=4 * hidden)
+
+
+TINY = Group(TinyConfig, build=_tiny,
+             layers=option(TinyConfig.layers, panel="Model", help="tiny model: transformer layers."),
+             hidden=option(TinyConfig.hidden, panel="Model", help="tiny model: hidden width."))
+
+
 @dataclass(frozen=True)
 class SftConfig:
-    out: Path
-    model: str = "tiny"
-    task: str | None = None  # resolved to "arithmetic" when no --data is given
-    data: str | None = None
-    prompt_column: str = "prompt"
-    completion_column: str = "completion"
-    num_examples: int = 24_000
-    epochs: int = 1
-    lr: float = 1e-3
+    out: Path = option(..., OutDir)
+    model: str = option("tiny", panel="Model", help="Base model: 'tiny' (embedded, built fresh), a local directory or a hub id.")
+    # resolved to "arithmetic" when no --data is given
+    task: str | None = option(None, panel="Data", help="Task spec to train on (its train split and completion()) and evaluate (its held-out split): NAME[:key=value,...], path/to/file.py:CLASS[:...] or package.module:CLASS[:...], e.g. 'math:data=gsm8k.jsonl'; default 'arithmetic' when no --data.")
+    data: str | None = option(None, panel="Data", help="Training data of prompt/completion (or chat messages) pairs: .arrow/.parquet/.jsonl or datasets spec NAME[:CONFIG][@SPLIT]. A math dataset goes to the task instead: --task math:data=FILE.")
+    prompt_column: str = option("prompt", panel="Data", help="Column of --data holding the prompt.")
+    completion_column: str = option("completion", panel="Data", help="Column of --data holding the completion.")
+    num_examples: int = option(24_000, min=1, panel="Data", help="Train examples drawn from the task (without --data).")
+    epochs: int = option(1, min=1, panel="Optimization", help="Passes over the training data.")
+    lr: float = option(1e-3, panel="Optimization", help="Peak learning rate (AdamW).")
+    warmup: float = option(0.05, "--warmup-ratio", panel="Optimization", help="Fraction of steps for linear warmup.")
+    # sft's own, with adam_betas; AdamW's other settings are rlkit's (rlkit.training.Optim)
+    weight_decay: float = option(0.01, panel="Optimization", help="AdamW weight decay (not on norms and biases).")
+    batch_tokens: int = option(512, min=16, panel="Optimization", help="Token budget per batch (rows x longest row).")
+    max_len: int = option(256, "--max-length", min=2, panel="Data", help="Longest training sequence; longer ones are truncated.")
+    eval_num: int = option(300, min=1, panel="Data", help="Held-out prompts for the final greedy evaluation.")
+    tiny: TinyConfig = nested(TINY)  # --layers, --hidden
+    device: str = option("auto", Device)
+    train: TrainOptions = nested(TRAIN)  # --dtype, --gradient-checkpointing, --micro-batch-*, --packing, --lora-*
+    metrics: Path | None = option(None, Metrics)
+    tracking: TrackingConfig = nested(TRACKING)  # --report-to, --run-name, --project, --tensorboard
+    # a training row (loss, lr, grad norm) to the trackers every this many steps
+    logging_steps: int = option(10, min=1, panel="Output & tracking", help="With --report-to: log the training loss, learning rate and gradient norm every this many optimizer steps (as sft/train/*).")
+    seed: int = option(0, Seed)
+    trust_remote_code: bool = option(False, TrustRemoteCode)
+    verify: bool = option(True, NoVerify, invert=True)  # --no-verify: no hash check of the base (never for a reference)
+    # a resume snapshot beside --out every this many steps (rlkit.training.resume); 0: none
+    save_steps: int = option(0, SaveSteps)
+    resume: str = option("auto", Resume)  # auto|must|never: what to do with a snapshot a stopped run left
+    force: bool = option(False, Force)
+    # no flags
     min_lr_ratio: float = 0.1
-    warmup: float = 0.05
-    weight_decay: float = 0.01  # sft's own, with adam_betas; AdamW's other settings are rlkit's (rlkit.training.Optim)
     adam_betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
-    batch_tokens: int = 512
-    max_len: int = 256
-    eval_num: int = 300
     max_new_tokens: int = 16
-    seed: int = 0
-    tiny: TinyConfig = field(default_factory=TinyConfig)
-    train: TrainOptions = field(default_factory=TrainOptions)  # --dtype, --gradient-checkpointing, --lora-*
-    device: str = "auto"  # auto | cpu | cuda | cuda:N (rlkit.devices)
-    trust_remote_code: bool = False
-    verify: bool = True  # --no-verify: load without the weights' hash check (never for a reference)
-    metrics: Path | None = None
-    save_steps: int = 0  # a resume snapshot beside --out every this many steps (rlkit.training.resume); 0: none
-    resume: str = "auto"  # --resume auto|must|never: what to do with a snapshot a stopped run left
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)  # --report-to, --run-name, --project, --tensorboard
-    logging_steps: int = 10  # a training row (loss, lr, grad norm) to the trackers every this many steps
-    force: bool = False
 
 
 def _lr_lambda(total: int, warmup: int, min_ratio: float):
@@ -248,56 +249,4 @@ def _run(cfg: SftConfig, tracker) -> Path:
     return cfg.out
 
 
-def command(
-    out: OutDir,
-    model: Annotated[str, typer.Option(help="Base model: 'tiny' (embedded, built fresh), a local directory or a hub id.")] = "tiny",
-    task: Annotated[str | None, typer.Option(help="Task spec to train on (its train split and completion()) and evaluate (its held-out split): NAME[:key=value,...], path/to/file.py:CLASS[:...] or package.module:CLASS[:...], e.g. 'math:data=gsm8k.jsonl'; default 'arithmetic' when no --data.")] = None,
-    data: Annotated[str | None, typer.Option(help="Training data of prompt/completion (or chat messages) pairs: .arrow/.parquet/.jsonl or datasets spec NAME[:CONFIG][@SPLIT]. A math dataset goes to the task instead: --task math:data=FILE.")] = None,
-    prompt_column: Annotated[str, typer.Option(help="Column of --data holding the prompt.")] = "prompt",
-    completion_column: Annotated[str, typer.Option(help="Column of --data holding the completion.")] = "completion",
-    num_examples: Annotated[int, typer.Option(min=1, help="Train examples drawn from the task (without --data).")] = SftConfig.num_examples,
-    epochs: Annotated[int, typer.Option(min=1, help="Passes over the training data.")] = SftConfig.epochs,
-    lr: Annotated[float, typer.Option(help="Peak learning rate (AdamW).")] = SftConfig.lr,
-    warmup: Annotated[float, typer.Option("--warmup-ratio", help="Fraction of steps for linear warmup.")] = SftConfig.warmup,
-    weight_decay: Annotated[float, typer.Option(help="AdamW weight decay (not on norms and biases).")] = SftConfig.weight_decay,
-    batch_tokens: Annotated[int, typer.Option(min=16, help="Token budget per batch (rows x longest row).")] = SftConfig.batch_tokens,
-    max_len: Annotated[int, typer.Option("--max-length", min=2, help="Longest training sequence; longer ones are truncated.")] = SftConfig.max_len,
-    eval_num: Annotated[int, typer.Option(min=1, help="Held-out prompts for the final greedy evaluation.")] = SftConfig.eval_num,
-    layers: Annotated[int, typer.Option(help="tiny model: transformer layers.")] = TinyConfig.layers,
-    hidden: Annotated[int, typer.Option(help="tiny model: hidden width.")] = TinyConfig.hidden,
-    device: Device = "auto",
-    dtype: TrainDtype = "auto",
-    gradient_checkpointing: GradCheckpointing = False,
-    micro_batch_size: MicroBatchSize = None,
-    micro_batch_tokens: MicroBatchTokens = None,
-    packing: Packing = True,
-    lora_rank: LoraRank = None,
-    lora_alpha: LoraAlpha = None,
-    lora_dropout: LoraDropout = 0.0,
-    lora_targets: LoraTargets = None,
-    metrics: Metrics = None,
-    report_to: ReportTo = None,
-    run_name: RunName = None,
-    project: Project = TrackingConfig.project,
-    tensorboard: TensorBoardDir = None,
-    logging_steps: Annotated[int, typer.Option(min=1, help="With --report-to: log the training loss, learning rate and gradient norm every this many optimizer steps (as sft/train/*).")] = SftConfig.logging_steps,
-    seed: Seed = 0,
-    trust_remote_code: TrustRemoteCode = False,
-    no_verify: NoVerify = False,
-    save_steps: SaveSteps = 0,
-    resume: Resume = "auto",
-    force: Force = False,
-) -> None:
-    """Supervised fine-tuning on completion tokens; writes a checkpoint and its metrics."""
-    run(SftConfig(
-        out=out, model=model, task=task, data=data, prompt_column=prompt_column, completion_column=completion_column,
-        num_examples=num_examples, epochs=epochs, lr=lr, warmup=warmup, weight_decay=weight_decay,
-        batch_tokens=batch_tokens, max_len=max_len, eval_num=eval_num, seed=seed,
-        train=train_options(dtype, gradient_checkpointing, lora_rank, lora_alpha, lora_dropout, lora_targets,
-                                    micro_batch_size, micro_batch_tokens, packing), device=device,
-        tiny=TinyConfig(layers=layers, hidden=hidden, heads=max(1, hidden // 32), intermediate=4 * hidden),
-        trust_remote_code=trust_remote_code, verify=not no_verify, metrics=metrics, force=force,
-        save_steps=save_steps,
-        tracking=tracking_options(report_to, project, run_name, tensorboard), logging_steps=logging_steps,
-        resume=resume,
-    ))
+command = stage_options.command(SftConfig, "Supervised fine-tuning on completion tokens; writes a checkpoint and its metrics.")

@@ -12,39 +12,25 @@ trains data-parallel (FSDP2, `rlkit.training.distributed`); rank 0 writes the ga
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated
 
-import typer
-
+from rlkit import stage_options
 from rlkit.io.tracking import TrackingConfig
 from rlkit.options import (
+    TRACKING,
+    TRAIN,
     Device,
     Force,
-    GradCheckpointing,
-    LoraAlpha,
-    LoraDropout,
-    LoraRank,
-    LoraTargets,
     Metrics,
-    MicroBatchSize,
-    MicroBatchTokens,
     NoVerify,
     OutDir,
-    Packing,
-    Project,
-    ReportTo,
     Resume,
-    RunName,
     SaveSteps,
     Seed,
-    TensorBoardDir,
-    TrainDtype,
     TrustRemoteCode,
-    tracking_options,
-    train_options,
 )
+from rlkit.stage_options import nested, option
 from rlkit.training import TrainOptions
 
 LENGTH_CORR_WARN = 0.5
@@ -55,27 +41,31 @@ LOSS_WINDOW = 10
 
 @dataclass(frozen=True)
 class TrainRmConfig:
-    base: Path
-    prefs: str
-    out: Path
-    epochs: int = 3
-    lr: float = 5e-5  # fine-tuning a pretrained policy: 5e-4 wrecked what SFT taught it (docs/rlhf.md)
-    weight_decay: float = 0.01  # train-rm's own; AdamW's other settings are rlkit's defaults (rlkit.training.Optim)
+    base: Path = option(..., "--model", panel="Model", help="Checkpoint to start from (usually the SFT policy).")
+    prefs: str = option(..., "--prefs", panel="Data", help="Preference table from `rlkit build-prefs` (or .parquet/.jsonl with prompt/chosen/rejected/split).")
+    out: Path = option(..., OutDir)
+    epochs: int = option(3, min=1, panel="Optimization", help="Passes over the train pairs.")
+    # fine-tuning a pretrained policy: 5e-4 wrecked what SFT taught it (docs/rlhf.md)
+    lr: float = option(5e-5, panel="Optimization", help="AdamW peak learning rate (linear decay to 10%).")
+    batch_size: int = option(32, min=1, panel="Optimization", help="Pairs per optimizer step.")
+    margin: float = option(0.0, panel="Algorithm", help="Bradley-Terry margin: -log sigmoid(s_c - s_r - margin).")
+    max_length: int = option(256, min=8, panel="Data", help="Longest prompt + response in tokens (keeps the end).")
+    seed: int = option(0, Seed)
+    metrics: Path | None = option(None, Metrics)  # append the run's metrics as one JSON line
+    tracking: TrackingConfig = nested(TRACKING)  # --report-to, --run-name, --project, --tensorboard
+    # a training row (loss, lr, grad norm) to the trackers every this many steps
+    logging_steps: int = option(10, min=1, panel="Output & tracking", help="With --report-to: log the training loss, learning rate and gradient norm every this many optimizer steps (as train-rm/train/*).")
+    device: str = option("auto", Device)
+    train: TrainOptions = nested(TRAIN)  # --dtype, --gradient-checkpointing, --micro-batch-*, --packing, --lora-*
+    trust_remote_code: bool = option(False, TrustRemoteCode)
+    verify: bool = option(True, NoVerify, invert=True)  # --no-verify: no hash check of the base (never for a reference)
+    # a resume snapshot beside --out every this many steps (rlkit.training.resume); 0: none
+    save_steps: int = option(0, SaveSteps)
+    resume: str = option("auto", Resume)  # auto|must|never: what to do with a snapshot a stopped run left
+    force: bool = option(False, Force)
+    # no flags: train-rm's own; AdamW's other settings are rlkit's defaults (rlkit.training.Optim)
+    weight_decay: float = 0.01
     grad_clip: float = 1.0
-    batch_size: int = 32
-    margin: float = 0.0
-    max_length: int = 256
-    seed: int = 0
-    train: TrainOptions = field(default_factory=TrainOptions)  # --dtype, --gradient-checkpointing, --lora-*
-    device: str = "auto"  # auto | cpu | cuda | cuda:N (rlkit.devices)
-    trust_remote_code: bool = False
-    verify: bool = True  # --no-verify: load without the weights' hash check (never for a reference)
-    force: bool = False
-    metrics: Path | None = None  # append the run's metrics as one JSON line
-    save_steps: int = 0  # a resume snapshot beside --out every this many steps (rlkit.training.resume); 0: none
-    resume: str = "auto"  # --resume auto|must|never: what to do with a snapshot a stopped run left
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)  # --report-to, --run-name, --project, --tensorboard
-    logging_steps: int = 10  # a training row (loss, lr, grad norm) to the trackers every this many steps
 
 
 def run(cfg: TrainRmConfig) -> Path:
@@ -333,44 +323,5 @@ def _show(metrics: dict, sanity: dict) -> None:
                      "can raise its reward by writing longer answers; check the preference data (build-prefs --bias?)")
 
 
-def command(
-    base: Annotated[Path, typer.Option("--model", help="Checkpoint to start from (usually the SFT policy).")],
-    prefs: Annotated[str, typer.Option("--prefs", help="Preference table from `rlkit build-prefs` (or .parquet/.jsonl with prompt/chosen/rejected/split).")],
-    out: OutDir,
-    epochs: Annotated[int, typer.Option(min=1, help="Passes over the train pairs.")] = 3,
-    lr: Annotated[float, typer.Option(help="AdamW peak learning rate (linear decay to 10%).")] = TrainRmConfig.lr,
-    batch_size: Annotated[int, typer.Option(min=1, help="Pairs per optimizer step.")] = 32,
-    margin: Annotated[float, typer.Option(help="Bradley-Terry margin: -log sigmoid(s_c - s_r - margin).")] = 0.0,
-    max_length: Annotated[int, typer.Option(min=8, help="Longest prompt + response in tokens (keeps the end).")] = 256,
-    seed: Seed = 0,
-    metrics: Metrics = None,
-    report_to: ReportTo = None,
-    run_name: RunName = None,
-    project: Project = TrackingConfig.project,
-    tensorboard: TensorBoardDir = None,
-    logging_steps: Annotated[int, typer.Option(min=1, help="With --report-to: log the training loss, learning rate and gradient norm every this many optimizer steps (as train-rm/train/*).")] = TrainRmConfig.logging_steps,
-    device: Device = "auto",
-    dtype: TrainDtype = "auto",
-    gradient_checkpointing: GradCheckpointing = False,
-    micro_batch_size: MicroBatchSize = None,
-    micro_batch_tokens: MicroBatchTokens = None,
-    packing: Packing = True,
-    lora_rank: LoraRank = None,
-    lora_alpha: LoraAlpha = None,
-    lora_dropout: LoraDropout = 0.0,
-    lora_targets: LoraTargets = None,
-    trust_remote_code: TrustRemoteCode = False,
-    no_verify: NoVerify = False,
-    save_steps: SaveSteps = 0,
-    resume: Resume = "auto",
-    force: Force = False,
-) -> None:
-    """Train a reward model on preference pairs; prints held-out pair accuracy and a sanity report."""
-    run(TrainRmConfig(base=base, prefs=prefs, out=out, epochs=epochs, lr=lr, batch_size=batch_size, margin=margin,
-                      max_length=max_length, seed=seed,
-                      train=train_options(dtype, gradient_checkpointing, lora_rank, lora_alpha, lora_dropout, lora_targets,
-                                    micro_batch_size, micro_batch_tokens, packing),
-                      device=device, trust_remote_code=trust_remote_code, verify=not no_verify, force=force,
-                      save_steps=save_steps,
-                      metrics=metrics, tracking=tracking_options(report_to, project, run_name, tensorboard),
-                      logging_steps=logging_steps, resume=resume))
+command = stage_options.command(
+    TrainRmConfig, "Train a reward model on preference pairs; prints held-out pair accuracy and a sanity report.")

@@ -21,41 +21,27 @@ update is data-parallel (FSDP2, `rlkit.training.distributed`): same result as on
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 
-import typer
-
-from rlkit import algorithms
+from rlkit import algorithms, stage_options
 from rlkit.algorithms.config import DEFAULT_DUAL_CLIP, RLConfig
 from rlkit.algorithms.defaults_table import phrase as algo_default
 from rlkit.io.tracking import TrackingConfig
 from rlkit.options import (
+    TRACKING,
+    TRAIN,
     Device,
     Force,
-    GradCheckpointing,
     InTable,
-    LoraAlpha,
-    LoraDropout,
-    LoraRank,
-    LoraTargets,
     Metrics,
-    MicroBatchSize,
-    MicroBatchTokens,
     NoVerify,
     OutDir,
-    Packing,
     PolicyDir,
-    Project,
-    ReportTo,
-    RunName,
-    TensorBoardDir,
-    TrainDtype,
     TrustRemoteCode,
-    tracking_options,
-    train_options,
 )
+from rlkit.stage_options import Group, nested, option
 from rlkit.training import TrainOptions
 from rlkit.training.follow_loop import check_follow, run_follow
 from rlkit.training.update_record import check_reference, drift, reference_entry, reward_weights, show
@@ -65,30 +51,65 @@ AlgoName = Literal[tuple(algorithms.names())]  # every registered --algo, shown 
 DEFAULT_MAX_LAG = 1  # --follow: steps a row's sampling policy may lag behind the policy it trains
 
 
+# The flags of the update's RLConfig (rlkit.algorithms.config): None is the --algo's default, filled in by `resolve`
+RL = Group(
+    RLConfig,
+    algo=option(RLConfig.algo, type=AlgoName, panel="Algorithm", help=f"The algorithm ({algorithms.help_text()}). Each sets its own defaults for --beta, --kl-in, --loss-agg, --clip-low and --clip-high."),
+    lr=option(RLConfig.lr, panel="Optimization", help="AdamW learning rate (default suits the tiny model; ~1e-6 for 1B+ models)."),
+    epochs=option(RLConfig.epochs, min=1, panel="Optimization", help="Passes over the rollout batch."),
+    minibatch_size=option(RLConfig.minibatch_size, min=1, panel="Optimization", help="Sequences per optimizer step."),
+    clip_low=option(None, panel="Algorithm", help=f"Ratio clip below 1: 1 - clip_low. Default: per --algo ({algo_default('clip_low')})."),
+    clip_high=option(None, panel="Algorithm", help=f"Ratio clip above 1: 1 + clip_high. Default: per --algo ({algo_default('clip_high')})."),
+    dual_clip=option(DEFAULT_DUAL_CLIP, type=float, to_config=lambda c: c or None, panel="Algorithm", help="Dual clip C (verl's clip_ratio_c): for a negative advantage the clipped loss is capped at -C*A, so a ratio far above 1 cannot blow it up; must be > 1; 0 turns it off."),
+    beta=option(None, panel="KL", help=f"KL coefficient to the reference (0: no reference needed); for --algo dpo, DPO's beta. Default: per --algo ({algo_default('beta')})."),
+    kl_estimator=option(None, type=Literal["k1", "k2", "k3", "k3+"] | None, panel="KL", help="KL estimator: k1, k2, k3 or k3+. In the reward use k1 (its default): only the log-ratio makes the penalised reward's policy gradient the gradient of KL(pi||pi_ref). In the loss use k3+ (its default: k3's unbiased low-variance value, k2's gradient, which in expectation is the gradient of KL(pi||pi_ref)) or k2; k3 in the loss descends the reverse KL(pi_ref||pi) instead, and k1 in the loss has zero expected gradient (refused)."),
+    kl_in=option(None, type=Literal["loss", "reward"] | None, panel="KL", help=f"Where the KL goes: loss (a loss term) or reward (a per-token penalty). Default: per --algo ({algo_default('kl_in')})."),
+    loss_agg=option(None, type=Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None, panel="Algorithm", help=f"token-mean, seq-mean-token-mean (mean over non-empty responses of their token means) or seq-mean-token-sum-norm (token sums / (responses x the rollout's max_new_tokens)). Default: per --algo ({algo_default('loss_agg')})."),
+    drop_degenerate=option(False, panel="Algorithm", help="Leave out groups whose rewards are all equal (their rows are not trained on; advantages and metrics still see the whole batch)."),
+    grad_clip=option(RLConfig.grad_clip, panel="Optimization", help="Gradient norm clip."),
+    warmup_steps=option(RLConfig.warmup_steps, min=0, panel="Optimization", help="Linear LR warmup over this many optimizer steps (counted across updates)."),
+    seed=option(RLConfig.seed, panel="Optimization", help="Seed of the minibatch order."),
+    gamma=option(RLConfig.gamma, panel="Algorithm", help="ppo: GAE discount."),
+    lam=option(RLConfig.lam, panel="Algorithm", help="ppo: GAE lambda."),
+    vf_clip=option(RLConfig.vf_clip, panel="Algorithm", help="ppo: value clip range around the old values."),
+    critic_lr=option(None, panel="Algorithm", help="ppo: critic learning rate (default 2x --lr)."),
+    critic_init=option(RLConfig.critic_init, panel="Algorithm", help="ppo, first update: initialise the critic from 'policy' or a reward-model DIR (same tokenizer)."),
+    target_kl=option(None, panel="KL", help="ppo: adapt the KL coefficient towards this KL (Ziegler et al.), starting at --beta. Unit: nats per sequence, i.e. the --kl-estimator's per-token KL of pi_old vs pi_ref summed over each response and averaged over the batch (TRL's convention; the kl_per_seq metric)."),
+    old_logprobs=option(RLConfig.old_logprobs, type=Literal["engine", "recompute", "auto"], panel="Algorithm", help="pi_old for the ratio: engine (as logged at rollout), recompute (the trainer's own forward pass before the first step) or auto (recompute unless the hf engine sampled and --dtype is fp32)."),
+    tis_cap=option(None, panel="Algorithm", help="Truncated importance sampling: weight each token's loss by min(pi_recomputed / pi_engine, CAP), e.g. 2.0."),
+)
+
+
 @dataclass(frozen=True)
 class UpdateConfig:
-    policy: Path
-    out: Path
-    inp: str | None = None
-    rl: RLConfig = field(default_factory=RLConfig)
-    train: TrainOptions = field(default_factory=TrainOptions)  # --dtype, --gradient-checkpointing, --lora-*
-    device: str = "auto"  # auto | cpu | cuda | cuda:N (rlkit.devices)
-    reward: tuple[str, ...] = ()  # NAME=WEIGHT; empty: every component with weight 1
-    length_penalty: float = 0.0  # reward -= length_penalty * completion tokens
-    metrics: Path | None = None
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)  # --report-to, --run-name, --project, --tensorboard
-    ref: Path | None = None  # for the drift figure; default: the reference score-ref used
-    max_drift: float = DEFAULT_MAX_DRIFT
+    policy: Path = option(..., PolicyDir)
+    out: Path = option(..., OutDir)
+    inp: str | None = option(None, InTable)
+    rl: RLConfig = nested(RL)
+    # NAME=WEIGHT; empty: every component with weight 1
+    reward: tuple[str, ...] = option((), panel="Algorithm", help="Reward component weight NAME=W (repeatable), e.g. verifier=1 rm:helpful=0.7; default: sum of all components.")
+    # reward -= length_penalty * completion tokens
+    length_penalty: float = option(0.0, min=0.0, panel="Algorithm", help="Subtract this times the completion length in tokens from the reward (a 'length_penalty' component).")
+    metrics: Path | None = option(None, Metrics)
+    tracking: TrackingConfig = nested(TRACKING)  # --report-to, --run-name, --project, --tensorboard
+    # for the drift figure; default: the reference score-ref used
+    ref: Path | None = option(None, panel="Model", help="Frozen reference for the drift figure (default: the one score-ref used).")
+    max_drift: float = option(DEFAULT_MAX_DRIFT, min=0.0, panel="KL", help="Warn when the policy's relative weight distance from the reference exceeds this.")
     # --follow: --out is a directory of step-NNNNNN/ checkpoints, one per --batch-prompts prompts of an
     # unbounded input stream (see rlkit.io.follow)
-    follow: bool = False
-    batch_prompts: int | None = None  # None: the upstream `rollout --follow`'s
-    max_steps: int | None = None  # steps after --policy's at which the run ends
-    keep: int | None = None  # prune all but the newest K steps (never fewer than the lag bound needs)
-    max_lag: int = DEFAULT_MAX_LAG
-    trust_remote_code: bool = False
-    verify: bool = True  # --no-verify: load without the weights' hash check (never for a reference)
-    force: bool = False
+    follow: bool = option(False, "--follow", panel="Follow", help="Persistent: read an unbounded rollouts stream and write one checkpoint per --batch-prompts prompts as --out/step-NNNNNN/ (atomic; --out/latest names the newest); a rerun resumes from --out/latest. See docs/follow.md.")
+    # None: the upstream `rollout --follow`'s
+    batch_prompts: int | None = option(None, min=1, panel="Follow", help="--follow: prompts (whole groups) per update step; default: the upstream `rollout --follow`'s.")
+    # steps after --policy's at which the run ends
+    max_steps: int | None = option(None, min=1, panel="Follow", help="--follow: end the run cleanly once --out holds this many steps after --policy's.")
+    # prune all but the newest K steps (never fewer than the lag bound needs)
+    keep: int | None = option(None, min=1, panel="Follow", help="--follow: prune all but the newest K steps (at least --max-lag + 2 are kept: rollout may be loading them).")
+    max_lag: int = option(DEFAULT_MAX_LAG, min=0, panel="Follow", help="--follow: drop (and count) rows sampled more than this many steps before the policy they would train; lagged rows get pi_old recomputed (the proximal policy) and a truncated importance weight (--tis-cap, default 2 here).")
+    device: str = option("auto", Device)
+    train: TrainOptions = nested(TRAIN)  # --dtype, --gradient-checkpointing, --micro-batch-*, --packing, --lora-*
+    trust_remote_code: bool = option(False, TrustRemoteCode)
+    verify: bool = option(True, NoVerify, invert=True)  # --no-verify: no hash check of the policy (never for a reference)
+    force: bool = option(False, Force)
 
 
 def parse_weights(specs: tuple[str, ...]) -> dict[str, float] | None:
@@ -228,74 +249,7 @@ def _run(cfg: UpdateConfig) -> Path:
     return cfg.out
 
 
-def command(
-    policy: PolicyDir,
-    out: OutDir,
-    inp: InTable = None,
-    algo: Annotated[AlgoName, typer.Option(help=f"The algorithm ({algorithms.help_text()}). Each sets its own defaults for --beta, --kl-in, --loss-agg, --clip-low and --clip-high.")] = RLConfig.algo,
-    lr: Annotated[float, typer.Option(help="AdamW learning rate (default suits the tiny model; ~1e-6 for 1B+ models).")] = RLConfig.lr,
-    epochs: Annotated[int, typer.Option(min=1, help="Passes over the rollout batch.")] = RLConfig.epochs,
-    minibatch_size: Annotated[int, typer.Option(min=1, help="Sequences per optimizer step.")] = RLConfig.minibatch_size,
-    clip_low: Annotated[float | None, typer.Option(help=f"Ratio clip below 1: 1 - clip_low. Default: per --algo ({algo_default('clip_low')}).")] = None,
-    clip_high: Annotated[float | None, typer.Option(help=f"Ratio clip above 1: 1 + clip_high. Default: per --algo ({algo_default('clip_high')}).")] = None,
-    dual_clip: Annotated[float, typer.Option(help="Dual clip C (verl's clip_ratio_c): for a negative advantage the clipped loss is capped at -C*A, so a ratio far above 1 cannot blow it up; must be > 1; 0 turns it off.")] = DEFAULT_DUAL_CLIP,
-    beta: Annotated[float | None, typer.Option(help=f"KL coefficient to the reference (0: no reference needed); for --algo dpo, DPO's beta. Default: per --algo ({algo_default('beta')}).")] = None,
-    kl_estimator: Annotated[Literal["k1", "k2", "k3", "k3+"] | None, typer.Option(help="KL estimator: k1, k2, k3 or k3+. In the reward use k1 (its default): only the log-ratio makes the penalised reward's policy gradient the gradient of KL(pi||pi_ref). In the loss use k3+ (its default: k3's unbiased low-variance value, k2's gradient, which in expectation is the gradient of KL(pi||pi_ref)) or k2; k3 in the loss descends the reverse KL(pi_ref||pi) instead, and k1 in the loss has zero expected gradient (refused).")] = None,
-    kl_in: Annotated[Literal["loss", "reward"] | None, typer.Option(help=f"Where the KL goes: loss (a loss term) or reward (a per-token penalty). Default: per --algo ({algo_default('kl_in')}).")] = None,
-    loss_agg: Annotated[Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None, typer.Option(help=f"token-mean, seq-mean-token-mean (mean over non-empty responses of their token means) or seq-mean-token-sum-norm (token sums / (responses x the rollout's max_new_tokens)). Default: per --algo ({algo_default('loss_agg')}).")] = None,
-    drop_degenerate: Annotated[bool, typer.Option(help="Leave out groups whose rewards are all equal (their rows are not trained on; advantages and metrics still see the whole batch).")] = False,
-    reward: Annotated[list[str] | None, typer.Option(help="Reward component weight NAME=W (repeatable), e.g. verifier=1 rm:helpful=0.7; default: sum of all components.")] = None,
-    length_penalty: Annotated[float, typer.Option(min=0.0, help="Subtract this times the completion length in tokens from the reward (a 'length_penalty' component).")] = 0.0,
-    grad_clip: Annotated[float, typer.Option(help="Gradient norm clip.")] = RLConfig.grad_clip,
-    warmup_steps: Annotated[int, typer.Option(min=0, help="Linear LR warmup over this many optimizer steps (counted across updates).")] = RLConfig.warmup_steps,
-    seed: Annotated[int, typer.Option(help="Seed of the minibatch order.")] = RLConfig.seed,
-    gamma: Annotated[float, typer.Option(help="ppo: GAE discount.")] = RLConfig.gamma,
-    lam: Annotated[float, typer.Option(help="ppo: GAE lambda.")] = RLConfig.lam,
-    vf_clip: Annotated[float, typer.Option(help="ppo: value clip range around the old values.")] = RLConfig.vf_clip,
-    critic_lr: Annotated[float | None, typer.Option(help="ppo: critic learning rate (default 2x --lr).")] = None,
-    critic_init: Annotated[str, typer.Option(help="ppo, first update: initialise the critic from 'policy' or a reward-model DIR (same tokenizer).")] = RLConfig.critic_init,
-    target_kl: Annotated[float | None, typer.Option(help="ppo: adapt the KL coefficient towards this KL (Ziegler et al.), starting at --beta. Unit: nats per sequence, i.e. the --kl-estimator's per-token KL of pi_old vs pi_ref summed over each response and averaged over the batch (TRL's convention; the kl_per_seq metric).")] = None,
-    old_logprobs: Annotated[Literal["engine", "recompute", "auto"], typer.Option(help="pi_old for the ratio: engine (as logged at rollout), recompute (the trainer's own forward pass before the first step) or auto (recompute unless the hf engine sampled and --dtype is fp32).")] = RLConfig.old_logprobs,
-    tis_cap: Annotated[float | None, typer.Option(help="Truncated importance sampling: weight each token's loss by min(pi_recomputed / pi_engine, CAP), e.g. 2.0.")] = None,
-    metrics: Metrics = None,
-    report_to: ReportTo = None,
-    run_name: RunName = None,
-    project: Project = TrackingConfig.project,
-    tensorboard: TensorBoardDir = None,
-    ref: Annotated[Path | None, typer.Option(help="Frozen reference for the drift figure (default: the one score-ref used).")] = None,
-    max_drift: Annotated[float, typer.Option(min=0.0, help="Warn when the policy's relative weight distance from the reference exceeds this.")] = DEFAULT_MAX_DRIFT,
-    follow: Annotated[bool, typer.Option("--follow", help="Persistent: read an unbounded rollouts stream and write one checkpoint per --batch-prompts prompts as --out/step-NNNNNN/ (atomic; --out/latest names the newest); a rerun resumes from --out/latest. See docs/follow.md.")] = False,
-    batch_prompts: Annotated[int | None, typer.Option(min=1, help="--follow: prompts (whole groups) per update step; default: the upstream `rollout --follow`'s.")] = None,
-    max_steps: Annotated[int | None, typer.Option(min=1, help="--follow: end the run cleanly once --out holds this many steps after --policy's.")] = None,
-    keep: Annotated[int | None, typer.Option(min=1, help="--follow: prune all but the newest K steps (at least --max-lag + 2 are kept: rollout may be loading them).")] = None,
-    max_lag: Annotated[int, typer.Option(min=0, help="--follow: drop (and count) rows sampled more than this many steps before the policy they would train; lagged rows get pi_old recomputed (the proximal policy) and a truncated importance weight (--tis-cap, default 2 here).")] = DEFAULT_MAX_LAG,
-    device: Device = "auto",
-    dtype: TrainDtype = "auto",
-    gradient_checkpointing: GradCheckpointing = False,
-    micro_batch_size: MicroBatchSize = None,
-    micro_batch_tokens: MicroBatchTokens = None,
-    packing: Packing = True,
-    lora_rank: LoraRank = None,
-    lora_alpha: LoraAlpha = None,
-    lora_dropout: LoraDropout = 0.0,
-    lora_targets: LoraTargets = None,
-    trust_remote_code: TrustRemoteCode = False,
-    no_verify: NoVerify = False,
-    force: Force = False,
-) -> None:
-    """One update of the policy by the --algo named (GRPO family, PPO, DPO, ...); writes the next checkpoint.
+command = stage_options.command(UpdateConfig, """One update of the policy by the --algo named (GRPO family, PPO, DPO, ...); writes the next checkpoint.
 
-    On a GPU the policy loads once the input has ended (in a pipe: once rollout has exited and freed the
-    GPU's memory); on the CPU it loads while the input streams in."""
-    rl = RLConfig(algo=algo, lr=lr, epochs=epochs, minibatch_size=minibatch_size, clip_low=clip_low, clip_high=clip_high,
-                  dual_clip=dual_clip or None,
-                  beta=beta, kl_estimator=kl_estimator, kl_in=kl_in, loss_agg=loss_agg, drop_degenerate=drop_degenerate,
-                  grad_clip=grad_clip, warmup_steps=warmup_steps, seed=seed, old_logprobs=old_logprobs, tis_cap=tis_cap,
-                  gamma=gamma, lam=lam, vf_clip=vf_clip, critic_lr=critic_lr, critic_init=critic_init,
-                  target_kl=target_kl)
-    train = train_options(dtype, gradient_checkpointing, lora_rank, lora_alpha, lora_dropout, lora_targets,
-                          micro_batch_size, micro_batch_tokens, packing)
-    run(UpdateConfig(policy=policy, out=out, inp=None if inp is None else str(inp), rl=rl, train=train, device=device, reward=tuple(reward or ()), length_penalty=length_penalty,
-                     metrics=metrics, tracking=tracking_options(report_to, project, run_name, tensorboard), ref=ref, max_drift=max_drift, follow=follow,
-                     batch_prompts=batch_prompts, max_steps=max_steps, keep=keep, max_lag=max_lag,
-                     trust_remote_code=trust_remote_code, verify=not no_verify, force=force))
+On a GPU the policy loads once the input has ended (in a pipe: once rollout has exited and freed the
+GPU's memory); on the CPU it loads while the input streams in.""")
