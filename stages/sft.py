@@ -141,13 +141,14 @@ def _run(cfg: SftConfig, tracker) -> Path:
     claims.check_out(cfg.out, "model")
     from rlkit.training import distributed, resume
 
-    cfg.train.check(distributed=distributed.launched())
     tracking.check(cfg.tracking)
     resume.check(cfg.save_steps, cfg.resume, cfg.out)  # and nothing at the snapshot path that is not rlkit's
     from rlkit import devices
+    from rlkit.training.runtime import Runtime
 
-    dev = devices.resolve(cfg.device)
-    cfg = replace(cfg, train=cfg.train.on(dev))  # --dtype auto made concrete: what is trained and recorded
+    # --device, --dtype and the training flags, checked and made concrete once: what is trained and recorded
+    rt = Runtime.resolve(cfg.device, cfg.train)
+    dev, cfg = rt.device, replace(cfg, train=rt.train)
     train = cfg.train
     inputs = task_inputs(task) if task else {}
     if cfg.model != checkpoints.TINY and Path(cfg.model).exists():
@@ -160,7 +161,8 @@ def _run(cfg: SftConfig, tracker) -> Path:
     if manifests.skip_if_current(cfg.out, "sft", cfg, inputs):
         return cfg.out
 
-    dp = distributed.init(cfg.device)  # None unless started by torchrun
+    rt = rt.joined()  # torchrun's process group, when started by torchrun
+    dp = rt.dp
     torch.manual_seed(cfg.seed)
     if cfg.model == checkpoints.TINY:
         tokenizer = tiny.build_tokenizer()
@@ -202,7 +204,7 @@ def _run(cfg: SftConfig, tracker) -> Path:
     objective = CrossEntropy()
     engine = Engine(model, objective, Optim(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.adam_betas,
                                             grad_clip=cfg.grad_clip),
-                    train=train, base=base, dp=dp, device=dev, tokenizer=tokenizer,
+                    runtime=rt, base=base, tokenizer=tokenizer,
                     shard_fn=completion_logprobs_local, name="sft",
                     # before sharding: every rank loads the snapshot's full tensors
                     setup=(lambda m: snaps.restore_weights(snap, m)) if snap is not None else None)

@@ -99,13 +99,14 @@ def _run(cfg: TrainRmConfig, tracker) -> Path:
             raise RlkitError(f"{flag} {v}: expected an integer >= 1")
     from rlkit.training import distributed, resume
 
-    cfg.train.check(distributed=distributed.launched(), step_rows=cfg.batch_size, step_flag="--batch-size")
     tracking.check(cfg.tracking)
     resume.check(cfg.save_steps, cfg.resume, cfg.out)  # and nothing at the snapshot path that is not rlkit's
     from rlkit import devices
+    from rlkit.training.runtime import Runtime
 
-    dev = devices.resolve(cfg.device)
-    cfg = replace(cfg, train=cfg.train.on(dev))  # --dtype auto made concrete: what is trained and recorded
+    # --device, --dtype and the training flags, checked and made concrete once: what is trained and recorded
+    rt = Runtime.resolve(cfg.device, cfg.train, step_rows=cfg.batch_size, step_flag="--batch-size")
+    dev, cfg = rt.device, replace(cfg, train=rt.train)
     train_opts = cfg.train
     src = data.load_source(cfg.prefs, "prefs", {})
     inputs = {"base": fingerprints.fingerprint(cfg.base), "prefs": src.fingerprint}
@@ -127,7 +128,8 @@ def _run(cfg: TrainRmConfig, tracker) -> Path:
     from rlkit.training.engine import Engine
     from rlkit.training.supervised import BradleyTerry, fit
 
-    dp = distributed.init(cfg.device)  # None unless started by torchrun
+    rt = rt.joined()  # torchrun's process group, when started by torchrun
+    dp = rt.dp
     torch.manual_seed(cfg.seed)
     model, tok = _load_base(cfg)
     chosen = encode_pairs(tok, t["prompt"], t["chosen"], cfg.max_length)
@@ -141,7 +143,7 @@ def _run(cfg: TrainRmConfig, tracker) -> Path:
     snap = snaps.find(steps)  # one line when a snapshot is there: resumed from, or not and why
     objective = BradleyTerry(cfg.margin)
     engine = Engine(model, objective, Optim(lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip),
-                    train=train_opts, kind="seq-cls", base=cfg.base, dp=dp, device=dev, tokenizer=tok,
+                    runtime=rt, kind="seq-cls", base=cfg.base, tokenizer=tok,
                     shard_fn=seq_scores_local, name="train-rm",
                     # before sharding: every rank loads the snapshot's full tensors
                     setup=(lambda m: snaps.restore_weights(snap, m)) if snap is not None else None)

@@ -181,9 +181,11 @@ def _run(cfg: UpdateConfig) -> Path:
     # Open the input on a background thread and import torch and load the policy meanwhile: in a pipe
     # all stages then start up at once, and upstream streams into memory instead of a full pipe.
     cfg.rl.check()
-    cfg.train.check(distributed=distributed_launch(), step_rows=cfg.rl.minibatch_size)
-    dev = devices.resolve(cfg.device)
-    cfg = replace(cfg, train=cfg.train.on(dev))  # --dtype auto made concrete: what is trained and recorded
+    from rlkit.training.runtime import Runtime
+
+    # --device, --dtype and the training flags, checked and made concrete once: what is trained and recorded
+    rt = Runtime.resolve(cfg.device, cfg.train, step_rows=cfg.rl.minibatch_size)
+    dev, cfg = rt.device, replace(cfg, train=rt.train)
     tracking.check(cfg.tracking)
     if cfg.ref is not None:
         checkpoints.verify_reference(cfg.ref)
@@ -191,20 +193,17 @@ def _run(cfg: UpdateConfig) -> Path:
         console.info("update: k3 in the loss descends the reverse KL(pi_ref || pi), not KL(pi || pi_ref); "
                      "k3+ reports the same value with the forward KL's gradient")
     inp = algo.input()
-    dp = None
-    if distributed_launch():
-        from rlkit.training import distributed
-
-        dp = distributed.init(cfg.device)
+    rt = rt.joined()  # torchrun's process group, when started by torchrun
+    dp = rt.dp
     pending = streams.open_table(cfg.inp, list(inp.kinds)) if dp is None or dp.main else None
     if cfg.follow:
-        return run_follow(cfg, inp, pending, weights, dev)
+        return run_follow(cfg, inp, pending, weights, rt)
     from rlkit.training import distributed
 
     def start() -> Trainer:
         model, tokenizer = checkpoints.load_policy(cfg.policy, "fp32", cfg.trust_remote_code)
-        return Trainer(model, cfg.rl, tokenizer=tokenizer, train=cfg.train, base=cfg.policy, dp=dp,
-                       trust_remote_code=cfg.trust_remote_code, device=dev)
+        return Trainer(model, cfg.rl, tokenizer=tokenizer, base=cfg.policy, trust_remote_code=cfg.trust_remote_code,
+                       runtime=rt)
 
     # On the CPU the policy loads while the input streams in (the pipe's stages start at once). On a GPU
     # it loads once the input has ended: by then the rollout feeding this pipe has exited and freed the
@@ -224,7 +223,7 @@ def _run(cfg: UpdateConfig) -> Path:
     inp.check_upstream(upstream, tokenizer, cfg.policy)
     loaded = inp.load(table, upstream=upstream, tokenizer=tokenizer, rl=cfg.rl, dtype=t.train_options.dtype, weights=weights,
                       length_penalty=cfg.length_penalty, policy_fingerprint=inputs["policy"], label=reader.label,
-                      limits=limits)
+                      limits=limits, budget=t.train_options.micro_batch_tokens)
     t.load(cfg.policy)
     devices.announce("update", t.device, t.train_options.dtype)  # once the input is known good: work starts
     step = checkpoints.policy_step(cfg.policy) + 1

@@ -62,16 +62,20 @@ class TrainOptions:
     packing: bool = True  # sequences concatenated without padding (rlkit.ops.packing); False: right-padded rows
 
     def on(self, device) -> TrainOptions:
-        """These options made concrete for `device`: --dtype auto (bf16 on a GPU with bf16, else fp32) and, on a
-        GPU with neither micro-batch option given, micro-batches of GPU_MICRO_BATCH_TOKENS tokens."""
+        """These options with --dtype auto made concrete for `device` (bf16 on a GPU with bf16, else fp32)."""
         from dataclasses import replace
 
         from rlkit import devices
 
-        out = replace(self, dtype=devices.auto_dtype(device, self.dtype))
-        if getattr(device, "type", str(device)) == "cuda" and self.micro_batch_size is None and self.micro_batch_tokens is None:
-            out = replace(out, micro_batch_tokens=GPU_MICRO_BATCH_TOKENS)
-        return out
+        return replace(self, dtype=devices.auto_dtype(device, self.dtype))
+
+    def micro_limits(self, device) -> tuple[int | None, int | None]:
+        """(rows, tokens) per forward/backward pass on `device`: the flags, or on a GPU with neither given
+        GPU_MICRO_BATCH_TOKENS tokens (a row longer than that default runs alone); (None, None): one pass."""
+        if self.micro_batch_size is None and self.micro_batch_tokens is None and \
+                getattr(device, "type", str(device)) == "cuda":
+            return None, GPU_MICRO_BATCH_TOKENS
+        return self.micro_batch_size, self.micro_batch_tokens
 
     def check(self, distributed: bool = False, step_rows: int | None = None, step_flag: str = "--minibatch-size") -> None:
         """Refuse bad settings with the flag's name; `step_rows`: the rows of one optimizer step (a

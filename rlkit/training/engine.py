@@ -238,18 +238,21 @@ class Engine:
     `train` (TrainOptions): precision, gradient checkpointing, LoRA (a fresh adapter on `model`, whose
     weights came from directory `base`), micro-batches and packing. `dp`: data parallelism (FSDP2);
     `shard_fn`: the forward FSDP's root unit runs (`rlkit.training.distributed.shard_model`); `setup(model)`:
-    runs once the model is prepared (LoRA), before it is sharded or moved."""
+    runs once the model is prepared (LoRA), before it is sharded or moved. `runtime`: a stage's
+    `rlkit.training.runtime.Runtime`, in place of `train`, `dp` and `device`."""
 
     def __init__(self, model, objective: Objective, optim: Optim, *, train: TrainOptions = TrainOptions(),
                  kind: str = "causal-lm", base: Path | None = None, dp: DataParallel | None = None, device=None,
                  tokenizer=None, trust_remote_code: bool = False, shard_fn=None, name: str = "train",
-                 setup: Callable[[Any], None] | None = None) -> None:
+                 setup: Callable[[Any], None] | None = None, runtime=None) -> None:
         from rlkit import training
 
+        if runtime is not None:  # a stage's Runtime (rlkit.training.runtime): device, options and world in one
+            train, dp, device = runtime.train, runtime.dp, runtime.device
         self.objective, self.optim, self.name = objective, optim, name
         # the device everything trains on: the data-parallel rank's, else `device` (default the CPU)
         self.device = dp.device if dp is not None else torch.device(device) if device is not None else torch.device("cpu")
-        train = train.on(self.device)  # --dtype auto (and the GPU's default micro-batch) made concrete
+        train = train.on(self.device)  # --dtype auto made concrete
         self.tokenizer, self.train_options, self.dp, self.trust_remote_code = tokenizer, train, dp, trust_remote_code
         self.prec = Precision(train.dtype, self.device.type)
         model = training.prepare_model(model, train, kind, base=base)
@@ -361,13 +364,11 @@ class Engine:
     def forward_chunks(self, rows: Tensor, lengths: Tensor | None, chunk_rows: int) -> list[Tensor]:
         """`rows` cut for forward-only passes (scoring, pi_old): `chunk_rows` rows at a time, or this engine's
         micro-batches when they are smaller."""
-        opts = self.train_options
-        return [m for c in rows.split(chunk_rows)
-                for m in micro_batches(c, lengths, opts.micro_batch_size, opts.micro_batch_tokens)]
+        size, tokens = self.train_options.micro_limits(self.device)
+        return [m for c in rows.split(chunk_rows) for m in micro_batches(c, lengths, size, tokens)]
 
     def _micro(self, plan: Plan, mine: Tensor) -> list[Tensor]:
-        opts = self.train_options
-        return micro_batches(mine, plan.lengths, opts.micro_batch_size, opts.micro_batch_tokens)
+        return micro_batches(mine, plan.lengths, *self.train_options.micro_limits(self.device))
 
     # -- save and resume
     def load_state(self, src: Path) -> None:

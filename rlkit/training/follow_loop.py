@@ -32,11 +32,14 @@ def check_follow(cfg, algo, *, distributed: bool) -> None:
     follow.check_root(cfg.out)
 
 
-def run_follow(cfg, inp, pending, weights: dict[str, float] | None, dev) -> Path:
+def run_follow(cfg, inp, pending, weights: dict[str, float] | None, rt) -> Path:
     """`update --follow`: one step per --batch-prompts prompts of the stream, published into --out.
     `inp` is the algorithm's input (`algo.input()`), `pending` the input table being opened
-    (`streams.open_table`), `weights` the parsed --reward weights, `dev` the resolved device."""
+    (`streams.open_table`), `weights` the parsed --reward weights, `rt` the stage's
+    `rlkit.training.runtime.Runtime` (device, training options; one process)."""
     from rlkit import console, devices
+
+    dev = rt.device
     from rlkit.algorithms.config import DEFAULT_FOLLOW_TIS_CAP
     from rlkit.algorithms.inputs import Limits
     from rlkit.errors import RlkitError
@@ -71,8 +74,8 @@ def run_follow(cfg, inp, pending, weights: dict[str, float] | None, dev) -> Path
                 raise RlkitError(f"{root} holds a run started from another --policy than {cfg.policy} (or one changed "
                                  "since); pass that --policy or a new --out")
         model, tokenizer = checkpoints.load_policy(start, "fp32", cfg.trust_remote_code)
-        t = Trainer(model, cfg.rl, tokenizer=tokenizer, train=cfg.train, base=start,
-                    trust_remote_code=cfg.trust_remote_code, device=dev)
+        t = Trainer(model, cfg.rl, tokenizer=tokenizer, base=start, trust_remote_code=cfg.trust_remote_code,
+                    runtime=rt)
         limits = Limits.of(t.model, f"--policy {start}")
         base_tok = checkpoints.load_tokenizer(cfg.policy, cfg.trust_remote_code)
         if checkpoints.tokenizer_fingerprint(tokenizer) != checkpoints.tokenizer_fingerprint(base_tok):
@@ -120,7 +123,7 @@ def run_follow(cfg, inp, pending, weights: dict[str, float] | None, dev) -> Path
                 dropped += drop
                 loaded = inp.load(table, upstream=upstream, tokenizer=tokenizer, rl=cfg.rl, dtype=t.train_options.dtype,
                                   weights=weights, length_penalty=cfg.length_penalty, lags=lags, label=reader.label,
-                                  limits=limits)
+                                  limits=limits, budget=t.train_options.micro_batch_tokens)
                 # decoupled PPO: a recomputed pi_old is the proximal policy, weighed by proximal / behaviour, capped
                 rl = replace(cfg.rl, tis_cap=(cap or None) if loaded.train["recompute"] else None)
                 m = t.train(loaded.batch, cfg=rl, progress=lambda n, s=step: console.progress(f"update step {s + 1}", n),

@@ -53,7 +53,7 @@ class Trainer(Engine):
 
     def __init__(self, model, cfg: RLConfig, *, tokenizer=None, train: TrainOptions = TrainOptions(),
                  base: Path | None = None, dp: DataParallel | None = None, trust_remote_code: bool = False,
-                 device=None) -> None:
+                 device=None, runtime=None) -> None:
         from rlkit.ops.logprobs import completion_logprobs_local
 
         self.cfg = resolve(cfg)
@@ -61,7 +61,8 @@ class Trainer(Engine):
         super().__init__(model, self.algo, Optim(lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
                                                  grad_clip=self.cfg.grad_clip),
                          train=train, base=base, dp=dp, device=device, tokenizer=tokenizer,
-                         trust_remote_code=trust_remote_code, shard_fn=completion_logprobs_local, name="update")
+                         trust_remote_code=trust_remote_code, shard_fn=completion_logprobs_local, name="update",
+                         runtime=runtime)
 
     def load(self, src: Path) -> None:
         """Optimizer state, counters, RNG and loss scale from checkpoint `src` (fresh when it has none),

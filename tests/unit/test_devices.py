@@ -69,11 +69,14 @@ def test_the_flags_that_lower_memory_are_named_for_an_out_of_memory_error():
     e = RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you "
                      "tried to allocate 98765 bytes")
     assert devices.is_out_of_memory(e) and not devices.is_out_of_memory(RuntimeError("shape mismatch"))
-    oom = devices.out_of_memory("update", {"minibatch_size": 4096, "gradient_checkpointing": False, "lora_rank": None,
+    oom = devices.out_of_memory("update", {"minibatch_size": 4096, "micro_batch_size": 64, "micro_batch_tokens": None,
+                                           "gradient_checkpointing": False, "lora_rank": None,
                                            "dtype": "auto", "device": "auto", "lr": 1e-5}, e)
     assert oom.exit_code == 71
-    assert str(oom) == ("update: out of host memory with --minibatch-size 4096, --dtype auto, --device auto; lower it "
-                        "with --minibatch-size, --gradient-checkpointing, --lora-rank; nothing was written")
+    # --minibatch-size is shown, never advised: lowering it changes the algorithm, a micro-batch does not
+    assert str(oom) == ("update: out of host memory with --minibatch-size 4096, --micro-batch-size 64, --dtype auto, "
+                        "--device auto; lower it with --micro-batch-size, --micro-batch-tokens, --gradient-checkpointing, "
+                        "--lora-rank; nothing was written")
 
 
 @pytest.mark.slow
