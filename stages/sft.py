@@ -225,8 +225,9 @@ def _run(cfg: SftConfig, tracker) -> Path:
     metrics.update(devices.peak_memory(dev))
     if task is not None:
         held = task.examples("heldout", cfg.eval_num, cfg.seed)
-        ev = greedy_eval(model, tokenizer, [e.prompt for e in held], [e.answer for e in held], task.reward,
-                         max_new_tokens=max(cfg.max_new_tokens, max(len(x) - p for x, p in zip(ids, plens, strict=True)) + 8))
+        with distributed.root_gathered(model):  # under torchrun: generate goes around the FSDP root unit
+            ev = greedy_eval(model, tokenizer, [e.prompt for e in held], [e.answer for e in held], task.reward,
+                             max_new_tokens=max(cfg.max_new_tokens, max(len(x) - p for x, p in zip(ids, plens, strict=True)) + 8))
         metrics.update(heldout_accuracy=ev["accuracy"], heldout_n=ev["n"],
                        mean_response_tokens=ev["mean_response_tokens"])
     model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -191,6 +191,23 @@ def _root(model):
     return getattr(model, "_rlkit_fsdp_root", model)
 
 
+@contextmanager
+def root_gathered(model):
+    """With `shard_model(model, dp, fn)`, the model's own forward (`generate`, sft's held-out eval) goes around
+    the root unit, whose weights (embeddings, final norm, head) stay sharded: gather them for the block, and
+    shard them again after. The decoder layers' units gather their own weights as they run. A no-op for a
+    model without a function root (or not sharded)."""
+    root = getattr(model, "_rlkit_fsdp_root", None)
+    if root is None:
+        yield model
+        return
+    root.unshard()
+    try:
+        yield model
+    finally:
+        root.reshard()
+
+
 def _strip(d: dict) -> dict:
     return {k.removeprefix(ROOT_PREFIX): v for k, v in d.items()}
 

@@ -197,7 +197,7 @@ def test_dpo_on_another_device_is_the_cpu_update(policy, sft_dir):
 
 def test_the_check_catches_a_forgotten_move(policy):
     """The harness is not vacuous: the log-prob path fed the CPU tensors it was given fails."""
-    from rlkit.ops.logprobs import completion_logprobs, padded, pack_sequences
+    from rlkit.ops.logprobs import completion_logprobs, pack_sequences, padded
 
     model, tok = policy
     ids, attn, targets, _, start = pack_sequences([[5, 6, 7]], [[8, 9]], tok.pad_token_id)

@@ -180,7 +180,7 @@ def test_gspo_token_form_has_the_sequence_objectives_gradient():
 
 def test_chunked_scoring_equals_the_training_path():
     """Without grad the output head runs 32 positions at a time; values must not change."""
-    from rlkit.ops.logprobs import completion_logprobs, padded, pack_sequences
+    from rlkit.ops.logprobs import completion_logprobs, pack_sequences, padded
     from rlkit.tiny import TinyConfig, build_model, build_tokenizer
 
     tok = build_tokenizer()

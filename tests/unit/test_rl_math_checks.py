@@ -49,7 +49,7 @@ def test_train_on_batch_survives_padding_at_a_low_sampling_temperature(sft_dir):
     padded positions are never scored now (0 there), with or without packing."""
     from rlkit.algorithms.inputs import RLBatch
     from rlkit.io import checkpoints
-    from rlkit.ops.logprobs import completion_logprobs, padded, pack_sequences
+    from rlkit.ops.logprobs import completion_logprobs, pack_sequences, padded
     from rlkit.training import TrainOptions
     from rlkit.training.trainer import Trainer
 
