@@ -336,17 +336,18 @@ class Rollouts:
 
     def load(self, table, *, upstream: Manifest, tokenizer, rl: RLConfig, dtype: str, weights: dict[str, float] | None,
              length_penalty: float, policy_fingerprint: str | None = None, lags: Tensor | None = None,
-             label: str = "the input", limits: Limits | None = None) -> Loaded:
+             label: str = "the input", limits: Limits | None = None, budget: int | None = None) -> Loaded:
         """`policy_fingerprint`: warn when the rows were sampled from another checkpoint (one update; under
         --follow every row is, by its lag). `lags` (N,): the rows' policy lags under --follow. `limits`: the
-        policy's vocabulary and context, which every row must fit (`check_rows`) before the model runs."""
+        policy's vocabulary and context, which every row must fit (`check_rows`) before the model runs;
+        `budget` (with `limits`): --micro-batch-tokens, which every row must fit too."""
         from rlkit import console
 
         for col in ("prompt_ids", "completion_ids", "old_logprobs"):
             if table.column(col).null_count:
                 raise RlkitError(f"{label}: column '{col}' has missing values; rollouts need token ids and log-probs")
         if limits is not None:
-            check_rows(table, limits, label)
+            check_rows(table, limits, label, budget=budget, budget_flag="--micro-batch-tokens")
         check_not_all_empty(table, label)
         if policy_fingerprint is not None and any(
                 p != policy_fingerprint for p in set(table.column("policy_fingerprint").to_pylist())):
@@ -397,5 +398,17 @@ class Prefs:
     def check_upstream(self, upstream: Manifest, tokenizer, policy) -> None:
         """Prefs are text: the policy's tokenizer encodes them."""
 
-    def load(self, table, *, tokenizer, limits: Limits | None = None, label: str = "the input", **_: Any) -> Loaded:
-        return Loaded(build_pref_batch(table, tokenizer, limits, label), {}, {}, None)
+    def load(self, table, *, tokenizer, limits: Limits | None = None, label: str = "the input",
+             budget: int | None = None, **_: Any) -> Loaded:
+        """`budget`: --micro-batch-tokens, which every pair must fit (its two sides run in one forward pass)."""
+        batch = build_pref_batch(table, tokenizer, limits, label)
+        if budget is not None:
+            P = len(batch.heldout)
+            n = batch.attn.sum(1)
+            pair = n[:P] + n[P:]
+            if int(pair.max()) > budget:
+                i = int((pair > budget).nonzero()[0])
+                raise RlkitError(f"{label}: {_row_name(table, i)}: prompt + chosen and prompt + rejected are {int(n[i])} + "
+                                 f"{int(n[P + i])} tokens, which run in one forward pass, more than --micro-batch-tokens "
+                                 f"{budget}; raise --micro-batch-tokens to at least {int(pair[i])} if memory allows")
+        return Loaded(batch, {}, {}, None)
