@@ -648,3 +648,52 @@ def test_a_tracker_that_exits_is_warned_about_and_dropped(work, where, monkeypat
     assert json.loads(out)["n"] == 2
     warned = [ln for ln in err.splitlines() if "tracker trackio failed (SystemExit: 3)" in ln]
     assert len(warned) == 1 and "Traceback" not in err, err
+
+
+# Micro-batches (--micro-batch-size, --micro-batch-tokens) on the three training stages: out of range, both given,
+# larger than the optimizer step, or a token budget some row (or preference pair, both sides in one forward pass)
+# does not fit. {w}/sprefs.arrow: prefs.arrow scored by the reference (what `update --algo dpo` reads).
+SFT = ["sft", "--model", "{pol}", "--data", "{w}/sft.arrow", "--out", "{out}"]
+RM = ["train-rm", "--model", "{pol}", "--prefs", "{w}/prefs.arrow", "--out", "{out}"]
+DPO = ["update", "--algo", "dpo", "--policy", "{pol}", "--in", "{w}/sprefs.arrow", "--out", "{out}"]
+_TRAINING = {"sft": SFT, "train-rm": RM, "update": UPDATE}
+MICRO_ROWS = [
+    *[pytest.param([*argv, flag, value], f"{flag} {value}: expected an integer >= 1", id=f"{stage}{flag}={value}")
+      for stage, argv in _TRAINING.items() for flag in ("--micro-batch-size", "--micro-batch-tokens")
+      for value in ("0", "-3")],
+    *[pytest.param([*argv, "--micro-batch-size", "2", "--micro-batch-tokens", "64"],
+                   "--micro-batch-size and --micro-batch-tokens both cut the optimizer step into micro-batches; give "
+                   "one of them", id=f"{stage}-both-micro-flags") for stage, argv in _TRAINING.items()],
+    pytest.param([*UPDATE, "--minibatch-size", "4", "--micro-batch-size", "5"], "--micro-batch-size 5 is larger than "
+                 "--minibatch-size 4, the rows of one optimizer step; expected at most 4", id="update-micro-over-minibatch"),
+    pytest.param([*DPO, "--minibatch-size", "2", "--micro-batch-size", "3"], "--micro-batch-size 3 is larger than "
+                 "--minibatch-size 2", id="dpo-micro-over-minibatch"),
+    pytest.param([*RM, "--batch-size", "3", "--micro-batch-size", "8"], "--micro-batch-size 8 is larger than "
+                 "--batch-size 3, the rows of one optimizer step; expected at most 3", id="train-rm-micro-over-batch"),
+    # a row the token budget cannot hold: refused, naming it (never dropped)
+    pytest.param([*UPDATE, "--micro-batch-tokens", "5"], "scored.arrow: row 0 (prompt_id 'train-0-0', sample 0) is",
+                 id="update-row-over-micro-tokens"),
+    pytest.param([*UPDATE, "--micro-batch-tokens", "5"], "more than --micro-batch-tokens 5, the token budget of one "
+                 "forward batch; raise --micro-batch-tokens to at least", id="update-row-over-micro-tokens-fix"),
+    pytest.param([*DPO, "--micro-batch-tokens", "9"], "sprefs.arrow: row 0 (prompt_id", id="dpo-pair-over-micro-tokens"),
+    pytest.param([*DPO, "--micro-batch-tokens", "9"], "which run in one forward pass, more than --micro-batch-tokens 9",
+                 id="dpo-pair-over-micro-tokens-fix"),
+    pytest.param([*SFT, "--micro-batch-tokens", "3"], "sft: example 0 is", id="sft-example-over-micro-tokens"),
+    pytest.param([*SFT, "--micro-batch-tokens", "3"], "more than --micro-batch-tokens 3; raise --micro-batch-tokens to "
+                 "at least", id="sft-example-over-micro-tokens-fix"),
+    pytest.param([*RM, "--micro-batch-tokens", "7"], "which run in one forward pass) is longer than "
+                 "--micro-batch-tokens 7; raise --micro-batch-tokens to at least", id="train-rm-pair-over-micro-tokens"),
+]
+
+
+@pytest.fixture(scope="module")
+def sprefs(work) -> Path:
+    from rlkit.stages import score_ref
+
+    score_ref.run(score_ref.ScoreRefConfig(ref=work / "ref", inp=str(work / "prefs.arrow"), out=work / "sprefs.arrow"))
+    return work
+
+
+@pytest.mark.parametrize("argv,expect", MICRO_ROWS)
+def test_micro_batch_rows(sprefs, argv, expect, capfd):
+    _check(sprefs, argv, capfd, expect)

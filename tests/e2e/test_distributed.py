@@ -61,7 +61,10 @@ def test_two_processes_match_one_and_resume_across_world_sizes(sft_dir, tmp_path
     one = tmp_path / "one"
     assert run_cli("update", "--policy", str(sft_dir), "--in", str(rolls[0]), "--out", str(one), *flags).returncode == 0
     two = tmp_path / "two"  # the batch on stdin: rank 0 reads it and broadcasts it
-    r = torchrun("update", "--policy", str(sft_dir), "--out", str(two), *flags, stdin=rolls[0].read_bytes())
+    # in micro-batches too: 16 rows per rank and minibatch, as 5 + 5 + 5 + 1 (each loss term scaled by its share
+    # of the whole minibatch, across ranks): the same update as one process in one forward
+    r = torchrun("update", "--policy", str(sft_dir), "--out", str(two), *flags, "--micro-batch-size", "5",
+                 stdin=rolls[0].read_bytes())
     assert r.returncode == 0, r.stderr.decode()[-3000:]
     assert r.stderr.decode().count("data-parallel over 2 processes") == 1  # rank 0 alone talks
 
@@ -76,6 +79,8 @@ def test_two_processes_match_one_and_resume_across_world_sizes(sft_dir, tmp_path
     for k in ("sequences", "optimizer_steps", "clip_fraction", "reward_mean"):
         assert m2["metrics"][k] == pytest.approx(m1["metrics"][k], rel=1e-6, abs=1e-9), k
     assert m2["metrics"]["loss"] == pytest.approx(m1["metrics"]["loss"], abs=1e-4)
+    # the gradient's size too (AdamW's steps hardly depend on it: a gradient scaled by a constant moves the weights alike)
+    assert m2["metrics"]["grad_norm"] == pytest.approx(m1["metrics"]["grad_norm"], rel=1e-3)
     assert json.loads((two / "trainer" / "state.json").read_text()) == json.loads((one / "trainer" / "state.json").read_text())
     # an ordinary Hugging Face checkpoint: loads without rlkit
     from transformers import AutoModelForCausalLM
@@ -85,10 +90,13 @@ def test_two_processes_match_one_and_resume_across_world_sizes(sft_dir, tmp_path
     # resume with another world size: 1 process -> 2 processes equals 1 -> 1
     a, b = tmp_path / "one-one", tmp_path / "one-two"
     assert run_cli("update", "--policy", str(one), "--in", str(rolls[1]), "--out", str(a), *flags).returncode == 0
-    r = torchrun("update", "--policy", str(one), "--in", str(rolls[1]), "--out", str(b), *flags)
+    r = torchrun("update", "--policy", str(one), "--in", str(rolls[1]), "--out", str(b), *flags,
+                 "--micro-batch-tokens", "48")  # and micro-batches of rows up to 48 tokens
     assert r.returncode == 0, r.stderr.decode()[-3000:]
     wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
     assert _max_diff(wa, wb) < 0.02 * _max_diff(wa, w1)
+    ma, mb = (json.loads((d / "rlkit.json").read_text())["metrics"] for d in (a, b))
+    assert mb["grad_norm"] == pytest.approx(ma["grad_norm"], rel=1e-3)
     assert json.loads((b / "rlkit.json").read_text())["step"] == 2
 
 
