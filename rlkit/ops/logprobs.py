@@ -140,6 +140,9 @@ def padded(input_ids: Tensor, attn: Tensor, start: Tensor) -> Seqs:
 
 
 SCORE_CHUNK = 1024  # positions per output-head call when scoring (no grad): (SCORE_CHUNK, V) logits at a time
+# positions per step of the log-softmax over the (1, K, V) logits of a flat layout: its fp32 temporaries are
+# (LOGPROB_CHUNK, V), 0.6 GB at a 152k vocabulary; far fewer, larger kernels than 32 positions at a time
+LOGPROB_CHUNK = 1024
 
 
 def hidden_states(model, seqs: Seqs) -> Tensor:
@@ -157,10 +160,11 @@ def completion_logprobs_local(model, seqs: Seqs, temperature: float, with_entrop
     head = model.get_output_embeddings()
     targets = seqs.targets.unsqueeze(0)
     if torch.is_grad_enabled():  # training: autograd keeps the (K, V) logits for backward anyway
-        lp, ent = gather_logprobs(head(h).unsqueeze(0), targets, temperature=temperature, with_entropy=with_entropy)
+        lp, ent = gather_logprobs(head(h).unsqueeze(0), targets, chunk=LOGPROB_CHUNK, temperature=temperature,
+                                  with_entropy=with_entropy)
     else:  # forward-only scoring: SCORE_CHUNK positions at a time, never holding (K, V)
         parts = [gather_logprobs(head(h[s : s + SCORE_CHUNK]).unsqueeze(0), targets[:, s : s + SCORE_CHUNK],
-                                 temperature=temperature, with_entropy=with_entropy)
+                                 chunk=LOGPROB_CHUNK, temperature=temperature, with_entropy=with_entropy)
                  for s in range(0, len(h), SCORE_CHUNK)]
         lp = torch.cat([p[0] for p in parts], 1) if parts else h.new_zeros((1, 0), dtype=torch.float32)
         ent = torch.cat([p[1] for p in parts], 1) if with_entropy and parts else None
