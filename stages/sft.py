@@ -193,14 +193,12 @@ def _run(cfg: SftConfig, tracker) -> Path:
         console.warn(f"{truncated} examples longer than --max-length {cfg.max_len} were truncated")
 
     _check_budget(cfg, ids)
-    devices.announce("sft", dev, train.dtype)  # once the data is known good: work starts
     rng = random.Random(cfg.seed)
     lengths = [len(s) for s in ids]
     epochs = [data.token_batches(lengths, cfg.batch_tokens, rng) for _ in range(cfg.epochs)]
     total = sum(len(e) for e in epochs)
     snaps = resume.Snapshots("sft", cfg.out, cfg, inputs, cfg.save_steps, dp=dp, mode=cfg.resume)
     snap = snaps.find(total)  # one line when a snapshot is there: resumed from, or not and why
-    tracker.start(resume.tracking_of(cfg.tracking, snap), "sft", cfg)  # a resumed run: its tracker run too
     objective = CrossEntropy()
     engine = Engine(model, objective, Optim(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.adam_betas,
                                             grad_clip=cfg.grad_clip),
@@ -209,6 +207,8 @@ def _run(cfg: SftConfig, tracker) -> Path:
                     # before sharding: every rank loads the snapshot's full tensors
                     setup=(lambda m: snaps.restore_weights(snap, m)) if snap is not None else None)
     model, prec = engine.model, engine.prec
+    devices.announce("sft", dev, train.dtype)  # once the data and the model (LoRA, device) are good: work starts
+    tracker.start(resume.tracking_of(cfg.tracking, snap), "sft", cfg)  # a resumed run: its tracker run too
     devices.reset_peak_memory(dev)
     fitted = fit(engine, objective.plan(ids, plens), epochs,
                  _lr_lambda(total, max(1, int(cfg.warmup * total)), cfg.min_lr_ratio),
