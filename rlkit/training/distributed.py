@@ -355,17 +355,3 @@ def share_table(pending, dp: DataParallel) -> SharedTable:
         raise same
     table = pa.ipc.open_stream(broadcast_bytes(body, dp)).read_all()
     return SharedTable(header["kind"], header["manifest"], header["fingerprint"], header["label"], table)
-
-
-def split_rows(rows, dp: DataParallel, weight) -> tuple[object, float]:
-    """This rank's rows of a global minibatch, rows[rank::world], and its loss factor.
-
-    `weight(rows)` is what the loss averages over (tokens, sequences, pairs). The factor is
-    local weight / global weight * world: the ranks' scaled losses sum to world x the one-process loss,
-    and FSDP's mean of their gradients is the one-process gradient. A rank left without rows gets
-    (rows[:1], 0.0): it still runs forward and backward, which FSDP's collectives need.
-    """
-    mine = rows[dp.rank :: dp.world]
-    w = float(weight(mine)) if len(mine) else 0.0
-    total = all_sum([w], dp)[0]
-    return (mine, w / total * dp.world) if len(mine) and total > 0 else (rows[:1], 0.0)

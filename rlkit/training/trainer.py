@@ -81,10 +81,10 @@ class Trainer(Engine):
         `progress(total_steps)`: a context manager giving a ticker with `advance(n, loss=...)`.
 
         The minibatch order is seeded by --seed and the number of updates done, so the same updates
-        give the same order in one process or many. Data-parallel: every rank holds the whole batch and
-        the same order and trains on rows rank::world of each minibatch, each loss term scaled by the
-        rank's share of what it averages over (`Plan.weights`, `rlkit.training.distributed.split_rows`), which
-        FSDP's gradient averaging turns into the one-process gradient."""
+        give the same order in one process or many. Each minibatch is one optimizer step (`Engine.step`):
+        data-parallel, every rank holds the whole batch and the same order and trains on rows rank::world
+        of each minibatch, in micro-batches, each loss term scaled by its share of what it averages over
+        (`Plan.weights`), which FSDP's gradient averaging turns into the one-process gradient."""
         t0 = time.monotonic()
         cfg = self.cfg if cfg is None else resolve(cfg)
         for t in self.trained:
