@@ -313,6 +313,11 @@ def main(argv: list[str] | None = None) -> int:
     if rc and _rank() is not None:
         _exit_now(rc)  # a failed rank: its peers may be stuck in a collective that tearing down would wait on
     _leave_process_group()
+    if _rank() is not None:
+        # a torchrun rank whose stage has finished (its outputs written, the ranks past their last barrier): leave
+        # without the interpreter's teardown, whose C++ destructors (the process group's and FSDP's threads) can
+        # abort a rank ("terminate called without an active exception", exit -6) after a successful stage
+        _exit_now(rc)
     _exit_if_reader_blocked(rc)
     return rc
 
