@@ -265,14 +265,7 @@ def synthesize(tmpl: Path, dst: Path, lengths: list[int], vocab: int, seed: int)
     cols["completion"] = [f"[{n} synthetic tokens]" for n in lengths]
     cols["old_logprobs"] = [[-math.log(vocab)] * n for n in lengths]
     cols["finish_reason"] = ["length"] * len(lengths)
-    groups: dict[int, list[int]] = {}
-    for i, g in enumerate(cols["group_id"]):
-        groups.setdefault(g, []).append(i)
-    reward = [0.0] * table.num_rows
-    for g, rows in groups.items():
-        for i in random.Random(f"training-engine|{seed}|{g}").sample(rows, len(rows) // 2):
-            reward[i] = 1.0
-    cols["reward/verifier"] = reward
+    cols["reward/verifier"] = um.half_rewarded(cols["group_id"], f"training-engine|{seed}")
     manifest = dict(reader.manifest or {})
     for k in ("config", "options"):
         if isinstance(manifest.get(k), dict):

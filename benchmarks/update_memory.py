@@ -326,20 +326,25 @@ def last_line(log: Path) -> str:
     return lines[-1].strip() if lines else ""
 
 
+def half_rewarded(group_ids: list[int], salt: str) -> list[float]:
+    """Reward 1 for a seeded half of each group's rows (seeded by `salt` and the group), 0 for the rest."""
+    groups: dict[int, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        groups.setdefault(g, []).append(i)
+    reward = [0.0] * len(group_ids)
+    for g, rows in groups.items():
+        for i in random.Random(f"{salt}|{g}").sample(rows, len(rows) // 2):
+            reward[i] = 1.0
+    return reward
+
+
 def mixed_rewards(src: Path, dst: Path) -> None:
     """`src` with `reward/verifier` 1 for a seeded half of each group's samples, 0 for the rest."""
     from rlkit.io import streams
 
     table, reader = streams.read_table(src, ["rollouts"])
     cols = table.to_pydict()
-    groups: dict[int, list[int]] = {}
-    for i, g in enumerate(cols["group_id"]):
-        groups.setdefault(g, []).append(i)
-    reward = [0.0] * table.num_rows
-    for g, rows in groups.items():
-        for i in random.Random(f"update-memory|{g}").sample(rows, len(rows) // 2):
-            reward[i] = 1.0
-    cols["reward/verifier"] = reward
+    cols["reward/verifier"] = half_rewarded(cols["group_id"], "update-memory")
     manifest = {**(reader.manifest or {}), "benchmark": "benchmarks/update_memory.py: reward/verifier replaced by "
                 "1 for a seeded half of each group (the random-init policy scores 0 everywhere)"}
     extra = [f for f in table.schema if f.name.startswith("reward/")]

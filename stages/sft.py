@@ -58,7 +58,7 @@ class SftConfig:
     epochs: int = option(1, min=1, panel="Optimization", help="Passes over the training data.")
     lr: float = option(1e-3, panel="Optimization", help="Peak learning rate (AdamW).")
     warmup: float = option(0.05, "--warmup-ratio", panel="Optimization", help="Fraction of steps for linear warmup.")
-    # sft's own, with adam_betas; AdamW's other settings are rlkit's (rlkit.training.Optim)
+    # sft's own, like adam_betas below; AdamW's other settings are rlkit's (rlkit.training.Optim)
     weight_decay: float = option(0.01, panel="Optimization", help="AdamW weight decay (not on norms and biases).")
     batch_tokens: int = option(512, min=16, panel="Optimization", help="Token budget per batch (rows x longest row).")
     max_len: int = option(256, "--max-length", min=2, panel="Data", help="Longest training sequence; longer ones are truncated.")
@@ -79,7 +79,7 @@ class SftConfig:
     force: bool = option(False, Force)
     # no flags
     min_lr_ratio: float = 0.1
-    adam_betas: tuple[float, float] = (0.9, 0.95)
+    adam_betas: tuple[float, float] = (0.9, 0.95)  # sft's own; rlkit's default is (0.9, 0.99)
     grad_clip: float = 1.0
     max_new_tokens: int = 16
 
