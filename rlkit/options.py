@@ -94,6 +94,7 @@ GradCheckpointing = Annotated[bool, typer.Option("--gradient-checkpointing", ric
 MicroBatchSize = Annotated[int | None, typer.Option("--micro-batch-size", rich_help_panel="Precision & memory", help="Rows per forward/backward pass: each optimizer step runs as micro-batches of this many rows whose gradients accumulate into ONE step, with every loss term normalised over the whole step (the same update as one forward, in less memory). Default: the whole step in one pass on the CPU; on a GPU, micro-batches of 16384 tokens.")]
 MicroBatchTokens = Annotated[int | None, typer.Option("--micro-batch-tokens", rich_help_panel="Precision & memory", help="Like --micro-batch-size, but rows are taken while their prompt + completion tokens fit in this many (a row longer than it is refused, naming the row).")]
 Packing = Annotated[bool, typer.Option("--packing/--no-packing", rich_help_panel="Precision & memory", help="Pack the sequences of each forward pass into rows without padding, each with its own position ids and an attention that never crosses a sequence boundary (FlashAttention's varlen kernel when the model uses it); --no-packing: one right-padded row per sequence.")]
+DistTimeout = Annotated[float, typer.Option("--dist-timeout", metavar="MINUTES", rich_help_panel="Precision & memory", help="Under torchrun: minutes a rank may wait in a collective for the others (the process group's timeout) before the run stops with an error. While rank 0 works alone (reading a piped input, writing and hashing the checkpoint) the other ranks wait for it outside any collective, with no time limit.")]
 LoraRank = Annotated[int | None, typer.Option("--lora-rank", rich_help_panel="LoRA", help="Train a LoRA adapter of this rank (peft) instead of every weight; the checkpoint holds the adapter in PEFT's layout plus the base model's path and hashes.")]
 LoraAlpha = Annotated[float | None, typer.Option("--lora-alpha", rich_help_panel="LoRA", help="LoRA scaling alpha (default 2 x --lora-rank).")]
 LoraDropout = Annotated[float, typer.Option("--lora-dropout", rich_help_panel="LoRA", help="LoRA dropout on the adapter's input.")]
@@ -188,18 +189,21 @@ def modernize(args: list[str], warn) -> list[str]:
 
 def train_options(dtype: str, gradient_checkpointing: bool, lora_rank: int | None, lora_alpha: float | None,
                   lora_dropout: float, lora_targets: str | None, micro_batch_size: int | None = None,
-                  micro_batch_tokens: int | None = None, packing: bool = True):
+                  micro_batch_tokens: int | None = None, packing: bool = True,
+                  dist_timeout: float = TrainOptions.dist_timeout):
     """The shared training flags -> rlkit.training.TrainOptions (checked in the stage's run)."""
     from rlkit.training import TrainOptions, lora_options
 
     return TrainOptions(dtype=dtype, gradient_checkpointing=gradient_checkpointing,
                         lora=lora_options(lora_rank, lora_alpha, lora_dropout, lora_targets),
-                        micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens, packing=packing)
+                        micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens, packing=packing,
+                        dist_timeout=dist_timeout)
 
 
 # The training flags of a stage config's `train: TrainOptions = nested(TRAIN)` (sft, train-rm, update)
 TRAIN = Group(TrainOptions, build=train_options, dtype=option("auto", TrainDtype),
               gradient_checkpointing=option(False, GradCheckpointing), micro_batch_size=option(None, MicroBatchSize),
               micro_batch_tokens=option(None, MicroBatchTokens), packing=option(True, Packing),
+              dist_timeout=option(TrainOptions.dist_timeout, DistTimeout),
               lora_rank=option(None, LoraRank), lora_alpha=option(None, LoraAlpha), lora_dropout=option(0.0, LoraDropout),
               lora_targets=option(None, LoraTargets))

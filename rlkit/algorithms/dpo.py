@@ -100,7 +100,9 @@ def _pref_inputs(b: PrefBatch, model=None) -> dict:
 def _both_sides(engine, source: tuple[list[list[int]], list[int]], P: int, chunk: int, lengths: Tensor) -> Tensor:
     """Summed policy log-probs (2P,) of every chosen then every rejected response, no grad: `chunk` pairs (or
     the engine's micro-batches) at a time; `lengths` (P,): the tokens of each pair."""
-    parts = [_pair_logps(engine, source, c, P)[0] for c in engine.forward_chunks(torch.arange(P), lengths, chunk)]
-    chosen = torch.cat([x[: len(x) // 2] for x in parts])
-    rejected = torch.cat([x[len(x) // 2:] for x in parts])
-    return torch.cat([chosen, rejected])
+    def run(pairs: Tensor) -> Tensor:  # (p, 2): each pair's chosen and rejected
+        return _pair_logps(engine, source, pairs, P)[0].view(2, len(pairs)).T
+
+    # data-parallel: each rank its share of the pairs, then gathered
+    out = engine.forward_rows(torch.arange(P), lengths, chunk, run, torch.zeros((P, 2), device=engine.device))
+    return torch.cat([out[:, 0], out[:, 1]])

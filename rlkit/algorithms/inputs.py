@@ -260,22 +260,30 @@ def recompute_logprobs(model, batch: RLBatch, temperature: float, chunk_rows: in
     """Log-probs of the sampled tokens under `model` in precision `prec`, no grad: (N, C) on the batch's
     device, 0 off the mask; `chunk_rows` rows per forward pass, packed (`rlkit.ops.packing`). `host`: the
     same batch on the CPU, which sizes the passes without a device sync (default `batch`). `engine`
-    (`rlkit.training.engine.Engine`): its model, precision, micro-batches and layout (--no-packing) instead."""
+    (`rlkit.training.engine.Engine`): its model, precision, micro-batches and layout (--no-packing) instead, and
+    under torchrun its data-parallel split (`Engine.forward_rows`: each rank recomputes its share of the rows,
+    then every rank holds all of them)."""
     from rlkit.ops.packing import from_padded, layout
 
     host = batch if host is None else host
     tokens, plens = from_padded(host.input_ids, host.attn, host.start)
     rows = torch.arange(len(batch.old_logp))
-    if engine is not None:
-        model, prec = engine.model, engine.prec
-        chunks, lay = engine.forward_chunks(rows, host.attn.sum(1), chunk_rows), engine.layout
-    else:
-        chunks = list(rows.split(chunk_rows))
-        lay = lambda t, p: layout(t, p).to(batch.old_logp.device)  # noqa: E731
     out = torch.zeros_like(batch.old_logp)
+    if engine is not None:  # data-parallel: each rank its share of the rows, then gathered
+        C = out.shape[1]
+
+        def run(c: Tensor) -> Tensor:
+            lp, _ = completion_logprobs(engine.model, engine.layout([tokens[i] for i in c], [plens[i] for i in c]),
+                                        temperature=temperature)
+            return torch.nn.functional.pad(lp, (0, C - lp.shape[1]))
+
+        with engine.prec.autocast():
+            engine.forward_rows(rows, host.attn.sum(1), chunk_rows, run, out)
+        return out * batch.mask
     with torch.no_grad(), (prec or Precision()).autocast():
-        for c in chunks:
-            lp, _ = completion_logprobs(model, lay([tokens[i] for i in c], [plens[i] for i in c]), temperature=temperature)
+        for c in rows.split(chunk_rows):
+            seqs = layout([tokens[i] for i in c], [plens[i] for i in c]).to(out.device)
+            lp, _ = completion_logprobs(model, seqs, temperature=temperature)
             out[c.to(out.device), : lp.shape[1]] = lp
     return out * batch.mask
 

@@ -97,6 +97,7 @@ class PolicyGradient(Algorithm):
         if ctx.recompute:
             old_logp = recompute_logprobs(trainer.model, batch, ctx.temperature, cfg.minibatch_size, host=host,
                                           engine=trainer)
+            metrics["recompute_rows"] = trainer.forward_rows_run  # this process's share under torchrun
             metrics.update(mismatch_metrics(old_logp, batch.old_logp, mask, ctx.lags))
             if cfg.tis_cap is not None:
                 tis = truncated_is_weights(old_logp, batch.old_logp, cfg.tis_cap)

@@ -197,7 +197,7 @@ def load_critic(policy: Path, cfg: RLConfig, tokenizer, trust_remote_code: bool 
     if dp is not None:
         from rlkit.training.distributed import shard_model
 
-        critic = shard_model(critic, dp, _critic_values)
+        critic = shard_model(critic, dp, _critic_values, train.on(dp.device).dtype if train is not None else "fp32")
     elif device is not None:
         critic.to(device)  # beside the policy, before its optimizer state is loaded onto it
     opt = make_optimizer(critic, Optim(lr=cfg.critic_lr or 2 * cfg.lr, weight_decay=cfg.weight_decay))
@@ -255,8 +255,12 @@ def _values(engine, critic, batch: RLBatch, chunk: int, host: RLBatch | None = N
     host = batch if host is None else host
     tokens, plens = from_padded(host.input_ids, host.attn, host.start)
     out = torch.zeros_like(batch.old_logp)
-    with torch.no_grad(), engine.prec.autocast():
-        for rows in engine.forward_chunks(torch.arange(len(out)), host.attn.sum(1), chunk):
-            v = critic_values(critic, engine.layout([tokens[i] for i in rows], [plens[i] for i in rows]))
-            out[rows.to(out.device), : v.shape[1]] = v
+    C = out.shape[1]
+
+    def run(rows: Tensor) -> Tensor:
+        v = critic_values(critic, engine.layout([tokens[i] for i in rows], [plens[i] for i in rows]))
+        return torch.nn.functional.pad(v, (0, C - v.shape[1]))
+
+    with engine.prec.autocast():  # data-parallel: each rank its share of the rows, then gathered
+        engine.forward_rows(torch.arange(len(out)), host.attn.sum(1), chunk, run, out)
     return out * batch.mask

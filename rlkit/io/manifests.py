@@ -217,10 +217,16 @@ def read_manifest(path: str | Path) -> dict | None:
 NOT_COMPARED = ("force", "out", "verify", "reward_timeout", "save_steps", "resume", "tracking", "logging_steps")
 
 
+# ... and of the training options (`train`): how long a torchrun collective may wait
+NOT_COMPARED_TRAIN = ("dist_timeout",)
+
+
 def _comparable(config: Any) -> Any:
     cfg = jsonable(config)
     if isinstance(cfg, dict):
         cfg = {k: v for k, v in cfg.items() if k not in NOT_COMPARED}
+        if isinstance(cfg.get("train"), dict):
+            cfg["train"] = {k: v for k, v in cfg["train"].items() if k not in NOT_COMPARED_TRAIN}
     return cfg
 
 

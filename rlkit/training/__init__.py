@@ -10,6 +10,9 @@ over fp32 parameters). Why not bf16 weights with an fp32 optimizer state:
 - weights + gradients + AdamW cost 16 bytes per parameter either way once bf16 weights carry an
   fp32 master copy, so what bf16 saves is activation memory (the larger share in RL, where
   prompt + response batches are long), and that autocast saves.
+Under torchrun on GPUs, bf16 is FSDP2's `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`
+instead of autocast (`fsdp_param_dtype`): each layer's fp32 shards are all-gathered as bf16 (half the
+bytes) and gradients reduced in fp32 onto the fp32 shards; on the CPU (gloo) autocast stays.
 fp16 runs with a dynamic loss scale (`torch.amp.GradScaler`, CPU and CUDA); a step whose gradients
 overflow is skipped and counted, as with any scaler. Under torchrun fp16 is refused (FSDP2 would need
 a sharded scaler): use bf16 there.
@@ -33,6 +36,10 @@ from rlkit.training.lora import LoraOptions, lora_options  # noqa: F401 (the opt
 # micro-batch tokens on a GPU when neither --micro-batch-size nor --micro-batch-tokens is given (verl's
 # ppo_max_token_len_per_gpu is 16k): one micro-batch's logits are then at most 16k x the vocabulary
 GPU_MICRO_BATCH_TOKENS = 16_384
+# minutes a collective waits for the other ranks under torchrun (--dist-timeout) before the process group gives up
+# (NCCL's own default is 10). Where rank 0 works alone (a piped input, the checkpoint) the others wait outside any
+# collective: rlkit.training.distributed.wait_for_main
+DEFAULT_DIST_TIMEOUT = 60.0
 DTYPES = ("auto", "fp32", "bf16", "fp16")  # auto: bf16 on a GPU with bf16 kernels, fp32 on the CPU (rlkit.devices)
 
 
@@ -60,6 +67,7 @@ class TrainOptions:
     micro_batch_size: int | None = None  # rows per forward/backward; None: the whole step (or the token budget)
     micro_batch_tokens: int | None = None  # rows packed up to this many tokens per forward/backward
     packing: bool = True  # sequences concatenated without padding (rlkit.ops.packing); False: right-padded rows
+    dist_timeout: float = DEFAULT_DIST_TIMEOUT  # minutes a torchrun collective may wait (not compared on rerun)
 
     def on(self, device) -> TrainOptions:
         """These options with --dtype auto made concrete for `device` (bf16 on a GPU with bf16, else fp32)."""
@@ -82,6 +90,10 @@ class TrainOptions:
         --micro-batch-size above it is refused, naming `step_flag`)."""
         if self.dtype not in DTYPES:
             raise RlkitError(f"--dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
+        import math
+
+        if not (math.isfinite(self.dist_timeout) and self.dist_timeout > 0):
+            raise RlkitError(f"--dist-timeout {self.dist_timeout:g}: expected a number of minutes > 0")
         for flag, v in (("--micro-batch-size", self.micro_batch_size), ("--micro-batch-tokens", self.micro_batch_tokens)):
             if v is not None and v < 1:
                 raise RlkitError(f"{flag} {v}: expected an integer >= 1 (leave it out for one forward per step)")
@@ -110,12 +122,15 @@ class Precision:
     Usage: `with prec.autocast(): loss = ...`, then `prec.backward(loss)` and
     `prec.step([(params, opt, clip)])` instead of `loss.backward(); clip; opt.step()`."""
 
-    def __init__(self, dtype: str = "fp32", device_type: str = "cpu") -> None:
+    def __init__(self, dtype: str = "fp32", device_type: str = "cpu", sharded: bool = False) -> None:
         import torch
 
         if dtype == "auto":
             raise ValueError("Precision takes a concrete dtype: resolve --dtype auto first (TrainOptions.on(device))")
         self.dtype, self.device_type = dtype, device_type
+        # FSDP2 under a mixed-precision policy (`fsdp_param_dtype`: bf16 on a GPU) gathers the weights in the
+        # compute dtype itself: no autocast over it (its casts and cached copies would be waste)
+        self.autocasts = dtype != "fp32" and not (sharded and fsdp_param_dtype(dtype, device_type) is not None)
         self.torch_dtype = getattr(torch, TORCH_DTYPES[dtype])
         self.scaler = torch.amp.GradScaler(device_type) if dtype == "fp16" else None
         self.skipped = 0  # fp16: optimizer steps skipped for overflowing gradients
@@ -126,7 +141,7 @@ class Precision:
                          "activation memory but trains many times slower than fp32 (docs/precision-lora.md)")
 
     def autocast(self):
-        if self.dtype == "fp32":
+        if not self.autocasts:
             return contextlib.nullcontext()
         import torch
 
@@ -241,7 +256,35 @@ def make_adamw(model, lr: float, weight_decay: float, betas=(0.9, 0.99), eps: fl
     for name, p in model.named_parameters():
         if p.requires_grad:
             (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
+    fused = fused_adamw([p.device.type for p in decay + no_decay])
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr, betas=betas, eps=eps,
+        lr=lr, betas=betas, eps=eps, **({"fused": True} if fused else {}),
     )
+
+
+def fused_adamw(device_types: list[str]) -> bool:
+    """Whether AdamW runs fused (one kernel for every parameter's update, no per-tensor launches): when every
+    trained parameter is on a GPU (FSDP2's DTensor shards included). Elsewhere torch's default (foreach or a
+    loop), so the CPU computes what it always has."""
+    return bool(device_types) and all(t == "cuda" for t in device_types)
+
+
+def fsdp_param_dtype(dtype: str, device_type: str) -> str | None:
+    """The dtype FSDP2 gathers a sharded model's weights in (`MixedPrecisionPolicy(param_dtype=...)`, gradients
+    reduced in fp32), or None: no policy, fp32 weights gathered and the compute dtype left to autocast.
+    bf16 on a GPU: each layer is all-gathered in bf16 (half the bytes of fp32 between GPUs and nodes) and runs
+    in bf16 without autocast's cached copies; the fp32 master shards and AdamW's state stay fp32 (verl's
+    `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`). Anything else (fp32; the CPU, gloo): None."""
+    return "bf16" if dtype == "bf16" and device_type == "cuda" else None
+
+
+def fsdp_mp_policy(dtype: str, device_type: str):
+    """`torch.distributed.fsdp.MixedPrecisionPolicy` for `fsdp_param_dtype`, or None."""
+    param = fsdp_param_dtype(dtype, device_type)
+    if param is None:
+        return None
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=getattr(torch, TORCH_DTYPES[param]), reduce_dtype=torch.float32)

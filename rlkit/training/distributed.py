@@ -46,20 +46,26 @@ def launched() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def init(device: str = "auto") -> DataParallel | None:
+def init(device: str = "auto", timeout_min: float | None = None) -> DataParallel | None:
     """Join the process group the launcher describes; None when not launched distributed. `device`
-    (--device): auto puts rank r on cuda:LOCAL_RANK when CUDA is there (NCCL), else on the CPU (gloo)."""
+    (--device): auto puts rank r on cuda:LOCAL_RANK when CUDA is there (NCCL), else on the CPU (gloo).
+    `timeout_min` (--dist-timeout): how long a collective waits for the other ranks (default
+    `rlkit.training.DEFAULT_DIST_TIMEOUT`)."""
     if not launched():
         return None
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     from rlkit import devices
+    from rlkit.training import DEFAULT_DIST_TIMEOUT
 
     dev = devices.resolve(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
+                                timeout=timedelta(minutes=timeout_min or DEFAULT_DIST_TIMEOUT))
     dp = DataParallel(dist.get_rank(), dist.get_world_size(), dev)
     if not dp.main:  # rank 0 alone talks; errors still print on every rank
         from rlkit import console
@@ -164,12 +170,16 @@ class _FnRoot(torch.nn.Module):
         return self.fn(self.policy, *args)
 
 
-def shard_model(model, dp: DataParallel, fn=None):
+def shard_model(model, dp: DataParallel, fn=None, dtype: str = "fp32"):
     """FSDP2: one unit per decoder layer, then a root unit: the model itself (callers use its forward),
     or, with `fn`, a wrapper whose forward is fn(model, *args); `model._rlkit_fsdp_root` is then what
-    rlkit's forward helpers (`logprobs.completion_logprobs`, `reward_model.forward_scores`) call."""
+    rlkit's forward helpers (`logprobs.completion_logprobs`, `reward_model.forward_scores`) call.
+    `dtype` (--dtype, concrete): bf16 on a GPU shards under `MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=fp32)` (`rlkit.training.fsdp_param_dtype`), and `Precision` then enters no autocast."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    from rlkit.training import fsdp_mp_policy
 
     mesh = init_device_mesh(dp.device.type, (dp.world,))
     base = getattr(model, "base_model", model)
@@ -178,12 +188,13 @@ def shard_model(model, dp: DataParallel, fn=None):
         raise RlkitError(f"{type(model).__name__}: no decoder layers (.layers) to shard; rlkit shards decoder-only "
                          "transformers (Llama, Qwen2, Mistral, ...)")
     model.to(dp.device)
+    kw = {"mp_policy": policy} if (policy := fsdp_mp_policy(dtype, dp.device.type)) is not None else {}
     for layer in layers:
-        fully_shard(layer, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **kw)
     if fn is None:
-        fully_shard(model, mesh=mesh)
-    else:
-        object.__setattr__(model, "_rlkit_fsdp_root", fully_shard(_FnRoot(model, fn), mesh=mesh))  # no module cycle
+        fully_shard(model, mesh=mesh, **kw)
+    else:  # no module cycle
+        object.__setattr__(model, "_rlkit_fsdp_root", fully_shard(_FnRoot(model, fn), mesh=mesh, **kw))
     return model
 
 
@@ -236,6 +247,45 @@ def all_sum(values: list[float], dp: DataParallel | None) -> list[float]:
     return t.cpu().tolist()
 
 
+def mean_over_ranks(values: list[Tensor], dp: DataParallel) -> list[Tensor]:
+    """The mean over ranks of each () tensor, float64, left on the device: one all_reduce, no host sync (NCCL
+    runs it on the GPU's stream). The same figures `all_sum` of each rank's value / world gives."""
+    import torch.distributed as dist
+
+    if not values:
+        return []
+    t = torch.stack([v.detach().double().reshape(()) for v in values]) / dp.world
+    dist.all_reduce(t)
+    return list(t.unbind())
+
+
+def host64(values: list) -> list[float]:
+    """`rlkit.devices.host` in float64: the values of () tensors (or numbers) with one device sync, a float64
+    tensor's value unrounded (a float32 one's read exactly, as `devices.host` reads it)."""
+    tensors = [v for v in values if isinstance(v, Tensor)]
+    if not tensors:
+        return [float(v) for v in values]
+    got = iter(torch.stack([t.detach().double().reshape(()) for t in tensors]).cpu().tolist())
+    return [next(got) if isinstance(v, Tensor) else float(v) for v in values]
+
+
+def gather_rows(local: Tensor, n: int, dp: DataParallel) -> Tensor:
+    """Every rank's rows in one tensor: `local` (len(range(rank, n, world)), *tail) holds rows rank::world of
+    n; -> (n, *tail) on every rank, row i from rank i % world. One all_gather of equal pieces (a rank with
+    fewer rows pads its piece)."""
+    import torch.distributed as dist
+
+    m = -(-n // dp.world)
+    piece = local.new_zeros((m, *local.shape[1:]))
+    piece[: len(local)] = local
+    parts = [torch.empty_like(piece) for _ in range(dp.world)]
+    dist.all_gather(parts, piece.contiguous())
+    out = local.new_empty((n, *local.shape[1:]))
+    for r, part in enumerate(parts):
+        out[r::dp.world] = part[: len(range(r, n, dp.world))]
+    return out
+
+
 def all_max(values: list[float], dp: DataParallel | None) -> list[float]:
     if dp is None:
         return values
@@ -259,10 +309,37 @@ def stand_down(dp: DataParallel | None, metrics: dict) -> bool:
 
 
 def barrier(dp: DataParallel | None) -> None:
+    """Every rank here before any goes on. The other ranks first wait for rank 0 in the launcher's key-value
+    store (`wait_for_main`): rank 0 alone writes checkpoints and snapshots, for as long as that takes, and no
+    collective (bound by --dist-timeout) is open meanwhile."""
     if dp is not None:
         import torch.distributed as dist
 
+        wait_for_main(dp, "barrier")
         dist.barrier()
+
+
+_WAITS: dict[str, int] = {}
+POLL_S = 0.2
+
+
+def wait_for_main(dp: DataParallel, what: str) -> None:
+    """Rank 0 says it got here (a key in the process group's store); the other ranks poll for that key
+    instead of waiting in a collective, so rank 0's work alone (reading a piped input whose upstream is
+    still sampling, writing and hashing a checkpoint) is bounded by no timeout. Every rank calls it the
+    same number of times per `what`, as for a collective."""
+    import time
+
+    import torch.distributed as dist
+
+    n = _WAITS[what] = _WAITS.get(what, 0) + 1
+    key = f"rlkit/main-at/{what}/{n}"
+    store = dist.distributed_c10d._get_default_store()
+    if dp.main:
+        store.set(key, "1")
+        return
+    while not store.check([key]):
+        time.sleep(POLL_S)
 
 
 def full_model_state(model) -> dict[str, Tensor]:
@@ -286,16 +363,16 @@ def full_optimizer_state(model, opt) -> dict[str, dict[str, Tensor]]:
 
 def load_full_optimizer_state(model, opt, state: dict[str, dict[str, Tensor]]) -> None:
     """Shard a full per-FQN AdamW state (as `full_optimizer_state` gives) into `opt` on every rank."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_optimizer_state_dict,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     if not state:
         return
     root = _root(model)
-    groups = get_optimizer_state_dict(root, opt, options=StateDictOptions(full_state_dict=True))["param_groups"]
+    # the param groups from the optimizer itself, its parameters by name: asking torch for a full optimizer
+    # state dict would gather every rank's AdamW shards whole onto each GPU just to read them
+    names = {id(p): n for n, p in root.named_parameters()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+              for g in opt.param_groups]
     prefix = ROOT_PREFIX if root is not model else ""  # names under an _FnRoot, or the model's own
     set_optimizer_state_dict(root, opt, {"state": {prefix + k: v for k, v in state.items()}, "param_groups": groups},
                              options=StateDictOptions(full_state_dict=True))
@@ -346,6 +423,7 @@ def share_table(pending, dp: DataParallel) -> SharedTable:
         except RlkitError as e:
             err = e
             header = {"error": str(e), "exit_code": e.exit_code}
+    wait_for_main(dp, "input")  # a piped input ends when its upstream does: no collective open until then
     header = json.loads(broadcast_bytes(json.dumps(header).encode(), dp))
     if "error" in header:
         if err is not None:

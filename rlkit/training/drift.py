@@ -25,14 +25,19 @@ def relative_drift(params: Mapping[str, Tensor], ref: Mapping[str, Tensor]) -> f
     names = [n for n in ref if n in params]
     if not names:
         raise RlkitError("the policy and the reference share no weight names; is the reference for this model?")
-    num = den = 0.0
+    norms = []  # per tensor: ||p - r||, ||r||, () on the policy's device, read back in one sync
     for n in names:
-        r = ref[n].detach().float()
-        p = params[n].detach().to(device=r.device, dtype=ref[n].dtype).float()  # a GPU policy: tensor by tensor to the host
-        if p.shape != r.shape:
-            raise RlkitError(f"weight {n}: policy shape {tuple(p.shape)} vs reference {tuple(r.shape)}")
-        num += float(torch.linalg.vector_norm(p - r))
-        den += float(torch.linalg.vector_norm(r))
+        if params[n].shape != ref[n].shape:
+            raise RlkitError(f"weight {n}: policy shape {tuple(params[n].shape)} vs reference {tuple(ref[n].shape)}")
+        p = params[n].detach()
+        r = ref[n].detach().to(p.device, non_blocking=True).float()  # a GPU policy: the reference goes to it
+        p = p.to(dtype=ref[n].dtype).float()
+        norms += [torch.linalg.vector_norm(p - r), torch.linalg.vector_norm(r)]
+    got = torch.stack(norms).cpu().tolist()
+    num = den = 0.0
+    for k in range(0, len(got), 2):  # summed in float64 in name order
+        num += got[k]
+        den += got[k + 1]
     return num / den if den > 0 else 0.0
 
 

@@ -39,7 +39,7 @@ from rlkit import devices
 from rlkit.errors import RlkitError, non_finite_cause
 from rlkit.ops.packing import Seqs, layout
 from rlkit.training import Optim, Precision, TrainOptions
-from rlkit.training.distributed import DataParallel, all_sum
+from rlkit.training.distributed import DataParallel, host64, mean_over_ranks
 
 TRAINER_DIR = "trainer"
 
@@ -254,7 +254,7 @@ class Engine:
         self.device = dp.device if dp is not None else torch.device(device) if device is not None else torch.device("cpu")
         train = train.on(self.device)  # --dtype auto made concrete
         self.tokenizer, self.train_options, self.dp, self.trust_remote_code = tokenizer, train, dp, trust_remote_code
-        self.prec = Precision(train.dtype, self.device.type)
+        self.prec = Precision(train.dtype, self.device.type, sharded=dp is not None)
         model = training.prepare_model(model, train, kind, base=base)
         if setup is not None:  # e.g. a resume snapshot's weights: on the whole model, before it is sharded
             setup(model)
@@ -262,7 +262,7 @@ class Engine:
             from rlkit import console
             from rlkit.training import distributed
 
-            model = distributed.shard_model(model, dp, shard_fn)
+            model = distributed.shard_model(model, dp, shard_fn, train.dtype)
             console.info(f"{name}: data-parallel over {dp.world} processes ({dp.device.type}, FSDP2)")
         else:
             model.to(self.device)
@@ -344,13 +344,14 @@ class Engine:
                    grad_clip if grad_clip is not None else self.optim.grad_clip) for t in trained]
         norms = self.prec.clip(groups)
         nt, ns = len(terms), len(sums)
-        got = devices.host([*terms.values(), *sums.values(), *maxes.values(), *norms])
+        if self.dp is None:
+            got = devices.host([*terms.values(), *sums.values(), *maxes.values(), *norms])
+        else:  # the terms' mean over the ranks on the device, then the same one host read
+            got = host64([*mean_over_ranks(list(terms.values()), self.dp), *sums.values(), *maxes.values(), *norms])
         values = got[:nt]
         sums_v = dict(zip(sums, got[nt : nt + ns], strict=True))
         maxes_v = dict(zip(maxes, got[nt + ns : nt + ns + len(maxes)], strict=True))
         norm_values = got[len(got) - len(norms):]
-        if self.dp is not None:
-            values = all_sum([v / self.dp.world for v in values], self.dp)
         if not all(math.isfinite(v) for v in values):
             raise non_finite_error("loss", self.state.optimizer_step, self.optim.lr, inputs)
         stepped = self.prec.apply(groups, all(math.isfinite(v) for v in norm_values))
@@ -366,6 +367,36 @@ class Engine:
         micro-batches when they are smaller."""
         size, tokens = self.train_options.micro_limits(self.device)
         return [m for c in rows.split(chunk_rows) for m in micro_batches(c, lengths, size, tokens)]
+
+    def forward_rows(self, rows: Tensor, lengths: Tensor | None, chunk_rows: int, fn: Callable[[Tensor], Tensor],
+                     out: Tensor) -> Tensor:
+        """A forward-only pass over `rows` (host), no grad: `fn(chunk)` -> (len(chunk), *tail) on the device for
+        each chunk (`forward_chunks`), written into `out` (len(rows), *tail) in `rows`' order; returns `out`.
+        Data-parallel, each rank runs rows rank::world only (as `step` trains them), every rank the same number
+        of forward passes (FSDP's collectives need it: a rank with fewer runs a one-row pass whose result it
+        drops), and one all_gather puts every rank's rows into `out` on every rank. `self.forward_rows_run`:
+        the rows this process ran (its share)."""
+        world = self.dp.world if self.dp is not None else 1
+        pos = torch.arange(len(rows))
+        cuts = [self.forward_chunks(pos[r::world], lengths[rows] if lengths is not None else None, chunk_rows)
+                for r in range(world)]
+        rank = self.dp.rank if self.dp is not None else 0
+        mine = cuts[rank] + [None] * (max(map(len, cuts), default=0) - len(cuts[rank]))
+        local = out if self.dp is None else out.new_zeros((len(pos[rank::world]), *out.shape[1:]))
+        at = 0
+        with torch.no_grad():
+            for c in mine:
+                if c is None:  # an empty pass: the collectives of a forward, nothing kept
+                    fn(rows[:1])
+                    continue
+                local[at : at + len(c)] = fn(rows[c])
+                at += len(c)
+        self.forward_rows_run = at
+        if self.dp is not None:
+            from rlkit.training.distributed import gather_rows
+
+            out.copy_(gather_rows(local, len(rows), self.dp))
+        return out
 
     def _micro(self, plan: Plan, mine: Tensor) -> list[Tensor]:
         return micro_batches(mine, plan.lengths, *self.train_options.micro_limits(self.device))

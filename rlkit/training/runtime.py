@@ -39,5 +39,5 @@ class Runtime:
 
         if self.dp is not None or not distributed.launched():
             return self
-        dp = distributed.init(self.flag)
+        dp = distributed.init(self.flag, timeout_min=self.train.dist_timeout)
         return replace(self, dp=dp, device=dp.device)

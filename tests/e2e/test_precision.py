@@ -144,7 +144,8 @@ def test_every_training_stage_runs_in_bf16_with_checkpointing(sft_dir, ref_dir, 
     assert r.returncode == 0, r.stderr
     m = json.loads((tmp_path / "sft" / "rlkit.json").read_text())
     assert m["config"]["train"] == {"dtype": "bf16", "gradient_checkpointing": True, "lora": None,
-                                    "micro_batch_size": None, "micro_batch_tokens": None, "packing": True}
+                                    "micro_batch_size": None, "micro_batch_tokens": None, "packing": True,
+                                    "dist_timeout": 60.0}
     assert m["weights_dtype"] == "fp32"
     assert m["metrics"]["train_loss"] == m["metrics"]["train_loss"]  # finite, not NaN
 
