@@ -58,7 +58,7 @@ def resolve(spec: str = "auto"):
         if not available:
             return torch.device("cpu")
         local = launcher_local_rank()
-        return torch.device("cuda", local if local is not None else torch.cuda.current_device())
+        return _on_cuda(torch.device("cuda", local if local is not None else torch.cuda.current_device()))
     if not available:
         raise RlkitError(f"--device {spec}: CUDA is not available here (torch {torch.__version__} sees no GPU); "
                          "use --device auto or --device cpu")
@@ -69,7 +69,30 @@ def resolve(spec: str = "auto"):
     if index >= count:
         raise RlkitError(f"--device {spec}: this machine has {count} GPU{'s' if count != 1 else ''} "
                          f"(cuda:0{f'..cuda:{count - 1}' if count > 1 else ''})")
-    return torch.device("cuda", index)
+    return _on_cuda(torch.device("cuda", index))
+
+
+def _on_cuda(device):
+    """`device` (a CUDA device a stage is about to run on), with TF32 switched on (`enable_tf32`)."""
+    enable_tf32()
+    return device
+
+
+def enable_tf32() -> None:
+    """TF32 tensor cores for the fp32 matmuls and convolutions a stage runs on a GPU (all of them under
+    `--dtype fp32`; under bf16 autocast those it leaves in fp32): cuBLAS and cuDNN only, what
+    `torch.set_float32_matmul_precision("high")` means for CUDA; the CPU's matmuls are untouched.
+    `NVIDIA_TF32_OVERRIDE=0` in the environment holds cuBLAS to IEEE fp32 whatever torch says."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
+
+def tf32_enabled() -> bool:
+    import torch
+
+    return bool(torch.backends.cuda.matmul.allow_tf32)
 
 
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype -> torch's names
@@ -105,12 +128,14 @@ def announce(stage: str, device, dtype: str | None = None) -> None:
 
 
 def manifest_entry(device) -> dict[str, Any]:
-    """What the manifest records: {'device': 'cuda:0', 'gpu': NAME, 'gpu_count': N} or {'device': 'cpu'}."""
+    """What the manifest records: {'device': 'cuda:0', 'gpu': NAME, 'gpu_count': N, 'tf32': bool} or
+    {'device': 'cpu'}."""
     if device.type != "cuda":
         return {"device": str(device)}
     import torch
 
-    return {"device": str(device), "gpu": torch.cuda.get_device_name(device), "gpu_count": torch.cuda.device_count()}
+    return {"device": str(device), "gpu": torch.cuda.get_device_name(device), "gpu_count": torch.cuda.device_count(),
+            "tf32": tf32_enabled()}
 
 
 def model_device(model):

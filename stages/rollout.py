@@ -62,7 +62,7 @@ class RolloutConfig:
     gpu_memory_utilization: float | None = option(None, min=0.01, max=1.0, panel="Engine", help="vLLM memory fraction (on a GPU default: what --colocate's models leave, capped at 0.9, or 0.5 without --colocate; 0.3 on vLLM's CPU backend). See docs/gpu.md.")
     # models other stages run on the same GPU meanwhile (score-ref's --ref, --rm): vLLM's memory share leaves them room
     colocate: tuple[Path, ...] = option((), "--colocate", panel="Engine", help="A model another stage of the pipe runs on this GPU at the same time, e.g. score-ref's --ref and --rm (repeatable): rollout's vLLM leaves room for it (its weights x 1.25, plus 2 GiB for CUDA contexts) when it sizes --gpu-memory-utilization. See docs/gpu.md.")
-    dtype: Literal["auto", "fp32", "bf16", "fp16"] = option("auto", panel="Precision & memory", help="Sampling dtype: auto (the checkpoint's), fp32, bf16 or fp16 (the hf engine samples in fp32; other dtypes need --engine vllm).")
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = option("auto", panel="Precision & memory", help="Sampling dtype: auto (vLLM on a GPU: bf16; vLLM's CPU backend: the checkpoint's; the hf engine: fp32), fp32, bf16 or fp16 (the hf engine samples in fp32; other dtypes need --engine vllm). The manifest records it as sampling_dtype.")
     max_model_len: int | None = option(None, min=16, panel="Engine", help="vLLM context length (default: the model's).")
     enforce_eager: bool = option(False, "--enforce-eager", panel="Engine", help="vLLM: no CUDA graphs (faster start-up).")
     vllm_lora: Literal["adapter", "merge"] = option("adapter", panel="Engine", help="vLLM on a LoRA checkpoint: adapter (vLLM's LoRA: the base's weights plus the adapter per request; a --follow reload swaps adapters) or merge (the merged weights, written to a temporary directory: no LoRA kernels, a weights write per reload). The hf engine always merges.")
@@ -171,6 +171,7 @@ def _run(cfg: RolloutConfig) -> Path | None:
     fp, step = inputs["policy"], checkpoints.policy_step(cfg.policy)
     manifest = manifests.make_manifest("rollouts", "rollout", cfg, inputs,
                                        tokenizer=checkpoints.tokenizer_fingerprint(tokenizer), engine=engine.name,
+                                       sampling_dtype=getattr(engine, "dtype", "fp32"),
                                        **devices.manifest_entry(device),
                                        **shards.manifest_entry(cfg.shard, span, total, manifests.jsonable(cfg), inputs))
     with streams.write_table("rollouts", out, manifest, extra) as w, \
@@ -255,6 +256,7 @@ def _run_follow(cfg: RolloutConfig, task, out: Path | None, fns=()) -> Path | No
     # no rows without an engine: the name recorded then is the fallback's, as it has always been
     manifest = manifests.make_manifest("rollouts", "rollout", cfg, inputs, tokenizer=base_tok,
                                        engine=engine.name if engine is not None else engines.FALLBACK,
+                                       sampling_dtype=getattr(engine, "dtype", "fp32"),
                                        **devices.manifest_entry(device),
                                        follow={"dir": str(root), "start_step": step, "base_step": base_step})
     fp = fingerprints.fingerprint(start)
@@ -270,16 +272,21 @@ def _run_follow(cfg: RolloutConfig, task, out: Path | None, fns=()) -> Path | No
                     s = follow.wait_for(root, need, stop=streams.downstream_closed)
                     if s is None:
                         raise DownstreamClosed("rollout")
-                if asleep:
+                reload = s is not None and s.step > step
+                if asleep:  # a new step's load needs the weights' memory only: the KV cache comes back after it
                     t1 = time.monotonic()
-                    engine.wake_up()
-                    asleep = False
+                    engine.wake_up(("weights",) if reload else None)
                     wakes.append(time.monotonic() - t1)
-                if s is not None and s.step > step:
+                if reload:
                     s, secs = _switch(engine, s, root, base_tok, cfg.policy)
                     step, fp = s.step, fingerprints.fingerprint(s.path)
                     reloads.append(secs)
                     console.info(f"rollout: batch {b}: sampling with {s.path.name} (weights reloaded in {secs:.3f}s)")
+                if asleep:
+                    t1 = time.monotonic()
+                    engine.wake_up()
+                    asleep = False
+                    wakes[-1] += time.monotonic() - t1
                 seed = cfg.seed + b + 1  # batch b samples as `rollout --seed SEED+b+1 --num-prompts P` would
                 if source is None:
                     ex = task.examples("train", P, seed)

@@ -53,7 +53,7 @@ class ScoreRefConfig:
     inp: str | None = option(None, InTable)
     out: Path | None = option(None, OutTable)
     device: str = option("auto", Device)  # the reference's and the reward models' (rlkit.devices)
-    dtype: Literal["auto", "stored", "fp32"] = option("auto", panel="Precision & memory", help="Compute dtype: auto (fp32 on CPU, the frozen dtype on GPU), stored or fp32.")
+    dtype: Literal["auto", "stored", "fp32", "bf16"] = option("auto", panel="Precision & memory", help="Dtype the reference and reward models run in: auto (bf16 on a GPU with bf16 kernels, fp32 on the CPU), stored (the reference's frozen dtype; reward models fp32), fp32 or bf16. The manifest records what auto became.")
     batch_tokens: int = option(16384, min=16, panel="Optimization", help="Token budget per forward batch.")
     packing: bool = option(True, Packing)  # sequences packed without padding in each forward batch (rlkit.ops.packing)
     # "i/N" of an input file, cut between groups; see rlkit.io.shards
@@ -94,7 +94,7 @@ def score_tokens(model, prompts: list[list[int]], comps: list[list[int]], pad_id
     return out  # type: ignore[return-value]
 
 
-def _score_prefs(cfg, reader, model, tokenizer, out, inputs, reference: dict, limits) -> Path | None:
+def _score_prefs(cfg, reader, models: Models, tokenizer, out, inputs, reference: dict) -> Path | None:
     """A prefs table in, the same table out with the reference's summed log-prob of each response (DPO)."""
     import pyarrow as pa
 
@@ -104,18 +104,19 @@ def _score_prefs(cfg, reader, model, tokenizer, out, inputs, reference: dict, li
     from rlkit.io import manifests, streams
     from rlkit.io.data import encode_responses
 
-    if model is None or cfg.rm or cfg.reward_fn:
+    if cfg.ref is None or cfg.rm or cfg.reward_fn:
         raise RlkitError("a prefs table is scored by the reference only (for DPO): pass --ref REF and no --rm or "
                          "--reward-fn")
     from rlkit import devices
 
     manifest = manifests.make_manifest("prefs", "score-ref", cfg, inputs, **reference,
-                                       **devices.manifest_entry(devices.model_device(model)))
+                                       **devices.manifest_entry(models.dev))
     rows = 0
     with streams.write_table("prefs", out, manifest) as w, console.progress("score-ref", None, unit="pairs") as bar:
         for batch in reader:
+            model, limits = models.load().model, models.limits
             if rows == 0:
-                devices.announce("score-ref", devices.model_device(model), None)
+                devices.announce("score-ref", models.dev, cfg.dtype)
             cols = {name: batch.column(name) for name in batch.schema.names}
             prompts = batch.column("prompt").to_pylist()
             for side in ("chosen", "rejected"):
@@ -159,6 +160,51 @@ def recorded_reference(upstream: Manifest) -> tuple[Path, Path]:
     if entry.get("fingerprint") and fingerprints.fingerprint(ref) != entry["fingerprint"]:
         raise RlkitError(f"the reference {ref} has changed since {policy} was trained against it; pass --ref REF")
     return ref, Path(given if isinstance(given, str) else policy)
+
+
+def score_dtype(device, dtype: str = "auto", bf16: bool | None = None) -> str:
+    """--dtype -> what the models run in: auto is bf16 on a GPU with bf16 kernels (`bf16`: whether it has them,
+    asked of torch when None), else `stored` on a GPU, fp32 on the CPU (as it always was); any other value stays."""
+    if dtype != "auto":
+        return dtype
+    if getattr(device, "type", str(device)) != "cuda":
+        return "fp32"
+    if bf16 is None:
+        import torch
+
+        bf16 = torch.cuda.is_bf16_supported()
+    return "bf16" if bf16 else "stored"
+
+
+class Models:
+    """score-ref's reference and reward models, loaded by `load()` when the first input batch has come, not when the
+    stage starts: in the card's pipe rollout's vLLM then has started and measured its memory before these models
+    take theirs. Everything checked without the weights (the reference's hashes, the directories, the tokenizer)
+    is checked at start-up."""
+
+    def __init__(self, cfg: ScoreRefConfig, dev, rms: dict[str, Path]) -> None:
+        self.cfg, self.dev, self.rms = cfg, dev, rms
+        self.model = self.limits = None  # the reference and what its rows must fit (`Limits`)
+        self.scorers: dict = {}  # component name -> (reward model, its tokenizer)
+        self.loaded = False
+
+    def load(self) -> Models:
+        """Load every model once (on `dev`, in the resolved --dtype); the models themselves."""
+        if self.loaded:
+            return self
+        from rlkit.algorithms.inputs import Limits
+        from rlkit.io import checkpoints
+        from rlkit.tasks.reward_model import load_reward_model
+
+        cfg = self.cfg
+        if cfg.ref is not None:
+            self.model, _, _ = checkpoints.load_reference(cfg.ref, self.dev, cfg.trust_remote_code, cfg.dtype)
+            self.limits = Limits.of(self.model, f"reference {cfg.ref}")
+        rm_dtype = "fp32" if cfg.dtype == "stored" else cfg.dtype  # a reward model is stored fp32 (train-rm)
+        self.scorers = {name: load_reward_model(d, cfg.trust_remote_code, device=self.dev, dtype=rm_dtype)
+                        for name, d in self.rms.items()}
+        self.loaded = True
+        return self
 
 
 def parse_rms(specs: tuple[str, ...]) -> dict[str, Path]:
@@ -210,31 +256,28 @@ def _run(cfg: ScoreRefConfig) -> Path | None:
         pending = streams.open_table(cfg.inp, ["rollouts", "scored", "prefs"])
         recorded = recorded_reference(pending.result().record)
         cfg = replace(cfg, ref=recorded[0])
-    if cfg.dtype not in ("auto", "stored", "fp32"):
-        raise RlkitError(f"--dtype {cfg.dtype!r} is not one of auto, stored, fp32")
+    if cfg.dtype not in ("auto", "stored", "fp32", "bf16"):
+        raise RlkitError(f"--dtype {cfg.dtype!r} is not one of auto, stored, fp32, bf16")
     out = streams.resolve_out(cfg.out)
     claims.check_out(out, "table")
     dev = devices.resolve(cfg.device) if cfg.ref is not None or rms else None  # reward functions run on the host
+    ref_m: dict = {}
     if cfg.ref is not None:
-        checkpoints.verify_reference(cfg.ref)
+        ref_m = checkpoints.verify_reference(cfg.ref)  # reads the files (hashes), puts nothing on the device
     for d in rms.values():
         checkpoints.check_model_dir(d, "reward model")
+    if dev is not None:
+        cfg = replace(cfg, dtype=score_dtype(dev, cfg.dtype))  # what auto became, as the manifest records it
     if recorded is not None:
         console.info(f"score-ref: reference {recorded[0]} (recorded by {recorded[1]})")
     else:  # the input opens and streams into memory on a thread while torch imports and the models load
         pending = streams.open_table(cfg.inp, ["rollouts", "scored", "prefs"])
-    model = tokenizer = limits = None
+    tokenizer = None
     reference: dict = {}  # the manifest entries naming the reference: its path and its weights' digest
     if cfg.ref is not None:
-        from rlkit.algorithms.inputs import Limits
-
-        compute = cfg.dtype if cfg.dtype != "auto" else ("fp32" if dev.type == "cpu" else "stored")
-        model, tokenizer, ref_m = checkpoints.load_reference(cfg.ref, dev, cfg.trust_remote_code, compute)
-        limits = Limits.of(model, f"reference {cfg.ref}")
+        tokenizer = checkpoints.load_tokenizer(cfg.ref, cfg.trust_remote_code)
         reference = {"reference": Path(cfg.ref), "reference_digest": ref_m.get("weights_digest")}
-    from rlkit.tasks.reward_model import load_reward_model
-
-    scorers = {name: load_reward_model(d, cfg.trust_remote_code, device=dev) for name, d in rms.items()}
+    models = Models(cfg, dev, rms)  # loaded when the first batch comes
     reader = pending.result()
     inputs = {"in": reader.fingerprint, **({"ref": fingerprints.fingerprint(cfg.ref)} if cfg.ref else {}),
               **{name: fingerprints.fingerprint(d) for name, d in rms.items()}, **reward_fns.fingerprints(fns)}
@@ -243,7 +286,7 @@ def _run(cfg: ScoreRefConfig) -> Path | None:
     if reader.kind == "prefs":
         if cfg.shard:
             raise RlkitError("--shard cuts rollouts tables; score a prefs table whole")
-        return _score_prefs(cfg, reader, model, tokenizer, out, inputs, reference, limits)
+        return _score_prefs(cfg, reader, models, tokenizer, out, inputs, reference)
     upstream = reader.record
     want = upstream.tokenizer
     if tokenizer is not None and want and want != checkpoints.tokenizer_fingerprint(tokenizer):
@@ -284,11 +327,10 @@ def _run(cfg: ScoreRefConfig) -> Path | None:
         # the downstream stage ending (`update --follow --max-steps`), noticed even while no input comes
         batches = reader.batches(idle=streams.downstream_closed)
     try:
-        rows = _score_stream(cfg, batches, w_args=(out_kind, out, manifest, extra), model=model, tokenizer=tokenizer,
-                             temperature=temperature, scorers=scorers, lp_type=lp_type, reader=reader,
-                             empty_ok=bool(shard) or following, fns=fns, limits=limits,
-                             row0=span.start if cfg.shard else 0,
-                             started=(lambda: devices.announce("score-ref", dev, None)) if dev is not None else None)
+        rows = _score_stream(cfg, batches, w_args=(out_kind, out, manifest, extra), models=models,
+                             tokenizer=tokenizer, temperature=temperature, lp_type=lp_type, reader=reader,
+                             empty_ok=bool(shard) or following, fns=fns, row0=span.start if cfg.shard else 0,
+                             started=(lambda: devices.announce("score-ref", dev, cfg.dtype)) if dev is not None else None)
     except BrokenPipeError:
         if not following:
             raise
@@ -300,13 +342,14 @@ def _run(cfg: ScoreRefConfig) -> Path | None:
     return out
 
 
-def _score_stream(cfg: ScoreRefConfig, batches, w_args, model, tokenizer, temperature, scorers, lp_type, reader,
-                  empty_ok: bool, fns=(), started=None, limits=None, row0: int = 0) -> int:
+def _score_stream(cfg: ScoreRefConfig, batches, w_args, models: Models, tokenizer, temperature, lp_type, reader,
+                  empty_ok: bool, fns=(), started=None, row0: int = 0) -> int:
     """Score `batches` one by one, writing each as soon as it is scored; -> rows written. An empty input
     is an error unless `empty_ok` (a shard may be empty; a follow run that was already finished is).
-    `started()` is called once, when the first batch arrives (the stage's device line). `limits`: the
-    reference's vocabulary and context, which each batch's rows must fit, and no longer than --batch-tokens,
-    before the reference runs (`check_rows`; `row0`, the first batch's row number in the input, names them)."""
+    When the first batch arrives the models load (`models.load()`) and `started()` is called (the stage's
+    device line). Each batch's rows must fit the reference's vocabulary and context (`models.limits`), and no
+    longer than --batch-tokens, before the reference runs (`check_rows`; `row0`, the first batch's row number
+    in the input, names them)."""
     import pyarrow as pa
 
     from rlkit import console
@@ -318,6 +361,7 @@ def _score_stream(cfg: ScoreRefConfig, batches, w_args, model, tokenizer, temper
 
     with streams.write_table(*w_args) as w, console.progress("score-ref", None, unit="rows") as bar:
         for batch in batches:
+            model, scorers, limits = models.load().model, models.scorers, models.limits
             if limits is not None:
                 check_rows(batch, limits, reader.label, row0=row0, budget=cfg.batch_tokens)
             row0 += batch.num_rows

@@ -115,8 +115,9 @@ class Engine(Protocol):
         calls it only on an engine whose `capabilities.supports_sleep`; these defaults are what one without does."""
         return False
 
-    def wake_up(self) -> None:
-        """Take the memory back after `sleep` (a no-op when awake); `sample` and `reload` wake the engine too."""
+    def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
+        """Take the memory back after `sleep` (a no-op when awake): all of it, or only that of `tags` ("weights",
+        "kv_cache": vLLM's names); `sample` wakes the engine too, and `reload` wakes what the load needs."""
         return None
 
 

@@ -79,5 +79,5 @@ class HFEngine:
     def sleep(self) -> bool:
         return False  # no sleep mode (supports_sleep=False): the model stays where it is
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
         return None

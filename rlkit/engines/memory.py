@@ -106,16 +106,20 @@ def _weight_dirs(d: Path, flag: str) -> list[Path]:
     return dirs
 
 
-def model_bytes(d: Path, flag: str = "--colocate") -> int:
-    """Bytes of weights score-ref holds on a GPU for model directory `d`, from its safetensors headers: a frozen
-    reference (rlkit.json kind 'reference') at the dtypes it is stored in (score-ref's `--dtype auto` on a GPU), any
-    other model (a reward model) in fp32, as reward models are loaded; a LoRA checkpoint's base counted in."""
+def model_bytes(d: Path, flag: str = "--colocate", dtype: str = "bf16") -> int:
+    """Bytes of weights score-ref holds on a GPU for model directory `d`, from its safetensors headers (a LoRA
+    checkpoint's base counted in), as score-ref's --dtype `dtype` loads it: bf16 (`--dtype auto` on a GPU with
+    bf16 kernels) 2 bytes a parameter for every model; stored (auto on an older GPU) a frozen reference (rlkit.json
+    kind 'reference') at the dtypes it is stored in and any other model (a reward model) in fp32; fp32 4 bytes."""
     from rlkit.io.checkpoints import load_manifest, safetensors_summary
 
     dirs = _weight_dirs(Path(d), flag)
-    if (load_manifest(Path(d)) or {}).get("kind") == "reference":
+    params = sum(safetensors_summary(x)["parameters"] for x in dirs)
+    if dtype in ("bf16", "fp16"):
+        return 2 * params
+    if dtype == "stored" and (load_manifest(Path(d)) or {}).get("kind") == "reference":
         return sum(safetensors_summary(x)["bytes"] for x in dirs)
-    return sum(4 * safetensors_summary(x)["parameters"] for x in dirs)
+    return 4 * params
 
 
 def weights_bytes(d: Path, dtype: str, flag: str = "--policy") -> int:

@@ -34,16 +34,25 @@ def vllm_import_error() -> str | None:
 _LONG_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-def checkpoint_dtype(policy: Path, asked: str) -> str:
-    """vLLM's name of the dtype to sample in. `--dtype auto` means the dtype the checkpoint was saved in
-    (vLLM's own 'auto' would run an fp32 checkpoint in bf16, and the log-probs it logs would no longer be
-    the trainer's); fp32/bf16/fp16 are rlkit's names."""
-    if asked != "auto":
-        return _LONG_DTYPES.get(asked, asked)
+def checkpoint_dtype(policy: Path) -> str:
+    """The dtype checkpoint `policy` was saved in, vLLM's name (its config.json; 'auto' when it says none)."""
     import json
 
     cfg = json.loads((Path(policy) / "config.json").read_text())
     return str(cfg.get("dtype") or cfg.get("torch_dtype") or "auto")
+
+
+def sampling_dtype(stored: str, asked: str, device_type: str, bf16: bool = True) -> str:
+    """vLLM's name of the dtype to sample in, for `--dtype asked` on a checkpoint saved in `stored` (vLLM's name)
+    when vLLM runs on `device_type` ('cuda': a GPU, `bf16` whether it has bf16 kernels; 'cpu': vLLM's CPU backend).
+    `--dtype auto` is bf16 on a GPU with bf16 kernels (as verl samples: half the weights and KV cache of the fp32
+    checkpoints rlkit writes, and vLLM's FlashAttention, which has no fp32); elsewhere the checkpoint's own dtype,
+    so vLLM's CPU backend samples in fp32 what it always has. fp32/bf16/fp16 are rlkit's names."""
+    if asked != "auto":
+        return _LONG_DTYPES.get(asked, asked)
+    if device_type == "cuda" and bf16:
+        return "bfloat16"
+    return stored
 
 
 _SHORT_DTYPES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
@@ -74,6 +83,9 @@ def vllm_device(spec: str):
         raise RlkitError(f"--device {spec}: vLLM runs on the first visible GPU (cuda:0) and takes no device argument; "
                          f"to run it on that GPU start rollout with CUDA_VISIBLE_DEVICES={gpu} (and --device auto)")
     return torch.device("cuda", 0)
+
+
+WAKE_TAGS = ("weights", "kv_cache")  # what vLLM's sleep mode releases and `LLM.wake_up(tags)` takes back
 
 
 def _prompt_seed(seed: int, i: int) -> int:
@@ -154,16 +166,26 @@ class VLLMEngine:
                 self.weights = self._tmp = self._merge(self.policy)
         self.max_lora_rank = lora_kw.get("max_lora_rank", 0)
         w = self.weights
-        dtype = checkpoint_dtype(w, opts.dtype)
+        dtype = sampling_dtype(checkpoint_dtype(w), opts.dtype, "cuda" if on_gpu else "cpu",
+                               bf16=on_gpu and _gpu_has_bf16())
         self.dtype = _SHORT_DTYPES.get(dtype, dtype)
         util = opts.gpu_memory_utilization or (_gpu_share(self.policy, dtype, opts) if on_gpu else memory.CPU_DEFAULT)
         # sleep mode exists on CUDA only (vLLM refuses it on its CPU backend): asked for and on a GPU
+        # `asleep`: False, or the set of WAKE_TAGS still asleep
         self.sleep_mode, self.asleep = bool(opts.sleep and on_gpu), False
-        self.llm = LLM(model=str(w), tokenizer=str(w), dtype=dtype, tensor_parallel_size=opts.tp,
-                       gpu_memory_utilization=util, max_model_len=opts.max_model_len, enforce_eager=opts.enforce_eager,
-                       seed=opts.seed, logprobs_mode="processed_logprobs", trust_remote_code=opts.trust_remote_code,
-                       worker_extension_cls=f"{__name__}.VLLMWorkerExtension", **lora_kw,
-                       **({"enable_sleep_mode": True} if self.sleep_mode else {}))
+        try:
+            self.llm = LLM(model=str(w), tokenizer=str(w), dtype=dtype, tensor_parallel_size=opts.tp,
+                           gpu_memory_utilization=util, max_model_len=opts.max_model_len,
+                           enforce_eager=opts.enforce_eager, seed=opts.seed, logprobs_mode="processed_logprobs",
+                           trust_remote_code=opts.trust_remote_code,
+                           worker_extension_cls=f"{__name__}.VLLMWorkerExtension", **lora_kw,
+                           **({"enable_sleep_mode": True} if self.sleep_mode else {}))
+        except Exception as e:
+            self._drop_tmp()
+            oom = _start_failure(e, util, w, dtype, opts) if on_gpu else start_out_of_memory(e, util)
+            if oom is not None:
+                raise oom from e
+            raise
         if lora_kw:
             self._use_adapter(self.policy)
 
@@ -246,7 +268,7 @@ class VLLMEngine:
         model_dir = Path(model_dir).absolute()  # vLLM takes a path it cannot find for a Hugging Face Hub id
         if not model_dir.is_dir() or not any(model_dir.glob("*.safetensors")):
             raise RlkitError(f"cannot reload the vLLM engine from {model_dir}: no *.safetensors there")
-        self.wake_up()  # a sleeping engine holds its weights in host memory: back on the GPU first
+        self.wake_up(("weights",))  # a sleeping engine's weights are in host memory: back first, no KV cache yet
         t0 = time.perf_counter()
         weights = model_dir
         if adapters.is_adapter_dir(model_dir):
@@ -288,13 +310,20 @@ class VLLMEngine:
             return False
         if not self.asleep:
             self.llm.sleep(level=1)
-            self.asleep = True
+            self.asleep = set(WAKE_TAGS)
         return True
 
-    def wake_up(self) -> None:
-        """`LLM.wake_up()`: the weights back from host memory and a fresh KV cache; a no-op when awake."""
-        if self.asleep:
-            self.llm.wake_up()
+    def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
+        """`LLM.wake_up(tags)`: take back the GPU memory of `tags` ("weights": the weights from host memory;
+        "kv_cache": a fresh KV cache), all of it by default; a no-op for what is awake. `reload` wakes the weights
+        alone, so the KV cache is not allocated while the new weights load; `sample` wakes everything."""
+        if not self.asleep:
+            return
+        want = [t for t in WAKE_TAGS if t in self.asleep and (tags is None or t in tags)]
+        if want:
+            self.llm.wake_up(tags=want)
+            self.asleep -= set(want)
+        if not self.asleep:
             self.asleep = False
 
     def close(self) -> None:
@@ -307,6 +336,76 @@ class VLLMEngine:
                 pass
         if getattr(self, "_tmp", None) is not None:
             self._drop_tmp()
+
+
+# what vLLM 0.32 raises when it cannot start for memory: vllm/v1/core/kv_cache_utils.py (no room for a KV cache; a
+# KV cache too small for --max-model-len), vllm/v1/worker/utils.py (other processes hold the GPU), torch's CUDA
+# allocator while the weights load
+START_OOM_TEXTS = ("No available memory for the cache blocks", "larger than the available KV cache memory",
+                   "is less than desired GPU memory utilization", "CUDA out of memory")
+# what vLLM V1 raises in this process when its engine-core process died starting up (vllm/v1/engine/utils.py); the
+# cause is only logged, by that process
+ENGINE_CORE_FAILED = "Engine core initialization failed"
+
+
+def start_out_of_memory(e: BaseException, util: float, *, total: int | None = None, free: int | None = None,
+                        policy_bytes: int | None = None):
+    """`devices.OutOfMemory` (one line, exit 71) when vLLM's start-up failure `e` is for memory, else None.
+    For memory: one of vLLM's own texts (`START_OOM_TEXTS`, an engine in this process), or, for the engine-core
+    process's death (`ENGINE_CORE_FAILED`, whose cause this process never sees), the figures measured after it:
+    less `free` GPU memory than the share `util` x `total` asks for (another process holds it), or a share too
+    small for the policy's weights `policy_bytes` with the least KV cache (`memory.policy_need`). Without those
+    figures (vLLM's CPU backend) an engine-core death stays what it is."""
+    from rlkit import devices
+
+    text = str(e)
+    said = type(e).__name__ == "OutOfMemoryError" or any(t in text for t in START_OOM_TEXTS)
+    share = util * total if total else None
+    short_free = share is not None and free is not None and free < share
+    need = memory.policy_need(policy_bytes) if policy_bytes is not None else None
+    short_share = share is not None and need is not None and need > share
+    if not (said or (ENGINE_CORE_FAILED in text and (short_free or short_share))):
+        return None
+    figures = []
+    if share is not None:
+        figures.append(f"--gpu-memory-utilization {util:g} of the GPU's {memory.gib(total)} is {memory.gib(share)}")
+    if short_free:
+        figures.append(f"{memory.gib(free)} of it is free (other processes hold the rest)")
+    if short_share:
+        figures.append(f"the policy's {memory.gib(policy_bytes)} of weights need about {memory.gib(need)} with "
+                       "the least KV cache")
+    if not figures:
+        figures.append(text.strip().splitlines()[0][:200] if text.strip() else type(e).__name__)
+    return devices.OutOfMemory(
+        f"rollout: vLLM ran out of memory starting up ({'; '.join(figures)}); size its share with "
+        "--gpu-memory-utilization (lower when other processes hold the GPU, higher when the policy does not fit), "
+        "or name each model score-ref runs beside it with --colocate DIR so rollout sizes it (docs/gpu.md); "
+        "nothing was written")
+
+
+def _start_failure(e: BaseException, util: float, weights: Path, dtype: str, opts: EngineOptions):
+    """`start_out_of_memory` on a GPU, with the figures measured now that vLLM's processes are gone: the GPU's free
+    and total memory, the policy's weights in `dtype` per GPU."""
+    free = total = pol = None
+    try:
+        import torch
+
+        free, total = torch.cuda.mem_get_info(0)  # vLLM has failed: a CUDA context here harms nothing now
+    except Exception:  # no figures: vLLM's own texts alone decide
+        pass
+    try:
+        pol = memory.weights_bytes(weights, dtype) // max(opts.tp, 1)
+    except Exception:
+        pass
+    return start_out_of_memory(e, util, total=total, free=free, policy_bytes=pol)
+
+
+def _gpu_has_bf16() -> bool:
+    """Whether vLLM's GPU (cuda:0) has bf16 kernels (compute capability 8.0 and later), asked through NVML as vLLM
+    asks it: no CUDA context in this process."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.has_device_capability(80))
 
 
 def _gpu_share(policy: Path, dtype: str, opts: EngineOptions, total: int | None = None) -> float:
@@ -326,7 +425,7 @@ def _gpu_share(policy: Path, dtype: str, opts: EngineOptions, total: int | None 
                      "name each model score-ref runs beside it with --colocate DIR (--ref, --rm) to size its share, or "
                      f"pass --gpu-memory-utilization ({memory.CAP} when rollout has the GPU to itself); see docs/gpu.md")
         return share
-    sizes = [memory.model_bytes(d) for d in opts.colocate]
+    sizes = [memory.model_bytes(d, dtype="bf16" if _gpu_has_bf16() else "stored") for d in opts.colocate]
     share = memory.vllm_memory_share(total, per_gpu, sizes)
     console.info(f"rollout: vLLM takes {share} of the GPU's {memory.gib(total)} ({memory.gib(share * total)} for the "
                  f"policy's {memory.gib(per_gpu)} and its KV cache), leaving {memory.gib(memory.colocated_need(sizes))} "

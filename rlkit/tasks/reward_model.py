@@ -15,12 +15,14 @@ from pathlib import Path
 from rlkit.errors import RlkitError
 
 
-def load_reward_model(src: str | Path, trust_remote_code: bool = False, num_labels_check: bool = True, device=None):
-    """(model, tokenizer) in eval mode with requires_grad off, on `device` (default the CPU); the config's
-    pad id matches the tokenizer's."""
+def load_reward_model(src: str | Path, trust_remote_code: bool = False, num_labels_check: bool = True, device=None,
+                      dtype: str = "fp32"):
+    """(model, tokenizer) in eval mode with requires_grad off, on `device` (default the CPU), its weights in
+    `dtype` (fp32, bf16, fp16: cast on the host before the move); the config's pad id matches the tokenizer's."""
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
+    from rlkit.devices import TORCH_DTYPES
     from rlkit.io import adapters, checkpoints
 
     checkpoints.check_model_dir(Path(src), "reward model")
@@ -37,6 +39,8 @@ def load_reward_model(src: str | Path, trust_remote_code: bool = False, num_labe
         model = AutoModelForSequenceClassification.from_pretrained(
             str(src), dtype=torch.float32, trust_remote_code=trust_remote_code, use_safetensors=True)
     checkpoints.check_finite(model, src, "reward model")
+    if dtype != "fp32":
+        model.to(getattr(torch, TORCH_DTYPES[dtype]))
     tok = checkpoints.load_tokenizer(src, trust_remote_code)
     model.config.pad_token_id = tok.pad_token_id
     model.eval()

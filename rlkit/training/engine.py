@@ -265,6 +265,9 @@ class Engine:
             model = distributed.shard_model(model, dp, shard_fn, train.dtype)
             console.info(f"{name}: data-parallel over {dp.world} processes ({dp.device.type}, FSDP2)")
         else:
+            from rlkit.training import lora
+
+            lora.hold_base(model, train.dtype, self.device)  # LoRA in bf16 on a GPU: the frozen base held in bf16
             model.to(self.device)
         self.model = model
         self.opt = make_optimizer(model, optim)

@@ -128,6 +128,7 @@ def run_follow(cfg, inp, pending, weights: dict[str, float] | None, rt) -> Path:
                 rl = replace(cfg.rl, tis_cap=(cap or None) if loaded.train["recompute"] else None)
                 m = t.train(loaded.batch, cfg=rl, progress=lambda n, s=step: console.progress(f"update step {s + 1}", n),
                             **loaded.train)
+                free_grads(t)  # between steps update holds weights and AdamW state only (docs/gpu.md)
                 step += 1
                 metrics = {"step": step, **loaded.metrics, **m}
                 metrics.update(lag_mean=float(lags.float().mean()), lag_max=int(lags.max()), rows_dropped=drop,
@@ -140,12 +141,29 @@ def run_follow(cfg, inp, pending, weights: dict[str, float] | None, rt) -> Path:
                     **tracker.manifest_entry())
                 row = {"stage": "update", "out": str(root / follow.step_name(step)), **metrics}
                 with metrics_log.appending(row, cfg.metrics):  # taken back out if the step is not published
-                    path = follow.publish(root, step, lambda tmp, m=manifest: t.save(tmp, m, t.gather(), write_manifest=False))
+                    path = follow.publish(root, step, lambda tmp, m=manifest: _save_and_release(t, tmp, m))
                 pruned = follow.prune(root, keep) if keep is not None else []
-                devices.release_cached(t.device)  # a sleeping vLLM on this GPU takes its memory back for the next batch
                 tracker.log(row)
                 show(metrics, inp, t.algo)
                 console.info(f"update: wrote {path} (lag mean {metrics['lag_mean']:.2f}, max {metrics['lag_max']}; "
                              f"{drop} rows dropped)" + (f"; pruned steps {pruned}" if pruned else ""))
             console.info(f"update: --max-steps {cfg.max_steps} reached (step {step}); stopping")
             return root
+
+
+def free_grads(t) -> None:
+    """Drop the gradients of every model trainer `t` trains (the policy, PPO's critic) once its step is done:
+    `zero_grad(set_to_none=True)`, as the next step would at its start, so that between steps the GPU holds the
+    weights and AdamW state only (12 bytes per trained parameter in fp32, not 16). The next step computes the same."""
+    for tr in t.trained:
+        tr.opt.zero_grad(set_to_none=True)
+
+
+def _save_and_release(t, tmp: Path, manifest: dict) -> None:
+    """Write the step into `tmp` (published by `follow.publish` after this returns), then give the GPU memory torch
+    keeps cached back to the driver (`devices.release_cached`) before the step appears: at --max-lag 0 the rollout
+    waiting for it wakes its vLLM engine at once, and takes that memory back."""
+    from rlkit import devices
+
+    t.save(tmp, manifest, t.gather(), write_manifest=False)
+    devices.release_cached(t.device)

@@ -22,7 +22,6 @@ from rlkit.io.adapters import (
 )
 
 # the ranks vLLM's LoRA kernels take (vllm.config.lora.MaxLoRARanks); an adapter's rank is rounded up
-# the ranks vLLM's LoRA kernels take (vllm.config.lora.MaxLoRARanks); an adapter's rank is rounded up
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
@@ -74,6 +73,31 @@ def wrap(model, opts: LoraOptions, kind: str, base: str | Path | None):
             raise RlkitError(f"--lora-targets: {str(e).splitlines()[0]}") from e
     pm.peft_config["default"].base_model_name_or_path = str(base)
     return attach(pm, LoraState(pm, base, per_file, digest, opts, kind))
+
+
+def hold_base(model, dtype: str, device) -> int:
+    """LoRA training in bf16 on a GPU (`dtype` the concrete --dtype, `device` where the model trains): the frozen
+    base's linear layers (their weights and biases: nearly every weight of a transformer, the output head included)
+    held in bf16, cast on the host before the move, so the base takes half the memory and autocast no longer copies
+    it to bf16 at every forward. The adapter, any trained head and their AdamW state stay fp32, and so do the
+    embeddings and norms (a bf16 embedding would put the residual stream in bf16, where autocast keeps it fp32; an
+    output head tied to the embedding stays with it). Anywhere else (the CPU, fp32, fp16, no LoRA) nothing changes.
+    Returns the number of tensors cast. Before FSDP2 shards a model this is not called: its mixed-precision policy
+    gathers the weights in bf16 itself."""
+    if state(model) is None or dtype != "bf16" or getattr(device, "type", str(device)) != "cuda":
+        return 0
+    import torch
+
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    n = 0
+    for m in model.modules():
+        if not isinstance(m, torch.nn.Linear):
+            continue
+        for p in m.parameters(recurse=False):
+            if not p.requires_grad and p.is_floating_point() and p.dtype != torch.bfloat16 and id(p) not in embeddings:
+                p.data = p.data.to(torch.bfloat16)
+                n += 1
+    return n
 
 
 def options_of(model) -> LoraOptions | None:

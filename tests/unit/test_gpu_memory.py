@@ -72,16 +72,20 @@ def test_sizes_come_from_the_safetensors_headers(tmp_path):
     (ref / "rlkit.json").write_text(json.dumps({"kind": "reference"}))
     rm = _model(tmp_path / "rm", {"a": ("F32", [10, 30]), "score": ("F32", [1, 30])})  # 330 params, fp32
     rm16 = _model(tmp_path / "rm16", {"a": ("BF16", [10, 30]), "score": ("BF16", [1, 30])})  # 330 params, bf16
-    # a frozen reference as stored (score-ref keeps its dtype on a GPU); any other model in fp32, as reward
-    # models are loaded whatever they were saved in
-    assert memory.model_bytes(ref) == 800 and memory.model_bytes(rm) == memory.model_bytes(rm16) == 1320
+    # as score-ref's --dtype auto loads them on a GPU with bf16: every model in bf16, whatever it was saved in
+    assert memory.model_bytes(ref) == 800 and memory.model_bytes(rm) == memory.model_bytes(rm16) == 660
+    # auto on an older GPU (stored): a frozen reference as stored, any other model in fp32, as reward models are
+    # loaded then whatever they were saved in; fp32: 4 bytes a parameter
+    assert memory.model_bytes(ref, dtype="stored") == 800
+    assert memory.model_bytes(rm, dtype="stored") == memory.model_bytes(rm16, dtype="stored") == 1320
+    assert memory.model_bytes(ref, dtype="fp32") == 1600
     # the policy at the dtype vLLM runs it in (an unknown name such as 'auto': as stored)
     assert memory.weights_bytes(ref, "float32") == 1600 and memory.weights_bytes(rm, "bfloat16") == 660
     assert memory.weights_bytes(ref, "auto") == 800
     # a LoRA checkpoint holds only its adapter: its base is counted in
     adapter = _model(tmp_path / "adapter", {"lora_A": ("F32", [2, 30]), "lora_B": ("F32", [30, 2])})  # 120 params
     (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": str(rm)}))
-    assert memory.model_bytes(adapter) == 1320 + 480
+    assert memory.model_bytes(adapter) == 660 + 240 and memory.model_bytes(adapter, dtype="stored") == 1320 + 480
     assert memory.weights_bytes(adapter, "bfloat16") == 2 * (330 + 120)
     (tmp_path / "empty").mkdir()
     for bad in (tmp_path / "empty", tmp_path / "missing"):
