@@ -192,6 +192,12 @@ CONFIG_ROWS = [
     pytest.param(["train-rm", "--model", "{pol}", "--prefs", "{w}/prefs.arrow", "--out", "{out}", "--lr", "0"], None,
                  "--lr 0: expected a learning rate > 0", id="train-rm-zero-lr"),
     pytest.param([*ROLLOUT, "--top-p", "1.5"], None, "--top-p 1.5: expected a number in (0, 1]", id="rollout-top-p"),
+    pytest.param([*UPDATE, "--dist-timeout", "0"], None, "--dist-timeout 0: expected a number of minutes > 0",
+                 id="update-dist-timeout"),
+    pytest.param(["sft", "--out", "{out}", "--dist-timeout", "-5"], None,
+                 "--dist-timeout -5: expected a number of minutes > 0", id="sft-dist-timeout"),
+    pytest.param(["train-rm", "--model", "{pol}", "--prefs", "{w}/prefs.arrow", "--out", "{out}", "--dist-timeout",
+                  "nan"], None, "'--dist-timeout': 'nan' is not a finite number", id="train-rm-dist-timeout"),
 ]
 
 

@@ -59,12 +59,15 @@ def test_two_processes_match_one_and_resume_across_world_sizes(sft_dir, tmp_path
              "--length-penalty", "0.05"]
 
     one = tmp_path / "one"
-    assert run_cli("update", "--policy", str(sft_dir), "--in", str(rolls[0]), "--out", str(one), *flags).returncode == 0
+    # pi_old recomputed by the trainer: under torchrun each rank runs its half of the rows, then all-gathers
+    recompute = ["--old-logprobs", "recompute"]
+    assert run_cli("update", "--policy", str(sft_dir), "--in", str(rolls[0]), "--out", str(one), *flags,
+                   *recompute).returncode == 0
     two = tmp_path / "two"  # the batch on stdin: rank 0 reads it and broadcasts it
     # in micro-batches too: 16 rows per rank and minibatch, as 5 + 5 + 5 + 1 (each loss term scaled by its share
     # of the whole minibatch, across ranks): the same update as one process in one forward
-    r = torchrun("update", "--policy", str(sft_dir), "--out", str(two), *flags, "--micro-batch-size", "5",
-                 stdin=rolls[0].read_bytes())
+    r = torchrun("update", "--policy", str(sft_dir), "--out", str(two), *flags, *recompute, "--micro-batch-size", "5",
+                 "--dist-timeout", "5", stdin=rolls[0].read_bytes())
     assert r.returncode == 0, r.stderr.decode()[-3000:]
     assert r.stderr.decode().count("data-parallel over 2 processes") == 1  # rank 0 alone talks
 
@@ -78,6 +81,11 @@ def test_two_processes_match_one_and_resume_across_world_sizes(sft_dir, tmp_path
     assert m2["metrics"]["world_size"] == 2 and m2["step"] == m1["step"] == 1
     for k in ("sequences", "optimizer_steps", "clip_fraction", "reward_mean"):
         assert m2["metrics"][k] == pytest.approx(m1["metrics"][k], rel=1e-6, abs=1e-9), k
+    # pi_old: rank 0 recomputed half the rows, and the gathered log-probs are one process's
+    assert m1["metrics"]["recompute_rows"] == m1["metrics"]["sequences"] == 96
+    assert m2["metrics"]["recompute_rows"] == 48
+    assert m2["metrics"]["logprob_mismatch"] == pytest.approx(m1["metrics"]["logprob_mismatch"], rel=1e-3, abs=1e-6)
+    assert m2["config"]["train"]["dist_timeout"] == 5.0
     assert m2["metrics"]["loss"] == pytest.approx(m1["metrics"]["loss"], abs=1e-4)
     # the gradient's size too (AdamW's steps hardly depend on it: a gradient scaled by a constant moves the weights alike)
     assert m2["metrics"]["grad_norm"] == pytest.approx(m1["metrics"]["grad_norm"], rel=1e-3)
