@@ -320,8 +320,8 @@ class VLLMEngine:
         if not self.asleep:
             return
         want = [t for t in WAKE_TAGS if t in self.asleep and (tags is None or t in tags)]
-        if want:
-            self.llm.wake_up(tags=want)
+        if want:  # everything at once: vLLM's own wake_up() (no tags)
+            self.llm.wake_up(tags=None if len(want) == len(WAKE_TAGS) else want)
             self.asleep -= set(want)
         if not self.asleep:
             self.asleep = False

@@ -241,7 +241,8 @@ def fake_vllm(monkeypatch):
     mods = {name: types.ModuleType(name) for name in ("vllm", "vllm.inputs", "vllm.platforms")}
     mods["vllm"].LLM, mods["vllm"].SamplingParams = _FakeLLM, lambda **kw: kw
     mods["vllm.inputs"].TokensPrompt = lambda **kw: kw
-    mods["vllm.platforms"].current_platform = types.SimpleNamespace(get_device_total_memory=lambda i=0: 24 * GiB)
+    mods["vllm.platforms"].current_platform = types.SimpleNamespace(get_device_total_memory=lambda i=0: 24 * GiB,
+                                                                     has_device_capability=lambda cap, i=0: cap <= 80)
     for name, m in mods.items():
         monkeypatch.setitem(sys.modules, name, m)
     monkeypatch.setenv("VLLM_LOGGING_STREAM", "ext://sys.stderr")
@@ -284,7 +285,8 @@ def test_vllm_engine_start_on_a_gpu_and_on_its_cpu_backend(fake_vllm, monkeypatc
     kw, llm = _FakeLLM.last.kw, _FakeLLM.last
     # 24 GiB less 2 GiB of CUDA contexts and a few bytes of models: 0.916, capped at 0.9
     assert kw["enable_sleep_mode"] is True and kw["gpu_memory_utilization"] == 0.9
-    assert eng.device == torch.device("cuda", 0)
+    # --dtype auto on a GPU with bf16 kernels: the fp32 checkpoint is sampled in bf16
+    assert (eng.device, eng.dtype, kw["dtype"]) == (torch.device("cuda", 0), "bf16", "bfloat16")
     assert "rollout: vLLM takes 0.9 of the GPU's 24.0 GiB" in capsys.readouterr().err
     assert eng.sleep() is True and eng.sleep() is True  # asleep once
     assert llm.calls == [("sleep", 1)]
@@ -292,6 +294,13 @@ def test_vllm_engine_start_on_a_gpu_and_on_its_cpu_backend(fake_vllm, monkeypatc
     assert llm.calls == [("sleep", 1), ("wake_up", None), ("generate", 1)]
     eng.wake_up()
     assert len(llm.calls) == 3  # awake already
+    eng.sleep()  # a reload wakes the weights alone; the KV cache comes back when sampling needs it
+    eng.wake_up(("weights",))
+    eng.wake_up(("weights",))
+    eng.sample([[1, 2]], n=1, temperature=1.0, top_p=1.0, max_new_tokens=2, seed=0)
+    assert llm.calls[3:] == [("sleep", 1), ("wake_up", ["weights"]), ("wake_up", ["kv_cache"]), ("generate", 1)]
+    VLLMEngine(policy, tok, engines.EngineOptions(dtype="fp32"))  # --dtype fp32 is still fp32 on a GPU
+    assert _FakeLLM.last.kw["dtype"] == "float32"
 
     eng = VLLMEngine(policy, tok, engines.EngineOptions())  # no --colocate: the default share, said once
     assert _FakeLLM.last.kw["gpu_memory_utilization"] == 0.5 and "enable_sleep_mode" not in _FakeLLM.last.kw
@@ -318,8 +327,8 @@ class _SleepyToy(_ToyEngine):
         _publish(self.root, self.policy, 1)
         return True
 
-    def wake_up(self):
-        self.calls.append("wake_up")
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
 
     def reload(self, model_dir):
         self.calls.append(("reload", Path(model_dir).name))
@@ -372,7 +381,9 @@ def test_follow_sleeps_between_batches_only_at_lag_0_on_a_gpu(device, lag, tmp_p
     t, reader = streams.read_table(out, ["rollouts"])
     assert reader.manifest["device"] == ("cuda:0" if device == "cuda" else "cpu")
     if (device, lag) == ("cuda", 0):
-        assert got == ["sample", "sleep", "wake_up", ("reload", "step-000001"), "sample"]
+        # the weights woken for the reload, the rest (the KV cache) after it
+        assert got == ["sample", "sleep", ("wake_up", ("weights",)), ("reload", "step-000001"), ("wake_up", None),
+                       "sample"]
         assert t.column("policy_step").to_pylist() == [0] * 4 + [1] * 4
         assert "the engine sleeps between batches" in err and "1 wake-ups from sleep mode" in err
     else:
