@@ -26,6 +26,7 @@ from rlkit.stages import (
     cat,
     freeze_ref,
     inspect,
+    plan,
     prompts,
     report,
     rollout,
@@ -57,6 +58,8 @@ app.command("eval")(eval_stage.command)
 app.command("inspect")(inspect.command)
 app.command("report")(report.command)
 app.command("cat")(cat.command)
+# the stage's own options pass through to it (parsed by the stage's command)
+app.command("plan", context_settings={"ignore_unknown_options": True})(plan.command)
 
 
 def _version(value: bool) -> None:

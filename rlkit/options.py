@@ -85,6 +85,8 @@ TrustRemoteCode = Annotated[
 PromptColumn = Annotated[str, typer.Option("--prompt-column", rich_help_panel="Data", help="Column of the data that holds the prompt.")]
 AnswerColumn = Annotated[str, typer.Option("--answer-column", rich_help_panel="Data", help="Column of the data that holds the gold answer.")]
 NoVerify = Annotated[bool, typer.Option("--no-verify", rich_help_panel="Model", help="Load policy and reward-model checkpoints without checking their weights against the sha256 in rlkit.json (a frozen reference is always checked). Checks are cached per file version, so leaving them on costs one read per checkpoint.")]
+# The memory plan a stage runs when it starts on a GPU (rlkit.planner): --no-plan skips it
+NoPlan = Annotated[bool, typer.Option("--no-plan", rich_help_panel="Precision & memory", help="Skip the memory plan this stage runs when it starts on a GPU (which refuses, exit 71, a run whose planned peak exceeds the GPU's memory; `rlkit plan` shows it).")]
 # Where the models run (every stage that runs one): see rlkit.devices
 Device = Annotated[str, typer.Option("--device", metavar="<auto|cpu|cuda|cuda:N>", rich_help_panel="Precision & memory", help="Where the models run: auto (cuda:LOCAL_RANK under torchrun, else cuda when a GPU is visible, else cpu), cpu, cuda or cuda:N.")]
 # Training numerics (sft, train-rm, update): see rlkit.training

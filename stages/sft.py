@@ -23,6 +23,7 @@ from rlkit.options import (
     Device,
     Force,
     Metrics,
+    NoPlan,
     NoVerify,
     OutDir,
     Resume,
@@ -66,6 +67,7 @@ class SftConfig:
     tiny: TinyConfig = nested(TINY)  # --layers, --hidden
     device: str = option("auto", Device)
     train: TrainOptions = nested(TRAIN)  # --dtype, --gradient-checkpointing, --micro-batch-*, --packing, --lora-*
+    plan: bool = option(True, NoPlan, invert=True)  # --no-plan: no memory plan when it starts on a GPU
     metrics: Path | None = option(None, Metrics)
     tracking: TrackingConfig = nested(TRACKING)  # --report-to, --run-name, --project, --tensorboard
     # a training row (loss, lr, grad norm) to the trackers every this many steps
@@ -161,6 +163,13 @@ def _run(cfg: SftConfig, tracker) -> Path:
     if manifests.skip_if_current(cfg.out, "sft", cfg, inputs):
         return cfg.out
 
+    if cfg.plan:  # on a GPU, before any weight is read: refused (exit 71) when it cannot fit (rlkit.planner)
+        from rlkit import planner
+
+        half = cfg.max_len // 2
+        planner.preflight("sft", planner.model_config(cfg.model, "--model", cfg.tiny),
+                          planner.Work(half, cfg.max_len - half, rows=max(1, cfg.batch_tokens // cfg.max_len)), train,
+                          dev)
     rt = rt.joined()  # torchrun's process group, when started by torchrun
     dp = rt.dp
     torch.manual_seed(cfg.seed)
@@ -169,7 +178,9 @@ def _run(cfg: SftConfig, tracker) -> Path:
         model = tiny.build_model(cfg.tiny, tokenizer, cfg.seed)
         base = None
     else:  # fp32 master weights whatever --dtype (rlkit.training)
-        model, tokenizer = checkpoints.load_policy(cfg.model, "fp32", cfg.trust_remote_code)
+        # under torchrun rank 0 alone reads the weights (rlkit.training.distributed.shard_model broadcasts them)
+        model, tokenizer = checkpoints.load_policy(cfg.model, "fp32", cfg.trust_remote_code,
+                                                   weightless=dp is not None and not dp.main)
         base = Path(cfg.model) if Path(cfg.model).is_dir() else None
     from rlkit.ops.logprobs import completion_logprobs_local
     from rlkit.training import Optim

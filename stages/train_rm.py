@@ -23,6 +23,7 @@ from rlkit.options import (
     Device,
     Force,
     Metrics,
+    NoPlan,
     NoVerify,
     OutDir,
     Resume,
@@ -57,6 +58,7 @@ class TrainRmConfig:
     logging_steps: int = option(10, min=1, panel="Output & tracking", help="With --report-to: log the training loss, learning rate and gradient norm every this many optimizer steps (as train-rm/train/*).")
     device: str = option("auto", Device)
     train: TrainOptions = nested(TRAIN)  # --dtype, --gradient-checkpointing, --micro-batch-*, --packing, --lora-*
+    plan: bool = option(True, NoPlan, invert=True)  # --no-plan: no memory plan when it starts on a GPU
     trust_remote_code: bool = option(False, TrustRemoteCode)
     verify: bool = option(True, NoVerify, invert=True)  # --no-verify: no hash check of the base (never for a reference)
     # a resume snapshot beside --out every this many steps (rlkit.training.resume); 0: none
@@ -112,6 +114,12 @@ def _run(cfg: TrainRmConfig, tracker) -> Path:
     inputs = {"base": fingerprints.fingerprint(cfg.base), "prefs": src.fingerprint}
     if manifests.skip_if_current(cfg.out, "train-rm", cfg, inputs):
         return cfg.out
+    if cfg.plan:  # on a GPU, before any weight is read: refused (exit 71) when it cannot fit (rlkit.planner)
+        from rlkit import planner
+
+        half = cfg.max_length // 2
+        planner.preflight("train-rm", cfg.base, planner.Work(half, cfg.max_length - half, rows=cfg.batch_size),
+                          train_opts, dev, flag="--model")
     t = src.table.to_pydict()
     prefs.check_pairs(src.label, t["prompt"], t["chosen"], t["rejected"])
     train = [i for i, s in enumerate(t["split"]) if s != "heldout"]

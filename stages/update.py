@@ -36,6 +36,7 @@ from rlkit.options import (
     Force,
     InTable,
     Metrics,
+    NoPlan,
     NoVerify,
     OutDir,
     PolicyDir,
@@ -107,6 +108,7 @@ class UpdateConfig:
     max_lag: int = option(DEFAULT_MAX_LAG, min=0, panel="Follow", help="--follow: drop (and count) rows sampled more than this many steps before the policy they would train; lagged rows get pi_old recomputed (the proximal policy) and a truncated importance weight (--tis-cap, default 2 here).")
     device: str = option("auto", Device)
     train: TrainOptions = nested(TRAIN)  # --dtype, --gradient-checkpointing, --micro-batch-*, --packing, --lora-*
+    plan: bool = option(True, NoPlan, invert=True)  # --no-plan: no memory plan when it starts on a GPU
     trust_remote_code: bool = option(False, TrustRemoteCode)
     verify: bool = option(True, NoVerify, invert=True)  # --no-verify: no hash check of the policy (never for a reference)
     force: bool = option(False, Force)
@@ -201,7 +203,10 @@ def _run(cfg: UpdateConfig) -> Path:
     from rlkit.training import distributed
 
     def start() -> Trainer:
-        model, tokenizer = checkpoints.load_policy(cfg.policy, "fp32", cfg.trust_remote_code)
+        # under torchrun rank 0 alone reads the weights; the others build the model weightless and get their
+        # shards from rank 0 (rlkit.training.distributed.shard_model)
+        model, tokenizer = checkpoints.load_policy(cfg.policy, "fp32", cfg.trust_remote_code,
+                                                   weightless=dp is not None and not dp.main)
         return Trainer(model, cfg.rl, tokenizer=tokenizer, base=cfg.policy, trust_remote_code=cfg.trust_remote_code,
                        runtime=rt)
 
@@ -216,6 +221,8 @@ def _run(cfg: UpdateConfig) -> Path:
     if manifests.skip_if_current(cfg.out, "update", cfg, inputs):
         return cfg.out
     table = reader.read_all()
+    if t is None and cfg.plan:  # on a GPU, before any weight is read: refused (exit 71) when it cannot fit
+        _preflight(cfg, table, dev)
     t = t or start()
     tokenizer = t.tokenizer
     limits = Limits.of(t.model, f"--policy {cfg.policy}")
@@ -246,6 +253,19 @@ def _run(cfg: UpdateConfig) -> Path:
     show(metrics, inp, t.algo)
     distributed.barrier(dp)
     return cfg.out
+
+
+def _preflight(cfg: UpdateConfig, table, dev) -> None:
+    """The memory plan of this update's step at the input's longest prompt and completion (rlkit.planner)."""
+    import pyarrow.compute as pc
+
+    from rlkit import planner
+
+    if "completion_ids" not in table.schema.names:  # a prefs table (dpo): planned at its longest pair
+        return
+    longest = [int(pc.max(pc.list_value_length(table.column(c))).as_py() or 1) for c in ("prompt_ids", "completion_ids")]
+    work = planner.Work(*longest, rows=min(cfg.rl.minibatch_size, table.num_rows), batch_rows=table.num_rows)
+    planner.preflight("update", cfg.policy, work, cfg.train, dev, algo=cfg.rl.algo, beta=cfg.rl.beta or 0.0)
 
 
 command = stage_options.command(UpdateConfig, """One update of the policy by the --algo named (GRPO family, PPO, DPO, ...); writes the next checkpoint.

@@ -18,7 +18,7 @@ from rlkit.stage_options import Group, nested, option
 
 # every command is made from its config (stage_options.command)
 CONVERTED = ("prompts", "sft", "build-prefs", "train-rm", "freeze-ref", "rollout", "score-ref", "update", "eval", "cat",
-             "inspect", "report")
+             "inspect", "report", "plan")
 SHARED = {"_config", "_log_level", "_quiet"}  # --config FILE, --log-level, -q: every command's, added by rlkit.cli
 CALLBACKS = {c.name: c.callback for c in app.registered_commands}
 

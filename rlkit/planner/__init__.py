@@ -1,0 +1,391 @@
+"""The memory planner: what one GPU holds for a stage's work, and whether it fits, before any weight is read.
+
+`rlkit plan STAGE [the stage's own options]` and every stage's start on a GPU ask it the same question.
+For the training stages and score-ref the answer is measured: the stage's own step traced on fake tensors
+at the model's real shapes (`rlkit.planner.trace`: the real Trainer / engine step, the log-prob path,
+backward, AdamW, FSDP2 over a fake process group for N GPUs). vLLM's KV cache cannot be traced; for
+`rollout --engine vllm` the planner uses vLLM's own accounting (its share of the GPU, the weights in the
+sampling dtype, the KV cache in what is left) and says so.
+
+Importable without torch (`rlkit --help` stays light): the traces run in a child process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from rlkit.errors import RlkitError
+
+GIB = 2**30
+# What a GPU holds beside the allocator's tensors: the CUDA context and kernels (~0.5-1 GiB on an H100) and the
+# caching allocator's fragmentation; a plan fits when its peak plus this reserve is within the GPU's memory.
+CONTEXT_GIB = 1.0
+FRAGMENTATION = 0.05  # of the peak
+MODELS_DIR = Path(__file__).parent / "models"  # shipped config.json of well-known models (no weights)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpus: int = 1
+    gpu_memory_gib: float = 80.0
+
+
+@dataclass(frozen=True)
+class Work:
+    """The shape of the work: each row `prompt` + `completion` tokens; `rows` of one optimizer step (update: the
+    minibatch; train-rm: pairs), `batch_rows` rows held at once (update: the whole input batch)."""
+
+    prompt: int
+    completion: int
+    rows: int
+    batch_rows: int | None = None
+
+
+@dataclass
+class Estimate:
+    """One process's memory on one GPU (bytes), and whether it fits."""
+
+    stage: str
+    parts: dict[str, int]  # weights, gradients, optimizer, activations, logits (within activations), kv_cache, batch
+    peak: int
+    gpu_memory: int
+    gpus: int
+    method: str  # "traced" (fake tensors) or "vLLM's accounting"
+    notes: list[str] = field(default_factory=list)
+    settings: dict[str, Any] = field(default_factory=dict)  # the flags the plan is for
+    suggestion: dict[str, Any] | None = None  # --suggest: flags that make it fit, and that plan's peak
+
+    @property
+    def reserve(self) -> int:
+        return int(CONTEXT_GIB * GIB + FRAGMENTATION * self.peak)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak + self.reserve <= self.gpu_memory
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(fits=self.fits, peak_gib=round(self.peak / GIB, 2), gpu_memory_gib=round(self.gpu_memory / GIB, 2),
+                 reserve_gib=round(self.reserve / GIB, 2),
+                 parts_gib={k: round(v / GIB, 2) for k, v in self.parts.items()})
+        return d
+
+    def fits_line(self) -> str:
+        return (f"fits: {'yes' if self.fits else 'no'} (peak {self.peak / GIB:.1f} GiB of {self.gpu_memory / GIB:.0f} GiB"
+                f" per GPU, with {self.reserve / GIB:.1f} GiB reserved for the CUDA context and fragmentation)")
+
+
+# -- what the stages choose on a GPU, for the trace
+
+
+def scoring_dtype(dtype: str) -> str:
+    """torch dtype name a forward-only scorer runs in for score-ref's --dtype on a GPU (auto: bf16)."""
+    return {"fp32": "float32", "stored": "float32"}.get(dtype, "bfloat16")
+
+
+def on_gpu_hooks() -> None:
+    """In the tracing process (a CPU): the training code's GPU-only choices made as on a GPU (FSDP2's bf16
+    mixed-precision policy, LoRA's frozen base in bf16), through the functions the code asks. AdamW is traced
+    with torch's foreach implementation, whose temporaries are at least the fused kernel's (an upper bound)."""
+    from rlkit import training
+
+    if hasattr(training, "fsdp_param_dtype"):
+        original = training.fsdp_param_dtype
+        training.fsdp_param_dtype = lambda dtype, device_type: original(dtype, "cuda")
+    from rlkit.training import lora
+
+    if hasattr(lora, "base_dtype"):
+        original_base = lora.base_dtype
+        lora.base_dtype = lambda dtype, device_type: original_base(dtype, "cuda")
+
+
+# -- the model
+
+
+def model_config(path: str | Path, flag: str = "--policy", tiny: Any = None) -> dict[str, Any]:
+    """config.json of a model directory (a checkpoint, or just its config), or of a shipped model by name
+    (`qwen2.5-7b`); sft's embedded 'tiny' model (`tiny`: its TinyConfig) as sft builds it. No weight is read."""
+    if str(path) == "tiny" and tiny is not None:
+        from rlkit.tiny import build_tokenizer
+
+        return {"model_type": "llama", "vocab_size": len(build_tokenizer()), "hidden_size": tiny.hidden,
+                "intermediate_size": tiny.intermediate, "num_hidden_layers": tiny.layers,
+                "num_attention_heads": tiny.heads, "num_key_value_heads": tiny.heads,
+                "max_position_embeddings": tiny.max_positions, "tie_word_embeddings": True}
+    p = Path(path)
+    shipped = MODELS_DIR / f"{str(path).lower()}.json"
+    if not p.exists() and shipped.is_file():
+        return json.loads(shipped.read_text())
+    f = p / "config.json" if p.is_dir() else p
+    if not f.is_file():
+        names = ", ".join(sorted(x.stem for x in MODELS_DIR.glob("*.json")))
+        raise RlkitError(f"{flag} {path}: no config.json there; expected a model directory (weights not needed) "
+                         f"or one of the shipped shapes: {names}")
+    try:
+        cfg = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise RlkitError(f"{flag} {path}: config.json is not readable JSON ({e})") from e
+    for key in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size"):
+        if key not in cfg:
+            raise RlkitError(f"{flag} {path}: config.json has no {key!r}; the planner needs a decoder-only transformer's "
+                             "config (Llama, Qwen2, Mistral, ...)")
+    return cfg
+
+
+def parameters(cfg: dict[str, Any]) -> int:
+    """Parameters of a Llama-family decoder from its config (for vLLM's weights; the traces count their own)."""
+    h, layers, v = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    heads = cfg.get("num_attention_heads", 1)
+    kv = cfg.get("num_key_value_heads", heads)
+    hd = cfg.get("head_dim") or h // heads
+    inter = cfg.get("intermediate_size", 4 * h)
+    attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h + (heads * hd + 2 * kv * hd)  # q, k, v, o (+ qkv bias)
+    per_layer = attn + 3 * h * inter + 2 * h
+    head = 0 if cfg.get("tie_word_embeddings", False) else v * h
+    return v * h + layers * per_layer + h + head
+
+
+# -- tracing (a child process)
+
+
+def run_traces(specs: list[dict]) -> list[dict]:
+    """Each spec (`rlkit.planner.trace.Spec` fields) measured in one child process."""
+    if not specs:
+        return []
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("WORLD_SIZE", None)
+    env.pop("RANK", None)
+    env.pop("LOCAL_RANK", None)
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    env["MASTER_ADDR"], env["MASTER_PORT"] = "127.0.0.1", "0"
+    r = subprocess.run([sys.executable, "-m", "rlkit.planner.trace"], input=json.dumps(specs), capture_output=True,
+                       text=True, env=env)
+    lines = [json.loads(x.split(" ", 1)[1]) for x in r.stdout.splitlines() if x.startswith("@@plan ")]
+    if r.returncode or len(lines) != len(specs):
+        tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RlkitError(f"plan: the memory trace failed (exit {r.returncode}): {tail}")
+    for res in lines:
+        if "error" in res:
+            raise RlkitError(f"plan: the memory trace failed: {res['error']}")
+    return lines
+
+
+def _estimate(stage: str, measured: dict, hw: Hardware, settings: dict, extra: dict[str, int] | None = None,
+              notes: list[str] | None = None) -> Estimate:
+    """A traced step -> its estimate: the steady peak, max(passes + AdamW's moments, the optimizer step)."""
+    passes, step, opt = measured["passes"], measured["step"], measured["optimizer"]
+    parts = dict(passes)
+    peak = measured["passes_total"]
+    if step is not None:
+        with_moments = measured["passes_total"] + opt
+        if with_moments >= measured["step_total"]:
+            parts, peak = {**passes, "optimizer": opt}, with_moments
+        else:
+            parts, peak = dict(step), measured["step_total"]
+    parts["logits"] = measured["logits"]
+    for k, v in (extra or {}).items():
+        parts[k] = parts.get(k, 0) + v
+        peak += v
+    return Estimate(stage, parts, peak, int(hw.gpu_memory_gib * GIB), hw.gpus, "traced", list(notes or []), settings)
+
+
+# -- the stages
+
+
+def train_spec(stage: str, config: dict, work: Work, hw: Hardware, train: Any, **kw) -> dict:
+    """The trace spec of a training stage's step for TrainOptions `train` on a GPU (--dtype auto: bf16; with no
+    micro-batch flag: the GPU's default token budget)."""
+    from rlkit.training import GPU_MICRO_BATCH_TOKENS
+
+    dtype = "bf16" if train.dtype == "auto" else train.dtype
+    size, tokens = train.micro_batch_size, train.micro_batch_tokens
+    if size is None and tokens is None:
+        tokens = GPU_MICRO_BATCH_TOKENS
+    t = {"dtype": dtype, "gradient_checkpointing": train.gradient_checkpointing, "micro_batch_size": size,
+         "micro_batch_tokens": tokens, "packing": train.packing,
+         "lora": asdict(train.lora) if train.lora is not None else None}
+    return {"stage": stage, "config": config, "rows": work.rows, "prompt": work.prompt, "completion": work.completion,
+            "world": hw.gpus, "train": t, **kw}
+
+
+def settings_of(train: Any, **more) -> dict[str, Any]:
+    s = {"dtype": train.dtype, "gradient_checkpointing": train.gradient_checkpointing,
+         "micro_batch_size": train.micro_batch_size, "micro_batch_tokens": train.micro_batch_tokens,
+         "lora_rank": train.lora.rank if train.lora is not None else None}
+    return {**s, **more}
+
+
+def plan_training(stage: str, config: dict, work: Work, hw: Hardware, train: Any, *, algo: str = "grpo",
+                  beta: float = 0.0) -> Estimate:
+    kw = {"algo": algo, "beta": beta} if stage == "update" else {}
+    spec = train_spec(stage, config, work, hw, train, **kw)
+    measured = run_traces([spec])[0]
+    extra = {}
+    notes = []
+    if stage == "update":
+        # the whole input batch moves to the GPU once (token ids, masks, pi_old, pi_ref): per row, measured
+        rows = work.batch_rows or work.rows
+        extra["batch"] = measured["host_bytes"] * rows
+        if algo == "ppo":
+            notes.append("ppo's critic (a second model with its own AdamW) is not in this plan")
+    if train.lora is None and hw.gpus == 1:
+        notes.append("full fine-tuning keeps fp32 weights, gradients and two AdamW moments: 16 bytes a parameter")
+    return _estimate(stage, measured, hw, settings_of(train, gpus=hw.gpus, rows=work.rows), extra, notes)
+
+
+def plan_score_ref(config: dict, work: Work, hw: Hardware, dtype: str, batch_tokens: int, packing: bool,
+                   reward_models: list[dict] | None = None) -> Estimate:
+    """score-ref: the reference (and each reward model) held for the whole run, one forward batch of
+    --batch-tokens at a time."""
+    rows = max(1, batch_tokens // max(1, work.prompt + work.completion))
+    base = {"stage": "score-ref", "config": config, "rows": rows, "prompt": work.prompt, "completion": work.completion,
+            "train": {"dtype": dtype, "packing": packing}}
+    specs = [base] + [{**base, "config": rm, "reward_model": True} for rm in reward_models or []]
+    got = run_traces(specs)
+    parts = {"weights": sum(g["passes"]["weights"] for g in got), "gradients": 0, "optimizer": 0,
+             "activations": max(g["passes"]["activations"] for g in got), "logits": max(g["logits"] for g in got)}
+    peak = parts["weights"] + parts["activations"]
+    return Estimate("score-ref", parts, peak, int(hw.gpu_memory_gib * GIB), 1, "traced", [],
+                    {"dtype": dtype, "batch_tokens": batch_tokens, "rows_per_batch": rows})
+
+
+def dtype_bytes(name: str) -> int:
+    return 4 if name in ("fp32", "float32", "float") else 2
+
+
+def plan_vllm(config: dict, work: Work, hw: Hardware, *, dtype: str = "bf16", utilization: float = 0.9,
+              n: int = 1, prompts: int = 1, max_num_seqs: int = 256, max_batched_tokens: int | None = None) -> Estimate:
+    """rollout --engine vllm, by vLLM's own accounting (the KV cache cannot be traced): vLLM takes
+    `utilization` of the GPU; the weights (in the sampling dtype) and its profiled activation peak come off
+    that, and the KV cache is the rest. It cannot start unless the cache holds one whole sequence (prompt +
+    completion); the concurrent sequences it holds set the throughput."""
+    gpu = int(hw.gpu_memory_gib * GIB)
+    share = int(utilization * gpu)
+    b = dtype_bytes(dtype)
+    weights = parameters(config) * b // hw.gpus  # tensor parallel over the GPUs
+    h, v = config["hidden_size"], config["vocab_size"]
+    heads = config.get("num_attention_heads", 1)
+    kv_heads = config.get("num_key_value_heads", heads)
+    hd = config.get("head_dim") or h // heads
+    inter = config.get("intermediate_size", 4 * h)
+    seq = work.prompt + work.completion
+    tokens = max_batched_tokens or max(8192, seq)
+    # the profiling run's peak: one batch of `tokens` through a layer (hidden states, MLP), plus the sampler's
+    # fp32 logits for `max_num_seqs` rows (vLLM's profile_run)
+    activations = tokens * (4 * h + 2 * inter) * b // hw.gpus + max_num_seqs * v * 4
+    per_token = 2 * config["num_hidden_layers"] * kv_heads * hd * b // hw.gpus
+    kv = max(0, share - weights - activations)
+    cache_tokens = kv // max(1, per_token)
+    parts = {"weights": weights, "gradients": 0, "optimizer": 0, "activations": activations, "logits": max_num_seqs * v * 4,
+             "kv_cache": kv}
+    notes = ["vLLM's KV cache is not traced: vLLM takes --gpu-memory-utilization of the GPU and gives the cache what "
+             "its weights and profiled activations leave (vLLM's documented accounting)",
+             f"KV cache: {cache_tokens:,} tokens ({per_token:,} bytes each): {cache_tokens // max(1, seq):,} sequences of "
+             f"{seq:,} tokens at once ({n * prompts:,} asked for per batch)"]
+    est = Estimate("rollout", parts, share, gpu, hw.gpus, "vLLM's accounting", notes,
+                   {"dtype": dtype, "gpu_memory_utilization": utilization})
+    est.settings["kv_cache_tokens"] = cache_tokens
+    if cache_tokens < seq:
+        est.notes.append(f"the KV cache holds {cache_tokens:,} tokens, less than one sequence ({seq:,}): vLLM refuses to "
+                         "start")
+        est.peak = max(share, weights + activations + seq * per_token)  # more than its share: does not fit
+        est.parts["kv_cache"] = seq * per_token
+    return est
+
+
+# -- suggestions
+
+
+def suggest_training(stage: str, config: dict, work: Work, hw: Hardware, train: Any, plan: Any,
+                     max_gpus: int = 64) -> dict[str, Any] | None:
+    """The first of these that fits, each traced: smaller micro-batches; + gradient checkpointing; + LoRA rank 64
+    (full fine-tuning only); then twice, four times ... the GPUs. -> the flags and that plan's peak, or None."""
+    from rlkit.training.lora import LoraOptions
+
+    length = work.prompt + work.completion
+    per_rank = max(1, work.rows // hw.gpus)
+    sizes = [s for s in (8, 4, 2, 1) if s <= per_rank and (train.micro_batch_size is None or s < train.micro_batch_size)]
+    candidates: list[tuple[dict, Any, Hardware]] = []
+    for gc in ([False, True] if not train.gradient_checkpointing else [True]):
+        for s in sizes or [1]:
+            t = replace(train, gradient_checkpointing=gc, micro_batch_size=s, micro_batch_tokens=None)
+            candidates.append(({"--micro-batch-size": s, **({"--gradient-checkpointing": True} if gc else {})}, t, hw))
+    if train.lora is None:
+        t = replace(train, gradient_checkpointing=True, micro_batch_size=1, micro_batch_tokens=None,
+                    lora=LoraOptions(rank=64))
+        candidates.append(({"--micro-batch-size": 1, "--gradient-checkpointing": True, "--lora-rank": 64}, t, hw))
+    g = hw.gpus * 2
+    while g <= max_gpus:
+        t = replace(train, gradient_checkpointing=True, micro_batch_size=1, micro_batch_tokens=None)
+        candidates.append(({"--micro-batch-size": 1, "--gradient-checkpointing": True, "gpus": g}, t,
+                           replace(hw, gpus=g)))
+        g *= 2
+    del length
+    for flags, t, h in candidates:
+        if h.gpus > work.rows:
+            break
+        est = plan(t, h)
+        if est.fits:
+            return {"flags": flags, "peak_gib": round(est.peak / GIB, 2), "gpus": h.gpus}
+    return None
+
+
+# -- the check each stage runs when it starts on a GPU
+
+
+def refuse(est: Estimate, stage: str) -> None:
+    """Raise the out-of-memory refusal (exit 71) when `est` does not fit."""
+    if est.fits:
+        return
+    from rlkit.devices import OutOfMemory
+
+    fix = ""
+    if est.suggestion:
+        fix = "; " + " ".join(f"{k} {v}" if v is not True else k for k, v in est.suggestion["flags"].items()
+                              if k != "gpus")
+        if est.suggestion.get("gpus", est.gpus) != est.gpus:
+            fix += f" on {est.suggestion['gpus']} GPUs"
+        fix = f"; it fits with{fix[1:]} (peak {est.suggestion['peak_gib']:.1f} GiB)"
+    raise OutOfMemory(f"{stage}: this run needs about {est.peak / GIB:.1f} GiB per GPU (the memory plan's peak), more "
+                      f"than the GPU's {est.gpu_memory / GIB:.1f} GiB{fix}; `rlkit plan {stage} ...` shows the parts; "
+                      "--no-plan skips this check; nothing was written")
+
+
+def preflight(stage: str, model: str | Path | dict, work: Work, train: Any, device, *, flag: str = "--policy",
+              **kw) -> Estimate | None:
+    """The check a training stage runs when it starts on a GPU, from its model's config before any weight is
+    read: the plan of its step on this GPU (the torchrun world's GPUs); a plan that does not fit is refused
+    (`refuse`: exit 71, naming the flags that make it fit). Elsewhere (the CPU): nothing, None."""
+    if getattr(device, "type", None) != "cuda":
+        return None
+    config = model if isinstance(model, dict) else model_config(model, flag)
+    hw = Hardware(max(1, int(os.environ.get("WORLD_SIZE", "1"))), gpu_memory_gib(device))
+
+    def plan(t, h):
+        return plan_training(stage, config, work, h, t, **kw)
+
+    est = plan(train, hw)
+    if not est.fits:
+        est.suggestion = suggest_training(stage, config, work, hw, train, plan)
+        refuse(est, stage)
+    return est
+
+
+def gpu_memory_gib(device) -> float:
+    import torch
+
+    return torch.cuda.get_device_properties(device).total_memory / GIB
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b) if b else 0
+
+
+__all__ = ["Estimate", "Hardware", "Work", "ceil_div", "math"]
