@@ -211,13 +211,16 @@ def _weights_dtype(sd: dict) -> str:
     return "+".join(names.get(d, d) for d in found)
 
 
-def load_policy(src: str | Path, dtype: str = "fp32", trust_remote_code: bool = False, merged: bool = False):
+def load_policy(src: str | Path, dtype: str = "fp32", trust_remote_code: bool = False, merged: bool = False,
+                weightless: bool = False):
     """A trainable causal LM and its tokenizer from a directory or hub id (never a pickle).
 
     A LoRA checkpoint loads on its hash-verified base (`rlkit.io.adapters.load`): a model whose adapter keeps
-    training, or with `merged` (inference: rollout, eval, freeze-ref) the plain model, adapter merged."""
+    training, or with `merged` (inference: rollout, eval, freeze-ref) the plain model, adapter merged.
+    `weightless` (a data-parallel rank other than 0): the model built from its config on the meta device, no
+    weight read; `rlkit.training.distributed.shard_model` fills its shards from rank 0's weights."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     quiet_transformers()
     p = Path(src)
@@ -225,6 +228,12 @@ def load_policy(src: str | Path, dtype: str = "fp32", trust_remote_code: bool = 
         check_model_dir(p, "policy")
         from rlkit.io import adapters
 
+        if weightless and not adapters.is_adapter_dir(p):
+            config = AutoConfig.from_pretrained(str(p), trust_remote_code=trust_remote_code)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, DTYPES[dtype]),
+                                                         trust_remote_code=trust_remote_code)
+            return model, load_tokenizer(p, trust_remote_code)
         if adapters.is_adapter_dir(p):
             model = adapters.load(p, "causal-lm", merged=merged, dtype=dtype, trust_remote_code=trust_remote_code)
             check_finite(model, src, "policy")

@@ -177,9 +177,6 @@ def shard_model(model, dp: DataParallel, fn=None, dtype: str = "fp32"):
     `dtype` (--dtype, concrete): bf16 on a GPU shards under `MixedPrecisionPolicy(param_dtype=bf16,
     reduce_dtype=fp32)` (`rlkit.training.fsdp_param_dtype`), and `Precision` then enters no autocast."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from rlkit.training import fsdp_mp_policy
 
     mesh = init_device_mesh(dp.device.type, (dp.world,))
     base = getattr(model, "base_model", model)
@@ -187,7 +184,21 @@ def shard_model(model, dp: DataParallel, fn=None, dtype: str = "fp32"):
     if layers is None:
         raise RlkitError(f"{type(model).__name__}: no decoder layers (.layers) to shard; rlkit shards decoder-only "
                          "transformers (Llama, Qwen2, Mistral, ...)")
+    # a rank that built the model weightless (on the meta device: `checkpoints.load_policy(weightless=True)`)
+    # gets its shards from rank 0's weights, one tensor at a time: one full copy on the host, rank 0's
+    weightless = int(any(t.is_meta for t in (*model.parameters(), *model.buffers())))
+    if all_max([weightless], dp)[0]:
+        return _shard_from_rank0(model, dp, fn, dtype, mesh, layers)
     model.to(dp.device)
+    _fully_shard(model, fn, dtype, mesh, layers, dp)
+    return model
+
+
+def _fully_shard(model, fn, dtype: str, mesh, layers, dp: DataParallel) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    from rlkit.training import fsdp_mp_policy
+
     kw = {"mp_policy": policy} if (policy := fsdp_mp_policy(dtype, dp.device.type)) is not None else {}
     for layer in layers:
         fully_shard(layer, mesh=mesh, **kw)
@@ -195,6 +206,27 @@ def shard_model(model, dp: DataParallel, fn=None, dtype: str = "fp32"):
         fully_shard(model, mesh=mesh, **kw)
     else:  # no module cycle
         object.__setattr__(model, "_rlkit_fsdp_root", fully_shard(_FnRoot(model, fn), mesh=mesh, **kw))
+
+
+def _shard_from_rank0(model, dp: DataParallel, fn, dtype: str, mesh, layers):
+    """Shard, then fill every rank's shards from rank 0's full weights (`set_model_state_dict` with
+    broadcast_from_rank0: tensor by tensor) and its buffers (rotary tables, which no state dict holds)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if dp.main:
+        full = {k: v.detach() for k, v in model.state_dict().items()}  # rank 0's weights, on the host
+        model.to(dp.device)
+    _fully_shard(model, fn, dtype, mesh, layers, dp)
+    if not dp.main:
+        model.to_empty(device=dp.device)
+    root = _root(model)
+    prefix = ROOT_PREFIX if root is not model else ""
+    set_model_state_dict(root, {prefix + k: v for k, v in full.items()} if dp.main else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    with torch.no_grad():
+        for b in model.buffers():
+            dist.broadcast(b, 0)
     return model
 
 

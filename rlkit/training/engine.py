@@ -263,7 +263,10 @@ class Engine:
             from rlkit.training import distributed
 
             model = distributed.shard_model(model, dp, shard_fn, train.dtype)
-            console.info(f"{name}: data-parallel over {dp.world} processes ({dp.device.type}, FSDP2)")
+            mixed = training.fsdp_param_dtype(train.dtype, dp.device.type)
+            console.info(f"{name}: data-parallel over {dp.world} processes ({dp.device.type}, FSDP2"
+                         + (f", {mixed} all-gathers" if mixed else "")
+                         + (", fused AdamW" if training.fused_adamw([dp.device.type]) else "") + ")")
         else:
             from rlkit.training import lora
 

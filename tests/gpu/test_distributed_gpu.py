@@ -87,3 +87,10 @@ def test_update_and_sft_on_two_gpus_match_one(two_gpus, cuda_sft, gpu, tmp_path)
     m = json.loads((auto / "rlkit.json").read_text())
     assert device_line(err, "update") == f"update: device cuda:0 ({m['gpu']}, {auto_dtype(gpu)})"
     assert m["config"]["train"]["dtype"] == auto_dtype(gpu) and m["metrics"]["world_size"] == 2
+    # bf16: FSDP2's mixed-precision policy gathers bf16 weights (no autocast), AdamW fused on the GPUs
+    mixed = ", bf16 all-gathers" if auto_dtype(gpu) == "bf16" else ""
+    assert f"data-parallel over 2 processes (cuda, FSDP2{mixed}, fused AdamW)" in err, err[-3000:]
+    # pi_old recomputed (bf16 differs from the sampling engine's fp32), each rank its half of the 96 rows
+    if mixed:
+        assert m["metrics"]["old_logprobs"] == "recompute" and m["metrics"]["recompute_rows"] == 48
+    assert m["metrics"]["loss"] == m["metrics"]["loss"]  # finite
