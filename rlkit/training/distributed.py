@@ -11,9 +11,17 @@ Nothing else about the command changes:
   each global minibatch. Each rank's loss is its share of the global minibatch's loss (its part of
   the numerator over the global denominator), so the summed gradient is the one-process gradient
   and results match one process up to float summation order.
+- Forward-only passes over the whole batch (pi_old, PPO's values, DPO's figures) run rows rank::world on
+  each rank and are all-gathered (`Engine.forward_rows`, `gather_rows`).
+- Weights: rank 0 alone reads them; a rank that built its model weightless (meta device) gets its shards
+  from rank 0 tensor by tensor (`shard_model`). Under bf16 on GPUs FSDP2 gathers bf16 weights
+  (`rlkit.training.fsdp_mp_policy`).
 - Checkpoints are gathered: rank 0 alone writes an ordinary full Hugging Face directory and the
-  full optimizer state in the same per-parameter safetensors layout as one process, so a later
-  `update` resumes with the same or any other world size. The other ranks wait at a barrier.
+  full optimizer state in the same per-parameter safetensors layout as one process (both gathered onto
+  rank 0's host a tensor at a time), so a later `update` resumes with the same or any other world size.
+- Collectives time out after --dist-timeout minutes (`init`). Where rank 0 works alone (a piped input,
+  writing the checkpoint) the other ranks wait for it in the launcher's store, not in a collective
+  (`wait_for_main`, used by `barrier` and `share_table`).
 """
 
 from __future__ import annotations
