@@ -68,3 +68,20 @@ def test_gather_rows_in_a_one_process_group():
         distributed.wait_for_main(dp, "test")  # rank 0 only says it got there
     finally:
         dist.destroy_process_group()
+
+
+def test_drift_of_a_model_on_a_device_is_one_host_read():
+    """The drift figure of a policy on a (simulated) GPU against a reference on the host: the same value as on
+    the CPU, bit for bit, read back in one sync (not one per tensor)."""
+    from devsim import SecondDevice
+
+    from rlkit.training.drift import relative_drift
+
+    gen = torch.Generator().manual_seed(0)
+    ref = {f"w{i}": torch.randn(4, 3, generator=gen).to(torch.bfloat16) for i in range(5)}
+    cpu = {k: v.float() + 0.05 * torch.randn(4, 3, generator=gen) for k, v in ref.items()}
+    want = relative_drift(cpu, ref)
+    mode = SecondDevice()
+    with mode as dev:
+        got = relative_drift({k: v.to(dev) for k, v in cpu.items()}, ref)
+    assert got == want > 0 and mode.syncs["rlkit"] == 1
