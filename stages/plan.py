@@ -171,9 +171,11 @@ def plan_stage(stage: str, s, cfg: PlanConfig, hw, suggest: bool = False):
         util = s.gpu_memory_utilization or 0.9
         return planner.plan_vllm(config, work, hw, dtype="fp32" if s.dtype == "fp32" else "bf16", utilization=util,
                                  n=s.n, prompts=s.num_prompts or 64)
+    train.check(distributed=hw.gpus > 1)
     est = plan(train, hw)
     if suggest and not est.fits:
-        est.suggestion = planner.suggest_training(stage, config, work, hw, train, plan)
+        kw = {"algo": rl.algo, "beta": rl.beta or 0.0} if stage == "update" else {}
+        est.suggestion = planner.suggest_training(stage, config, work, hw, train, **kw)
     return est
 
 
@@ -208,7 +210,7 @@ def _out(line: str) -> None:
 
 
 ROWS = (("weights", "weights"), ("gradients", "gradients"), ("optimizer", "optimizer state"),
-        ("activations", "activations"), ("logits", "  of which logits"), ("kv_cache", "KV cache"),
+        ("activations", "activations"), ("logits", "logits (own peak)"), ("kv_cache", "KV cache"),
         ("batch", "batch tensors"))
 
 

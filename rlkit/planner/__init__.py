@@ -99,11 +99,12 @@ def on_gpu_hooks() -> None:
     if hasattr(training, "fsdp_param_dtype"):
         original = training.fsdp_param_dtype
         training.fsdp_param_dtype = lambda dtype, device_type: original(dtype, "cuda")
+    import torch
+
     from rlkit.training import lora
 
-    if hasattr(lora, "base_dtype"):
-        original_base = lora.base_dtype
-        lora.base_dtype = lambda dtype, device_type: original_base(dtype, "cuda")
+    original_hold = lora.hold_base
+    lora.hold_base = lambda model, dtype, device: original_hold(model, dtype, torch.device("cuda"))
 
 
 # -- the model
@@ -224,20 +225,28 @@ def settings_of(train: Any, **more) -> dict[str, Any]:
 
 def plan_training(stage: str, config: dict, work: Work, hw: Hardware, train: Any, *, algo: str = "grpo",
                   beta: float = 0.0) -> Estimate:
+    return plan_trainings(stage, config, work, [(train, hw)], algo=algo, beta=beta)[0]
+
+
+def plan_trainings(stage: str, config: dict, work: Work, cases: list[tuple[Any, Hardware]], *, algo: str = "grpo",
+                   beta: float = 0.0) -> list[Estimate]:
+    """Each (TrainOptions, Hardware) case of a training stage's step, traced in one child process."""
     kw = {"algo": algo, "beta": beta} if stage == "update" else {}
-    spec = train_spec(stage, config, work, hw, train, **kw)
-    measured = run_traces([spec])[0]
-    extra = {}
-    notes = []
-    if stage == "update":
-        # the whole input batch moves to the GPU once (token ids, masks, pi_old, pi_ref): per row, measured
-        rows = work.batch_rows or work.rows
-        extra["batch"] = measured["host_bytes"] * rows
-        if algo == "ppo":
-            notes.append("ppo's critic (a second model with its own AdamW) is not in this plan")
-    if train.lora is None and hw.gpus == 1:
-        notes.append("full fine-tuning keeps fp32 weights, gradients and two AdamW moments: 16 bytes a parameter")
-    return _estimate(stage, measured, hw, settings_of(train, gpus=hw.gpus, rows=work.rows), extra, notes)
+    measured = run_traces([train_spec(stage, config, work, hw, train, **kw) for train, hw in cases])
+    out = []
+    for (train, hw), m in zip(cases, measured, strict=True):
+        extra, notes = {}, []
+        if stage == "update":
+            # the whole input batch moves to the GPU once (token ids, masks, pi_old, pi_ref): per row, measured
+            extra["batch"] = m["host_bytes"] * (work.batch_rows or work.rows)
+            if algo == "ppo":
+                notes.append("ppo's critic (a second model with its own AdamW) is not in this plan")
+        if train.lora is None and hw.gpus == 1:
+            notes.append("full fine-tuning keeps fp32 weights, gradients and two AdamW moments: 16 bytes a parameter")
+        dtype = "bf16" if train.dtype == "auto" else train.dtype
+        out.append(_estimate(stage, m, hw, settings_of(replace(train, dtype=dtype), gpus=hw.gpus, rows=work.rows),
+                             extra, notes))
+    return out
 
 
 def plan_score_ref(config: dict, work: Work, hw: Hardware, dtype: str, batch_tokens: int, packing: bool,
@@ -303,13 +312,13 @@ def plan_vllm(config: dict, work: Work, hw: Hardware, *, dtype: str = "bf16", ut
 # -- suggestions
 
 
-def suggest_training(stage: str, config: dict, work: Work, hw: Hardware, train: Any, plan: Any,
-                     max_gpus: int = 64) -> dict[str, Any] | None:
-    """The first of these that fits, each traced: smaller micro-batches; + gradient checkpointing; + LoRA rank 64
-    (full fine-tuning only); then twice, four times ... the GPUs. -> the flags and that plan's peak, or None."""
+def suggest_training(stage: str, config: dict, work: Work, hw: Hardware, train: Any, *, max_gpus: int = 64,
+                     **kw) -> dict[str, Any] | None:
+    """The first of these that fits, all traced in one child process: smaller micro-batches; the same with gradient
+    checkpointing; + LoRA rank 64 (full fine-tuning only); then 2, 4, ... times the GPUs. -> the flags and that
+    plan's peak, or None."""
     from rlkit.training.lora import LoraOptions
 
-    length = work.prompt + work.completion
     per_rank = max(1, work.rows // hw.gpus)
     sizes = [s for s in (8, 4, 2, 1) if s <= per_rank and (train.micro_batch_size is None or s < train.micro_batch_size)]
     candidates: list[tuple[dict, Any, Hardware]] = []
@@ -322,16 +331,12 @@ def suggest_training(stage: str, config: dict, work: Work, hw: Hardware, train: 
                     lora=LoraOptions(rank=64))
         candidates.append(({"--micro-batch-size": 1, "--gradient-checkpointing": True, "--lora-rank": 64}, t, hw))
     g = hw.gpus * 2
-    while g <= max_gpus:
+    while g <= min(max_gpus, work.rows):
         t = replace(train, gradient_checkpointing=True, micro_batch_size=1, micro_batch_tokens=None)
-        candidates.append(({"--micro-batch-size": 1, "--gradient-checkpointing": True, "gpus": g}, t,
-                           replace(hw, gpus=g)))
+        candidates.append(({"--micro-batch-size": 1, "--gradient-checkpointing": True}, t, replace(hw, gpus=g)))
         g *= 2
-    del length
-    for flags, t, h in candidates:
-        if h.gpus > work.rows:
-            break
-        est = plan(t, h)
+    ests = plan_trainings(stage, config, work, [(t, h) for _, t, h in candidates], **kw)
+    for (flags, _, h), est in zip(candidates, ests, strict=True):
         if est.fits:
             return {"flags": flags, "peak_gib": round(est.peak / GIB, 2), "gpus": h.gpus}
     return None
@@ -368,12 +373,9 @@ def preflight(stage: str, model: str | Path | dict, work: Work, train: Any, devi
     config = model if isinstance(model, dict) else model_config(model, flag)
     hw = Hardware(max(1, int(os.environ.get("WORLD_SIZE", "1"))), gpu_memory_gib(device))
 
-    def plan(t, h):
-        return plan_training(stage, config, work, h, t, **kw)
-
-    est = plan(train, hw)
+    est = plan_training(stage, config, work, hw, train, **kw)
     if not est.fits:
-        est.suggestion = suggest_training(stage, config, work, hw, train, plan)
+        est.suggestion = suggest_training(stage, config, work, hw, train, **kw)
         refuse(est, stage)
     return est
 

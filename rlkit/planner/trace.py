@@ -65,6 +65,7 @@ class Spec:
     algo: str = "grpo"
     beta: float = 0.0
     reward_model: bool = False  # score-ref: a reward model (sequence classification) instead of the reference
+    exact: bool = False  # trace every layer (no extrapolation): what the extrapolation is checked against
 
     def key(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -422,8 +423,11 @@ def measure(spec: Spec) -> dict[str, Any]:
     if spec.world > 1:
         _setup_world(spec.world)
     t0 = time.monotonic()
-    at = {n: trace_one(spec, n) for n in TRACE_LAYERS}
-    out = extrapolate(at, int(spec.config["num_hidden_layers"]))
+    layers = int(spec.config["num_hidden_layers"])
+    if spec.exact:
+        out = trace_one(spec, layers)
+    else:
+        out = extrapolate({n: trace_one(spec, n) for n in TRACE_LAYERS}, layers)
     out["trace_s"] = round(time.monotonic() - t0, 2)
     return out
 
