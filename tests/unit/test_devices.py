@@ -1,11 +1,15 @@
 """Where the models run (`rlkit.devices`): `--device` resolution, and device placement checked on a CPU.
 
-The placement checks run the real code paths with the model on a second device simulated on the CPU
-(tests/devsim.py: tensors that say `meta` but hold real data; an op that mixes them with CPU tensors
-raises, as CUDA raises "Expected all tensors to be on the same device") and every input made on the
-CPU, as the stages make them: the training step of the GRPO family, GSPO, PPO with its critic and DPO,
-the log-prob path, score-ref's forward and a reward model's. Each must compute what it computes on
-the CPU, and the trainer may read values back to the host once per optimizer step.
+The placement checks run the real code paths with the model on a GPU simulated on the CPU (tests/devsim.py:
+tensors that report `cuda:0` but hold real CPU data, and `torch.cuda` answering for an H100; an op that mixes
+them with CPU tensors raises, as CUDA raises "Expected all tensors to be on the same device") and every input
+made on the CPU, as the stages make them: the training step of the GRPO family, GSPO, PPO with its critic and
+DPO, the log-prob path, score-ref's forward and a reward model's. In fp32 each must compute what it computes
+on the CPU, and the trainer may read values back to the host once per optimizer step.
+
+The GPU-only branches run there too, each checked by what it does: `--dtype auto` is bf16 on the GPU and the
+update really runs under bf16 autocast, the batch goes over once from pinned memory, the peak-memory figure is
+the simulated allocator's, and the GPU memory cache is released where the stage releases it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import math
 
 import pytest
 import torch
-from devsim import DeviceMismatch, SecondDevice, loading_outside
+from devsim import DeviceMismatch, SimulatedGPU, loading_outside
 
 from rlkit import devices
 from rlkit.algorithms.config import RLConfig
@@ -93,7 +97,7 @@ def test_bad_devices_are_one_line_each_and_write_nothing(sft_dir, tmp_path):
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == []
 
 
-# ---------------------------------------------------------------- placement, on a second device
+# ---------------------------------------------------------------- placement, on a simulated GPU
 
 
 @pytest.fixture(scope="module")
@@ -132,10 +136,11 @@ def _same_update(got, want, start) -> None:
     assert den > 0 and num / den < 0.01, (num, den)
 
 
-def _train(model, tok, cfg: RLConfig, batch, sft_dir, device=None):
+def _train(model, tok, cfg: RLConfig, batch, sft_dir, device=None, dtype: str = "fp32"):
+    from rlkit.training import TrainOptions
     from rlkit.training.trainer import Trainer
 
-    t = Trainer(model, cfg, tokenizer=tok, device=device)
+    t = Trainer(model, cfg, tokenizer=tok, device=device, train=TrainOptions(dtype=dtype))
     if cfg.algo == "ppo":
         with loading_outside(device):
             t.load(sft_dir)  # the critic, initialised from the policy, moved beside it onto the device
@@ -148,7 +153,7 @@ def test_an_update_on_another_device_is_the_cpu_update(algo, policy, sft_dir):
     batch = _rl_batch(tok)
     cfg = RLConfig(algo=algo, beta=0.05 if algo != "gspo" else 0.0, minibatch_size=2, epochs=2, lr=1e-3, seed=1)
     want_t, want = _train(copy.deepcopy(model), tok, cfg, batch, sft_dir)
-    with SecondDevice() as dev:
+    with SimulatedGPU() as dev:
         t, got = _train(copy.deepcopy(model), tok, cfg, batch, sft_dir, device=dev)
         assert next(t.model.parameters()).device == dev
         if algo == "ppo":
@@ -166,7 +171,7 @@ def test_the_trainer_reads_the_device_once_per_optimizer_step(policy, sft_dir):
     syncs = {}
     for epochs in (1, 3):  # 2 and 6 optimizer steps
         cfg = RLConfig(algo="grpo", beta=0.05, minibatch_size=2, epochs=epochs, lr=1e-3)
-        mode = SecondDevice()
+        mode = SimulatedGPU()
         with mode as dev:
             _, m = _train(copy.deepcopy(model), tok, cfg, batch, sft_dir, device=dev)
         syncs[m["optimizer_steps"]] = mode.syncs["rlkit"]
@@ -186,7 +191,7 @@ def test_dpo_on_another_device_is_the_cpu_update(policy, sft_dir):
                       torch.tensor([False, False, True]))
     cfg = RLConfig(algo="dpo", minibatch_size=1, epochs=1, lr=1e-3)
     want_t, want = _train(copy.deepcopy(model), tok, cfg, batch, sft_dir)
-    with SecondDevice() as dev:
+    with SimulatedGPU() as dev:
         t, got = _train(copy.deepcopy(model), tok, cfg, batch, sft_dir, device=dev)
     for k in ("loss", "grad_norm"):
         assert got[k] == pytest.approx(want[k], rel=2e-3, abs=1e-6), k
@@ -201,7 +206,7 @@ def test_the_check_catches_a_forgotten_move(policy):
 
     model, tok = policy
     ids, attn, targets, _, start = pack_sequences([[5, 6, 7]], [[8, 9]], tok.pad_token_id)
-    with SecondDevice() as dev:
+    with SimulatedGPU() as dev:
         m = copy.deepcopy(model).to(dev)
         with pytest.raises(DeviceMismatch):
             completion_logprobs(m, padded(ids, attn, start))
@@ -226,7 +231,7 @@ def test_scoring_on_another_device_is_the_cpu_scoring(policy, sft_dir):
     rm.eval()
     texts = (["12+7=", "3+4="], ["19", "seven"])
     want_rm = score_texts(rm, tok, *texts)
-    with SecondDevice() as dev:
+    with SimulatedGPU() as dev:
         got = score_tokens(copy.deepcopy(model).to(dev), prompts, comps, tok.pad_token_id, 0.7, 64)
         got_rm = score_texts(copy.deepcopy(rm).to(dev), tok, *texts)
     for a, b in zip(got, want, strict=True):
@@ -253,3 +258,51 @@ def test_out_of_memory_is_one_line_naming_the_flags_and_writes_nothing(tmp_path)
                          "auto; lower it with --micro-batch-size, --micro-batch-tokens, --batch-tokens, --gradient-checkpointing, "
                          "--lora-rank; nothing was written")
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- the GPU-only branches, on the simulated GPU
+
+
+def test_the_simulated_gpu_takes_the_cuda_branches_of_device_resolution():
+    with SimulatedGPU() as dev:
+        assert devices.resolve("auto") == dev == torch.device("cuda", 0) and devices.auto_dtype(dev) == "bf16"
+        assert devices.describe(dev, "bf16") == "cuda:0 (NVIDIA H100 80GB HBM3, bf16)"
+        entry = devices.manifest_entry(dev)
+        assert (entry["device"], entry["gpu"], entry["gpu_count"]) == ("cuda:0", "NVIDIA H100 80GB HBM3", 1)
+    with SimulatedGPU(name="Tesla T4", memory_gib=16, capability=(7, 5)) as dev:  # no bf16 kernels: fp32
+        assert devices.auto_dtype(dev) == "fp32" and torch.cuda.get_device_properties(0).total_memory == 16 * 2**30
+    assert not torch.cuda.is_available() or torch.version.cuda  # restored on exit (a CPU build answers False)
+
+
+def test_a_move_past_the_simulated_memory_is_cudas_out_of_memory_error(policy):
+    sim = SimulatedGPU(memory_gib=0.001)  # 1 MiB: the tiny policy's 3 MB of weights do not fit
+    with sim as dev, pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory") as e:
+        copy.deepcopy(policy[0]).to(dev)
+    assert devices.is_out_of_memory(e.value)
+    assert str(devices.out_of_memory("update", {"micro_batch_size": 4}, e.value)).startswith(
+        "update: out of GPU memory with --micro-batch-size 4; lower it with --micro-batch-size")
+    gpu = SimulatedGPU()
+    with gpu as dev:
+        devices.release_cached(dev)
+        devices.release_cached(torch.device("cpu"))
+    assert gpu.empty_cache_calls == 1  # the GPU's cache only
+
+
+def test_an_update_on_the_simulated_gpu_trains_in_bf16_from_pinned_batches(policy, sft_dir):
+    """`--dtype auto` on the GPU: bf16 autocast really runs (the figures are the CPU's bf16 autocast ones, not
+    fp32's); the batch goes to the device from pinned memory without blocking; the peak-memory figure is the
+    simulated allocator's."""
+    model, tok = policy
+    batch = _rl_batch(tok)
+    cfg = RLConfig(algo="grpo", beta=0.05, minibatch_size=2, epochs=2, lr=1e-3, seed=1)
+    _, fp32 = _train(copy.deepcopy(model), tok, cfg, batch, sft_dir)
+    _, bf16 = _train(copy.deepcopy(model), tok, cfg, batch, sft_dir, dtype="bf16")
+    sim = SimulatedGPU()
+    with sim as dev:
+        t, got = _train(copy.deepcopy(model), tok, cfg, batch, sft_dir, device=dev, dtype="auto")
+    assert t.train_options.dtype == "bf16" and t.prec.device_type == "cuda"
+    for k in ("loss", "grad_norm"):  # bf16 moves them ~1e-3 from fp32; the simulated GPU is 10x closer to bf16
+        assert abs(got[k] - bf16[k]) * 4 < abs(got[k] - fp32[k]), (k, got[k], bf16[k], fp32[k])
+    batch_moves = len(batch) - sum(x is None for x in batch)
+    assert sim.copies.count((True, True)) >= batch_moves, sim.copies  # pinned, non_blocking: each batch tensor
+    assert got["gpu_mem_peak_gib"] == round(sim.peak / 2**30, 3) > 0
