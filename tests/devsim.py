@@ -18,19 +18,20 @@ What the code under test sees, inside the `with` only (everything is restored on
 - `pin_memory()` and `is_pinned()` work on CPU tensors (a pinned copy is marked), and every host-to-device copy
   is recorded in `copies` (pinned?, non_blocking?); `syncs` counts the host reads by who asked (`syncs["rlkit"]`:
   rlkit's own `.item()`, `.cpu()`, `float()`, ...; `syncs["other"]`: a library's); `empty_cache` counts calls.
-- `torch.autocast("cuda", dtype)` runs as CPU autocast in that dtype (`torch.is_autocast_enabled("cuda")` and
-  `torch.get_autocast_dtype("cuda")` answer for it): bf16 autocast really computes the forward in bf16. The op
-  lists are the CPU's (matmuls, linear, attention in the low dtype, as on CUDA; a few fp32-list ops differ).
+- `torch.autocast("cuda", dtype)` casts as CUDA autocast does (`_CudaAutocast`: CUDA's policy, by function name,
+  applied above autograd as torch applies it): matmuls, linear layers and attention in bf16/fp16, the fp32 list
+  (softmax, norms, losses, exp/log/pow/rsqrt, sum, ...) in fp32. So bf16 autocast really computes in bf16.
 
 How, and why not something closer to CUDA. The tensors are wrapper subclasses (as DTensor is) dispatched by one
-TorchDispatchMode; they report `cuda:0` to Python and are CPU tensors to torch's C++ core. A wrapper that is
-CUDA in C++ too (`_make_wrapper_subclass(device="cuda")`) can be made on a CPU build, and CUDA autocast even
-casts its forward, but the first autograd node aborts the process ("PyTorch is not linked with support for cuda
-devices": no CUDA device guard), and with a guard registered the backward pass still asks for the current
-accelerator's stream, which a CPU build cannot give without registering a PrivateUse1 backend for the whole
-process. So C++ sees CPU tensors, and the places where torch's Python code reads the C++ device are answered
-here: `Tensor.to/.cpu/.cuda/.tolist/.numpy` on a simulated tensor and `torch._C._group_tensors_by_device_and_dtype`
-(which gradient clipping and the foreach/fused optimizers group by) use the reported device.
+TorchDispatchMode; they report `cuda:0` to Python and are `meta` tensors to torch's C++ core, so a tensor that
+C++ makes from a simulated one's options (an autograd formula's zeros) comes back through the mode onto the
+device. A wrapper that is CUDA in C++ too (`_make_wrapper_subclass(device="cuda")`) can be made on a CPU build,
+and CUDA autocast even casts its forward, but the first autograd node aborts the process ("PyTorch is not
+linked with support for cuda devices": no CUDA device guard), and with a guard registered (possible through
+c10's registry) the backward still asks for the current accelerator's stream, which a CPU build gives only
+after registering a PrivateUse1 backend for the whole process. And CUDA autocast casts only tensors that are
+CUDA in C++, hence `_CudaAutocast`. Where torch's Python code reads the C++ device (`Tensor.to/.cpu/.cuda/
+.tolist/.numpy/.data_ptr`), the simulated tensor answers as a CUDA tensor.
 
 `SecondDevice` is this class with its defaults (the name the device-placement tests have used).
 """
@@ -263,8 +264,8 @@ class SimulatedGPU(TorchDispatchMode):
             "device_count": lambda: 1,
             "current_device": lambda: 0,
             "set_device": lambda device: me._index(device) and None,
-            "get_device_name": lambda device=None: me._index(device) * 0 or me.name,
-            "get_device_capability": lambda device=None: me._index(device) * 0 or me.capability,
+            "get_device_name": lambda device=None: [me._index(device), me.name][1],
+            "get_device_capability": lambda device=None: [me._index(device), me.capability][1],
             "get_device_properties": properties,
             "is_bf16_supported": lambda including_emulation=True: me.capability >= (8, 0),
             "mem_get_info": lambda device=None: (me.total - me.allocated, me.total),
