@@ -228,12 +228,13 @@ def show(ests: list, cfg: PlanConfig) -> None:
         _out(json.dumps(body))
         return
     for e in ests:
+        unit, div = ("GiB", planner.GIB) if e.peak >= planner.GIB // 10 else ("MiB", 2**20)
         _out(f"{e.stage}: per GPU ({e.gpus} GPU{'s' if e.gpus > 1 else ''} of {e.gpu_memory / planner.GIB:.0f} GiB; "
                     f"{e.method})")
         for key, label in ROWS:
             if key in e.parts and (e.parts[key] or key in ("weights", "activations")):
-                _out(f"  {label:20} {e.parts[key] / planner.GIB:8.2f} GiB")
-        _out(f"  {'peak':20} {e.peak / planner.GIB:8.2f} GiB")
+                _out(f"  {label:20} {e.parts[key] / div:8.2f} {unit}")
+        _out(f"  {'peak':20} {e.peak / div:8.2f} {unit}")
         for n in e.notes:
             _out(f"  note: {n}")
         if e.suggestion:

@@ -26,6 +26,7 @@ from rlkit.options import (
     AnswerColumn,
     Device,
     Force,
+    NoPlan,
     NoVerify,
     OutTable,
     PolicyDir,
@@ -80,6 +81,7 @@ class RolloutConfig:
     device: str = option("auto", Device)  # vllm runs on its own GPU, checked against this
     out: Path | None = option(None, OutTable)
     trust_remote_code: bool = option(False, TrustRemoteCode)
+    plan: bool = option(True, NoPlan, invert=True)  # --no-plan: no memory check before vLLM starts on a GPU
     verify: bool = option(True, NoVerify, invert=True)  # --no-verify: no hash check of the policy (never for a reference)
     force: bool = option(False, Force)
     chunk_prompts: int = 64  # prompts per generation chunk (a shard is whole chunks); no flag
@@ -363,7 +365,7 @@ def _engine_options(cfg: RolloutConfig):
                                  tp=cfg.tp, gpu_memory_utilization=cfg.gpu_memory_utilization, dtype=cfg.dtype,
                                  max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager, lora=cfg.vllm_lora,
                                  device=cfg.device, colocate=tuple(cfg.colocate),
-                                 sleep=cfg.follow is not None and cfg.max_lag == 0)
+                                 sleep=cfg.follow is not None and cfg.max_lag == 0, plan=cfg.plan)
 
 
 def _start_engine(cfg: RolloutConfig, policy: Path) -> Engine:

@@ -30,6 +30,7 @@ from rlkit.options import (
     Device,
     Force,
     InTable,
+    NoPlan,
     NoVerify,
     OutTable,
     Packing,
@@ -59,6 +60,7 @@ class ScoreRefConfig:
     # "i/N" of an input file, cut between groups; see rlkit.io.shards
     shard: str | None = option(None, panel="Engine", help="I/N: score only this job's share of --in FILE, cut between groups; `rlkit cat` joins the N outputs.")
     trust_remote_code: bool = option(False, TrustRemoteCode)
+    plan: bool = option(True, NoPlan, invert=True)  # --no-plan: no memory plan when the models load on a GPU
     verify: bool = option(True, NoVerify, invert=True)  # --no-verify: no hash check of a reward model (never for a reference)
     force: bool = option(False, Force)
 
@@ -197,6 +199,11 @@ class Models:
         from rlkit.tasks.reward_model import load_reward_model
 
         cfg = self.cfg
+        if cfg.plan:  # on a GPU: the models and one forward batch must fit what the GPU has free (rlkit.planner)
+            from rlkit import planner
+
+            planner.preflight_scoring(cfg.ref, list(self.rms.values()), cfg.dtype, cfg.batch_tokens, cfg.packing,
+                                      self.dev)
         if cfg.ref is not None:
             self.model, _, _ = checkpoints.load_reference(cfg.ref, self.dev, cfg.trust_remote_code, cfg.dtype)
             self.limits = Limits.of(self.model, f"reference {cfg.ref}")

@@ -63,6 +63,7 @@ class EngineOptions:
     # model directories other processes run on the same GPU meanwhile (score-ref's --ref and --rm): vllm leaves
     # them room (rlkit.engines.memory)
     colocate: tuple[Path, ...] = ()
+    plan: bool = True  # vllm on a GPU: refuse (exit 71) a share that cannot hold the weights and one sequence's KV cache
     sleep: bool = False  # an engine with supports_sleep is built able to `sleep` (vllm: sleep mode, on CUDA only)
 
 

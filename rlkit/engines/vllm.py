@@ -173,6 +173,17 @@ class VLLMEngine:
         # sleep mode exists on CUDA only (vLLM refuses it on its CPU backend): asked for and on a GPU
         # `asleep`: False, or the set of WAKE_TAGS still asleep
         self.sleep_mode, self.asleep = bool(opts.sleep and on_gpu), False
+        if on_gpu and opts.plan:  # before vLLM's own start-up finds out (rlkit.planner)
+            from vllm.platforms import current_platform
+
+            from rlkit import planner
+
+            try:
+                planner.preflight_vllm(w, dtype, util, int(current_platform.get_device_total_memory(0)), opts.tp,
+                                       opts.max_model_len)
+            except BaseException:
+                self._drop_tmp()
+                raise
         try:
             self.llm = LLM(model=str(w), tokenizer=str(w), dtype=dtype, tensor_parallel_size=opts.tp,
                            gpu_memory_utilization=util, max_model_len=opts.max_model_len,

@@ -270,7 +270,8 @@ def dtype_bytes(name: str) -> int:
 
 
 def plan_vllm(config: dict, work: Work, hw: Hardware, *, dtype: str = "bf16", utilization: float = 0.9,
-              n: int = 1, prompts: int = 1, max_num_seqs: int = 256, max_batched_tokens: int | None = None) -> Estimate:
+              n: int = 1, prompts: int = 1, max_num_seqs: int = 256, max_batched_tokens: int | None = None,
+              profile: bool = True) -> Estimate:
     """rollout --engine vllm, by vLLM's own accounting (the KV cache cannot be traced): vLLM takes
     `utilization` of the GPU; the weights (in the sampling dtype) and its profiled activation peak come off
     that, and the KV cache is the rest. It cannot start unless the cache holds one whole sequence (prompt +
@@ -288,7 +289,7 @@ def plan_vllm(config: dict, work: Work, hw: Hardware, *, dtype: str = "bf16", ut
     tokens = max_batched_tokens or max(8192, seq)
     # the profiling run's peak: one batch of `tokens` through a layer (hidden states, MLP), plus the sampler's
     # fp32 logits for `max_num_seqs` rows (vLLM's profile_run)
-    activations = tokens * (4 * h + 2 * inter) * b // hw.gpus + max_num_seqs * v * 4
+    activations = tokens * (4 * h + 2 * inter) * b // hw.gpus + max_num_seqs * v * 4 if profile else 0
     per_token = 2 * config["num_hidden_layers"] * kv_heads * hd * b // hw.gpus
     kv = max(0, share - weights - activations)
     cache_tokens = kv // max(1, per_token)
@@ -345,22 +346,23 @@ def suggest_training(stage: str, config: dict, work: Work, hw: Hardware, train: 
 # -- the check each stage runs when it starts on a GPU
 
 
-def refuse(est: Estimate, stage: str) -> None:
-    """Raise the out-of-memory refusal (exit 71) when `est` does not fit."""
+def refuse(est: Estimate, stage: str, free: bool = False) -> None:
+    """Raise the out-of-memory refusal (exit 71) when `est` does not fit (`free`: its memory is what the GPU has
+    free, not its size), naming the plan's peak, the GPU's memory and what makes it fit (`est.suggestion`)."""
     if est.fits:
         return
     from rlkit.devices import OutOfMemory
 
     fix = ""
     if est.suggestion:
-        fix = "; " + " ".join(f"{k} {v}" if v is not True else k for k, v in est.suggestion["flags"].items()
-                              if k != "gpus")
+        flags = " ".join(k if v is True else f"{k} {v}" for k, v in est.suggestion["flags"].items())
         if est.suggestion.get("gpus", est.gpus) != est.gpus:
-            fix += f" on {est.suggestion['gpus']} GPUs"
-        fix = f"; it fits with{fix[1:]} (peak {est.suggestion['peak_gib']:.1f} GiB)"
+            flags += f" on {est.suggestion['gpus']} GPUs"
+        peak = est.suggestion.get("peak_gib")
+        fix = f"; it fits with {flags} (peak {peak:.1f} GiB)" if peak is not None else f"; lower it with {flags}"
     raise OutOfMemory(f"{stage}: this run needs about {est.peak / GIB:.1f} GiB per GPU (the memory plan's peak), more "
-                      f"than the GPU's {est.gpu_memory / GIB:.1f} GiB{fix}; `rlkit plan {stage} ...` shows the parts; "
-                      "--no-plan skips this check; nothing was written")
+                      f"than the GPU's {est.gpu_memory / GIB:.1f} GiB{' free' if free else ''}{fix}; `rlkit plan "
+                      f"{stage} ...` shows the parts; --no-plan skips this check; nothing was written")
 
 
 def preflight(stage: str, model: str | Path | dict, work: Work, train: Any, device, *, flag: str = "--policy",
@@ -377,6 +379,52 @@ def preflight(stage: str, model: str | Path | dict, work: Work, train: Any, devi
     if not est.fits:
         est.suggestion = suggest_training(stage, config, work, hw, train, **kw)
         refuse(est, stage)
+    return est
+
+
+def preflight_scoring(ref: Path | None, rms: list[Path], dtype: str, batch_tokens: int, packing: bool, device,
+                      free: int | None = None) -> Estimate | None:
+    """score-ref's check when its models load on a GPU: the reference's and reward models' weights plus one forward
+    batch of --batch-tokens, against the memory the GPU has free (rollout's vLLM may hold the rest)."""
+    if getattr(device, "type", None) != "cuda":
+        return None
+    if free is None:
+        import torch
+
+        free = torch.cuda.mem_get_info(device)[0]
+    half = max(1, batch_tokens // 2)
+    config = model_config(ref, "--ref") if ref is not None else None
+    rm_configs = [model_config(d, "--rm") for d in rms]
+    if config is None and not rm_configs:
+        return None
+    if config is None:
+        config, rm_configs = rm_configs[0], rm_configs[1:]  # plan the first reward model as the scorer in front
+    est = plan_score_ref(config, Work(half, batch_tokens - half, 1), Hardware(1, free / GIB), dtype, batch_tokens,
+                         packing, rm_configs)
+    if not est.fits:
+        est.suggestion = {"flags": {"--batch-tokens": max(16, batch_tokens // 4)}, "peak_gib": None, "gpus": 1}
+        refuse(est, "score-ref", free=True)
+    return est
+
+
+def preflight_vllm(weights: Path, dtype: str, utilization: float, total: int, tp: int = 1,
+                   max_model_len: int | None = None) -> Estimate:
+    """rollout's check before vLLM starts on a GPU: vLLM starts only if its share of the GPU holds the weights and
+    a KV cache for one sequence of its context length (max_model_len); refused (exit 71) when it cannot, before
+    vLLM's own start-up (minutes on a 7B) finds out. Activations are left out: the check refuses only what
+    vLLM would certainly refuse."""
+    config = model_config(weights, "--policy")
+    seq = max_model_len or int(config.get("max_position_embeddings") or 4096)
+    est = plan_vllm(config, Work(seq, 0, 1), Hardware(tp, total / GIB), dtype=dtype, utilization=utilization,
+                    profile=False)
+    if est.settings["kv_cache_tokens"] < seq:
+        from rlkit.devices import OutOfMemory
+
+        raise OutOfMemory(f"rollout: vLLM's share of the GPU (--gpu-memory-utilization {utilization:g} of "
+                          f"{total / GIB:.1f} GiB) holds the weights ({est.parts['weights'] / GIB:.1f} GiB in {dtype}) "
+                          f"but not the KV cache of one {seq:,}-token sequence; raise --gpu-memory-utilization, lower "
+                          "--max-model-len, or spread the model with --tp; --no-plan skips this check; nothing was "
+                          "written")
     return est
 
 

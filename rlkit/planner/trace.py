@@ -216,6 +216,14 @@ def _train_options(spec: Spec):
     return TrainOptions(**t, lora=LoraOptions(**lora) if lora else None)
 
 
+def real_step(spec: Spec, device: str) -> tuple[Any, Any]:
+    """The spec's model and step built for real on `device` (fp32 masters, the spec's options): what a plan of
+    the spec is checked against. -> (model, step: call `.run()` for one optimizer step)."""
+    cfg = _model_config(spec, int(spec.config["num_hidden_layers"]))
+    model, step, _ = _build(spec, cfg, _train_options(spec), None, int(spec.config["num_hidden_layers"]), device)
+    return model, step
+
+
 def _rows_traced(spec: Spec, opts) -> int:
     """Rows that give every rank two micro-batches (the step's peak), at most the step's rows."""
     length = spec.prompt + spec.completion
@@ -276,8 +284,9 @@ class _Step:
         self.run, self.opt = run, opt
 
 
-def _build(spec: Spec, cfg, opts, dp, layers: int):
-    """Under the fake mode: the stage's model and engine, and the step to trace -> (model, _Step, batch bytes)."""
+def _build(spec: Spec, cfg, opts, dp, layers: int, device: str = "cpu"):
+    """The stage's model and engine, and the step to trace -> (model, _Step, batch bytes per row). Under the fake
+    mode for a plan; for real on `device` where a plan is checked against the real step (tests/gpu)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -328,9 +337,12 @@ def _build(spec: Spec, cfg, opts, dp, layers: int):
                             torch.arange(n) // 2)
             host_bytes = sum(t.nbytes for t in batch if t is not None) // n  # per row
         t = Trainer(model, RLConfig(algo=spec.algo, beta=spec.beta, minibatch_size=rows), train=opts, base=base,
-                    device="cpu", dp=dp)
-        with _real():
-            plan = t.algo.prepare(t, batch, t.cfg, Context(1.0, float(c), False, None, batch))
+                    device=device, dp=dp)
+        with _real():  # as Trainer.train does: the batch on the device once, its host copy for sizes
+            from rlkit import devices
+
+            plan = t.algo.prepare(t, devices.to_device(batch, t.device), t.cfg,
+                                  Context(1.0, float(c), False, None, batch))
 
         def run() -> None:
             t.step(plan, plan.rows)
@@ -347,7 +359,7 @@ def _build(spec: Spec, cfg, opts, dp, layers: int):
         objective = BradleyTerry()
         with _real():
             plan = objective.plan([[1] * length for _ in range(rows)], [[2] * length for _ in range(rows)], range(rows))
-    eng = Engine(model, objective, Optim(lr=1e-5), train=opts, kind=base_kind, base=base, dp=dp, device="cpu",
+    eng = Engine(model, objective, Optim(lr=1e-5), train=opts, kind=base_kind, base=base, dp=dp, device=device,
                  name=spec.stage)
 
     def run() -> None:

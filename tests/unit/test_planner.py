@@ -4,8 +4,6 @@ checkpointing and micro-batches fitting, the pre-flight refusal (exit 71) from a
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,37 +18,17 @@ SMALL = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 512, "interm
          "num_attention_heads": 8, "num_key_value_heads": 8, "max_position_embeddings": 1024, "tie_word_embeddings": False}
 FP32_ONE_PASS = {"dtype": "fp32", "micro_batch_size": None, "micro_batch_tokens": None, "packing": True}
 
-# The same sft engine step for real, fp32 on the CPU, twice (the second holds AdamW's moments through its passes, as
-# the plan's steady peak does): its peak RSS growth from just before the model is built. The libraries' first-use
-# memory is spent by a tiny model's step before the baseline; MALLOC_MMAP_THRESHOLD_ (set by the test) returns a
-# freed tensor's pages at once, so RSS follows live tensors as a device allocator's count does.
-REAL_STEP = r"""
-import json, resource, sys
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM
-from rlkit.training import Optim, TrainOptions
-from rlkit.training.engine import Engine
-from rlkit.training.supervised import CrossEntropy
-spec = json.loads(sys.argv[1])
-d = dict(spec["config"]); kind = d.pop("model_type")
-torch.set_num_threads(1)
-def engine(cfg):
-    cfg._attn_implementation = "sdpa"
-    return Engine(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32), CrossEntropy(), Optim(lr=1e-5),
-                  train=TrainOptions(dtype="fp32"), device="cpu")
-w = engine(AutoConfig.for_model(kind, **{**d, "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
-                                         "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2}))
-wp = w.objective.plan([[5] * 8, [5] * 8], [2, 2])
-w.step(wp, wp.rows); w.step(wp, wp.rows)
-del w
-rows, length = spec["rows"], spec["prompt"] + spec["completion"]
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-eng = engine(AutoConfig.for_model(kind, **d))
-plan = eng.objective.plan([[5] * length for _ in range(rows)], [spec["prompt"]] * rows)
-for _ in range(2):
-    eng.step(plan, plan.rows)
-print(json.dumps({"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base}))
-"""
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _bench():
+    """benchmarks/planner_accuracy.py: the same step run for real, its peak RSS (see its docstring)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("planner_accuracy", REPO / "benchmarks" / "planner_accuracy.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def test_planned_peak_agrees_with_the_real_steps_peak_rss_and_extrapolation_with_a_full_trace():
@@ -60,10 +38,7 @@ def test_planned_peak_agrees_with_the_real_steps_peak_rss_and_extrapolation_with
     for key in ("passes_total", "step_total", "optimizer"):
         assert extrapolated[key] == pytest.approx(full[key], rel=0.01), key
     est = planner._estimate("sft", extrapolated, planner.Hardware(), {})
-    r = subprocess.run([sys.executable, "-c", REAL_STEP, json.dumps(spec)], capture_output=True, text=True,
-                       env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
-    assert r.returncode == 0, r.stderr[-2000:]
-    real = json.loads(r.stdout.strip().splitlines()[-1])["rss"]
+    real = _bench().measure_real(spec)  # the real engine step, fp32 on this CPU, twice
     assert real > 2**30, real  # the model's memory dominates: a comparison that means something
     assert est.peak == pytest.approx(real, rel=0.20), (est.peak / 2**20, real / 2**20)
     # ... and it can fail: the plan without AdamW's moments (16 -> 8 bytes a parameter) is far off
@@ -124,3 +99,30 @@ def test_shipped_shapes_count_their_parameters():
     for name, n in counts.items():
         assert planner.parameters(planner.model_config(name)) == pytest.approx(n, rel=0.01), name
     assert Path(planner.MODELS_DIR).is_dir()
+
+
+def test_vllm_preflight_refuses_a_share_without_room_for_one_sequence(tmp_path):
+    """rollout's check before vLLM starts: Qwen2.5-7B in bf16 (15.2 GiB) cannot start in half of a 24 GiB GPU; in 0.9
+    of an 80 GB GPU it holds the weights and the KV cache of tens of 32k-token sequences."""
+    from rlkit.devices import OutOfMemory
+
+    (tmp_path / "config.json").write_text((planner.MODELS_DIR / "qwen2.5-7b.json").read_text())
+    with pytest.raises(OutOfMemory, match=r"--gpu-memory-utilization 0.5 of 24.0 GiB\) holds the weights \(14.2 GiB"):
+        planner.preflight_vllm(tmp_path, "bf16", 0.5, 24 * 2**30)
+    ok = planner.preflight_vllm(tmp_path, "bf16", 0.9, 80 * 2**30)
+    # 28 layers x 4 KV heads x 128 x 2 (K and V) x 2 bytes = 57,344 bytes a token
+    assert ok.settings["kv_cache_tokens"] == (int(0.9 * 80 * 2**30) - ok.parts["weights"]) // 57344
+    assert planner.preflight_vllm(tmp_path, "bf16", 0.5, 24 * 2**30, max_model_len=None, tp=2).parts["weights"] < 8 * 2**30
+
+
+def test_score_ref_preflight_weighs_its_models_against_the_free_memory(tmp_path):
+    from rlkit.devices import OutOfMemory
+    from tests.devsim import SimulatedGPU
+
+    (tmp_path / "config.json").write_text((planner.MODELS_DIR / "qwen2.5-1.5b.json").read_text())
+    with SimulatedGPU(memory_gib=80) as dev:
+        with pytest.raises(OutOfMemory, match="GiB free; lower it with --batch-tokens 4096"):
+            planner.preflight_scoring(tmp_path, [], "auto", 16384, True, dev, free=3 * 2**30)
+        est = planner.preflight_scoring(tmp_path, [], "auto", 16384, True, dev, free=20 * 2**30)
+    # the reference in bf16 on a GPU (1.54B parameters, 2 bytes each) plus one 16k-token forward
+    assert 2.8e9 < est.parts["weights"] < 3.3e9 and est.fits
