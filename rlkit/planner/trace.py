@@ -228,8 +228,9 @@ def _rows_traced(spec: Spec, opts) -> int:
     """Rows that give every rank two micro-batches (the step's peak), at most the step's rows."""
     length = spec.prompt + spec.completion
     per_micro = opts.micro_batch_size
+    pairs = spec.stage == "train-rm" or (spec.stage == "update" and spec.algo == "dpo")  # both sides in one pass
     if per_micro is None and opts.micro_batch_tokens is not None:
-        per_micro = max(1, opts.micro_batch_tokens // (2 * length if spec.stage == "train-rm" else length))
+        per_micro = max(1, opts.micro_batch_tokens // (2 * length if pairs else length))
     if per_micro is None:
         return spec.rows
     return min(spec.rows, 2 * per_micro * spec.world)
@@ -331,10 +332,18 @@ def _build(spec: Spec, cfg, opts, dp, layers: int, device: str = "cpu"):
         n, c = rows, spec.completion
         with _real():
             ids = torch.randint(0, int(cfg.vocab_size), (n, length), generator=gen)
-            batch = RLBatch(ids, torch.ones_like(ids), ids[:, spec.prompt:].clone(), torch.ones(n, c, dtype=torch.bool),
-                            torch.full((n,), spec.prompt - 1), torch.full((n, c), -0.5),
-                            torch.full((n, c), -0.5) if spec.beta > 0 else None, (torch.arange(n) % 2).float(),
-                            torch.arange(n) // 2)
+            if spec.algo == "dpo":  # `rows` preference pairs: chosen and rejected, each `length` tokens
+                from rlkit.algorithms.inputs import PrefBatch
+
+                ids = torch.randint(0, int(cfg.vocab_size), (2 * n, length), generator=gen)
+                batch = PrefBatch(ids, torch.ones_like(ids), ids[:, spec.prompt:].clone(),
+                                  torch.ones(2 * n, c, dtype=torch.bool), torch.full((2 * n,), spec.prompt - 1),
+                                  torch.full((2 * n,), -5.0), torch.zeros(n, dtype=torch.bool))
+            else:  # `rows` rollouts, groups of two with rewards 0 and 1
+                batch = RLBatch(ids, torch.ones_like(ids), ids[:, spec.prompt:].clone(),
+                                torch.ones(n, c, dtype=torch.bool), torch.full((n,), spec.prompt - 1),
+                                torch.full((n, c), -0.5), torch.full((n, c), -0.5) if spec.beta > 0 else None,
+                                (torch.arange(n) % 2).float(), torch.arange(n) // 2)
             host_bytes = sum(t.nbytes for t in batch if t is not None) // n  # per row
         t = Trainer(model, RLConfig(algo=spec.algo, beta=spec.beta, minibatch_size=rows), train=opts, base=base,
                     device=device, dp=dp)
