@@ -163,7 +163,7 @@ def _run(cfg: SftConfig, tracker) -> Path:
     if manifests.skip_if_current(cfg.out, "sft", cfg, inputs):
         return cfg.out
 
-    if cfg.plan:  # on a GPU, before any weight is read: refused (exit 71) when it cannot fit (rlkit.planner)
+    if cfg.plan and dev.type == "cuda":  # before any weight is read: refused (exit 71) when it cannot fit (rlkit.planner)
         from rlkit import planner
 
         half = cfg.max_len // 2

@@ -114,7 +114,7 @@ def _run(cfg: TrainRmConfig, tracker) -> Path:
     inputs = {"base": fingerprints.fingerprint(cfg.base), "prefs": src.fingerprint}
     if manifests.skip_if_current(cfg.out, "train-rm", cfg, inputs):
         return cfg.out
-    if cfg.plan:  # on a GPU, before any weight is read: refused (exit 71) when it cannot fit (rlkit.planner)
+    if cfg.plan and dev.type == "cuda":  # before any weight is read: refused (exit 71) when it cannot fit (rlkit.planner)
         from rlkit import planner
 
         half = cfg.max_length // 2

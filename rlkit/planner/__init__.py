@@ -121,6 +121,13 @@ def model_config(path: str | Path, flag: str = "--policy", tiny: Any = None) -> 
                 "num_attention_heads": tiny.heads, "num_key_value_heads": tiny.heads,
                 "max_position_embeddings": tiny.max_positions, "tie_word_embeddings": True}
     p = Path(path)
+    if (p / "adapter_config.json").is_file() and not (p / "config.json").is_file():  # a LoRA checkpoint: its base
+        try:
+            base = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        except (OSError, ValueError):
+            base = None
+        if base:
+            return model_config(base, flag)
     shipped = MODELS_DIR / f"{str(path).lower()}.json"
     if not p.exists() and shipped.is_file():
         return json.loads(shipped.read_text())
