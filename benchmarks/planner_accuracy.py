@@ -6,7 +6,7 @@ Usage: python benchmarks/planner_accuracy.py [--models tiny 100m] [--stage sft|u
 
 Method. The planner traces the stage's step (`rlkit.planner.trace`) at 1 and 2 layers and extrapolates. The
 real step is a child process that first runs a tiny model's two steps (the libraries' first-use memory: kernels,
-autograd, allocator arenas), takes its peak RSS as the baseline, builds the model and runs the engine's step twice
+autograd, allocator arenas), takes its RSS as the baseline (the peak RSS reset there, /proc/self/clear_refs), builds the model and runs the engine's step twice
 (the second holds AdamW's moments through its passes, as the plan's steady peak does), and reports the peak RSS
 growth. MALLOC_MMAP_THRESHOLD_=65536 makes glibc return a freed tensor's pages at once, so RSS follows the live
 tensors as a GPU allocator's count does (without it, glibc's growing threshold keeps freed activations mapped and
@@ -39,8 +39,6 @@ SHAPES = {"tiny": (16, 8, 48), "100m": (4, 64, 192)}  # rows, prompt, completion
 
 def real_step(spec: dict) -> int:
     """Peak RSS growth (bytes) of the spec's engine step run twice for real, fp32, in this process."""
-    import resource
-
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -65,12 +63,26 @@ def real_step(spec: dict) -> int:
     warm.step(wp, wp.rows)
     del warm
     rows, length = spec["rows"], spec["prompt"] + spec["completion"]
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    base = _reset_peak_rss()
     eng = engine(AutoConfig.for_model(kind, **d))
     plan = eng.objective.plan([[5] * length for _ in range(rows)], [spec["prompt"]] * rows)
     for _ in range(2):
         eng.step(plan, plan.rows)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    return _status("VmHWM") - base
+
+
+def _status(key: str) -> int:
+    """A figure of /proc/self/status in bytes (VmRSS: resident now, VmHWM: its peak)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _reset_peak_rss() -> int:
+    """The peak RSS (VmHWM) reset to the RSS now (Linux: /proc/self/clear_refs, 5); -> the RSS now."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status("VmRSS")
 
 
 def measure_real(spec: dict) -> int:

@@ -415,12 +415,15 @@ def preflight_scoring(ref: Path | None, rms: list[Path], dtype: str, batch_token
 
 
 def preflight_vllm(weights: Path, dtype: str, utilization: float, total: int, tp: int = 1,
-                   max_model_len: int | None = None) -> Estimate:
+                   max_model_len: int | None = None) -> Estimate | None:
     """rollout's check before vLLM starts on a GPU: vLLM starts only if its share of the GPU holds the weights and
     a KV cache for one sequence of its context length (max_model_len); refused (exit 71) when it cannot, before
     vLLM's own start-up (minutes on a 7B) finds out. Activations are left out: the check refuses only what
     vLLM would certainly refuse."""
-    config = model_config(weights, "--policy")
+    try:
+        config = model_config(weights, "--policy")
+    except RlkitError:  # a config the planner cannot read (not a decoder-only transformer's): vLLM decides
+        return None
     seq = max_model_len or int(config.get("max_position_embeddings") or 4096)
     est = plan_vllm(config, Work(seq, 0, 1), Hardware(tp, total / GIB), dtype=dtype, utilization=utilization,
                     profile=False)

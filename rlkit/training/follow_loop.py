@@ -159,11 +159,13 @@ def free_grads(t) -> None:
         tr.opt.zero_grad(set_to_none=True)
 
 
-def _save_and_release(t, tmp: Path, manifest: dict) -> None:
+def _save_and_release(t, tmp: Path, manifest: dict) -> dict:
     """Write the step into `tmp` (published by `follow.publish` after this returns), then give the GPU memory torch
     keeps cached back to the driver (`devices.release_cached`) before the step appears: at --max-lag 0 the rollout
-    waiting for it wakes its vLLM engine at once, and takes that memory back."""
+    waiting for it wakes its vLLM engine at once, and takes that memory back. -> the manifest with the weights'
+    hashes, which `follow.publish` writes."""
     from rlkit import devices
 
-    t.save(tmp, manifest, t.gather(), write_manifest=False)
+    written = t.save(tmp, manifest, t.gather(), write_manifest=False)
     devices.release_cached(t.device)
+    return written
