@@ -99,8 +99,7 @@ def _lengths(inp: str | None) -> tuple[int, int, int] | None:
 
     from rlkit.io import streams
 
-    reader = streams.open_table(inp, None).result()
-    table = reader.read_all()
+    table, _ = streams.read_table(inp, ["rollouts", "scored"], require_rows=False)
     names = table.schema.names
     if "prompt_ids" not in names or "completion_ids" not in names:
         return None
