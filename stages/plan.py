@@ -77,8 +77,7 @@ def parse_stage(stage: str, args: tuple[str, ...]):
     one = typer.Typer()
     one.command()(mod.command)
     cmd = typer.main.get_command(one)  # the stage's own click command (typer's, as `rlkit STAGE` parses it)
-    cls = next(getattr(mod, n) for n in dir(mod) if n.endswith("Config") and getattr(getattr(mod, n), "__module__", "")
-               == mod.__name__ and n != "TinyConfig")
+    cls = mod.command.config  # the config the stage's command is made from (stage_options.command)
     args = list(args)
     if any(p.name == "out" and p.required for p in cmd.params) and "--out" not in args:
         args += ["--out", "-plan-no-output-"]  # the plan writes nothing: the stage's required --out is not asked for
