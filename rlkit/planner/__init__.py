@@ -13,7 +13,6 @@ Importable without torch (`rlkit --help` stays light): the traces run in a child
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -443,9 +442,3 @@ def gpu_memory_gib(device) -> float:
 
     return torch.cuda.get_device_properties(device).total_memory / GIB
 
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b) if b else 0
-
-
-__all__ = ["Estimate", "Hardware", "Work", "ceil_div", "math"]
