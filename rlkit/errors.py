@@ -15,6 +15,13 @@ class TruncatedStream(RlkitError):
     exit_code = 3
 
 
+class SandboxUnavailable(RlkitError):
+    """Untrusted code cannot be sandboxed here (bwrap missing, user namespaces disabled, bwrap failing):
+    the line says what is wrong and how to install it, or `--sandbox none` (unsafe)."""
+
+    exit_code = 69  # EX_UNAVAILABLE
+
+
 class DownstreamClosed(Exception):  # noqa: N818 (a signal, not a failure)
     """The stage reading our output has ended: in a `--follow` pipe the normal way for a run to end."""
 
