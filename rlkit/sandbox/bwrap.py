@@ -63,7 +63,12 @@ def _next_uid() -> int:
     and, by the pid, from other rlkit processes' (uids 1,000,000 and up: no account has them)."""
     with _uid_lock:
         n = next(_uids) % 1024
-    return 1_000_000 + (os.getpid() % 1_000_000) * 1024 + n
+    return uid_base() + n
+
+
+def uid_base() -> int:
+    """The first of this process's 1,024 sandbox uids (root only)."""
+    return 1_000_000 + (os.getpid() % 1_000_000) * 1024
 
 
 def rlimits(limits: Limits) -> dict[str, int]:
@@ -107,14 +112,22 @@ def command(sb: Sandbox, argv: Sequence[str], *, ro_binds: Sequence[Path] = (), 
     cmd += ["--ro-bind", "/usr", "/usr", "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
             "--symlink", "usr/bin", "/bin", "--symlink", "usr/sbin", "/sbin",
             "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
-    for root in _read_only_roots(venv)[1:]:
-        cmd += ["--ro-bind", root, root]
-    for p in ro_binds:
-        p = os.path.realpath(p)
-        cmd += ["--ro-bind", p, p]
     size = max(1, int(sb.limits.file_mb)) << 20
-    cmd += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(size), "--tmpfs", "/tmp",
-            "--chdir", "/tmp", "--", *argv]
+    cmd += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(size), "--tmpfs", "/tmp"]
+    covered, made = ["/usr", "/proc", "/dev", "/tmp"], set()
+    # the binds come after /tmp's tmpfs (a bind under /tmp would be hidden under it), each on parents made 0755
+    # (bwrap would give them the host's mode: /root's 0700 closes the base interpreter to the dropped uid)
+    for p in [*_read_only_roots(venv)[1:], *(os.path.realpath(p) for p in ro_binds)]:
+        if any(p == c or p.startswith(c + "/") for c in covered if c != "/tmp"):
+            continue  # already in view
+        for a in reversed(Path(p).parents):
+            a = str(a)
+            if a != "/" and a not in made and a not in covered:
+                made.add(a)
+                cmd += ["--perms", "0755", "--dir", a]
+        cmd += ["--ro-bind", p, p]
+        covered.append(p)
+    cmd += ["--chdir", "/tmp", "--", *argv]
     return cmd
 
 
