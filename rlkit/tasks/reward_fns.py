@@ -29,14 +29,20 @@ of that call.
 from __future__ import annotations
 
 import inspect
+import math
 import re
 import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from rlkit.errors import RlkitError
+
+if TYPE_CHECKING:
+    from rlkit.sandbox import Sandbox
+    from rlkit.tasks.sandboxed import Workers
 
 ROW_INPUTS = {"prompt": "prompt", "completion": "completion", "answer": "answer", "row": None}
 BATCH_INPUTS = {"prompts": "prompt", "completions": "completion", "answers": "answer", "rows": None}
@@ -58,6 +64,7 @@ class RewardFn:
     takes_kwargs: bool
     fingerprint: str
     timeout: float = DEFAULT_TIMEOUT_S  # seconds per call (0: no limit)
+    workers: Workers | None = field(default=None, compare=False, repr=False)  # sandboxed: where the calls run
 
     @property
     def needs_all_columns(self) -> bool:
@@ -69,14 +76,15 @@ class RewardFn:
         n = len(cols["completion"])
         if n == 0:
             return []
+        if self.workers is not None:
+            return self._score_sandboxed(cols, row0, n)
         if self.batched:
             kwargs = self._inputs(cols, None)
             with _alarm_handler(self.timeout) as limit:
                 out = self._call(kwargs, _batch_label(cols, row0, n), limit)
             if isinstance(out, str | bytes) or not hasattr(out, "__len__") or len(out) != n:
                 got = f"{len(out)} values" if hasattr(out, "__len__") and not isinstance(out, str | bytes) else repr(out)[:60]
-                raise RlkitError(f"--reward-fn {self.name} ({self.label}) returned {got} for the batch of rows "
-                                 f"{row0}-{row0 + n - 1}; a batched reward function returns one number per row ({n})")
+                raise self._bad_length(got, row0, n)
             values = list(out)
         else:
             with _alarm_handler(self.timeout) as limit:  # the handler once for these rows, a timer per call
@@ -118,21 +126,77 @@ class RewardFn:
                 if limit:
                     signal.setitimer(signal.ITIMER_REAL, 0)
         except TimedOut as e:
-            raise RlkitError(f"--reward-fn {self.name} ({self.label}) did not return within {self.timeout:g} s on "
-                             f"{where}; raise --reward-timeout (0: no limit) or fix the function") from e
+            raise self._timed_out(where) from e
         except RlkitError:
             raise
         except Exception as e:
-            raise RlkitError(f"--reward-fn {self.name} ({self.label}) raised {one_line(e)} on {where}") from e
+            raise self._raised(one_line(e), where) from e
 
     def _check(self, value, cols: Mapping[str, Sequence], i: int, row0: int) -> float:
         from rlkit.tasks.user_code import as_number
 
         v = as_number(value)
         if v is None:
-            raise RlkitError(f"--reward-fn {self.name} ({self.label}) returned {value!r:.60} for {_row_label(cols, i, row0)}; "
-                             "expected a finite number")
+            raise self._not_a_number(f"{value!r:.60}", cols, i, row0)
         return v
+
+    # the error lines, the same in the stage and in a sandboxed worker
+    def _timed_out(self, where: str) -> RlkitError:
+        return RlkitError(f"--reward-fn {self.name} ({self.label}) did not return within {self.timeout:g} s on {where}; "
+                          "raise --reward-timeout (0: no limit) or fix the function")
+
+    def _raised(self, what: str, where: str) -> RlkitError:
+        return RlkitError(f"--reward-fn {self.name} ({self.label}) raised {what} on {where}")
+
+    def _bad_length(self, got: str, row0: int, n: int) -> RlkitError:
+        return RlkitError(f"--reward-fn {self.name} ({self.label}) returned {got} for the batch of rows "
+                          f"{row0}-{row0 + n - 1}; a batched reward function returns one number per row ({n})")
+
+    def _not_a_number(self, shown: str, cols: Mapping[str, Sequence], i: int, row0: int) -> RlkitError:
+        return RlkitError(f"--reward-fn {self.name} ({self.label}) returned {shown:.60} for {_row_label(cols, i, row0)}; "
+                          "expected a finite number")
+
+    def _score_sandboxed(self, cols: Mapping[str, Sequence], row0: int, n: int) -> list[float]:
+        """`score` through the sandboxed workers: the batch in one request, or one request per row spread over
+        the workers; the same values and the same error lines as in the stage."""
+        import json
+
+        calls = [(self._inputs(cols, None), n, _batch_label(cols, row0, n))] if self.batched else \
+            [(self._inputs(cols, i), None, _row_label(cols, i, row0)) for i in range(n)]
+
+        def unsendable(v):
+            raise TypeError(type(v).__name__)
+
+        payloads = []
+        for kwargs, size, where in calls:
+            try:
+                payloads.append(json.dumps({"kwargs": kwargs, "n": size}, default=unsendable).encode() + b"\n")
+            except (TypeError, ValueError) as e:
+                raise RlkitError(f"--reward-fn {self.name} ({self.label}): {where} holds a value of type {e} that the "
+                                 "sandboxed worker cannot receive (rows go to it as JSON)") from None
+        values: list = []
+        for reply, (_, size, where) in zip(self.workers.run(payloads), calls, strict=True):
+            reply = reply or {}
+            if "values" in reply and isinstance(reply["values"], list) and len(reply["values"]) == (size or 1):
+                values += reply["values"]
+            elif "timeout" in reply:
+                raise self._timed_out(where)
+            elif "error" in reply:
+                raise self._raised(reply["error"], where)
+            elif "badlen" in reply:
+                raise self._bad_length(reply["badlen"], row0, n)
+            else:
+                died = reply.get("died", "its sandboxed call sent a malformed reply")
+                raise RlkitError(f"--reward-fn {self.name} ({self.label}): {died} on {where}")
+        for i, v in enumerate(values):
+            if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
+                raise self._not_a_number(v["bad"] if isinstance(v, dict) and "bad" in v else repr(v), cols, i, row0)
+        return [float(v) for v in values]
+
+    def close(self) -> None:
+        """Stop the sandboxed workers (nothing without a sandbox)."""
+        if self.workers is not None:
+            self.workers.close()
 
 
 class TimedOut(BaseException):
@@ -173,9 +237,10 @@ def _batch_label(cols: Mapping[str, Sequence], row0: int, n: int) -> str:
     return f"the batch of rows {row0}-{row0 + n - 1}" + (f" (prompt_id {ids[0]!r} to {ids[-1]!r})" if ids else "")
 
 
-def load(spec: str, timeout: float = DEFAULT_TIMEOUT_S) -> RewardFn:
+def load(spec: str, timeout: float = DEFAULT_TIMEOUT_S, sandbox: Sandbox | None = None) -> RewardFn:
     """`NAME=REF` or `REF` (REF: path/to/file.py:FUNC or package.module:FUNC) -> a checked RewardFn whose
-    calls may each run `timeout` seconds (0: no limit)."""
+    calls may each run `timeout` seconds (0: no limit), in workers in `sandbox` when one is given (started
+    when it first scores; `load_all` starts one at once)."""
     from rlkit.tasks import user_code
 
     name, eq, ref_text = spec.partition("=")
@@ -192,7 +257,12 @@ def load(spec: str, timeout: float = DEFAULT_TIMEOUT_S) -> RewardFn:
     if not callable(fn):
         raise RlkitError(f"--reward-fn {name}: {label} is a {type(fn).__name__}, not a function")
     batched, takes, takes_kwargs = _convention(fn, f"--reward-fn {name} ({label})")
-    return RewardFn(name, label, fn, batched, takes, takes_kwargs, user_code.fingerprint(fn, label), timeout)
+    workers = None
+    if sandbox is not None:
+        from rlkit.tasks.sandboxed import Workers
+
+        workers = Workers(sandbox, ref, fn, name, label, timeout)
+    return RewardFn(name, label, fn, batched, takes, takes_kwargs, user_code.fingerprint(fn, label), timeout, workers)
 
 
 def _convention(fn: Callable, where: str) -> tuple[bool, tuple[str, ...], bool]:
@@ -218,23 +288,55 @@ def _convention(fn: Callable, where: str) -> tuple[bool, tuple[str, ...], bool]:
     return bool(batch), row or batch, takes_kwargs
 
 
-def load_all(specs: Iterable[str], taken: Iterable[str] = (), timeout: float = DEFAULT_TIMEOUT_S) -> list[RewardFn]:
+def load_all(specs: Iterable[str], taken: Iterable[str] = (), timeout: float = DEFAULT_TIMEOUT_S,
+             sandbox: Sandbox | None = None) -> list[RewardFn]:
     """Load every --reward-fn, each call limited to `timeout` seconds (--reward-timeout, 0: no limit); a
     name already used by another component (`taken`, e.g. 'verifier' or the input table's) or given twice
-    is an error."""
-    import math
-
+    is an error. With `sandbox` (--sandbox bwrap|none; None: in the stage, the default) the functions run
+    in sandboxed workers (`rlkit.tasks.sandboxed`): the sandbox is checked and one worker per function
+    started (the function imported inside) now, before any sampling; `close_all` stops them."""
+    specs = list(specs)
     if not (timeout >= 0 and math.isfinite(timeout)):
         raise RlkitError(f"--reward-timeout {timeout:g} must be a number of seconds >= 0 (0: no limit)")
     taken = set(taken)
     out: list[RewardFn] = []
-    for spec in specs:
-        f = load(spec, timeout)
-        if f.name in taken or any(g.name == f.name for g in out):
-            raise RlkitError(f"--reward-fn {f.name} ({f.label}): there is already a reward component named "
-                             f"{f.name!r}; name it differently (--reward-fn OTHER={f.label})")
-        out.append(f)
+    try:
+        for spec in specs:
+            f = load(spec, timeout, sandbox)
+            out.append(f)
+            if f.name in taken or any(g.name == f.name for g in out[:-1]):
+                raise RlkitError(f"--reward-fn {f.name} ({f.label}): there is already a reward component named "
+                                 f"{f.name!r}; name it differently (--reward-fn OTHER={f.label})")
+        if sandbox is not None and out:
+            if sandbox.kind == "none":
+                from rlkit import console
+
+                console.warn(f"--sandbox none: --reward-fn {', '.join(f.name for f in out)} run in worker processes "
+                             "with resource limits but no isolation (unsafe for code that executes model output)")
+            else:
+                sandbox.check()
+            for f in out:
+                f.workers.start()
+    except BaseException:
+        close_all(out)
+        raise
     return out
+
+
+def close_all(fns: Iterable[RewardFn]) -> None:
+    """Stop the sandboxed workers of `fns` (kill them and everything they started); for the stage's end,
+    also after an error. Nothing to do for functions that run in the stage."""
+    for f in fns:
+        f.close()
+
+
+@contextmanager
+def closing(fns: Sequence[RewardFn]) -> Iterator[Sequence[RewardFn]]:
+    """`with closing(load_all(...)) as fns:` the workers are stopped when the block ends, however."""
+    try:
+        yield fns
+    finally:
+        close_all(fns)
 
 
 def fingerprints(fns: Sequence[RewardFn]) -> dict[str, str]:

@@ -1,0 +1,196 @@
+"""The process a sandboxed `--reward-fn` runs in (`rlkit.tasks.sandboxed`): standard library only, so the
+sandbox needs no view of rlkit itself. The host runs this file's text with `python -I -c TEXT CONFIG`
+inside the sandbox; CONFIG (JSON) says where the function is.
+
+Start-up: the worker imports the function as rlkit does on the host (a file under the private module
+name `_rlkit_user_<digest>_<stem>` with its folder appended to `sys.path`, or a module by name), then
+writes one line: `{"ready": true}` or `{"error": "Type: message"}`.
+
+Then one JSON line per call on stdin, `{"kwargs": {...}, "n": N}` (N: the rows of a batched call, null
+for one row), and one JSON line back on stdout per call:
+- `{"values": [v, ...]}`: each v a float, or `{"bad": repr}` for a value that is not a finite number;
+- `{"badlen": "3 values"}`: a batched function returned the wrong number of values (or not a sequence);
+- `{"error": "Type: message"}`: the function raised (SystemExit included);
+- `{"died": "its call was killed by SIGXCPU (CPU time limit)"}`: the call's process ended without a result.
+
+Each call runs in its own process, forked from the worker after the import: what one row's code does to
+the interpreter (patched modules, replaced builtins, threads, a spent CPU limit) cannot reach another
+row's call, and the CPU time limit (RLIMIT_CPU, CONFIG's `cpu_s`) counts per call. The call's process
+has no handle on the protocol pipes (closed, stdin from /dev/null, its prints go to stderr), and the
+worker makes itself non-dumpable so that the call (same uid) cannot reach them through /proc either.
+After each call the worker kills what is left of the call's process group.
+"""
+
+import hashlib
+import importlib
+import importlib.util
+import json
+import math
+import numbers
+import os
+import re
+import resource
+import signal
+import site
+import sys
+
+RESULT_CAP = 64 << 20  # bytes a call's result may take
+_libc = None  # ctypes' libc, for prctl (set by main)
+
+
+def one_line(e: BaseException) -> str:
+    """`Type: first line of the message` (rlkit.tasks.user_code.one_line)."""
+    if isinstance(e, SyntaxError) and e.lineno:
+        return f"{type(e).__name__}: {e.msg} (line {e.lineno})"
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0]}" if msg else type(e).__name__
+
+
+def as_number(value: object):
+    """rlkit.tasks.user_code.as_number: a finite real number as a float, else None."""
+    if not isinstance(value, numbers.Real):
+        size = value.numel() if callable(getattr(value, "numel", None)) else getattr(value, "size", None)
+        if size != 1 or not callable(getattr(value, "item", None)):
+            return None
+        value = value.item()
+        if not isinstance(value, numbers.Real):
+            return None
+    v = float(value)
+    return v if math.isfinite(v) else None
+
+
+def _value(v: object):
+    x = as_number(v)
+    return {"bad": repr(v)[:60]} if x is None else x
+
+
+def load(cfg: dict):
+    for d in cfg.get("site_dirs", ()):
+        if d not in sys.path:
+            site.addsitedir(d)
+    if cfg["is_file"]:
+        path = cfg["source"]
+        with open(path, "rb") as f:
+            data = f.read()
+        stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
+        digest = hashlib.sha1(path.encode() + b"\0" + data).hexdigest()[:12]
+        key = f"_rlkit_user_{digest}_{stem}"  # the module name rlkit.tasks.user_code gives it on the host
+        spec = importlib.util.spec_from_file_location(key, path)
+        mod = importlib.util.module_from_spec(spec)
+        folder = os.path.dirname(path)
+        if folder not in sys.path:
+            sys.path.append(folder)
+        sys.modules[key] = mod
+        spec.loader.exec_module(mod)
+    else:
+        for d in cfg.get("paths", ()):
+            if d not in sys.path:
+                sys.path.append(d)
+        mod = importlib.import_module(cfg["source"])
+    return getattr(mod, cfg["name"])
+
+
+def result(fn, req: dict) -> dict:
+    out = fn(**req["kwargs"])
+    n = req.get("n")
+    if n is None:
+        return {"values": [_value(out)]}
+    if isinstance(out, str | bytes) or not hasattr(out, "__len__") or len(out) != n:
+        got = f"{len(out)} values" if hasattr(out, "__len__") and not isinstance(out, str | bytes) else repr(out)[:60]
+        return {"badlen": got}
+    return {"values": [_value(v) for v in out]}
+
+
+def _died(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        why = {signal.SIGXCPU: " (CPU time limit)", signal.SIGXFSZ: " (file size limit)"}.get(sig, "")
+        return f"its call was killed by {signal.Signals(sig).name}{why}"
+    return f"its call exited with status {os.WEXITSTATUS(status)} without a result"
+
+
+def call(fn, req: dict, proto: tuple[int, int], cpu_s: int | None) -> dict:
+    """`fn` on one request in a forked process: its reply (see the module docstring)."""
+    r, w = os.pipe()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:  # the call's process: never returns
+        try:
+            os.close(r)
+            os.setpgid(0, 0)  # what the call starts is killed with its group after the call
+            if _libc is not None:
+                _libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: dies with the worker (host kills)
+            if os.getppid() != parent:  # the worker died before the line above
+                os._exit(1)
+            for fd in proto:
+                os.close(fd)
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.close(null)
+            if cpu_s:
+                _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+                cap = cpu_s if hard == resource.RLIM_INFINITY else min(cpu_s, hard)
+                resource.setrlimit(resource.RLIMIT_CPU, (cap, cap))
+            msg = result(fn, req)
+        except BaseException as e:  # noqa: BLE001 (SystemExit and KeyboardInterrupt too: all are the function's)
+            msg = {"error": one_line(e)}
+        try:
+            data = json.dumps(msg).encode()
+            view = memoryview(data)
+            while view:
+                view = view[os.write(w, view):]
+        finally:
+            os._exit(0)
+    os.close(w)
+    chunks, size = [], 0
+    while True:
+        b = os.read(r, 1 << 16)
+        if not b or size > RESULT_CAP:
+            break
+        chunks.append(b)
+        size += len(b)
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    try:
+        os.killpg(pid, signal.SIGKILL)  # whatever the call left running in its group
+    except OSError:
+        pass
+    if status == 0 and size <= RESULT_CAP:
+        try:
+            msg = json.loads(b"".join(chunks))
+            if isinstance(msg, dict):
+                return msg
+        except ValueError:
+            pass
+    return {"died": _died(status)}
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    proto_in, proto_out = os.dup(0), os.dup(1)
+    os.dup2(2, 1)  # the function's prints go to stderr; stdout is the protocol's
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    global _libc
+    try:
+        import ctypes
+
+        _libc = ctypes.CDLL(None)
+        _libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: /proc/<worker>/fd closed to the calls
+    except Exception:  # noqa: BLE001 (hardening where the platform allows it)
+        _libc = None
+    out = os.fdopen(proto_out, "w", buffering=1)
+    try:
+        fn = load(cfg)
+    except BaseException as e:  # noqa: BLE001
+        out.write(json.dumps({"error": one_line(e)}) + "\n")
+        return
+    out.write('{"ready": true}\n')
+    with os.fdopen(proto_in, "rb") as requests:
+        for line in requests:
+            out.write(json.dumps(call(fn, json.loads(line), (proto_in, proto_out), cfg.get("cpu_s"))) + "\n")
+
+
+if __name__ == "__main__":
+    main()
