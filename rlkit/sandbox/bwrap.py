@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -153,6 +154,7 @@ def popen(sb: Sandbox, inner: Sequence[str], *, ro_binds: Sequence[Path] = (), e
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, cwd=cwd,
                          env=full_env, close_fds=True)
     p._rlkit_tmp = cwd  # type: ignore[attr-defined]  (kind none: removed by kill)
+    p._rlkit_kind = sb.kind  # type: ignore[attr-defined]
     return p
 
 
@@ -167,6 +169,24 @@ def spawn(sb: Sandbox, argv: Sequence[str], *, ro_binds: Sequence[Path] = (), en
     return popen(sb, launcher_argv(sb, "exec", argv), ro_binds=ro_binds, env=env, venv=venv)
 
 
+def _stat(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
+def _start_time(pid: int) -> str | None:
+    st = _stat(pid)
+    return st[19] if st else None
+
+
+def _state(pid: int) -> str | None:
+    st = _stat(pid)
+    return st[0] if st else None
+
+
 def _children(pid: int) -> list[int]:
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
@@ -178,21 +198,29 @@ def _children(pid: int) -> list[int]:
 def kill(p: subprocess.Popen) -> None:
     """SIGKILL the sandbox: its PID namespace (through the namespace's init, which bwrap then reaps), then its
     process group; wait for it. No zombie, no survivor (kind none: a process that left the group survives)."""
-    if p.returncode is None:
-        for child in _children(p.pid):  # bwrap's child is the namespace's init: killing it ends the namespace
+    inits = []
+    if p.returncode is None and getattr(p, "_rlkit_kind", "bwrap") == "bwrap":
+        inits = [(pid, _start_time(pid)) for pid in _children(p.pid)]  # the namespace's init
+        for pid, _ in inits:
             try:
-                os.kill(child, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-        try:
-            p.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            pass
+        if inits:
+            try:
+                p.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                pass
     try:
-        os.killpg(p.pid, signal.SIGKILL)
+        os.killpg(p.pid, signal.SIGKILL)  # bwrap, and an init it was starting (same group)
     except OSError:
         pass
     p.wait()
+    for pid, start in inits:  # an init no longer running has emptied its namespace (the kernel did first)
+        deadline = time.monotonic() + 5
+        while start is not None and _start_time(pid) == start and _state(pid) not in ("Z", "X", None) \
+                and time.monotonic() < deadline:
+            time.sleep(0.001)
     for f in (p.stdin, p.stdout, p.stderr):
         if f is not None:
             try:
