@@ -316,6 +316,8 @@ def load_all(specs: Iterable[str], taken: Iterable[str] = (), timeout: float = D
             else:
                 sandbox.check()
             for f in out:
+                f.workers.begin()  # all import at once
+            for f in out:
                 f.workers.start()
     except BaseException:
         close_all(out)

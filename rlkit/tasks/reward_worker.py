@@ -30,12 +30,14 @@ import numbers
 import os
 import re
 import resource
+import select
 import signal
 import site
 import sys
 
 RESULT_CAP = 64 << 20  # bytes a call's result may take
 _libc = None  # ctypes' libc, for prctl (set by main)
+_sweep = False  # after each call, kill every other process of the sandbox (set by main: a PID namespace of its own)
 
 
 def one_line(e: BaseException) -> str:
@@ -129,40 +131,67 @@ def call(fn, req: dict, proto: tuple[int, int], cpu_s: int | None) -> dict:
             os.close(null)
             if cpu_s:
                 _, hard = resource.getrlimit(resource.RLIMIT_CPU)
-                cap = cpu_s if hard == resource.RLIM_INFINITY else min(cpu_s, hard)
-                resource.setrlimit(resource.RLIMIT_CPU, (cap, cap))
+                cap = cpu_s if hard == resource.RLIM_INFINITY else min(cpu_s, hard - 1)
+                resource.setrlimit(resource.RLIMIT_CPU, (cap, cap + 1))  # SIGXCPU at cap, SIGKILL a second later
             msg = result(fn, req)
         except BaseException as e:  # noqa: BLE001 (SystemExit and KeyboardInterrupt too: all are the function's)
             msg = {"error": one_line(e)}
         try:
-            data = json.dumps(msg).encode()
+            for f in (sys.stdout, sys.stderr):  # its prints, before os._exit
+                try:
+                    f.flush()
+                except Exception:  # noqa: BLE001
+                    pass
+            data = json.dumps(msg).encode() + b"\n"
             view = memoryview(data)
             while view:
                 view = view[os.write(w, view):]
         finally:
             os._exit(0)
     os.close(w)
-    chunks, size = [], 0
-    while True:
-        b = os.read(r, 1 << 16)
-        if not b or size > RESULT_CAP:
-            break
-        chunks.append(b)
-        size += len(b)
+    buf, status = _result_line(r, pid)
     os.close(r)
-    _, status = os.waitpid(pid, 0)
+    if status is None:
+        _, status = os.waitpid(pid, 0)
     try:
         os.killpg(pid, signal.SIGKILL)  # whatever the call left running in its group
     except OSError:
         pass
-    if status == 0 and size <= RESULT_CAP:
+    if _sweep:
         try:
-            msg = json.loads(b"".join(chunks))
+            os.kill(-1, signal.SIGKILL)  # in the sandbox's own PID namespace: all but this worker and init
+        except OSError:
+            pass
+    if status == 0 and b"\n" in buf:
+        try:
+            msg = json.loads(buf[:buf.index(b"\n")])
             if isinstance(msg, dict):
                 return msg
         except ValueError:
             pass
     return {"died": _died(status)}
+
+
+def _result_line(r: int, pid: int) -> tuple[bytearray, int | None]:
+    """(what the call wrote on its result pipe, up to its first newline; its wait status once it exited, or
+    None). Stops at the line, or when the call's process ended (a process it left may hold the pipe open)."""
+    buf, status = bytearray(), None
+    os.set_blocking(r, False)
+    while b"\n" not in buf and len(buf) <= RESULT_CAP:
+        if not select.select([r], [], [], 0.05)[0]:
+            done, st = os.waitpid(pid, os.WNOHANG)
+            if not done:
+                continue
+            status = st  # exited: all it wrote is in the pipe
+        try:
+            b = os.read(r, 1 << 16)
+        except BlockingIOError:
+            b = None
+        if b:
+            buf += b
+        elif status is not None or b == b"":
+            break
+    return buf, status
 
 
 def main() -> None:
@@ -172,7 +201,11 @@ def main() -> None:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    global _libc
+    global _libc, _sweep
+    try:  # CONFIG asks for it (bwrap), and this is not the host's PID namespace (kill(-1) there would be a disaster)
+        _sweep = bool(cfg.get("sweep")) and os.readlink("/proc/self/ns/pid") != cfg.get("host_pidns")
+    except OSError:
+        _sweep = False
     try:
         import ctypes
 

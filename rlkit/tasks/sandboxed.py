@@ -73,8 +73,8 @@ def where_from(ref, fn) -> tuple[dict, list[Path]]:
 class _Worker:
     """One worker process and its pipes (non-blocking), with what is half read or half written."""
 
-    def __init__(self, proc, deadline: float | None):
-        self.proc = proc
+    def __init__(self, proc, deadline: float | None, sandbox):
+        self.proc, self.sandbox = proc, sandbox
         self.deadline = deadline  # starting: the start-up limit; busy: the call's
         self.ready = False
         self.row: int | None = None  # the request in flight
@@ -146,13 +146,14 @@ class _Worker:
 
     def status(self) -> str:
         """How it ended (after kill)."""
+        import signal
+
         rc = self.proc.returncode
         if rc is None:
             return "stopped answering"
-        if rc < 0:
-            import signal
-
-            return f"was killed by {signal.Signals(-rc).name}"
+        sig = -rc if rc < 0 else rc - 128 if self.sandbox.kind == "bwrap" and rc > 128 else 0  # bwrap: 128 + signal
+        if sig in signal.Signals._value2member_map_:
+            return f"was killed by {signal.Signals(sig).name}"
         return f"exited with status {rc}"
 
 
@@ -163,6 +164,8 @@ class Workers:
         self.config, self.binds = where_from(ref, fn)
         per_call = sandbox.limits.cpu_s if not timeout else max(sandbox.limits.cpu_s, math.ceil(timeout) + 1)
         self.config["cpu_s"] = per_call
+        if sandbox.kind == "bwrap":  # a PID namespace of its own: the worker kills what a call left behind
+            self.config["sweep"], self.config["host_pidns"] = True, os.readlink("/proc/self/ns/pid")
         self.sandbox = replace(sandbox, limits=replace(sandbox.limits, cpu_s=WORKER_CPU_S))
         self.size = max(1, sandbox.workers or os.cpu_count() or 1)
         self.name, self.label, self.timeout = name, label, timeout
@@ -178,7 +181,12 @@ class Workers:
 
         argv = [os.path.realpath(sys.executable), "-I", "-c", worker_source(), json.dumps(self.config)]
         proc = spawn(self.sandbox, argv, ro_binds=self.binds, venv=True)
-        self.live.append(_Worker(proc, time.monotonic() + max(START_S, self.timeout)))
+        self.live.append(_Worker(proc, time.monotonic() + max(START_S, self.timeout), self.sandbox))
+
+    def begin(self, k: int = 1) -> None:
+        """Start workers up to min(k, size), without waiting for them (`start` or `run` waits)."""
+        for _ in range(min(self.size, k) - len(self.live)):
+            self._spawn()
 
     def start(self, k: int = 1) -> None:
         """At least min(k, size) workers, each ready (the function imported in the sandbox)."""
@@ -200,8 +208,7 @@ class Workers:
         {"timeout": True}, or {"died": "how"}. A reply that is not {"values": ...} is a failure: no later
         payload is sent (those stay None), the earlier ones all get their replies."""
         n = len(payloads)
-        for _ in range(min(self.size, want if want is not None else n) - len(self.live)):
-            self._spawn()
+        self.begin(want if want is not None else n)
         replies: list[dict | None] = [None] * n
         nxt, stop = 0, n
         while True:
