@@ -18,7 +18,11 @@ before any sampling; the function runs in the stage's main thread. A value that 
 call that does not return within `--reward-timeout` seconds (default 60, 0: no limit) stops the stage
 with one line naming the function and the row, and nothing is written at --out.
 
-The time limit is a real-time timer (`setitimer(ITIMER_REAL)`) whose SIGALRM raises in the stage's main
+With a sandbox (`load_all(..., sandbox=Sandbox(...))`: `--sandbox bwrap|none`) the function runs in worker
+processes inside it instead (`rlkit.tasks.sandboxed`: a verifier may then execute the model's output), with
+the same values and the same error lines; `close_all` ends the workers.
+
+In the stage (the default), the time limit is a real-time timer (`setitimer(ITIMER_REAL)`) whose SIGALRM raises in the stage's main
 thread, so it stops a function looping in Python as well as one asleep or waiting; a call into C code
 that never comes back to Python cannot be stopped. rlkit arms the timer around each call only, and sets
 its SIGALRM handler only while it scores a batch of rows (the previous one is restored after); code that
@@ -261,7 +265,7 @@ def load(spec: str, timeout: float = DEFAULT_TIMEOUT_S, sandbox: Sandbox | None 
     if sandbox is not None:
         from rlkit.tasks.sandboxed import Workers
 
-        workers = Workers(sandbox, ref, fn, name, label, timeout)
+        workers = Workers(sandbox, ref, name, label, timeout)
     return RewardFn(name, label, fn, batched, takes, takes_kwargs, user_code.fingerprint(fn, label), timeout, workers)
 
 

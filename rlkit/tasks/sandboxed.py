@@ -47,9 +47,9 @@ def worker_source() -> str:
     return (Path(__file__).with_name("reward_worker.py")).read_text()
 
 
-def where_from(ref, fn) -> tuple[dict, list[Path]]:
-    """(the worker's CONFIG, the host paths the sandbox shows read-only) for the function `fn` that `ref`
-    (an `rlkit.tasks.user_code.Ref`) names."""
+def where_from(ref) -> tuple[dict, list[Path]]:
+    """(the worker's CONFIG, the host paths the sandbox shows read-only) for the function that `ref` (an
+    `rlkit.tasks.user_code.Ref`, already imported on the host) names."""
     import site
 
     prefixes = [Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()]
@@ -160,14 +160,14 @@ class _Worker:
 class Workers:
     """The sandboxed worker processes of one reward function (see the module docstring)."""
 
-    def __init__(self, sandbox, ref, fn, name: str, label: str, timeout: float):
-        self.config, self.binds = where_from(ref, fn)
+    def __init__(self, sandbox, ref, name: str, label: str, timeout: float):
+        self.config, self.binds = where_from(ref)
         per_call = sandbox.limits.cpu_s if not timeout else max(sandbox.limits.cpu_s, math.ceil(timeout) + 1)
         self.config["cpu_s"] = per_call
         if sandbox.kind == "bwrap":  # a PID namespace of its own: the worker kills what a call left behind
             self.config["sweep"], self.config["host_pidns"] = True, os.readlink("/proc/self/ns/pid")
         self.sandbox = replace(sandbox, limits=replace(sandbox.limits, cpu_s=WORKER_CPU_S))
-        self.size = max(1, sandbox.workers or os.cpu_count() or 1)
+        self.size = sandbox.n_workers
         self.name, self.label, self.timeout = name, label, timeout
         self.live: list[_Worker] = []
         self._budget = [STDERR_CAP]
@@ -218,6 +218,8 @@ class Workers:
                     deadline = now + self.timeout if self.timeout else None
                     w.send(payloads[nxt], deadline, nxt)
                     nxt += 1
+            for w in [w for w in self.live if w.row is not None and w.row > stop]:
+                self._drop(w)  # a row after the first failure: never looked at, and its reply must not come later
             busy = [w for w in self.live if not w.ready or w.row is not None]
             if not busy:
                 return replies

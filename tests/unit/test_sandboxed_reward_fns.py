@@ -86,6 +86,13 @@ def spin(completion):
     return 1.0
 
 
+def first_fails(completion):
+    if completion == "2":
+        raise ValueError("first")
+    while True:
+        pass
+
+
 def exits(completion):
     os._exit(3)
 
@@ -216,6 +223,15 @@ def test_errors_are_the_stages_own_lines(code, fn):
     assert str(boxed.value) == str(plain.value) and "\n" not in str(boxed.value)
     assert time.monotonic() - t0 < 10
     assert _descendants() == []
+
+
+def test_the_first_failure_does_not_wait_for_later_rows(code):
+    """Row 0 raises while rows 1 and 2 never return: the error comes at once (their workers are killed)."""
+    t0 = time.monotonic()
+    with reward_fns.closing(reward_fns.load_all([f"x={code}/fns/my_rewards.py:first_fails"], timeout=30,
+                                                sandbox=SB)) as fns, pytest.raises(RlkitError, match="raised ValueError: first on row 0"):
+        fns[0].score(_cols())
+    assert time.monotonic() - t0 < 10 and _descendants() == []
 
 
 @pytest.mark.parametrize(("fn", "says"), [
