@@ -17,13 +17,14 @@ a plain JSON value on a private pipe. Everything the program prints there goes t
 (its PID namespace) when this harness does not finish in time.
 """
 
-import json
+import _signal as signal  # not `signal`: it imports enum, and json imports re; each start pays ~30 ms for them
+import marshal
 import os
 import resource
 import select
-import signal
 import sys
 import time
+from _json import encode_basestring_ascii as _jstr
 
 MEMORY_EXIT = 86  # a child's exit status for MemoryError (the program could fake it: it only turns a 0 into a 0)
 
@@ -31,7 +32,7 @@ MEMORY_EXIT = 86  # a child's exit status for MemoryError (the program could fak
 def _setup(cfg):
     for name, value in cfg["limits"].items():
         resource.setrlimit(getattr(resource, name), (value, value))
-    uid = cfg.get("uid")
+    uid = cfg["uid"]
     if uid is not None:
         os.setgroups([])
         os.setgid(uid)
@@ -44,8 +45,42 @@ def _setup(cfg):
         pass
 
 
-def _emit(obj):
-    os.write(1, (json.dumps(obj) + "\n").encode())
+def _json(v, depth=0):
+    """v (plain data) as JSON text; TypeError for anything else: an object whose __eq__ is always True, or
+    a str subclass, never leaves the sandbox as a result (type(v), not isinstance: no subclass)."""
+    t = type(v)
+    if depth > 100:
+        raise TypeError("too deep")
+    if v is None:
+        return "null"
+    if t is bool:
+        return "true" if v else "false"
+    if t is int:
+        return int.__repr__(v)
+    if t is float:
+        return float.__repr__(v) if v == v and v not in (INF, -INF) else "NaN" if v != v else \
+            "Infinity" if v > 0 else "-Infinity"
+    if t is str:
+        return _jstr(v)
+    if t in (list, tuple):
+        return "[" + ", ".join([_json(x, depth + 1) for x in v]) + "]"
+    if t is dict:
+        items = []
+        for k, x in dict.items(v):
+            if type(k) is not str:
+                if type(k) not in (int, float, bool) and k is not None:
+                    raise TypeError("dict key")
+                k = _json(k)
+            items.append(_jstr(k) + ": " + _json(x, depth + 1))
+        return "{" + ", ".join(items) + "}"
+    raise TypeError(t.__name__)
+
+
+INF = float("inf")
+
+
+def _emit(text):
+    os.write(1, (text + "\n").encode())
 
 
 def _close_others(keep):
@@ -71,6 +106,7 @@ def _child_stdio(code, in_r, out_w):
         _close_others(())
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
         sys.argv = ["main.py"]
         sys.stdin = open(0, encoding="utf-8", errors="replace", closefd=False)
         sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
@@ -94,39 +130,16 @@ def _child_stdio(code, in_r, out_w):
         os._exit(status if isinstance(status, int) and 0 <= status < 256 else 1)
 
 
-def _plain(v, depth=0):
-    """v as plain JSON data (exact int/float/str/bool/None/list/tuple/dict with str keys), else raise TypeError:
-    an object whose __eq__ is always True, or a str subclass, never leaves the sandbox as a result."""
-    t = type(v)
-    if depth > 100:
-        raise TypeError("too deep")
-    if v is None or t in (bool, int, float, str):
-        return v
-    if t in (list, tuple):
-        return [_plain(x, depth + 1) for x in v]
-    if t is dict:
-        out = {}
-        for k, x in dict.items(v):
-            if type(k) is not str:
-                k = _plain(k, depth + 1)
-                if type(k) not in (int, float, bool) and k is not None:
-                    raise TypeError("dict key")
-                k = json.dumps(k)
-            out[k] = _plain(x, depth + 1)
-        return out
-    raise TypeError(t.__name__)
-
-
 def _child_fn(code, job, res_w):
     """In the forked child: run the program once, then each call/expr/assert case; one JSON line per case on
     res_w (the program's own stdout and stderr go to /dev/null). Never returns."""
     import builtins
 
-    dumps, write, plain = json.dumps, os.write, _plain  # taken before the program can replace them
+    write, plain, jstr = os.write, _json, _jstr  # taken before the program can replace them
     fresh = dict(vars(builtins))
 
-    def out(obj):
-        write(res_w, (dumps(obj) + "\n").encode())
+    def out(i, key, text):
+        write(res_w, f'{{"i": {i}, {jstr(key)}: {text}}}\n'.encode())
 
     try:
         os.setpgid(0, 0)
@@ -144,10 +157,10 @@ def _child_fn(code, job, res_w):
         try:
             exec(code, g)
         except MemoryError:
-            out({"i": 0, "error": "memory"})
+            out(0, "error", '"memory"')
             os._exit(0)
         except BaseException:  # sys.exit() included: the tests did not run
-            out({"i": 0, "error": "runtime_error"})
+            out(0, "error", '"runtime_error"')
             os._exit(0)
         fn_name = job.get("fn_name")
         for i, (kind, inp) in enumerate(job["cases"]):
@@ -169,19 +182,19 @@ def _child_fn(code, job, res_w):
                     except AssertionError:
                         value = False
                 try:
-                    res = {"i": i, ("ok" if kind == "assert" else "value"): plain(value)}
+                    res = ("ok", "true") if kind == "assert" else ("value", plain(value))
                 except TypeError:
-                    res = {"i": i, "error": "wrong_answer"}
+                    res = ("error", '"wrong_answer"')
                 if kind == "assert" and value is not True:
-                    res = {"i": i, "error": "wrong_answer"}
+                    res = ("error", '"wrong_answer"')
             except MemoryError:
-                res = {"i": i, "error": "memory"}
+                res = ("error", '"memory"')
             except BaseException:
-                res = {"i": i, "error": "runtime_error"}
+                res = ("error", '"runtime_error"')
             try:
-                out(res)
+                out(i, *res)
             except MemoryError:
-                out({"i": i, "error": "memory"})
+                out(i, "error", '"memory"')
     finally:
         os._exit(0)
 
@@ -285,7 +298,7 @@ def _run_stdio(code, job, deadline, wake_r):
             _child_stdio(code, in_r, out_w)
         os.close(in_r)
         os.close(out_w)
-        data = (inp if isinstance(inp, str) else json.dumps(inp)).encode("utf-8", "surrogatepass")
+        data = (inp if isinstance(inp, str) else "\n".join(map(str, inp))).encode("utf-8", "surrogatepass")
         child = _Child(pid, out_r, in_w, data)
         bad = _pump(child, deadline, cap, wake_r)
         for fd in (child.out_r, child.in_w):
@@ -298,11 +311,11 @@ def _run_stdio(code, job, deadline, wake_r):
         if bad is None:
             bad = _status_reason(child.status)
         if bad is not None:
-            _emit({"i": i, "error": bad})
+            _emit(f'{{"i": {i}, "error": "{bad}"}}')
             if bad == "timeout":
                 return
             continue
-        _emit({"i": i, "stdout": child.buf.decode("utf-8", "replace")})
+        _emit(f'{{"i": {i}, "stdout": {_jstr(child.buf.decode("utf-8", "replace"))}}}')
 
 
 def _run_fn(code, job, deadline, wake_r):
@@ -316,19 +329,11 @@ def _run_fn(code, job, deadline, wake_r):
     cap = job["output_bytes"]
     state = {"next": 0}
 
-    def on_line(child):
+    def on_line(child):  # forwards whole lines; the host parses them (JSON) and checks their order
         while b"\n" in child.buf:
             line, _, rest = bytes(child.buf).partition(b"\n")
             child.buf[:] = rest
-            try:
-                obj = json.loads(line)
-                ok = type(obj) is dict and obj.get("i") == state["next"]
-            except ValueError:
-                ok = False
-            if not ok:
-                _emit({"i": state["next"], "error": "runtime_error"})
-                return False
-            _emit(obj)
+            os.write(1, line + b"\n")
             state["next"] += 1
             if state["next"] >= n:
                 return False
@@ -341,24 +346,26 @@ def _run_fn(code, job, deadline, wake_r):
     os.close(res_r)
     child.kill()
     if state["next"] < n:
-        _emit({"i": state["next"], "error": bad or "runtime_error"})
+        _emit(f'{{"i": {state["next"]}, "error": "{bad or "runtime_error"}"}}')
 
 
 def main():
-    cfg = json.loads(sys.argv[1])
-    _setup(cfg)
-    if cfg["mode"] == "exec":
-        argv = cfg["argv"]
+    # argv: MODE UID|- NAME=VALUE,... [COMMAND...]
+    mode, uid, limits = sys.argv[1:4]
+    _setup({"uid": None if uid == "-" else int(uid),
+            "limits": {k: int(v) for k, v in (kv.split("=") for kv in limits.split(","))}})
+    if mode == "exec":
+        argv = sys.argv[4:]
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
         os.execvp(argv[0], argv)
-    _emit({"ready": 1})
-    job = json.loads(sys.stdin.buffer.read())
+    _emit('{"ready": 1}')
+    job = marshal.loads(sys.stdin.buffer.read())
     start = time.monotonic()
     deadline = start + max(0.05, job["wall_s"] - 0.1)
     try:
         code = compile(job["program"], "main.py", "exec", dont_inherit=True)
     except (SyntaxError, ValueError, OverflowError, RecursionError, MemoryError):
-        _emit({"syntax_error": 1})
+        _emit('{"syntax_error": 1}')
         return
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)

@@ -21,7 +21,6 @@ Ending a sandbox (`kill`) kills its PID namespace's init, which takes every proc
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import shutil
 import signal
@@ -134,10 +133,9 @@ def command(sb: Sandbox, argv: Sequence[str], *, ro_binds: Sequence[Path] = (), 
 
 def launcher_argv(sb: Sandbox, mode: str, argv: Sequence[str] = ()) -> list[str]:
     """The base interpreter running the harness's launcher: limits, then the uid dropped, then `mode`."""
-    cfg: dict = {"limits": rlimits(sb.limits), "mode": mode, "argv": list(argv)}
-    if sb.kind == "bwrap" and os.geteuid() == 0:
-        cfg["uid"] = _next_uid()
-    return [python(), "-I", "-X", "utf8", "-c", harness_source(), json.dumps(cfg)]
+    uid = str(_next_uid()) if sb.kind == "bwrap" and os.geteuid() == 0 else "-"
+    limits = ",".join(f"{k}={v}" for k, v in rlimits(sb.limits).items())
+    return [python(), "-I", "-S", "-X", "utf8", "-c", harness_source(), mode, uid, limits, *argv]
 
 
 def popen(sb: Sandbox, inner: Sequence[str], *, ro_binds: Sequence[Path] = (), env: Mapping[str, str] = {},
