@@ -31,10 +31,20 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from rlkit.sandbox import Limits, Sandbox
+
+class Limits(Protocol):  # rlkit.sandbox.Limits (not imported: rlkit.sandbox imports this module)
+    cpu_s: int
+    memory_mb: int
+    processes: int
+    file_mb: int
+    open_files: int
+
+
+class Sandbox(Protocol):  # rlkit.sandbox.Sandbox
+    kind: str
+    limits: Limits
 
 _HARNESS = Path(__file__).with_name("_harness.py")
 _uids = itertools.count()
