@@ -1,6 +1,7 @@
 """The process a sandboxed `--reward-fn` runs in (`rlkit.tasks.sandboxed`): standard library only, so the
-sandbox needs no view of rlkit itself. The host runs this file's text with `python -I -c TEXT CONFIG`
-inside the sandbox; CONFIG (JSON) says where the function is.
+sandbox needs no view of rlkit itself. The host runs this file's text with `python -I -c TEXT`
+inside the sandbox and sends CONFIG as the first line on stdin (JSON): where the function is, and for a
+file its source text (the one the host imported; as root, the sandbox's uid may not read a 0700 folder).
 
 Start-up: the worker imports the function as rlkit does on the host (a file under the private module
 name `_rlkit_user_<digest>_<stem>` with its folder appended to `sys.path`, or a module by name), then
@@ -21,8 +22,8 @@ worker makes itself non-dumpable so that the call (same uid) cannot reach them t
 After each call the worker kills what is left of the call's process group.
 """
 
+import base64
 import hashlib
-import importlib
 import importlib.util
 import json
 import math
@@ -71,19 +72,17 @@ def load(cfg: dict):
         if d not in sys.path:
             site.addsitedir(d)
     if cfg["is_file"]:
-        path = cfg["source"]
-        with open(path, "rb") as f:
-            data = f.read()
+        path, data = cfg["source"], base64.b64decode(cfg["data"])  # what the host read: the folder may be closed to us
         stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
         digest = hashlib.sha1(path.encode() + b"\0" + data).hexdigest()[:12]
         key = f"_rlkit_user_{digest}_{stem}"  # the module name rlkit.tasks.user_code gives it on the host
-        spec = importlib.util.spec_from_file_location(key, path)
-        mod = importlib.util.module_from_spec(spec)
+        mod = importlib.util.module_from_spec(importlib.util.spec_from_loader(key, loader=None, origin=path))
+        mod.__file__ = path
         folder = os.path.dirname(path)
         if folder not in sys.path:
             sys.path.append(folder)
         sys.modules[key] = mod
-        spec.loader.exec_module(mod)
+        exec(compile(data, path, "exec"), mod.__dict__)  # bytes: its coding declaration holds
     else:
         for d in cfg.get("paths", ()):
             if d not in sys.path:
@@ -195,8 +194,9 @@ def _result_line(r: int, pid: int) -> tuple[bytearray, int | None]:
 
 
 def main() -> None:
-    cfg = json.loads(sys.argv[1])
     proto_in, proto_out = os.dup(0), os.dup(1)
+    requests = os.fdopen(proto_in, "rb")
+    cfg = json.loads(requests.readline())
     os.dup2(2, 1)  # the function's prints go to stderr; stdout is the protocol's
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -220,9 +220,8 @@ def main() -> None:
         out.write(json.dumps({"error": one_line(e)}) + "\n")
         return
     out.write('{"ready": true}\n')
-    with os.fdopen(proto_in, "rb") as requests:
-        for line in requests:
-            out.write(json.dumps(call(fn, json.loads(line), (proto_in, proto_out), cfg.get("cpu_s"))) + "\n")
+    for line in requests:
+        out.write(json.dumps(call(fn, json.loads(line), (proto_in, proto_out), cfg.get("cpu_s"))) + "\n")
 
 
 if __name__ == "__main__":

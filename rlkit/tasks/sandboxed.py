@@ -25,6 +25,7 @@ clock per call is `--reward-timeout`.
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import os
@@ -61,7 +62,8 @@ def where_from(ref) -> tuple[dict, list[Path]]:
         else []
     if ref.is_file:
         path = Path(ref.source).resolve()
-        return {"is_file": True, "source": str(path), "name": ref.name, "site_dirs": site_dirs}, [path.parent]
+        data = base64.b64encode(path.read_bytes()).decode()
+        return {"is_file": True, "source": str(path), "data": data, "name": ref.name, "site_dirs": site_dirs}, [path.parent]
     top = sys.modules.get(ref.source.split(".")[0])
     places = list(getattr(top, "__path__", None) or []) or ([top.__file__] if getattr(top, "__file__", None) else [])
     binds = [Path(p).resolve() for p in places]
@@ -179,9 +181,12 @@ class Workers:
     def _spawn(self) -> None:
         from rlkit.sandbox import spawn
 
-        argv = [os.path.realpath(sys.executable), "-I", "-c", worker_source(), json.dumps(self.config)]
+        argv = [os.path.realpath(sys.executable), "-I", "-c", worker_source()]
         proc = spawn(self.sandbox, argv, ro_binds=self.binds, venv=True)
-        self.live.append(_Worker(proc, time.monotonic() + max(START_S, self.timeout), self.sandbox))
+        w = _Worker(proc, time.monotonic() + max(START_S, self.timeout), self.sandbox)
+        self.live.append(w)
+        w.outbuf = json.dumps(self.config).encode() + b"\n"  # its CONFIG, written as its pipe takes it
+        w.flush()
 
     def begin(self, k: int = 1) -> None:
         """Start workers up to min(k, size), without waiting for them (`start` or `run` waits)."""

@@ -107,7 +107,7 @@ def kills_its_worker(completion):
 
 @pytest.fixture
 def code(tmp_path):
-    (tmp_path / "fns").mkdir()
+    (tmp_path / "fns").mkdir(mode=0o700)  # as root, closed to the sandbox's uid: the source still gets there
     (tmp_path / "fns" / "my_rewards.py").write_text(REWARDS)
     return tmp_path
 
