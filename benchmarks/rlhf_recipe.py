@@ -46,7 +46,7 @@ def judge_vs_writer(runs: Path, num: int = 1000) -> tuple[float, float]:
     k, gold = len(OFFSETS), OFFSETS.index(0)
     top1 = sum(max(range(k), key=lambda j: s[i * k + j]) == gold for i in range(len(exs))) / len(exs)
     model, ptok = checkpoints.load_policy(runs / "sft")[:2]
-    writer = greedy_eval(model, ptok, [e.prompt for e in exs], [e.answer for e in exs], task.reward)["accuracy"]
+    writer = greedy_eval(model, ptok, [e.prompt for e in exs], [e.answer for e in exs], task)["accuracy"]
     return top1, writer
 
 

@@ -8,6 +8,7 @@
 #   ALGO [grpo]  LR [5e-5]  EPOCHS [2]  MINIBATCH [128]  BETA [0.01]  KL [k3+] (in the loss; see docs/algorithms.md)  TEMPERATURE [1.0]
 #   DROP_DEGENERATE [0] leave out groups whose rewards are all equal (no signal, ~20% less work)
 #   DUAL_CLIP [3] cap on the loss of negative-advantage tokens (-C*A; 0: off)
+#   SANDBOX [] where the code task's programs run: bwrap (its default) or none (unsafe)  SANDBOX_WORKERS [CPU count]
 #   REPORT_TO [] experiment trackers, e.g. wandb or tensorboard,mlflow (--report-to; the whole recipe is one run)  PROJECT [rlkit]
 # A rerun skips every stage whose output is up to date with its inputs and settings.
 set -euo pipefail
@@ -33,6 +34,9 @@ DROP_DEGENERATE=${DROP_DEGENERATE:-0}
 DUAL_CLIP=${DUAL_CLIP:-3}
 drop_flag=()
 [ "$DROP_DEGENERATE" = 1 ] && drop_flag=(--drop-degenerate)
+sandbox=()
+[ -n "${SANDBOX:-}" ] && sandbox+=(--sandbox "$SANDBOX")
+[ -n "${SANDBOX_WORKERS:-}" ] && sandbox+=(--sandbox-workers "$SANDBOX_WORKERS")
 # sft starts the tracker run; eval and update continue the run their --policy was trained in
 track=()
 [ -n "${REPORT_TO:-}" ] && track=(--report-to "$REPORT_TO" --project "${PROJECT:-rlkit}")
@@ -52,10 +56,10 @@ timed() {
 }
 
 timed sft rlkit sft --model "$MODEL" --task "$TASK" --num-examples "$SFT_EXAMPLES" --eval-num "$EVAL_NUM" --seed "$SEED" \
-  --out "$RUNS/sft" "${track[@]}"
+  --out "$RUNS/sft" "${sandbox[@]}" "${track[@]}"
 timed freeze-ref rlkit freeze-ref --policy "$RUNS/sft" --out "$RUNS/ref" --dtype bf16
 timed eval-sft rlkit eval --policy "$RUNS/sft" --task "$TASK" --num-prompts "$EVAL_NUM" --max-new-tokens "$MAX_NEW_TOKENS" --label sft --json \
-  --metrics "$RUNS/metrics.jsonl" "${track[@]}" > "$RUNS/eval-sft.json"
+  --metrics "$RUNS/metrics.jsonl" "${sandbox[@]}" "${track[@]}" > "$RUNS/eval-sft.json"
 
 knobs="task=$TASK prompts=$PROMPTS n=$N max_new=$MAX_NEW_TOKENS algo=$ALGO lr=$LR epochs=$EPOCHS mb=$MINIBATCH beta=$BETA kl=$KL temp=$TEMPERATURE drop=$DROP_DEGENERATE dual=$DUAL_CLIP seed=$SEED"
 policy="$RUNS/sft"
@@ -68,7 +72,7 @@ for i in $(seq 1 "$ROUNDS"); do
     rm -f "$out.knobs"
     t0=$(now)
     timed "round-$i:rollout" rlkit rollout --policy "$policy" --task "$TASK" --num-prompts "$PROMPTS" --n "$N" \
-        --max-new-tokens "$MAX_NEW_TOKENS" --temperature "$TEMPERATURE" --seed "$((SEED * 1000 + i))" \
+        --max-new-tokens "$MAX_NEW_TOKENS" --temperature "$TEMPERATURE" --seed "$((SEED * 1000 + i))" "${sandbox[@]}" \
       | timed "round-$i:score-ref" rlkit score-ref --ref "$RUNS/ref" \
       | timed "round-$i:update" rlkit update --policy "$policy" --out "$out" --algo "$ALGO" --lr "$LR" \
           --epochs "$EPOCHS" --minibatch-size "$MINIBATCH" --beta "$BETA" --kl-estimator "$KL" --dual-clip "$DUAL_CLIP" \
@@ -82,7 +86,7 @@ for i in $(seq 1 "$ROUNDS"); do
   if [ ! -s "$RUNS/eval-round-$i.json" ]; then
     t0=$(now)
     rlkit eval --policy "$out" --task "$TASK" --num-prompts "$EVAL_NUM" --max-new-tokens "$MAX_NEW_TOKENS" --label "round-$i" --json \
-      --metrics "$RUNS/metrics.jsonl" "${track[@]}" > "$RUNS/eval-round-$i.json.tmp"
+      --metrics "$RUNS/metrics.jsonl" "${sandbox[@]}" "${track[@]}" > "$RUNS/eval-round-$i.json.tmp"
     mv "$RUNS/eval-round-$i.json.tmp" "$RUNS/eval-round-$i.json"
     eval_secs=$(awk -v e="${eval_secs:-0}" -v a="$t0" -v b="$(now)" 'BEGIN{printf "%.2f", e+b-a}')
   fi

@@ -77,6 +77,15 @@ RewardTimeout = Annotated[
     float,
     typer.Option("--reward-timeout", min=0, rich_help_panel="Data", help="Seconds one call of a --reward-fn may run; a call that takes longer stops the stage with one error line naming the function and the row (0: no limit)."),
 ]
+# Where model-written programs run (the code task's verifier; --reward-fn with --sandbox): see rlkit.sandbox
+SandboxKind = Annotated[
+    str | None,
+    typer.Option("--sandbox", metavar="<bwrap|none>", rich_help_panel="Data", help="Where untrusted code runs: bwrap (each program in its own bubblewrap sandbox: no network, a read-only system, a private tmpfs, its own PID namespace, resource limits and a wall-clock timeout) or none (a plain subprocess with the same limits: UNSAFE, the program runs as you). Default: bwrap for the code task; --reward-fn functions run in the stage as they always did unless --sandbox is given, and then in sandboxed workers. Without bubblewrap the stage refuses to run model code (docs/install.md). See docs/sandbox.md."),
+]
+SandboxWorkers = Annotated[
+    int | None,
+    typer.Option("--sandbox-workers", min=1, rich_help_panel="Data", help="Sandboxed programs (or reward-function workers) run at the same time; default: the CPU count. Results keep row order."),
+]
 Seed = Annotated[int, typer.Option("--seed", rich_help_panel="Optimization", help="Random seed; same seed and inputs give the same result.")]
 Force = Annotated[bool, typer.Option("--force", rich_help_panel="Output & tracking", help="Rerun even when --out is up to date with these inputs and settings.")]
 TrustRemoteCode = Annotated[

@@ -21,6 +21,8 @@ from rlkit.options import (
     NoVerify,
     PolicyDir,
     PromptColumn,
+    SandboxKind,
+    SandboxWorkers,
     Seed,
     Task,
     TrustRemoteCode,
@@ -44,6 +46,8 @@ class EvalConfig:
     label: str | None = option(None, panel="Output & tracking", help="A name recorded with the figures (e.g. 'round-3').")
     # also report the mean reward-model score of the same responses
     rm: Path | None = option(None, "--rm", panel="Model", help="Reward model DIR: also report the mean score it gives the same responses.")
+    sandbox: str | None = option(None, SandboxKind)  # where the code task's programs run (default bwrap)
+    sandbox_workers: int | None = option(None, SandboxWorkers)
     seed: int = option(0, Seed)
     device: str = option("auto", Device)
     trust_remote_code: bool = option(False, TrustRemoteCode)
@@ -69,10 +73,11 @@ def _run(cfg: EvalConfig) -> dict:
 
     from rlkit import console, devices
     from rlkit.io import checkpoints, data, metrics_log, tracking
-    from rlkit.tasks import get_task
+    from rlkit.tasks import get_task, task_sandbox
     from rlkit.tasks.evaluate import greedy_eval
 
     task = get_task(cfg.task)
+    sandbox = task_sandbox(task, cfg.sandbox, cfg.sandbox_workers)  # checked before the model loads
     tracking.check(cfg.tracking)
     checkpoints.check_model_dir(cfg.policy, "policy")
     source = None
@@ -90,7 +95,7 @@ def _run(cfg: EvalConfig) -> dict:
         held = task.examples("heldout", cfg.num, cfg.seed)
         prompts, answers = [e.prompt for e in held], [e.answer for e in held]
     devices.announce("eval", dev, "fp32")
-    ev = greedy_eval(model, tokenizer, prompts, answers, task.reward, chat=bool(source and source.chat),
+    ev = greedy_eval(model, tokenizer, prompts, answers, task, sandbox=sandbox, chat=bool(source and source.chat),
                      max_new_tokens=cfg.max_new_tokens, batch_tokens=cfg.batch_tokens)
     responses = ev.pop("responses")
     if cfg.rm is not None:
@@ -108,7 +113,9 @@ def _run(cfg: EvalConfig) -> dict:
     }
     if cfg.label:
         result["label"] = cfg.label
-    row = {"stage": "eval", **{k: v for k, v in result.items() if k != "samples"}}
+    row = {"stage": "eval", **{k: v for k, v in result.items() if k != "samples"},
+           # the verdicts as fractions too, scalars a tracker plots beside the accuracy
+           **{f"verdict/{k}": v / max(1, result["n_scored"]) for k, v in result.get("verdicts", {}).items()}}
     metrics_log.write(row, cfg.metrics)
     with tracking.open_tracking(cfg.tracking, "eval", cfg, policy=cfg.policy) as tracker:
         tracker.log(row)
@@ -124,6 +131,8 @@ def _run(cfg: EvalConfig) -> dict:
         if "rm_score_mean" in result:
             summary.add_row("mean reward-model score", f"{result['rm_score_mean']:.4f} ({cfg.rm})")
         summary.add_row("hit max-new-tokens", f"{result['truncated_fraction']:.1%}")
+        if "verdicts" in result:
+            summary.add_row("verdicts", ", ".join(f"{k} {v}" for k, v in result["verdicts"].items()))
         summary.add_row("prompts", result["prompts"])
         samples = Table(title="samples")
         for col in ("prompt", "response", "answer"):

@@ -17,7 +17,7 @@ while update trains (docs/gpu.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -33,6 +33,8 @@ from rlkit.options import (
     PromptColumn,
     RewardFn,
     RewardTimeout,
+    SandboxKind,
+    SandboxWorkers,
     Seed,
     Task,
     TrustRemoteCode,
@@ -77,6 +79,8 @@ class RolloutConfig:
     max_steps: int | None = option(None, min=1, panel="Follow", help="--follow: stop after the batch that trains step (--policy's step) + N.")
     reward_fn: tuple[str, ...] = option((), RewardFn)  # NAME=FILE.py:FUNC user reward functions, each adds reward/NAME
     reward_timeout: float = option(60.0, RewardTimeout)  # seconds one --reward-fn call may run (0: no limit)
+    sandbox: str | None = option(None, SandboxKind)  # code task: bwrap unless none; --reward-fn: only when given
+    sandbox_workers: int | None = option(None, SandboxWorkers)
     seed: int = option(0, Seed)
     device: str = option("auto", Device)  # vllm runs on its own GPU, checked against this
     out: Path | None = option(None, OutTable)
@@ -118,9 +122,10 @@ def _run(cfg: RolloutConfig) -> Path | None:
     from rlkit.engines import memory
     from rlkit.errors import RlkitError
     from rlkit.io import checkpoints, claims, data, fingerprints, manifests, shards, streams
-    from rlkit.tasks import get_task, reward_fns, task_inputs
+    from rlkit.tasks import get_task, reward_fns, task_inputs, task_sandbox
 
     task = get_task(cfg.task)
+    sandbox = task_sandbox(task, cfg.sandbox, cfg.sandbox_workers)  # the code task's: checked before any sampling
     fns = reward_fns.load_all(cfg.reward_fn, taken=("verifier",), timeout=cfg.reward_timeout)  # checked now
     if cfg.colocate and cfg.gpu_memory_utilization:
         raise RlkitError("--colocate sizes vLLM's --gpu-memory-utilization from the models it names; pass one of them")
@@ -138,7 +143,7 @@ def _run(cfg: RolloutConfig) -> Path | None:
     claims.check_out(out, "table")
     cfg = replace(cfg, task=task.spec)
     if cfg.follow is not None:
-        return _run_follow(cfg, task, out, fns)
+        return _run_follow(cfg, _Verifier(task, sandbox), out, fns)
     if cfg.batch_prompts is not None or cfg.max_steps is not None:
         raise RlkitError("--batch-prompts and --max-steps are --follow options (without it: --num-prompts)")
     inputs = {"policy": fingerprints.fingerprint(cfg.policy), **task_inputs(task), **reward_fns.fingerprints(fns)}
@@ -169,7 +174,9 @@ def _run(cfg: RolloutConfig) -> Path | None:
                          else _task_chunks(task, tokenizer, cfg, span))
     if not scored:
         console.warn("some prompts have no gold answer: no verifier reward column is written")
+    verifier = _Verifier(task, sandbox)
     extra = [pa.field(f"reward/{n}", pa.float64()) for n in [*(["verifier"] if scored else []), *(f.name for f in fns)]]
+    extra += [pa.field("verdict/verifier", pa.string())] if scored and verifier.verdicts else []
     fp, step = inputs["policy"], checkpoints.policy_step(cfg.policy)
     manifest = manifests.make_manifest("rollouts", "rollout", cfg, inputs,
                                        tokenizer=checkpoints.tokenizer_fingerprint(tokenizer), engine=engine.name,
@@ -180,12 +187,13 @@ def _run(cfg: RolloutConfig) -> Path | None:
             console.progress("rollout", len(span) * cfg.n) as bar:
         # chunks keep their global position and seed whatever the shard, so shards concatenate into the
         # table one job gives
-        _sample(cfg, engine, tokenizer, task, w, bar, chunks, cfg.seed, 0, fp, step, scored, fns)
+        _sample(cfg, engine, tokenizer, verifier, w, bar, chunks, cfg.seed, 0, fp, step, scored, fns)
         engine.close()  # before the stream ends: downstream's end of input means the engine's GPU memory is free
+    verifier.say()
     return out
 
 
-def _run_follow(cfg: RolloutConfig, task, out: Path | None, fns=()) -> Path | None:
+def _run_follow(cfg: RolloutConfig, verifier: _Verifier, out: Path | None, fns=()) -> Path | None:
     """`rollout --follow DIR`: batch after batch of --batch-prompts prompts, each sampled by DIR's newest
     complete step (reloaded into the live engine), batch b waiting until that step is >= start + b - K."""
     import time
@@ -197,6 +205,7 @@ def _run_follow(cfg: RolloutConfig, task, out: Path | None, fns=()) -> Path | No
     from rlkit.io import checkpoints, data, fingerprints, follow, manifests, streams
     from rlkit.tasks import reward_fns, task_inputs
 
+    task = verifier.task
     if cfg.shard or cfg.num_prompts is not None:
         raise RlkitError("--follow streams batches of --batch-prompts prompts without end; --num-prompts and --shard "
                          "are for one finite table")
@@ -255,6 +264,7 @@ def _run_follow(cfg: RolloutConfig, task, out: Path | None, fns=()) -> Path | No
     if not scored:
         console.warn("some prompts have no gold answer: no verifier reward column is written")
     extra = [pa.field(f"reward/{n}", pa.float64()) for n in [*(["verifier"] if scored else []), *(f.name for f in fns)]]
+    extra += [pa.field("verdict/verifier", pa.string())] if scored and verifier.verdicts else []
     # no rows without an engine: the name recorded then is the fallback's, as it has always been
     manifest = manifests.make_manifest("rollouts", "rollout", cfg, inputs, tokenizer=base_tok,
                                        engine=engine.name if engine is not None else engines.FALLBACK,
@@ -301,7 +311,7 @@ def _run_follow(cfg: RolloutConfig, task, out: Path | None, fns=()) -> Path | No
                     texts, prompt_ids = [f_texts[r] for r in rows], [f_prompt_ids[r] for r in rows]
                 with console.progress(f"rollout batch {b}", P * cfg.n) as bar:
                     chunks = _list_chunks(range(P), cfg.chunk_prompts, ids, answers, texts, prompt_ids)
-                    _sample(cfg, engine, tokenizer, task, w, bar, chunks, seed, b * P, fp, step, scored, fns)
+                    _sample(cfg, engine, tokenizer, verifier, w, bar, chunks, seed, b * P, fp, step, scored, fns)
                 b += 1
                 if sleeps and (cfg.max_steps is None or b < cfg.max_steps):
                     asleep = engine.sleep()  # the batch is written: its GPU memory is update's until the next step
@@ -317,6 +327,7 @@ def _run_follow(cfg: RolloutConfig, task, out: Path | None, fns=()) -> Path | No
             reloads.sort()
             console.info(f"rollout: {len(reloads)} weight reloads, median {reloads[len(reloads) // 2]:.3f}s, max "
                          f"{reloads[-1]:.3f}s; one engine start ({start_secs:.1f}s)")
+        verifier.say()
         if wakes:
             wakes.sort()
             console.info(f"rollout: {len(wakes)} wake-ups from sleep mode, median {wakes[len(wakes) // 2]:.3f}s, max "
@@ -460,11 +471,44 @@ def _first_made(chunks):
     return iter(()) if first is None else itertools.chain([first], chunks)
 
 
-def _sample(cfg: RolloutConfig, engine: Engine, tokenizer, task, w, bar, chunks, seed: int, group0: int, fp: str, step: int,
-            scored: bool, fns=()) -> None:
+@dataclass
+class _Verifier:
+    """The task's verifier as rollout runs it: a chunk's rows at once (`rlkit.tasks.verify`; the code task's
+    programs in `sandbox`, concurrently), the verdict reasons counted for the summary line at the end."""
+
+    task: object
+    sandbox: object = None
+    counts: dict = field(default_factory=dict)
+
+    @property
+    def verdicts(self) -> bool:
+        """Whether the task gives a reason with each reward (a `verdict/verifier` column)."""
+        return getattr(self.task, "score_batch", None) is not None
+
+    def __call__(self, completions: list[str], answers: list[str]):
+        from rlkit.tasks import verify
+
+        scores = verify(self.task, completions, answers, self.sandbox)
+        for r in scores.reasons or ():
+            self.counts[r] = self.counts.get(r, 0) + 1
+        return scores
+
+    def say(self) -> None:
+        from rlkit import console
+
+        if self.counts:
+            total = sum(self.counts.values())
+            console.info(f"rollout: {self.task.name} verdicts of {total} responses: "
+                         + ", ".join(f"{k} {v} ({v / total:.1%})" for k, v in sorted(self.counts.items(),
+                                                                                        key=lambda kv: -kv[1])))
+
+
+def _sample(cfg: RolloutConfig, engine: Engine, tokenizer, verifier: _Verifier, w, bar, chunks, seed: int, group0: int,
+            fp: str, step: int, scored: bool, fns=()) -> None:
     """Sample each _Chunk of `chunks` and write its rows to `w`. A chunk starting at prompt c0 is seeded
-    `seed * 1_000_003 + c0`; prompt p becomes group `group0 + p`. `fns` (--reward-fn) add their reward
-    columns, computed on each chunk's rows."""
+    `seed * 1_000_003 + c0`; prompt p becomes group `group0 + p`. `verifier` scores each chunk's rows at once
+    (with their verdicts where the task gives them); `fns` (--reward-fn) add their reward columns, computed on
+    each chunk's rows."""
     n = cfg.n
     for ch in chunks:
         gen = engine.sample(ch.prompt_ids, n=n, temperature=cfg.temperature, top_p=cfg.top_p,
@@ -486,7 +530,10 @@ def _sample(cfg: RolloutConfig, engine: Engine, tokenizer, task, w, bar, chunks,
             "answer": [ch.answers[p] for p, _ in rows],
         }
         if scored:
-            cols["reward/verifier"] = [task.reward(c, ch.answers[p]) for c, (p, _) in zip(comps, rows, strict=True)]
+            scores = verifier(comps, [ch.answers[p] for p, _ in rows])
+            cols["reward/verifier"] = scores.values
+            if verifier.verdicts:
+                cols["verdict/verifier"] = scores.reasons
         for f in fns:
             cols[f"reward/{f.name}"] = f.score(cols, row0=w.rows)
         w.write(cols)

@@ -318,7 +318,7 @@ def _run(cfg: ScoreRefConfig) -> Path | None:
         batches = table.slice(span.start, len(span)).to_batches(max_chunksize=4096)
         shard = shards.manifest_entry(cfg.shard, span, table.num_rows, manifests.jsonable(cfg), inputs)
     out_kind = "scored" if cfg.ref is not None or reader.kind == "scored" else "rollouts"
-    extra = [f for f in reader.schema if f.name.startswith("reward/")]
+    extra = [f for f in reader.schema if f.name.startswith(("reward/", "verdict/"))]
     extra += [pa.field(f"reward/{n}", pa.float64()) for n in [*rms, *(f.name for f in fns)]]
     manifest = manifests.make_manifest(out_kind, "score-ref", cfg, inputs, tokenizer=want,
                                        rollout=dict(upstream.sampling) or None, temperature=temperature,

@@ -27,6 +27,8 @@ from rlkit.options import (
     NoVerify,
     OutDir,
     Resume,
+    SandboxKind,
+    SandboxWorkers,
     SaveSteps,
     Seed,
     TrustRemoteCode,
@@ -64,6 +66,8 @@ class SftConfig:
     batch_tokens: int = option(512, min=16, panel="Optimization", help="Token budget per batch (rows x longest row).")
     max_len: int = option(256, "--max-length", min=2, panel="Data", help="Longest training sequence; longer ones are truncated.")
     eval_num: int = option(300, min=1, panel="Data", help="Held-out prompts for the final greedy evaluation.")
+    sandbox: str | None = option(None, SandboxKind)  # where the code task's held-out programs run (default bwrap)
+    sandbox_workers: int | None = option(None, SandboxWorkers)
     tiny: TinyConfig = nested(TINY)  # --layers, --hidden
     device: str = option("auto", Device)
     train: TrainOptions = nested(TRAIN)  # --dtype, --gradient-checkpointing, --micro-batch-*, --packing, --lora-*
@@ -131,12 +135,13 @@ def _run(cfg: SftConfig, tracker) -> Path:
     from rlkit import console, tiny
     from rlkit.errors import RlkitError
     from rlkit.io import atomic, checkpoints, claims, data, fingerprints, manifests, metrics_log, tracking
-    from rlkit.tasks import get_task, task_inputs
+    from rlkit.tasks import get_task, task_inputs, task_sandbox
     from rlkit.tasks.evaluate import greedy_eval
 
     if cfg.task is None and cfg.data is None:
         cfg = replace(cfg, task="arithmetic")
     task = get_task(cfg.task) if cfg.task else None
+    sandbox = task_sandbox(task, cfg.sandbox, cfg.sandbox_workers)  # checked before any training
     cfg = replace(cfg, task=task.spec if task else None)
     if cfg.model != checkpoints.TINY:
         cfg = replace(cfg, tiny=None)
@@ -237,7 +242,7 @@ def _run(cfg: SftConfig, tracker) -> Path:
     if task is not None:
         held = task.examples("heldout", cfg.eval_num, cfg.seed)
         with distributed.root_gathered(model):  # under torchrun: generate goes around the FSDP root unit
-            ev = greedy_eval(model, tokenizer, [e.prompt for e in held], [e.answer for e in held], task.reward,
+            ev = greedy_eval(model, tokenizer, [e.prompt for e in held], [e.answer for e in held], task, sandbox=sandbox,
                              max_new_tokens=max(cfg.max_new_tokens, max(len(x) - p for x, p in zip(ids, plens, strict=True)) + 8))
         metrics.update(heldout_accuracy=ev["accuracy"], heldout_n=ev["n"],
                        mean_response_tokens=ev["mean_response_tokens"])

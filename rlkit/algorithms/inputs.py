@@ -205,6 +205,18 @@ def combine_rewards(columns: dict[str, list[float]], weights: dict[str, float] |
     return total.float(), w
 
 
+def verdict_fractions(table) -> dict[str, float]:
+    """{'verdict/<component>/<reason>': fraction of rows} for each `verdict/<component>` column (the code
+    task's passed, wrong_answer, timeout, ...), so a run's metrics show why its rewards are what they are."""
+    out: dict[str, float] = {}
+    for name in table.column_names:
+        if name.startswith("verdict/"):
+            vals = table.column(name).to_pylist()
+            for r in sorted({v for v in vals if v is not None}):
+                out[f"{name}/{r}"] = sum(v == r for v in vals) / max(1, len(vals))
+    return out
+
+
 def _reward_columns(table, length_penalty: float) -> dict[str, list[float]]:
     cols = {n.split("/", 1)[1]: table.column(n).to_pylist() for n in table.column_names if n.startswith("reward/")}
     if length_penalty:
@@ -388,6 +400,7 @@ class Rollouts:
             **{f"reward/{k}": sum(v) / len(v) for k, v in comps.items()},
             **({"verifier_accuracy": sum(v == 1.0 for v in comps["verifier"]) / len(comps["verifier"])}
                if "verifier" in comps else {}),
+            **verdict_fractions(table),
         }
         train = {"temperature": temperature, "recompute": recompute, "lags": lags,
                  "length_norm": float(upstream.sampling.get("max_new_tokens") or batch.targets.shape[1])}  # Dr. GRPO's

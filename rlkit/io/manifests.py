@@ -214,7 +214,7 @@ def read_manifest(path: str | Path) -> dict | None:
 
 # Settings that do not change what a stage writes: a rerun that differs only in these is up to date.
 # where a run's figures go (trackers, their training-curve interval) and how often it snapshots: not the result
-NOT_COMPARED = ("force", "out", "verify", "plan", "reward_timeout", "save_steps", "resume", "tracking", "logging_steps")
+NOT_COMPARED = ("force", "out", "verify", "plan", "reward_timeout", "sandbox_workers", "save_steps", "resume", "tracking", "logging_steps")
 
 
 # ... and of the training options (`train`): how long a torchrun collective may wait

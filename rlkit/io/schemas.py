@@ -42,7 +42,8 @@ class TableKind:
     Written tables carry every field (optional ones as nullable columns); readers require only
     `fields`, so plain tables made by other tools need just the columns a stage uses.
     ``prefixes`` are families of dynamic columns, e.g. ``reward/<component>`` (float64), so that
-    verifier and reward-model scores travel as named components side by side.
+    verifier and reward-model scores travel as named components side by side, and ``verdict/<component>``
+    (string), a verifier's reason for each reward.
     """
 
     name: str
@@ -75,7 +76,9 @@ _ROLLOUT_FIELDS = (
 _ROLLOUT_OPTIONAL = (_f("answer", _STR, True),)
 
 
-_REWARDS = (("reward/", pa.float64()),)
+# reward/<component>: each reward component's value; verdict/<component>: why a verifier gave it (the code
+# task's `passed`, `wrong_answer`, `timeout`, ...), carried beside it to score-ref's table and update's metrics
+_REWARDS = (("reward/", pa.float64()), ("verdict/", pa.string()))
 
 
 KINDS: dict[str, TableKind] = {

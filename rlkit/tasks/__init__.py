@@ -2,7 +2,7 @@
 from the user's code.
 
 A task spec is one of
-  `NAME[:key=value,...]`                 a built-in task (`arithmetic`, `math`) or one registered by an
+  `NAME[:key=value,...]`                 a built-in task (`arithmetic`, `math`, `code`) or one registered by an
                                          installed package under the `rlkit.tasks` entry-point group
   `path/to/file.py:CLASS[:key=value,...]`  a class in a Python file
   `package.module:CLASS[:key=value,...]`   a class in an importable module
@@ -37,10 +37,12 @@ from rlkit.tasks.base import (  # noqa: F401 (the task vocabulary, named from he
     VERBOSE,
     VERIFIERS,
     Example,
+    Scores,
     Task,
     check_split,
     is_heldout,
     last_integer,
+    verify,
 )
 
 
@@ -146,7 +148,14 @@ def _math(opts: dict[str, str]) -> Task:
     return Math.from_options(opts)
 
 
-TASKS: dict[str, Callable[[dict[str, str]], Task]] = {"arithmetic": Arithmetic.from_options, "math": _math}
+def _code(opts: dict[str, str]) -> Task:
+    from rlkit.tasks.code import Code  # the sandbox and the data reader load only when a stage uses it
+
+    return Code.from_options(opts)
+
+
+TASKS: dict[str, Callable[[dict[str, str]], Task]] = {"arithmetic": Arithmetic.from_options, "math": _math,
+                                                      "code": _code}
 ENTRY_POINT_GROUP = "rlkit.tasks"
 _USER_FORMS = "or a class in your code: path/to/file.py:CLASS or package.module:CLASS"
 
@@ -198,6 +207,28 @@ def task_inputs(task: Task) -> dict[str, str]:
     whose task file or data changed is then not skipped as up to date."""
     fp = getattr(task, "fingerprint", None)
     return {"task": fp} if isinstance(fp, str) and fp else {}
+
+
+def task_sandbox(task: Task | None, kind: str | None, workers: int | None = None):
+    """The sandbox a task's verifier runs model-written programs in (`--sandbox`, `--sandbox-workers`), checked
+    now, before any sampling: an `rlkit.sandbox.Sandbox`, or None for a task that runs no code. The code task
+    sandboxes with bwrap unless `--sandbox none` (said on stderr: unsafe); bubblewrap missing or broken is one
+    line (`SandboxUnavailable`)."""
+    from rlkit.sandbox import KINDS, Sandbox
+
+    if kind is not None and kind not in KINDS:
+        raise RlkitError(f"--sandbox {kind!r}: expected one of {', '.join(KINDS)}")
+    if task is None or not getattr(task, "runs_code", False):
+        return None
+    sb = Sandbox(kind or "bwrap", workers)
+    if sb.kind == "none":
+        from rlkit import console
+
+        console.warn(f"--sandbox none: task {task.name}'s model-written programs run as you, with resource limits "
+                     "but no isolation (unsafe)")
+    else:
+        sb.check()
+    return sb
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,6 +40,25 @@ def last_integer(response: str, answer: str) -> float:
 VERIFIERS: dict[str, Callable[[str, str], float]] = {"last-integer": last_integer}
 
 
+@dataclass(frozen=True)
+class Scores:
+    """A batch of verifier rewards, in row order, and, from a verifier that has them, each row's verdict
+    reason (the code task's: passed, wrong_answer, runtime_error, ...)."""
+
+    values: list[float]
+    reasons: list[str] | None = None
+
+
+def verify(task, responses: Sequence[str], answers: Sequence[str], sandbox=None) -> Scores:
+    """The task's rewards for a batch of (response, gold answer) rows: through its `score_batch(responses,
+    answers, sandbox)` when it has one (the code task runs its programs concurrently, in `sandbox`, an
+    `rlkit.sandbox.Sandbox`), else `reward` row by row."""
+    batch = getattr(task, "score_batch", None)
+    if batch is not None:
+        return batch(list(responses), list(answers), sandbox)
+    return Scores([task.reward(r, a) for r, a in zip(responses, answers, strict=True)])
+
+
 def is_heldout(text: str, fraction: float) -> bool:
     """Whether `text` (a prompt, a question) falls in the held-out `fraction` of a stable hash partition."""
     h = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
@@ -59,6 +78,10 @@ class Task(Protocol):
     - `completion(example)`: the SFT target (the eos token is appended by the tokenization step);
     - `reward(response, gold answer)`: the verifier, a finite float (1.0 = correct), never raising on
       a malformed response.
+
+    A task may also have `score_batch(responses, answers, sandbox) -> Scores` (a batch at once, with verdict
+    reasons; `verify` prefers it) and `runs_code = True` (its verifier runs model-written programs: stages
+    check the sandbox before they sample).
     """
 
     @property

@@ -111,7 +111,7 @@ def show(metrics: dict, inp, algo) -> None:
     from rlkit import console
 
     t = Table(title=f"update step {metrics['step']}", show_header=False)
-    keys = (*[k for k in metrics if k.startswith("reward/")], *inp.shown, *algo.shown, *_SHOWN_FOLLOW, *_SHOWN_TRAINER)
+    keys = (*[k for k in metrics if k.startswith(("reward/", "verdict/"))], *inp.shown, *algo.shown, *_SHOWN_FOLLOW, *_SHOWN_TRAINER)
     for k in dict.fromkeys(keys):
         v = metrics.get(k)
         if v is not None:

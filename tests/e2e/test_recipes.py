@@ -86,7 +86,8 @@ def _run_recipe(name: str, runs: Path, **knobs: str):
 
 
 def test_every_recipe_is_tested():
-    assert set(RECIPES) == {"quickstart.sh", "rlvr.sh", "rlhf.sh", "reward-hacking.sh", "math.sh", "config.sh"}, \
+    assert set(RECIPES) == {"quickstart.sh", "rlvr.sh", "rlhf.sh", "reward-hacking.sh", "math.sh", "config.sh",
+                            "code.sh"}, \
         "a new recipe needs a test here"
     assert {p.name for p in (REPO / "recipes").glob("*.sh")} - set(RECIPES) == {"rlvr-follow.sh"}
 
@@ -98,14 +99,16 @@ def test_every_recipe_runs_scaled_down(recipe, tmp_path):
     # one round is enough to check the plumbing; math: a short SFT too
     # rlhf: one round; reward-hacking: one round of two of its beta runs
     knobs = {"reward-hacking.sh": {"ROUNDS": "1", "BETAS": "0.05 0"}, "rlhf.sh": {"ROUNDS": "1"},
-             "math.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "200", "N": "2"}, "config.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "200", "PROMPTS": "8", "N": "2"}}
+             "math.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "200", "N": "2"}, "config.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "200", "PROMPTS": "8", "N": "2"},
+             "code.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "300", "PROMPTS": "8", "N": "2", "EVAL_NUM": "12",
+                         "SANDBOX_WORKERS": "2"}}
     # rlvr.sh: with an experiment tracker (the whole recipe one run: eval and update continue sft's)
     knobs["rlvr.sh"] = {"REPORT_TO": "tensorboard", "PROJECT": "recipe"}
     r = _run_recipe(recipe, runs, **knobs.get(recipe, {}))
     assert r.returncode == 0, f"{recipe}: {r.stderr.decode()[-2000:]}"
     # every RL recipe leaves one metrics file with held-out accuracy after every round, and its report
     metrics = {"rlvr.sh": "metrics.jsonl", "rlhf.sh": "rlhf-metrics.jsonl", "math.sh": "metrics.jsonl",
-               "config.sh": "metrics.jsonl"}.get(recipe)
+               "config.sh": "metrics.jsonl", "code.sh": "metrics.jsonl"}.get(recipe)
     if metrics:
         rows = [json.loads(x) for x in (runs / metrics).read_text().splitlines()]
         rounds = int(knobs.get(recipe, {}).get("ROUNDS", 2))
@@ -118,6 +121,17 @@ def test_every_recipe_runs_scaled_down(recipe, tmp_path):
         ev = json.loads((runs / "eval-round-1.json").read_text())
         assert ev["n"] == sft["metrics"]["heldout_n"] and ev["samples"][0]["prompt"].startswith("Question: ")
         assert "after RL (1 rounds)" in r.stdout.decode()
+    if recipe == "code.sh":  # programs run against their tests in the sandbox at every stage that verifies
+        rows = [json.loads(x) for x in (runs / "metrics.jsonl").read_text().splitlines()]
+        sft = json.loads((runs / "sft" / "rlkit.json").read_text())
+        assert sft["config"]["task"].startswith("code:ops=2-3") and sft["config"]["sandbox"] == "bwrap"
+        (upd,) = [r for r in rows if r["stage"] == "update"]
+        fractions = {k: v for k, v in upd.items() if k.startswith("verdict/verifier/")}
+        assert fractions and sum(fractions.values()) == pytest.approx(1.0)  # every row has its reason
+        assert upd.get("verdict/verifier/passed", 0.0) == pytest.approx(upd["verifier_accuracy"])
+        evals = [r for r in rows if r["stage"] == "eval"]
+        assert all(sum(r["verdicts"].values()) == r["n_scored"] == 12 for r in evals)
+        assert "verdicts of 16 responses" in r.stderr.decode() and "after RL (1 rounds)" in r.stdout.decode()
     if recipe == "config.sh":  # settings from recipes/rlvr.toml, the knobs' flags over them, written back
         opts = json.loads((runs / "round-1" / "rlkit.json").read_text())["options"]
         assert opts["lr"] == 5e-5 and opts["minibatch_size"] == 128 and opts["kl_estimator"] == "k3+"  # the file's

@@ -1,0 +1,111 @@
+"""The `code` task: program extraction, the public data sets' test forms, the generated task, and rewards from
+programs run against their tests in the real sandbox (bubblewrap)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from rlkit.errors import RlkitError
+from rlkit.tasks import get_task, verify
+from rlkit.tasks.code import SAMPLE, chain_program, extract_program, parse_tests
+
+needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None and not __import__("os").environ.get("RLKIT_REQUIRE_SANDBOX"),
+                                 reason="bubblewrap is not installed (apt-get install bubblewrap)")
+
+
+def test_the_program_is_the_last_fenced_block_else_an_open_fence_else_everything():
+    assert extract_program("x\n```python\na = 1\n```\ntext\n```\nb = 2\n```\nbye") == "b = 2\n"
+    assert extract_program("Here:\n```py\nprint(1)\n") == "print(1)\n"  # cut at the token limit
+    assert extract_program("def f(x): return x") == "def f(x): return x"
+    assert extract_program("```python\n```") == ""
+
+
+def test_the_public_test_forms_parse_and_expected_values_stay_outside_the_program():
+    apps = parse_tests(json.dumps({"inputs": ["1 2\n", ["3", "4"]], "outputs": ["3\n", ["7"]]}))
+    assert [(c.kind, c.input, c.expected) for c in apps.cases] == [("stdio", "1 2\n", "3\n"), ("stdio", "3\n4", "7")]
+    fn = parse_tests(json.dumps({"fn_name": "add", "inputs": [[1, 2], [[1], [2]]], "outputs": [[3], [[1, 2]]]}))
+    assert fn.fn_name == "add" and [(c.kind, c.input, c.expected) for c in fn.cases] == [
+        ("call", [1, 2], [3]), ("call", [[1], [2]], [[1, 2]])]
+    pairs = parse_tests(json.dumps([{"input": "5\n", "output": "25\n", "testtype": "stdin"}]))
+    assert [(c.kind, c.input, c.expected) for c in pairs.cases] == [("stdio", "5\n", "25\n")]
+    # MBPP: `assert EXPR == LITERAL` splits (the literal is compared outside); anything else runs whole inside
+    mbpp = parse_tests(str(["assert f(3) == (7, 'a')", "assert abs(f(1) - 2.5) < 1e-9", "assert g([1,2]) == [2, 1]"]))
+    assert [(c.kind, c.input, c.expected) for c in mbpp.cases] == [
+        ("expr", "f(3)", [7, "a"]), ("assert", "assert abs(f(1) - 2.5) < 1e-9", None), ("expr", "g([1, 2])", [2, 1])]
+    assert [c.kind for c in parse_tests("assert h(1) == 2\nassert h(2) == 4\n").cases] == ["expr", "expr"]
+    for bad in ("", "42", json.dumps({"inputs": ["1"], "outputs": []}), json.dumps({"fn_name": "no pe", "inputs": [[1]],
+                                                                                 "outputs": [1]}), "print(1)"):
+        with pytest.raises(ValueError):
+            parse_tests(bad)
+
+
+def test_the_generated_task_its_programs_and_its_options():
+    t = get_task("code")
+    assert t.spec == "code:ops=2-3,max=9,heldout=0.1,reward=all,timeout=10,memory=1024" and get_task(t.spec) == t
+    train, held = t.examples("train", 200, 0), t.examples("heldout", 50, 0)
+    assert not {e.prompt for e in train} & {e.prompt for e in held}
+    assert t.examples("train", 5, 3) == t.examples("train", 5, 3) != t.examples("train", 5, 4)
+    for ex in train[:50]:
+        program = t.completion(ex)  # the SFT target computes exactly what the tests expect
+        assert program.startswith("def f(x): return ")
+        suite = parse_tests(ex.answer)
+        scope: dict = {}
+        exec(program, scope)  # our own program, not a model's
+        assert [scope["f"](*c.input) for c in suite.cases] == [c.expected for c in suite.cases]
+    assert chain_program([("+", 3), ("*", 2), ("-", 1)]) == "def f(x): return (x+3)*2-1"
+    assert chain_program([("*", 2), ("+", 3), ("*", 4)]) == "def f(x): return (x*2+3)*4"
+    for spec, words in (("code:reward=some", "reward=some"), ("code:ops=3-1", "ops=3-1"), ("code:timeout=x", "timeout"),
+                        ("code:nope=1", "unknown option 'nope'"), ("code:data=-", "data=-")):
+        with pytest.raises(RlkitError, match=words):
+            get_task(spec)
+
+
+def test_the_shipped_sample_reads_as_apps_layout_prompts_with_solutions():
+    t = get_task("code:data=sample,heldout=0.3")
+    assert t.fingerprint and "data=sample" in t.spec
+    rows = t.examples("train", 100, 0, unique=True) + t.examples("heldout", 100, 0)
+    assert len(rows) == sum(1 for _ in SAMPLE.open())
+    stdio = next(e for e in rows if "standard input" in e.prompt)
+    call = next(e for e in rows if "Write a Python 3 function `gcd`" in e.prompt)
+    assert "```python\ndef gcd(a, b):" in call.prompt  # the starter code under the statement
+    assert parse_tests(stdio.answer).cases[0].kind == "stdio"
+    assert t.completion(call).startswith("```python\ndef gcd(a, b):\n") and t.completion(call).endswith("\n```")
+
+
+def test_a_data_file_in_mbpp_layout_with_a_list_column(tmp_path):
+    f = tmp_path / "mbpp.jsonl"
+    rows = [{"text": "Add one.", "test_list": ["assert add_one(1) == 2"], "code": "def add_one(x):\n    return x + 1"},
+            {"text": "", "test_list": ["assert z() == 0"], "code": ""},  # no statement: left out with a warning
+            {"text": "Double.", "test_list": ["assert dbl(2) == 4", "assert dbl(0) == 0"], "code": "def dbl(x): return 2*x"}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t = get_task(f"code:data={f},question=text,tests=test_list,solution=code,heldout=0.01")
+    ex = t.examples("train", 10, 0, unique=True)
+    assert len(ex) == 2 and all("passes the tests" in e.prompt for e in ex)
+    with pytest.raises(RlkitError, match="no column 'answer_x'"):
+        get_task(f"code:data={f},question=text,tests=answer_x").examples("train", 1, 0)
+
+
+@needs_bwrap
+def test_rewards_and_reasons_from_programs_run_in_the_sandbox():
+    t = get_task("code:data=sample,heldout=0.3,timeout=2")
+    rows = t.examples("train", 100, 0, unique=True) + t.examples("heldout", 100, 0)
+    # every shipped reference solution passes its own tests, in the sandbox
+    good = verify(t, [t.completion(e) for e in rows], [e.answer for e in rows])
+    assert good.values == [1.0] * len(rows) and set(good.reasons) == {"passed"}
+    call = next(e for e in rows if parse_tests(e.answer).fn_name == "triangle")
+    stdio = next(e for e in rows if "reversed" in e.prompt)
+    responses = [
+        "```python\ndef triangle(n):\n    return n * n\n```",        # wrong for n > 1
+        "```python\ndef triangle(n)\n    return 1\n```",             # does not compile
+        "```python\ndef triangle(n):\n    raise ValueError(n)\n```",  # raises
+        "```python\nwhile True:\n    pass\n```",                      # never ends
+        "```python\nprint(input()[::-1])\n```",                       # right
+    ]
+    got = verify(t, responses, [call.answer] * 4 + [stdio.answer])
+    assert got.values == [0.0, 0.0, 0.0, 0.0, 1.0]
+    assert got.reasons == ["wrong_answer", "syntax_error", "runtime_error", "timeout", "passed"]
+    frac = get_task("code:data=sample,heldout=0.3,reward=fraction,timeout=3")
+    assert frac.reward("```python\ndef triangle(n):\n    return n * n\n```", call.answer) == pytest.approx(1 / 3)
