@@ -183,9 +183,11 @@ def test_the_default_is_the_stage_itself(code):
         assert fns[0].workers is not None and float(os.getpid()) not in fns[0].score(_cols())
 
 
-def test_honest_functions_give_the_stages_rewards(code, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["bwrap", "none"])
+def test_honest_functions_give_the_stages_rewards(code, tmp_path, monkeypatch, kind):
     """Row, batch with **kwargs, and row-dict functions, from a file and from a package.module: the same floats
-    as in the stage, in row order (7 rows finishing out of order over 2 workers, then a second chunk)."""
+    as in the stage, in row order (7 rows finishing out of order over 2 workers, then a second chunk); in
+    bubblewrap and in `--sandbox none`'s plain worker processes."""
     r = code / "fns" / "my_rewards.py"
     pkg = tmp_path / "proj" / "mypkg"
     pkg.mkdir(parents=True)
@@ -200,7 +202,7 @@ def test_honest_functions_give_the_stages_rewards(code, tmp_path, monkeypatch):
     specs = [f"a={r}:brevity", f"b={r}:has_digit", f"c={r}:exact", "d=mypkg.rewards:tens"]
     chunks = [_cols(["2", "two", "22", "x", "", "7 7", "lorem ipsum"]), _cols(["1", "22"], answer=None)]
     plain = reward_fns.load_all(specs)
-    with reward_fns.closing(reward_fns.load_all(specs, sandbox=SB)) as boxed:
+    with reward_fns.closing(reward_fns.load_all(specs, sandbox=Sandbox(kind, SB.workers, SB.limits))) as boxed:
         for cols in chunks:
             for f, g in zip(plain, boxed, strict=True):
                 assert g.score(cols, row0=3) == f.score(cols, row0=3), f.name
