@@ -15,6 +15,13 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# bubblewrap: the sandbox the code task runs model-written programs in (docs/sandbox.md); a container needs
+# namespace syscalls allowed to use it, e.g. `docker run --security-opt seccomp=unconfined ...` (docs/install.md)
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends bubblewrap \
+    && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /opt/rlkit
 COPY pyproject.toml README.md ./
 COPY rlkit ./rlkit
