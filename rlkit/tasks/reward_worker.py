@@ -19,7 +19,8 @@ the interpreter (patched modules, replaced builtins, threads, a spent CPU limit)
 row's call, and the CPU time limit (RLIMIT_CPU, CONFIG's `cpu_s`) counts per call. The call's process
 has no handle on the protocol pipes (closed, stdin from /dev/null, its prints go to stderr), and the
 worker makes itself non-dumpable so that the call (same uid) cannot reach them through /proc either.
-After each call the worker kills what is left of the call's process group.
+After each call the worker kills what is left of the call's process group and, in a sandbox with a PID
+namespace of its own (bwrap; never on the host), every other process of the sandbox but its init.
 """
 
 import base64
