@@ -67,7 +67,7 @@ InTable = Annotated[
 PolicyDir = Annotated[Path, typer.Option("--policy", rich_help_panel="Model", help="Policy checkpoint directory (Hugging Face layout).")]
 Task = Annotated[
     str,
-    typer.Option("--task", rich_help_panel="Data", help="Task spec NAME[:key=value,...] (built-in arithmetic or math, or an `rlkit.tasks` entry point), path/to/file.py:CLASS[:key=value,...] or package.module:CLASS[:...]; e.g. 'arithmetic:terms=2-5,max=20', 'math:data=gsm8k.jsonl', 'my_tasks.py:Countdown:max=50'. See docs/tasks-rewards.md."),
+    typer.Option("--task", rich_help_panel="Data", help="Task spec NAME[:key=value,...] (built-in arithmetic, math or code, or an `rlkit.tasks` entry point), path/to/file.py:CLASS[:key=value,...] or package.module:CLASS[:...]; e.g. 'arithmetic:terms=2-5,max=20', 'math:data=gsm8k.jsonl', 'my_tasks.py:Countdown:max=50'. See docs/tasks-rewards.md."),
 ]
 RewardFn = Annotated[
     list[str] | None,
@@ -80,7 +80,7 @@ RewardTimeout = Annotated[
 # Where model-written programs run (the code task's verifier; --reward-fn with --sandbox): see rlkit.sandbox
 SandboxKind = Annotated[
     str | None,
-    typer.Option("--sandbox", metavar="<bwrap|none>", rich_help_panel="Data", help="Where untrusted code runs: bwrap (each program in its own bubblewrap sandbox: no network, a read-only system, a private tmpfs, its own PID namespace, resource limits and a wall-clock timeout) or none (a plain subprocess with the same limits: UNSAFE, the program runs as you). Default: bwrap for the code task; --reward-fn functions run in the stage as they always did unless --sandbox is given, and then in sandboxed workers. Without bubblewrap the stage refuses to run model code (docs/install.md). See docs/sandbox.md."),
+    typer.Option("--sandbox", metavar="<bwrap|none>", rich_help_panel="Data", help="Where untrusted code runs: bwrap (each program in its own bubblewrap sandbox: no network, a read-only system, a private tmpfs, its own PID namespace, resource limits and a wall-clock timeout) or none (a plain subprocess with the same limits: UNSAFE, the program runs as you). Default: bwrap for the code task; --reward-fn functions run in the stage as they always did unless --sandbox bwrap is given, and then in sandboxed workers. Without bubblewrap the stage refuses to run model code (docs/install.md). See docs/sandbox.md."),
 ]
 SandboxWorkers = Annotated[
     int | None,

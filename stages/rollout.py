@@ -116,17 +116,14 @@ def _check_device(spec: str) -> None:
 
 
 def _run(cfg: RolloutConfig) -> Path | None:
-    import pyarrow as pa
-
-    from rlkit import console, devices, engines
+    from rlkit import engines
     from rlkit.engines import memory
     from rlkit.errors import RlkitError
-    from rlkit.io import checkpoints, claims, data, fingerprints, manifests, shards, streams
-    from rlkit.tasks import get_task, reward_fns, task_inputs, task_sandbox
+    from rlkit.io import checkpoints, claims, streams
+    from rlkit.tasks import get_task, reward_fn_sandbox, reward_fns, task_sandbox
 
     task = get_task(cfg.task)
     sandbox = task_sandbox(task, cfg.sandbox, cfg.sandbox_workers)  # the code task's: checked before any sampling
-    fns = reward_fns.load_all(cfg.reward_fn, taken=("verifier",), timeout=cfg.reward_timeout)  # checked now
     if cfg.colocate and cfg.gpu_memory_utilization:
         raise RlkitError("--colocate sizes vLLM's --gpu-memory-utilization from the models it names; pass one of them")
     for d in cfg.colocate:
@@ -142,8 +139,25 @@ def _run(cfg: RolloutConfig) -> Path | None:
     out = streams.resolve_out(cfg.out)
     claims.check_out(out, "table")
     cfg = replace(cfg, task=task.spec)
-    if cfg.follow is not None:
-        return _run_follow(cfg, _Verifier(task, sandbox), out, fns)
+    # --reward-fn: checked (and, with --sandbox bwrap, their sandboxed workers started) before any sampling
+    fns = reward_fns.load_all(cfg.reward_fn, taken=("verifier",), timeout=cfg.reward_timeout,
+                              sandbox=reward_fn_sandbox(cfg.sandbox, cfg.sandbox_workers))
+    with reward_fns.closing(fns):
+        if cfg.follow is not None:
+            return _run_follow(cfg, _Verifier(task, sandbox), out, fns)
+        return _run_table(cfg, _Verifier(task, sandbox), out, fns)
+
+
+def _run_table(cfg: RolloutConfig, verifier: _Verifier, out: Path | None, fns) -> Path | None:
+    """rollout's one finite table (without --follow)."""
+    import pyarrow as pa
+
+    from rlkit import console, devices
+    from rlkit.errors import RlkitError
+    from rlkit.io import checkpoints, data, fingerprints, manifests, shards, streams
+    from rlkit.tasks import reward_fns, task_inputs
+
+    task = verifier.task
     if cfg.batch_prompts is not None or cfg.max_steps is not None:
         raise RlkitError("--batch-prompts and --max-steps are --follow options (without it: --num-prompts)")
     inputs = {"policy": fingerprints.fingerprint(cfg.policy), **task_inputs(task), **reward_fns.fingerprints(fns)}
@@ -174,7 +188,6 @@ def _run(cfg: RolloutConfig) -> Path | None:
                          else _task_chunks(task, tokenizer, cfg, span))
     if not scored:
         console.warn("some prompts have no gold answer: no verifier reward column is written")
-    verifier = _Verifier(task, sandbox)
     extra = [pa.field(f"reward/{n}", pa.float64()) for n in [*(["verifier"] if scored else []), *(f.name for f in fns)]]
     extra += [pa.field("verdict/verifier", pa.string())] if scored and verifier.verdicts else []
     fp, step = inputs["policy"], checkpoints.policy_step(cfg.policy)

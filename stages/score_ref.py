@@ -36,6 +36,8 @@ from rlkit.options import (
     Packing,
     RewardFn,
     RewardTimeout,
+    SandboxKind,
+    SandboxWorkers,
     TrustRemoteCode,
 )
 from rlkit.stage_options import option
@@ -51,6 +53,8 @@ class ScoreRefConfig:
     rm: tuple[str, ...] = option((), "--rm", panel="Model", help="Reward model NAME=DIR (repeatable; or DIR, named after it): adds reward/rm:NAME.")
     reward_fn: tuple[str, ...] = option((), RewardFn)  # NAME=FILE.py:FUNC user reward functions, each adds `reward/NAME`
     reward_timeout: float = option(60.0, RewardTimeout)  # seconds one --reward-fn call may run (0: no limit)
+    sandbox: str | None = option(None, SandboxKind)  # bwrap: --reward-fn functions run in sandboxed workers
+    sandbox_workers: int | None = option(None, SandboxWorkers)
     inp: str | None = option(None, InTable)
     out: Path | None = option(None, OutTable)
     device: str = option("auto", Device)  # the reference's and the reward models' (rlkit.devices)
@@ -244,6 +248,17 @@ def run(cfg: ScoreRefConfig) -> Path | None:
 
 
 def _run(cfg: ScoreRefConfig) -> Path | None:
+    from rlkit.tasks import reward_fn_sandbox, reward_fns
+
+    rms = parse_rms(cfg.rm)
+    # checked before models load (and, with --sandbox bwrap, their sandboxed workers started)
+    fns = reward_fns.load_all(cfg.reward_fn, taken=rms, timeout=cfg.reward_timeout,
+                              sandbox=reward_fn_sandbox(cfg.sandbox, cfg.sandbox_workers))
+    with reward_fns.closing(fns):
+        return _run_loaded(cfg, rms, fns)
+
+
+def _run_loaded(cfg: ScoreRefConfig, rms: dict[str, Path], fns) -> Path | None:
     import pyarrow as pa
 
     from rlkit import console, devices
@@ -251,8 +266,6 @@ def _run(cfg: ScoreRefConfig) -> Path | None:
     from rlkit.io import checkpoints, claims, fingerprints, manifests, schemas, shards, streams
     from rlkit.tasks import reward_fns
 
-    rms = parse_rms(cfg.rm)
-    fns = reward_fns.load_all(cfg.reward_fn, taken=rms, timeout=cfg.reward_timeout)  # checked before models load
     if cfg.shard:
         shards.parse(cfg.shard)
         if cfg.inp is None or cfg.inp == "-":

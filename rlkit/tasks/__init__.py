@@ -231,6 +231,17 @@ def task_sandbox(task: Task | None, kind: str | None, workers: int | None = None
     return sb
 
 
+def reward_fn_sandbox(kind: str | None, workers: int | None = None):
+    """The sandbox `--reward-fn` functions run in: only when `--sandbox bwrap` is given (then each function runs
+    in sandboxed worker processes, `rlkit.tasks.sandboxed`); without it, or with `--sandbox none`, they run in
+    the stage's own process, as the user's own code always has."""
+    from rlkit.sandbox import KINDS, Sandbox
+
+    if kind is not None and kind not in KINDS:
+        raise RlkitError(f"--sandbox {kind!r}: expected one of {', '.join(KINDS)}")
+    return Sandbox(kind, workers) if kind == "bwrap" else None
+
+
 # ---------------------------------------------------------------------------------------------
 # Tasks from the user's code
 
@@ -297,6 +308,32 @@ class UserTask:
             raise RlkitError(f"task {self.label}: completion() returned a {type(out).__name__} for prompt "
                              f"{ex.prompt[:60]!r}, expected a str")
         return out
+
+    @property
+    def runs_code(self) -> bool:
+        """The class says its verifier runs model-written programs (`runs_code = True`): the stage then checks
+        the sandbox (`--sandbox`, default bwrap) before sampling and hands it to its `score_batch`."""
+        return getattr(self.impl, "runs_code", False) is True
+
+    @property
+    def score_batch(self):
+        """The class's `score_batch(responses, answers, sandbox) -> Scores` (or a list of rewards), checked as
+        it runs; None when it has none (rows are then scored one by one through `reward`)."""
+        fn = getattr(self.impl, "score_batch", None)
+        return None if not callable(fn) else lambda responses, answers, sandbox=None: self._batch(fn, responses,
+                                                                                                   answers, sandbox)
+
+    def _batch(self, fn, responses, answers, sandbox) -> Scores:
+        from rlkit.tasks.user_code import as_number
+
+        out = self._call(fn, "score_batch", responses, answers, sandbox)
+        values, reasons = (out.values, out.reasons) if isinstance(out, Scores) else (out, None)
+        values = [as_number(v) for v in values] if isinstance(values, list | tuple) else None
+        if values is None or len(values) != len(responses) or any(v is None for v in values) or (
+                reasons is not None and (len(reasons) != len(responses) or not all(isinstance(r, str) for r in reasons))):
+            raise RlkitError(f"task {self.label}: score_batch() on {len(responses)} responses returned {out!r:.80}; "
+                             "expected rlkit.tasks.Scores(values, reasons) or a list of finite numbers, one per response")
+        return Scores(values, None if reasons is None else list(reasons))
 
     def reward(self, response: str, answer: str) -> float:
         from rlkit.tasks.user_code import as_number

@@ -3,6 +3,8 @@ entry points, and `--reward-fn NAME=FILE.py:FUNC`, loaded from real files, run i
 
 import json
 import math
+import os
+import shutil
 
 import pytest
 
@@ -138,6 +140,17 @@ def stubborn(completion):  # catches Exception in its loop: the time limit must 
             pass
 
 
+def probe(completion, row):  # what model code a verifier runs could do: write beside this file (1.0 if it could)
+    import os
+
+    try:
+        with open(os.path.join(os.path.dirname(__file__), f"probe-{row['prompt_id']}-{row['sample_idx']}"), "w") as f:
+            f.write(completion)
+    except OSError:
+        return 0.0
+    return 1.0
+
+
 NOT_A_FUNCTION = 3
 '''
 
@@ -203,7 +216,7 @@ def test_a_module_and_an_entry_point(code, monkeypatch):
     assert ep.spec == "countdown:max=5" and ep.examples("train", 4, 0) == m.examples("train", 4, 0)
     assert task_inputs(ep) == task_inputs(m) == {"task": fingerprints.fingerprint(pkg / "tasks.py")}
     assert get_task("arithmetic").name == "arithmetic"  # a built-in name is never taken over
-    assert "known tasks: arithmetic, math, countdown" in _error("chess")
+    assert "known tasks: arithmetic, math, code, countdown" in _error("chess")
     assert "no module named 'nosuchpkg'" in _error("nosuchpkg.tasks:Countdown")
 
 
@@ -327,15 +340,20 @@ def test_numbers_of_every_kind_are_rewards():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(shutil.which("bwrap") is None and not os.environ.get("RLKIT_REQUIRE_SANDBOX"),
+                    reason="bwrap (bubblewrap) not installed; RLKIT_REQUIRE_SANDBOX unset")
 def test_a_user_task_and_reward_fns_through_the_pipe(sft_dir, code):
-    """rollout --task FILE:CLASS --reward-fn | score-ref --reward-fn | update: every component is summed
-    (or weighed with --reward) and logged; the manifests carry the code's fingerprints."""
+    """rollout --task FILE:CLASS --reward-fn --sandbox bwrap | score-ref --reward-fn | update: every component
+    is summed (or weighed with --reward) and logged; the manifests carry the code's fingerprints. rollout's
+    functions run in bubblewrap (the same rewards; a write beside their file fails there), score-ref's in
+    the stage."""
     import subprocess
 
     task, r = f"{code}/my_tasks.py:Countdown:max=20", code / "my_rewards.py"
     roll = code / "r.arrow"
     p1 = subprocess.Popen([*rlkit_cmd(), "rollout", "--policy", str(sft_dir), "--task", task, "--num-prompts", "8",
-                           "--n", "4", "--reward-fn", f"len={r}:brevity"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                           "--n", "4", "--reward-fn", f"len={r}:brevity", "--reward-fn", f"{r}:probe", "--sandbox",
+                           "bwrap", "--sandbox-workers", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     p2 = subprocess.Popen([*rlkit_cmd(), "score-ref", "--reward-fn", f"{r}:has_digit", "--reward-fn",
                            f"exact={r}:exact", "--out", str(roll)], stdin=p1.stdout, stderr=subprocess.PIPE)
     p1.stdout.close()
@@ -343,6 +361,7 @@ def test_a_user_task_and_reward_fns_through_the_pipe(sft_dir, code):
     t, _ = streams.read_table(roll, ["rollouts"])
     rows = t.to_pylist()
     assert len(rows) == 32 and all(x["prompt"].startswith("<") and "-" in x["prompt"] for x in rows)
+    assert [x["reward/probe"] for x in rows] == [0.0] * 32 and not list(code.glob("probe-*"))
     for x in rows:
         assert x["reward/len"] == pytest.approx(-0.01 * len(x["completion"]))
         assert x["reward/has_digit"] == float(any(c.isdigit() for c in x["completion"]))
@@ -350,7 +369,8 @@ def test_a_user_task_and_reward_fns_through_the_pipe(sft_dir, code):
     m = manifests.read_manifest(roll)
     assert m["reward_fns"] == {"has_digit": f"{r}:has_digit", "exact": f"{r}:exact"}
     assert m["inputs"]["reward_fn:exact"] == fingerprints.fingerprint(r)
-    assert m["rollout"]["task"] == task and m["rollout"]["reward_fn"] == [f"len={r}:brevity"]
+    assert m["rollout"]["task"] == task and m["rollout"]["reward_fn"] == [f"len={r}:brevity", f"{r}:probe"]
+    assert m["rollout"]["sandbox"] == "bwrap"
 
     metrics = code / "m.jsonl"
     u = run_cli("update", "--policy", str(sft_dir), "--in", str(roll), "--out", str(code / "u"), "--beta", "0",

@@ -109,3 +109,54 @@ def test_rewards_and_reasons_from_programs_run_in_the_sandbox():
     assert got.reasons == ["wrong_answer", "syntax_error", "runtime_error", "timeout", "passed"]
     frac = get_task("code:data=sample,heldout=0.3,reward=fraction,timeout=3")
     assert frac.reward("```python\ndef triangle(n):\n    return n * n\n```", call.answer) == pytest.approx(1 / 3)
+
+
+def test_without_bubblewrap_the_stages_refuse_model_code_in_one_line_and_write_nothing(sft_dir, tmp_path):
+    from tests.conftest import one_error_line, run_cli
+
+    gone = {"RLKIT_BWRAP": str(tmp_path / "no-bwrap")}
+    out = tmp_path / "r.arrow"
+    r = run_cli("rollout", "--policy", str(sft_dir), "--task", "code", "--num-prompts", "2", "--out", str(out), env=gone)
+    line = one_error_line(r)
+    assert r.returncode == 69 and "apt-get install bubblewrap" in line and "--sandbox none" in line
+    assert not out.exists()
+    r = run_cli("eval", "--policy", str(sft_dir), "--task", "code", "--sandbox", "docker", env=gone)
+    assert r.returncode == 2 and "--sandbox 'docker': expected one of bwrap, none" in one_error_line(r)
+    # --sandbox none runs them unsandboxed, said on stderr; arithmetic never needs a sandbox
+    r = run_cli("eval", "--policy", str(sft_dir), "--task", "code", "--num-prompts", "3", "--max-new-tokens", "4",
+                "--sandbox", "none", "--json", env=gone)
+    assert r.returncode == 0, r.stderr.decode()[-800:]
+    assert "--sandbox none" in r.stderr.decode() and json.loads(r.stdout)["verdicts"]
+    assert run_cli("eval", "--policy", str(sft_dir), "--num-prompts", "2", "--max-new-tokens", "2", env=gone).returncode == 0
+
+
+@needs_bwrap
+def test_a_user_task_that_runs_code_gets_the_stages_sandbox(tmp_path):
+    from rlkit.sandbox import Sandbox
+    from rlkit.tasks import Scores, task_sandbox
+
+    (tmp_path / "squares.py").write_text('''
+from rlkit.sandbox.programs import TestCase, TestSuite, run_programs
+from rlkit.tasks import Example, Scores
+
+class Squares:
+    runs_code = True  # its verifier runs the model's program: the stage hands it a checked sandbox
+
+    def iter_examples(self, split, seed):
+        for n in range(2, 50):
+            yield Example(f"{split}-{n}", f"square {n}", str(n * n), split)
+
+    def reward(self, response, answer):
+        raise AssertionError("score_batch is used")
+
+    def score_batch(self, responses, answers, sandbox):
+        suites = [TestSuite((TestCase("stdio", "", a + "\\n"),)) for a in answers]
+        out = run_programs(sandbox, list(zip(responses, suites)))
+        return Scores([float(o.reason == "passed") for o in out], [o.reason for o in out])
+''')
+    t = get_task(f"{tmp_path}/squares.py:Squares")
+    sb = task_sandbox(t, None, 2)
+    assert isinstance(sb, Sandbox) and sb.kind == "bwrap" and sb.workers == 2
+    got = verify(t, ["print(4)", "print(5)", "open('/etc/passwd-x', 'w')"], ["4", "4", "4"], sb)
+    assert got == Scores([1.0, 0.0, 0.0], ["passed", "wrong_answer", "runtime_error"])
+    assert task_sandbox(get_task("arithmetic"), None) is None  # a task that runs no code gets none
