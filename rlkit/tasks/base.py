@@ -99,6 +99,18 @@ class Task(Protocol):
     def reward(self, response: str, answer: str) -> float: ...
 
 
+def shuffled_passes(rows: Sequence, rng, unique: bool) -> Iterator:
+    """The rows of a data split in an order shuffled by `rng`: once when `unique`, else pass after pass
+    (each reshuffled) without end."""
+    while True:
+        order = list(range(len(rows)))
+        rng.shuffle(order)
+        for j in order:
+            yield rows[j]
+        if unique:
+            return
+
+
 def check_split(split: str) -> None:
     if split not in SPLITS:
         raise RlkitError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlkit.errors import RlkitError
-from rlkit.tasks.base import Example, Scores, check_split, is_heldout
+from rlkit.tasks.base import Example, Scores, check_split, is_heldout, shuffled_passes
 
 if TYPE_CHECKING:
     from rlkit.sandbox import Sandbox
@@ -337,13 +337,9 @@ class Code:
             if not rows:
                 raise RlkitError(f"task {self.spec}: the {split} split is empty ({len(self._loaded[0])} problems); "
                                  "use more data or another heldout fraction")
-            while True:
-                order = list(range(len(rows)))
-                rng.shuffle(order)
-                for j in order:
-                    yield Example(rows[j].prompt_id, rows[j].prompt, rows[j].tests, split)
-                if unique:
-                    return
+            for p in shuffled_passes(rows, rng, unique):
+                yield Example(p.prompt_id, p.prompt, p.tests, split)
+            return
         seen: set[str] = set()
         misses = i = 0
         while True:

@@ -28,7 +28,7 @@ from functools import cached_property
 from pathlib import Path
 
 from rlkit.errors import RlkitError
-from rlkit.tasks.base import Example, check_split, is_heldout, last_integer
+from rlkit.tasks.base import Example, check_split, is_heldout, last_integer, shuffled_passes
 
 SAMPLE = Path(__file__).parent / "data_files" / "math_sample.jsonl"
 PROMPT = "Question: {question}\nAnswer:"  # the completion starts with a space
@@ -240,14 +240,8 @@ class Math:
             raise RlkitError(f"task {self.spec}: the {split} split is empty ({len(self._loaded[0])} questions); "
                              "use more data, another heldout fraction, or test=FILE")
         unique = unique or split == "heldout"
-        rng = random.Random(f"{self.spec}|{split}|{seed}")
-        while True:
-            order = list(range(len(rows)))
-            rng.shuffle(order)
-            for j in order:
-                yield Example(rows[j].prompt_id, rows[j].prompt, rows[j].gold, split)
-            if unique:
-                return
+        for p in shuffled_passes(rows, random.Random(f"{self.spec}|{split}|{seed}"), unique):
+            yield Example(p.prompt_id, p.prompt, p.gold, split)
 
     def examples(self, split: str, n: int, seed: int, unique: bool = False) -> list[Example]:
         import itertools
