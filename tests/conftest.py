@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,90 @@ def stage(*args: str) -> None:
 
     rv = command().main(args=list(args), prog_name="rlkit", standalone_mode=False)
     assert rv in (None, 0), f"rlkit {' '.join(args)} exited {rv}"
+
+
+# The Python warning filters of a fresh interpreter (taken before any test changes them), which an in-process
+# run restores so that a warning the stage raises reaches its stderr as it would in a subprocess.
+_PROCESS_WARNING_FILTERS = list(warnings.filters)
+
+
+def run_cli_inproc(*args: str, input: bytes | None = None, env: dict | None = None,
+                   cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run one `rlkit` command line in this process, through the CLI's own entry point and error handling
+    (`rlkit.cli._main`: option parsing, the one `rlkit: error:` line, the exit code) with stdin, stdout and
+    stderr on files of their own (file descriptors 0-2 and sys.stdin/stdout/stderr, so that C code's and
+    children's output is caught too): a subprocess's result without a Python start and the torch imports,
+    about 5 seconds a call. For bad-input cases; each test file keeps real subprocesses for what only a
+    process shows (no traceback on its stderr, its exit status). `rlkit.cli.main` adds only what ends a
+    process (`os._exit` under torchrun or with a --follow reader still blocked), which is why it is not
+    called here; a reader thread left running fails the test instead.
+
+    Nothing leaks from one call to the next: the environment, cwd, signal handlers, warning filters,
+    logging, rlkit's console level and a claimed stdout are restored afterwards."""
+    import io
+    import logging
+    import signal
+    import threading
+
+    from rlkit import cli, console
+    from rlkit.io import streams
+
+    e = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
+         "RLKIT_DEBUG": "0", **(env or {})}
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    saved_signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)}
+    root = logging.getLogger()
+    saved_log = (root.level, list(root.handlers))
+    saved_console = (console._level, console.err, console._warnings)
+    saved_sys = (sys.stdin, sys.stdout, sys.stderr)
+    saved_fds = {fd: os.dup(fd) for fd in (0, 1, 2)}
+    files = [tempfile.TemporaryFile() for _ in range(3)]
+    files[0].write(input or b"")
+    files[0].seek(0)
+    try:
+        for fd, f in enumerate(files):
+            os.dup2(f.fileno(), fd)
+        sys.stdin = io.TextIOWrapper(open(0, "rb", closefd=False))
+        sys.stdout = io.TextIOWrapper(open(1, "wb", closefd=False), line_buffering=True)
+        sys.stderr = io.TextIOWrapper(open(2, "wb", closefd=False), line_buffering=True)
+        os.environ.clear()
+        os.environ.update(e)
+        if cwd is not None:
+            os.chdir(cwd)
+        with warnings.catch_warnings():
+            warnings.resetwarnings()
+            warnings.filters[:] = _PROCESS_WARNING_FILTERS
+            warnings.showwarning = lambda m, c, f, n, file=None, line=None: sys.stderr.write(
+                warnings.formatwarning(m, c, f, n, line))
+            try:
+                rc = cli._main(list(args))
+                cli._leave_process_group()
+            except SystemExit as x:
+                rc = x.code if isinstance(x.code, int) else (0 if x.code is None else 1)
+        blocked = [t.name for t in threading.enumerate() if t.name in ("rlkit-open", "rlkit-prefetch") and t.is_alive()]
+        assert not blocked, f"rlkit {' '.join(args)} left its reader thread running: {blocked}"
+    finally:
+        for f in (sys.stdout, sys.stderr):
+            f.flush()
+        if streams._STDOUT is not None:  # a claimed stdout: its descriptor is the stage's, not ours
+            streams._STDOUT.close()
+            streams._STDOUT = None
+        sys.stdin, sys.stdout, sys.stderr = saved_sys
+        for fd, d in saved_fds.items():
+            os.dup2(d, fd)
+            os.close(d)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        os.chdir(saved_cwd)
+        for s, h in saved_signals.items():
+            signal.signal(s, h)
+        root.setLevel(saved_log[0])
+        root.handlers[:] = saved_log[1]
+        console._level, console.err, console._warnings = saved_console
+    out = [(f.seek(0), f.read())[1] for f in files[1:]]
+    for f in files:
+        f.close()
+    return subprocess.CompletedProcess(["rlkit", *args], rc, out[0], out[1])
 
 
 def default_signals() -> None:

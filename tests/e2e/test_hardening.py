@@ -16,7 +16,7 @@ import pytest
 from rlkit.errors import RlkitError
 from rlkit.io import atomic, checkpoints, claims, fingerprints
 
-from conftest import one_error_line, rlkit_cmd, run_cli
+from conftest import one_error_line, rlkit_cmd, run_cli, run_cli_inproc, stage
 
 
 def _flip_last_byte(f: Path) -> None:
@@ -39,13 +39,13 @@ def test_out_equal_to_an_input_is_refused_and_untouched(tmp_path, sft_dir):
     assert f"--out {pol} is one of this stage's inputs (--policy {pol})" in line
     # the same directory spelled differently, and through a symlink
     (tmp_path / "link").symlink_to(pol)
-    r = run_cli("freeze-ref", "--policy", str(pol), "--out", str(tmp_path / "link"))
+    r = run_cli_inproc("freeze-ref", "--policy", str(pol), "--out", str(tmp_path / "link"))
     assert "is one of this stage's inputs (--policy" in one_error_line(r) and r.returncode == 2
-    r = run_cli("update", "--policy", str(pol), "--out", str(tmp_path / "." / "pol"), "--in", "nothing.arrow")
+    r = run_cli_inproc("update", "--policy", str(pol), "--out", str(tmp_path / "." / "pol"), "--in", "nothing.arrow")
     assert "is one of this stage's inputs (--policy" in one_error_line(r)
-    r = run_cli("update", "--policy", str(pol), "--out", str(pol / "next"), "--in", "nothing.arrow")
+    r = run_cli_inproc("update", "--policy", str(pol), "--out", str(pol / "next"), "--in", "nothing.arrow")
     assert "lies inside an input directory (--policy" in one_error_line(r)
-    r = run_cli("update", "--policy", str(pol), "--out", str(tmp_path), "--in", "nothing.arrow")
+    r = run_cli_inproc("update", "--policy", str(pol), "--out", str(tmp_path), "--in", "nothing.arrow")
     assert "contains one of this stage's inputs (--policy" in one_error_line(r)
     assert _tree_sha(pol) == before and sorted(os.listdir(tmp_path)) == ["link", "pol"]
 
@@ -54,15 +54,15 @@ def test_out_equal_to_the_input_table_or_a_lora_base(tmp_path, sft_dir):
     from conftest import make_lora_checkpoint
 
     table = tmp_path / "p.arrow"
-    assert run_cli("prompts", "--num-prompts", "4", "--out", str(table)).returncode == 0
+    stage("prompts", "--num-prompts", "4", "--out", str(table))
     before = fingerprints.sha256_file(table)
-    r = run_cli("cat", str(table), "--out", str(table))
+    r = run_cli_inproc("cat", str(table), "--out", str(table))
     assert f"is one of this stage's inputs (TABLE {table})" in one_error_line(r)
     base = tmp_path / "base"
     shutil.copytree(sft_dir, base)
     lora = make_lora_checkpoint(base, tmp_path / "lora", seed=0)
     base_sha = _tree_sha(base)
-    r = run_cli("freeze-ref", "--policy", str(lora), "--out", str(base))
+    r = run_cli_inproc("freeze-ref", "--policy", str(lora), "--out", str(base))
     assert "(--policy's LoRA base" in one_error_line(r)
     assert _tree_sha(base) == base_sha and fingerprints.sha256_file(table) == before
 
@@ -76,7 +76,7 @@ def test_a_second_writer_of_the_same_out_is_refused_naming_the_first(tmp_path, r
     deadline = time.time() + 60
     while time.time() < deadline and not (lock.exists() and lock.read_text().strip()):
         time.sleep(0.05)
-    r = run_cli("score-ref", "--ref", str(ref_dir), "--in", "whatever.arrow", "--out", str(out))
+    r = run_cli_inproc("score-ref", "--ref", str(ref_dir), "--in", "whatever.arrow", "--out", str(out))
     line = one_error_line(r)
     assert r.returncode == 75 and f"(pid {first.pid})" in line and "being written by another" in line
     first.communicate(input=b"", timeout=60)  # nothing arrives: the first fails in one line, lets go of --out
@@ -107,9 +107,9 @@ def test_a_tampered_policy_or_reward_model_is_refused_unless_no_verify(tmp_path,
     pol = tmp_path / "pol"
     shutil.copytree(sft_dir, pol)
     _flip_last_byte(pol / "model.safetensors")
-    line = one_error_line(run_cli("eval", "--policy", str(pol), "--num-prompts", "2"))
+    line = one_error_line(run_cli_inproc("eval", "--policy", str(pol), "--num-prompts", "2"))
     assert f"policy {pol} fails its hash check (sha256 mismatch in model.safetensors)" in line
-    r = run_cli("rollout", "--policy", str(pol), "--num-prompts", "2", "--n", "1", "--engine", "hf",
+    r = run_cli_inproc("rollout", "--policy", str(pol), "--num-prompts", "2", "--n", "1", "--engine", "hf",
                 "--out", str(tmp_path / "r.arrow"))
     assert "fails its hash check" in one_error_line(r) and not (tmp_path / "r.arrow").exists()
     r = run_cli("eval", "--policy", str(pol), "--num-prompts", "2", "--no-verify")
@@ -164,34 +164,34 @@ def test_damaged_checkpoints_are_one_line_each(tmp_path, sft_dir):
 
     nan = copy("nan")
     _resave(nan, lambda sd: sd[sorted(sd)[2]].view(-1).__setitem__(0, float("nan")))
-    line = one_error_line(run_cli("eval", "--policy", str(nan), "--num-prompts", "2"))
+    line = one_error_line(run_cli_inproc("eval", "--policy", str(nan), "--num-prompts", "2"))
     assert "holds NaN or inf values" in line and "model.safetensors" in line
-    line = one_error_line(run_cli("eval", "--policy", str(nan), "--num-prompts", "2", "--no-verify"))
+    line = one_error_line(run_cli_inproc("eval", "--policy", str(nan), "--num-prompts", "2", "--no-verify"))
     assert "holds NaN or inf values" in line  # found once loaded, before any sampling
     notok = copy("notok")
     for f in notok.glob("tokenizer*"):
         f.unlink()
-    assert "has no tokenizer files" in one_error_line(run_cli("eval", "--policy", str(notok), "--num-prompts", "2"))
+    assert "has no tokenizer files" in one_error_line(run_cli_inproc("eval", "--policy", str(notok), "--num-prompts", "2"))
     hdr = copy("hdr")
     with open(hdr / "model.safetensors", "r+b") as fh:
         fh.seek(9)
         fh.write(b"\xff\xfe")
-    line = one_error_line(run_cli("eval", "--policy", str(hdr), "--num-prompts", "2", "--no-verify"))
+    line = one_error_line(run_cli_inproc("eval", "--policy", str(hdr), "--num-prompts", "2", "--no-verify"))
     assert "is not a valid safetensors file" in line and str(hdr / "model.safetensors") in line
     cut = copy("cut")
     with open(cut / "model.safetensors", "r+b") as fh:
         fh.truncate(cut.joinpath("model.safetensors").stat().st_size - 100)
-    line = one_error_line(run_cli("eval", "--policy", str(cut), "--num-prompts", "2", "--no-verify"))
+    line = one_error_line(run_cli_inproc("eval", "--policy", str(cut), "--num-prompts", "2", "--no-verify"))
     assert "truncated" in line
     manifest = copy("manifest")
     (manifest / "rlkit.json").write_text("{not json")
-    assert "rlkit.json is not valid JSON" in one_error_line(run_cli("eval", "--policy", str(manifest), "--num-prompts", "2"))
+    assert "rlkit.json is not valid JSON" in one_error_line(run_cli_inproc("eval", "--policy", str(manifest), "--num-prompts", "2"))
 
 
 def test_random_bytes_as_a_table_name_the_file(tmp_path, sft_dir):
     bad = tmp_path / "rand.arrow"
     bad.write_bytes(os.urandom(5000))
-    line = one_error_line(run_cli("update", "--policy", str(sft_dir), "--in", str(bad), "--out", str(tmp_path / "u")))
+    line = one_error_line(run_cli_inproc("update", "--policy", str(sft_dir), "--in", str(bad), "--out", str(tmp_path / "u")))
     assert f"{bad} is not an Arrow IPC stream table" in line
     assert sorted(os.listdir(tmp_path)) == ["rand.arrow"]
 
@@ -199,11 +199,11 @@ def test_random_bytes_as_a_table_name_the_file(tmp_path, sft_dir):
 def test_inspect_verify_fails_on_a_mismatch_whatever_the_other_flags(tmp_path, sft_dir):
     pol = tmp_path / "pol"
     shutil.copytree(sft_dir, pol)
-    assert run_cli("inspect", str(pol), "--verify").returncode == 0
-    assert run_cli("inspect", str(pol), "--verify", "--check").returncode == 0
+    assert run_cli_inproc("inspect", str(pol), "--verify").returncode == 0
+    assert run_cli_inproc("inspect", str(pol), "--verify", "--check").returncode == 0
     _flip_last_byte(pol / "model.safetensors")
     for extra in ([], ["--json"], ["--check"]):
-        r = run_cli("inspect", str(pol), "--verify", *extra)
+        r = run_cli_inproc("inspect", str(pol), "--verify", *extra)
         assert r.returncode == 2, (extra, r.stderr.decode())
         assert "fails its hash check: sha256 mismatch in model.safetensors" in r.stderr.decode().splitlines()[-1]
 
@@ -224,14 +224,14 @@ def test_an_unwritable_out_is_found_before_any_work(tmp_path):
     try:
         t0 = time.time()
         for out in (ro / "ckpt", ro / "a" / "b" / "ckpt"):
-            r = run_cli("sft", "--out", str(out), "--num-examples", "100000")
+            r = run_cli_inproc("sft", "--out", str(out), "--num-examples", "100000")
             line = one_error_line(r)
             assert r.returncode == 74 and f"cannot write --out {out}" in line
         assert time.time() - t0 < 60  # refused at start, not after 100k examples of training
         assert os.listdir(ro) == []
         # under a file instead of a folder
         (tmp_path / "f").write_text("x")
-        r = run_cli("prompts", "--num-prompts", "3", "--out", str(tmp_path / "f" / "p.arrow"))
+        r = run_cli_inproc("prompts", "--num-prompts", "3", "--out", str(tmp_path / "f" / "p.arrow"))
         assert r.returncode == 74 and "cannot write --out" in one_error_line(r)
     finally:
         subprocess.run(["chattr", "-i", str(ro)], capture_output=True)
