@@ -12,7 +12,7 @@
 #   QUESTION [question] TESTS [input_output, else tests] SOLUTION [solutions] its columns
 #   REWARD [all] or fraction (of tests passed)   TIMEOUT [10] seconds per program   MEMORY [1024] MB per program
 #   SANDBOX [bwrap] or none (UNSAFE: model code runs as you)   SANDBOX_WORKERS [CPU count]
-#   RUNS [runs/code]  SFT_EXAMPLES [8000]  PROMPTS [256]  MAX_NEW_TOKENS [40]
+#   RUNS [runs/code]  SFT_EXAMPLES [12000]  PROMPTS [256]  MAX_NEW_TOKENS [40]
 # TASK, when set, replaces the spec built from DATA..MEMORY (a path or spec must not contain a comma).
 set -euo pipefail
 
@@ -23,7 +23,7 @@ if [ -n "${DATA:-}" ]; then
   [ -n "${SOLUTION:-}" ] && opts="$opts,solution=$SOLUTION"
 fi
 export TASK="${TASK:-code:$opts}"
-export RUNS="${RUNS:-runs/code}" SFT_EXAMPLES="${SFT_EXAMPLES:-8000}" PROMPTS="${PROMPTS:-256}"
+export RUNS="${RUNS:-runs/code}" SFT_EXAMPLES="${SFT_EXAMPLES:-12000}" PROMPTS="${PROMPTS:-256}"
 export MAX_NEW_TOKENS="${MAX_NEW_TOKENS:-40}" MODEL="${MODEL:-tiny}"
 export SANDBOX="${SANDBOX:-bwrap}"  # rlvr.sh passes SANDBOX and SANDBOX_WORKERS to sft, eval and rollout
 exec bash "$(dirname "${BASH_SOURCE[0]}")/rlvr.sh"
