@@ -14,7 +14,7 @@ import torch
 
 from rlkit.io import checkpoints, fingerprints, manifests, streams
 
-from conftest import one_error_line, rlkit_cmd, run_cli, stage, updates_in_one_process
+from conftest import one_error_line, rlkit_cmd, run_cli, run_cli_inproc, stage, updates_in_one_process
 
 pytestmark = pytest.mark.slow
 
@@ -112,9 +112,8 @@ def test_the_pipe_from_the_users_card(sft_dir, ref_dir, tmp_path):
 
     # an SFT checkpoint records no reference: the error says how to make one
     roll = tmp_path / "sft-rollouts.arrow"
-    assert run_cli("rollout", "--policy", str(sft_dir), "--num-prompts", "2", "--n", "2", "--out",
-                   str(roll)).returncode == 0
-    line = one_error_line(run_cli("score-ref", "--in", str(roll), "--out", str(tmp_path / "s.arrow")))
+    stage("rollout", "--policy", str(sft_dir), "--num-prompts", "2", "--n", "2", "--out", str(roll))
+    line = one_error_line(run_cli_inproc("score-ref", "--in", str(roll), "--out", str(tmp_path / "s.arrow")))
     assert f"`rlkit freeze-ref --policy {sft_dir} --out ref/` and pass `--ref ref/`" in line, line
     assert not (tmp_path / "s.arrow").exists()
 
@@ -172,16 +171,16 @@ def test_bad_inputs_to_the_loop(sft_dir, ref_dir, tmp_path):
     stripped = t.drop_columns(["completion_ids"]).replace_schema_metadata(None)
     with pa.ipc.new_stream(str(plain), stripped.schema) as w:
         w.write_table(stripped)
-    line = one_error_line(run_cli("score-ref", "--ref", str(ref_dir), "--in", str(plain), "--out", str(tmp_path / "s.arrow")))
+    line = one_error_line(run_cli_inproc("score-ref", "--ref", str(ref_dir), "--in", str(plain), "--out", str(tmp_path / "s.arrow")))
     assert "missing column 'completion_ids'" in line and "`rlkit rollout`" in line
     # empty input
     empty = tmp_path / "empty.arrow"
     with streams.write_table("rollouts", empty, manifests.read_manifest(roll),
                                [pa.field("reward/verifier", pa.float64())]):
         pass
-    line = one_error_line(run_cli("score-ref", "--ref", str(ref_dir), "--in", str(empty), "--out", str(tmp_path / "s.arrow")))
+    line = one_error_line(run_cli_inproc("score-ref", "--ref", str(ref_dir), "--in", str(empty), "--out", str(tmp_path / "s.arrow")))
     assert "no rows" in line and not (tmp_path / "s.arrow").exists()
-    line = one_error_line(run_cli("update", "--policy", str(sft_dir), "--in", str(empty), "--out", str(tmp_path / "u"),
+    line = one_error_line(run_cli_inproc("update", "--policy", str(sft_dir), "--in", str(empty), "--out", str(tmp_path / "u"),
                                    "--beta", "0"))
     assert "no rows" in line
     # a reference whose tokenizer differs from the policy's
@@ -196,21 +195,21 @@ def test_bad_inputs_to_the_loop(sft_dir, ref_dir, tmp_path):
     tok.add_special_tokens({"additional_special_tokens": ["<extra>"]})
     tok.save_pretrained(other)
     freeze(FreezeRefConfig(policy=other, out=tmp_path / "other-ref"))
-    line = one_error_line(run_cli("score-ref", "--ref", str(tmp_path / "other-ref"), "--in", str(roll),
+    line = one_error_line(run_cli_inproc("score-ref", "--ref", str(tmp_path / "other-ref"), "--in", str(roll),
                                    "--out", str(tmp_path / "s.arrow")))
     assert "different tokenizer" in line and not (tmp_path / "s.arrow").exists()
     # a prompts table is not rollouts
     p = tmp_path / "p.arrow"
-    assert run_cli("prompts", "--num-prompts", "3", "--out", str(p)).returncode == 0
-    line = one_error_line(run_cli("update", "--policy", str(sft_dir), "--in", str(p), "--out", str(tmp_path / "u")))
+    stage("prompts", "--num-prompts", "3", "--out", str(p))
+    line = one_error_line(run_cli_inproc("update", "--policy", str(sft_dir), "--in", str(p), "--out", str(tmp_path / "u")))
     assert "is a 'prompts' table, expected a 'rollouts' or 'scored' table" in line
     # k1 in the loss has zero expected gradient: refused before anything is read or written
     scored = tmp_path / "scored.arrow"
-    assert run_cli("score-ref", "--ref", str(ref_dir), "--in", str(roll), "--out", str(scored)).returncode == 0
-    line = one_error_line(run_cli("update", "--policy", str(sft_dir), "--in", str(scored), "--out", str(tmp_path / "u"),
+    stage("score-ref", "--ref", str(ref_dir), "--in", str(roll), "--out", str(scored))
+    line = one_error_line(run_cli_inproc("update", "--policy", str(sft_dir), "--in", str(scored), "--out", str(tmp_path / "u"),
                                    "--kl-estimator", "k1", "--kl-in", "loss"))
     assert "zero expected gradient" in line and "k3+" in line and not (tmp_path / "u").exists()
-    line = one_error_line(run_cli("update", "--policy", str(sft_dir), "--in", str(scored), "--out", str(tmp_path / "u"),
+    line = one_error_line(run_cli_inproc("update", "--policy", str(sft_dir), "--in", str(scored), "--out", str(tmp_path / "u"),
                                    "--dual-clip", "1"))
     assert "--dual-clip 1 must be > 1" in line and not (tmp_path / "u").exists()
 
@@ -286,13 +285,13 @@ def test_engine_choice_and_recomputed_pi_old(sft_dir, tmp_path):
 def test_bad_engine_and_pi_old_options(sft_dir, tmp_path):
     roll = _rollouts(sft_dir, tmp_path / "r.arrow", num=4)
     out = str(tmp_path / "x.arrow")
-    r = run_cli("rollout", "--policy", str(sft_dir), "--engine", "tpu", "--out", out)  # a choice, as --algo is
+    r = run_cli_inproc("rollout", "--policy", str(sft_dir), "--engine", "tpu", "--out", out)  # a choice, as --algo is
     assert r.returncode == 2 and "'tpu' is not one of 'auto', 'hf', 'vllm'" in r.stderr.decode()
-    line = one_error_line(run_cli("rollout", "--policy", str(sft_dir), "--engine", "hf", "--tp", "2", "--out", out))
+    line = one_error_line(run_cli_inproc("rollout", "--policy", str(sft_dir), "--engine", "hf", "--tp", "2", "--out", out))
     assert "vLLM options" in line
     upd = ["update", "--policy", str(sft_dir), "--in", str(roll), "--out", str(tmp_path / "u"), "--beta", "0"]
-    line = one_error_line(run_cli(*upd, "--old-logprobs", "engine", "--tis-cap", "2"))
+    line = one_error_line(run_cli_inproc(*upd, "--old-logprobs", "engine", "--tis-cap", "2"))
     assert "--tis-cap" in line and "--old-logprobs recompute" in line
-    r = run_cli(*upd, "--old-logprobs", "sometimes")  # a choice: click's usage error names the option
+    r = run_cli_inproc(*upd, "--old-logprobs", "sometimes")  # a choice: click's usage error names the option
     assert r.returncode == 2 and "'sometimes' is not one of 'engine', 'recompute', 'auto'" in r.stderr.decode()
     assert not (tmp_path / "u").exists() and not (tmp_path / "x.arrow").exists()
