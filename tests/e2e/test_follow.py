@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from rlkit.errors import RlkitError
 from rlkit.io import follow, manifests, streams
 
-from conftest import one_error_line, rlkit_cmd, run_cli, stage
+from conftest import one_error_line, rlkit_cmd, run_cli, run_cli_inproc, stage
 
 P, N = 8, 4  # prompts per step, samples per prompt: small, so a step takes about a second here
 UPDATE = ["--minibatch-size", "16", "--epochs", "2", "--seed", "0"]
@@ -259,13 +259,13 @@ def test_follow_bad_input_one_line_each(sft_dir, ref_dir, tmp_path):
     junk = tmp_path / "junk"
     junk.mkdir()
     (junk / "notes.txt").write_text("mine")
-    assert "'notes.txt' is not an rlkit step directory" in one_error_line(run_cli(*update, "--out", str(junk),
+    assert "'notes.txt' is not an rlkit step directory" in one_error_line(run_cli_inproc(*update, "--out", str(junk),
                                                                                   "--in", str(scored)))
-    assert "is a model directory" in one_error_line(run_cli(*update, "--out", str(ref_dir), "--in", str(scored)))
-    assert "one of this stage's inputs (--policy" in one_error_line(run_cli(*update, "--out", str(sft_dir), "--in",
+    assert "is a model directory" in one_error_line(run_cli_inproc(*update, "--out", str(ref_dir), "--in", str(scored)))
+    assert "one of this stage's inputs (--policy" in one_error_line(run_cli_inproc(*update, "--out", str(sft_dir), "--in",
                                                                            str(scored)))
     assert "'notes.txt' is not an rlkit step directory" in one_error_line(
-        run_cli("rollout", "--follow", str(junk), "--policy", str(sft_dir), "--out", str(tmp_path / "x.arrow")))
+        run_cli_inproc("rollout", "--follow", str(junk), "--policy", str(sft_dir), "--out", str(tmp_path / "x.arrow")))
     assert (junk / "notes.txt").read_text() == "mine" and sorted(os.listdir(junk)) == ["notes.txt"]
 
     # upstream dying mid-stream: the first full batch is a step, the partial second one is not
@@ -290,17 +290,17 @@ def test_follow_bad_input_one_line_each(sft_dir, ref_dir, tmp_path):
     vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
     tok_file.write_text(json.dumps(tj))
     assert "different tokenizer" in one_error_line(
-        run_cli("rollout", "--follow", str(other), "--policy", str(sft_dir), "--out", str(tmp_path / "z.arrow")))
-    assert "different tokenizer" in one_error_line(run_cli(*update, "--out", str(other), "--in", str(scored)))
+        run_cli_inproc("rollout", "--follow", str(other), "--policy", str(sft_dir), "--out", str(tmp_path / "z.arrow")))
+    assert "different tokenizer" in one_error_line(run_cli_inproc(*update, "--out", str(other), "--in", str(scored)))
 
     # a checkpoint that fails its hash: rollout and a resuming update refuse it
     w = root / "step-000001" / "model.safetensors"
     blob = bytearray(w.read_bytes())
     blob[-1] ^= 1
     w.write_bytes(bytes(blob))
-    assert "fails its hash check" in one_error_line(run_cli(*update, "--out", str(root), "--in", str(scored)))
+    assert "fails its hash check" in one_error_line(run_cli_inproc(*update, "--out", str(root), "--in", str(scored)))
     assert "fails its hash check" in one_error_line(
-        run_cli("rollout", "--follow", str(root), "--policy", str(sft_dir), "--out", str(tmp_path / "y.arrow")))
+        run_cli_inproc("rollout", "--follow", str(root), "--policy", str(sft_dir), "--out", str(tmp_path / "y.arrow")))
     assert not (tmp_path / "y.arrow").exists() and [s.step for s in follow.scan(root)[0]] == [1]
 
     # two writers on one directory: the second is refused while the first waits on an open stdin
@@ -312,7 +312,7 @@ def test_follow_bad_input_one_line_each(sft_dir, ref_dir, tmp_path):
         while not (root2 / ".lock").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.5)
-        line = one_error_line(run_cli(*update, "--out", str(root2), "--in", str(scored)))
+        line = one_error_line(run_cli_inproc(*update, "--out", str(root2), "--in", str(scored)))
         assert f"(pid {first.pid})" in line and "refusing to start a second writer" in line
     finally:
         first.kill()

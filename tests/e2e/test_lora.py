@@ -20,7 +20,14 @@ from rlkit.algorithms.inputs import build_batch
 from rlkit.io import adapters, checkpoints, fingerprints, streams
 from rlkit.training import LoraOptions, TrainOptions, lora
 
-from conftest import make_lora_checkpoint, one_error_line, rlkit_cmd, run_cli, updates_in_one_process
+from conftest import (
+    make_lora_checkpoint,
+    one_error_line,
+    rlkit_cmd,
+    run_cli,
+    run_cli_inproc,
+    updates_in_one_process,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -297,8 +304,8 @@ def test_bad_lora_inputs_are_one_line_and_write_nothing(sft_dir, lora_sft, tmp_p
     roll = _rollouts(sft_dir, tmp_path / "r.arrow", seed=0, num=2, n=2)
     out = tmp_path / "out"
 
-    def refused(*args: str) -> str:
-        line = one_error_line(run_cli(*args))
+    def refused(*args: str, subprocess: bool = False) -> str:
+        line = one_error_line((run_cli if subprocess else run_cli_inproc)(*args))
         assert not out.exists()
         return line
 
@@ -311,7 +318,7 @@ def test_bad_lora_inputs_are_one_line_and_write_nothing(sft_dir, lora_sft, tmp_p
     data = bytearray(w.read_bytes())
     data[-1] ^= 1
     w.write_bytes(bytes(data))
-    line = refused("update", "--policy", str(ck), "--in", str(roll), "--out", str(out), "--beta", "0")
+    line = refused("update", "--policy", str(ck), "--in", str(roll), "--out", str(out), "--beta", "0", subprocess=True)
     assert f"LoRA checkpoint {ck.absolute()}: its base model {base.absolute()} was changed since" in line
     assert "sha256 mismatch in model.safetensors" in line
     shutil.move(base, tmp_path / "moved")
@@ -340,7 +347,7 @@ def test_bad_lora_inputs_are_one_line_and_write_nothing(sft_dir, lora_sft, tmp_p
     if shm.is_dir() and os.access(shm, os.W_OK) and os.stat(shm).st_dev != os.stat(tmp_path).st_dev:
         far = shm / f"rlkit-test-{os.getpid()}" / "ref"
         try:
-            line = one_error_line(run_cli("freeze-ref", "--policy", str(sft_dir), "--out", str(far), "--link"))
+            line = one_error_line(run_cli_inproc("freeze-ref", "--policy", str(sft_dir), "--out", str(far), "--link"))
             assert "one filesystem" in line and not far.exists()
         finally:
             shutil.rmtree(far.parent, ignore_errors=True)

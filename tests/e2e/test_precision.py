@@ -19,7 +19,7 @@ from rlkit.ops.logprobs import gather_logprobs
 from rlkit.training import Precision, TrainOptions
 from rlkit.training.trainer import Trainer
 
-from conftest import one_error_line, run_cli, stage
+from conftest import one_error_line, run_cli, run_cli_inproc, stage
 
 
 def test_half_precision_logprobs_keep_no_fp32_copy_and_match_autograd():
@@ -173,14 +173,14 @@ def test_every_training_stage_runs_in_bf16_with_checkpointing(sft_dir, ref_dir, 
 
 def test_bad_precision_options_are_one_line_and_write_nothing(sft_dir, tmp_path):
     out = tmp_path / "out"
-    r = run_cli("update", "--policy", str(sft_dir), "--in", str(tmp_path / "none.arrow"), "--out", str(out),
-                "--dtype", "fp8")  # a choice: click's usage error names the option and the choices
+    r = run_cli_inproc("update", "--policy", str(sft_dir), "--in", str(tmp_path / "none.arrow"), "--out", str(out),
+                       "--dtype", "fp8")  # a choice: click's usage error names the option and the choices
     assert r.returncode == 2 and "Invalid value for '--dtype'" in r.stderr.decode()
     assert "'fp8' is not one of 'auto', 'fp32', 'bf16', 'fp16'" in r.stderr.decode()
     r = run_cli("sft", "--model", str(sft_dir), "--out", str(out), "--dtype", "fp16", env={"WORLD_SIZE": "2"})
     assert "fp16 under torchrun" in one_error_line(r)
-    r = run_cli("train-rm", "--model", str(sft_dir), "--prefs", str(tmp_path / "p.arrow"), "--out", str(out),
-                "--dtype", "half")
+    r = run_cli_inproc("train-rm", "--model", str(sft_dir), "--prefs", str(tmp_path / "p.arrow"), "--out", str(out),
+                       "--dtype", "half")
     assert r.returncode == 2 and "'half' is not one of" in r.stderr.decode()
     assert not out.exists()
     with pytest.raises(Exception, match="expected one of"):

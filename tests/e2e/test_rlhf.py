@@ -14,7 +14,7 @@ from rlkit.io import manifests, streams
 from rlkit.tasks import get_task
 from rlkit.tasks import prefs as prefs_lib
 
-from conftest import one_error_line, run_cli, stage
+from conftest import one_error_line, run_cli, run_cli_inproc, stage
 
 pytestmark = pytest.mark.slow
 
@@ -181,7 +181,7 @@ def test_bad_preference_and_scoring_inputs(sft_dir, ref_dir, rm_dir, tmp_path):
 
     good = [{"question": f"<{i}+1>=", "good": str(i + 1), "bad": str(i + 2)} for i in range(20)]
     out = tmp_path / "imported.arrow"
-    r = run_cli("build-prefs", "--from", jsonl("ok.jsonl", good), "--prompt-column", "question", "--chosen-column", "good",
+    r = run_cli_inproc("build-prefs", "--from", jsonl("ok.jsonl", good), "--prompt-column", "question", "--chosen-column", "good",
                 "--rejected-column", "bad", "--out", str(out))
     assert r.returncode == 0, r.stderr
     t = streams.read_table(out, ["prefs"])[0]
@@ -191,10 +191,10 @@ def test_bad_preference_and_scoring_inputs(sft_dir, ref_dir, rm_dir, tmp_path):
                                   "--chosen-column", "good", "--rejected-column", "bad", "--out", str(tmp_path / "x.arrow")))
     assert "chosen == rejected" in line
     empty = [{**good[0], "bad": ""}, *good[1:]]
-    line = one_error_line(run_cli("build-prefs", "--from", jsonl("empty.jsonl", empty), "--prompt-column", "question",
+    line = one_error_line(run_cli_inproc("build-prefs", "--from", jsonl("empty.jsonl", empty), "--prompt-column", "question",
                                   "--chosen-column", "good", "--rejected-column", "bad", "--out", str(tmp_path / "x.arrow")))
     assert "empty 'rejected'" in line
-    line = one_error_line(run_cli("build-prefs", "--from", jsonl("ok2.jsonl", good), "--out", str(tmp_path / "x.arrow")))
+    line = one_error_line(run_cli_inproc("build-prefs", "--from", jsonl("ok2.jsonl", good), "--out", str(tmp_path / "x.arrow")))
     assert "missing column 'prompt'" in line or "no column" in line
     assert not (tmp_path / "x.arrow").exists()
     # a prefs table with no held-out pairs cannot measure pair accuracy
@@ -203,16 +203,16 @@ def test_bad_preference_and_scoring_inputs(sft_dir, ref_dir, rm_dir, tmp_path):
                     "rejected": ["3", "5"], "split": ["train", "train"]})
     with pa.ipc.new_stream(str(noheld), tbl.schema) as w:
         w.write_table(tbl)
-    line = one_error_line(run_cli("train-rm", "--model", str(sft_dir), "--prefs", str(noheld), "--out", str(tmp_path / "rm")))
+    line = one_error_line(run_cli_inproc("train-rm", "--model", str(sft_dir), "--prefs", str(noheld), "--out", str(tmp_path / "rm")))
     assert "heldout 0" in line and not (tmp_path / "rm").exists()
     roll = tmp_path / "r.arrow"
-    assert run_cli("rollout", "--policy", str(sft_dir), "--num-prompts", "2", "--n", "2", "--out", str(roll)).returncode == 0
-    line = one_error_line(run_cli("score-ref", "--in", str(roll), "--out", str(tmp_path / "s.arrow")))
+    stage("rollout", "--policy", str(sft_dir), "--num-prompts", "2", "--n", "2", "--out", str(roll))
+    line = one_error_line(run_cli_inproc("score-ref", "--in", str(roll), "--out", str(tmp_path / "s.arrow")))
     assert "--ref" in line and "--rm" in line
-    line = one_error_line(run_cli("score-ref", "--rm", f"a={rm_dir}", "--rm", f"a={rm_dir}", "--in", str(roll),
+    line = one_error_line(run_cli_inproc("score-ref", "--rm", f"a={rm_dir}", "--rm", f"a={rm_dir}", "--in", str(roll),
                                   "--out", str(tmp_path / "s.arrow")))
     assert "twice" in line
-    line = one_error_line(run_cli("score-ref", "--rm", f"a={sft_dir}", "--in", str(roll), "--out", str(tmp_path / "s.arrow")))
+    line = one_error_line(run_cli_inproc("score-ref", "--rm", f"a={sft_dir}", "--in", str(roll), "--out", str(tmp_path / "s.arrow")))
     assert "not a reward model" in line and not (tmp_path / "s.arrow").exists()
 
 

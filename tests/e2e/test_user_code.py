@@ -12,7 +12,7 @@ from rlkit.errors import RlkitError
 from rlkit.io import fingerprints, manifests, streams
 from rlkit.tasks import UserTask, get_task, reward_fns, task_inputs
 
-from conftest import one_error_line, rlkit_cmd, run_cli
+from conftest import one_error_line, rlkit_cmd, run_cli, run_cli_inproc
 
 TASK = '''
 import random
@@ -408,16 +408,16 @@ def test_bad_user_code_is_one_line_and_writes_nothing(sft_dir, code):
     base = ("rollout", "--policy", str(sft_dir), "--num-prompts", "2", "--n", "2", "--out", str(out), "--force")
     line = one_error_line(run_cli(*base, "--reward-fn", f"x={r}:two_args"))
     assert "rlkit cannot fill its parameter 'x'" in line and f"{r}:two_args" in line
-    line = one_error_line(run_cli(*base, "--reward-fn", f"x={code}/nope.py:f"))
+    line = one_error_line(run_cli_inproc(*base, "--reward-fn", f"x={code}/nope.py:f"))
     assert f"{code}/nope.py: no such file" in line
-    line = one_error_line(run_cli(*base, "--reward-fn", "x=nosuchpkg.rewards:f"))
+    line = one_error_line(run_cli_inproc(*base, "--reward-fn", "x=nosuchpkg.rewards:f"))
     assert "no module named 'nosuchpkg'" in line
-    line = one_error_line(run_cli(*base, "--reward-fn", f"verifier={r}:brevity"))
+    line = one_error_line(run_cli_inproc(*base, "--reward-fn", f"verifier={r}:brevity"))
     assert "already a reward component named 'verifier'" in line
-    line = one_error_line(run_cli(*base, "--task", f"{code}/my_tasks.py:NoReward"))
+    line = one_error_line(run_cli_inproc(*base, "--task", f"{code}/my_tasks.py:NoReward"))
     assert "lacks reward(response, answer)" in line
     # raised inside, during sampling: after the engine started, still one line and nothing written
-    err = run_cli(*base, "--reward-fn", f"x={r}:boom").stderr.decode()
+    err = run_cli_inproc(*base, "--reward-fn", f"x={r}:boom").stderr.decode()
     assert err.strip().splitlines()[-1].startswith(f"rlkit: error: --reward-fn x ({r}:boom) raised ValueError: "
                                                    "no reward for you on row 0 (prompt_id 'train-0-0', sample_idx 0)")
     assert "Traceback" not in err
@@ -425,7 +425,7 @@ def test_bad_user_code_is_one_line_and_writes_nothing(sft_dir, code):
     for fn, says in (("nan", "returned nan for row 0"), ("words", "returned 'high' for row 0"),
                      ("has_digit", "already has reward component 'verifier'")):
         name = "verifier" if fn == "has_digit" else "x"
-        line = one_error_line(run_cli("score-ref", "--in", str(out), "--out", str(code / "s.arrow"),
+        line = one_error_line(run_cli_inproc("score-ref", "--in", str(out), "--out", str(code / "s.arrow"),
                                       "--reward-fn", f"{name}={r}:{fn}"))
         assert says in line, line
     assert not (code / "s.arrow").exists()
