@@ -15,7 +15,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rlkit import stage_options
-from rlkit.options import Device, Force, NoVerify, OutTable, PromptColumn, Seed, Task, TrustRemoteCode
+from rlkit.options import (
+    Device,
+    Force,
+    NoVerify,
+    OutTable,
+    PromptColumn,
+    SandboxKind,
+    SandboxWorkers,
+    Seed,
+    Task,
+    TrustRemoteCode,
+)
 from rlkit.stage_options import option
 
 
@@ -34,6 +45,8 @@ class BuildPrefsConfig:
     prompt_column: str = option("prompt", PromptColumn)
     chosen_column: str = option("chosen", panel="Data", help="Column of --from holding the preferred response.")
     rejected_column: str = option("rejected", panel="Data", help="Column of --from holding the other response.")
+    sandbox: str | None = option(None, SandboxKind)  # where the code task's programs run (default bwrap)
+    sandbox_workers: int | None = option(None, SandboxWorkers)
     seed: int = option(0, Seed)
     device: str = option("auto", Device)  # where the policy samples (rlkit.devices)
     out: Path | None = option(None, OutTable)
@@ -91,9 +104,10 @@ def _sampled(cfg: BuildPrefsConfig):
     from rlkit import engines
     from rlkit.errors import RlkitError
     from rlkit.io import checkpoints, data, fingerprints
-    from rlkit.tasks import get_task, prefs, task_inputs
+    from rlkit.tasks import get_task, prefs, task_inputs, task_sandbox, verify
 
     task = get_task(cfg.task)
+    sandbox = task_sandbox(task, cfg.sandbox, cfg.sandbox_workers)  # the code task's: checked before sampling
     cfg = replace(cfg, task=task.spec)
     inputs = task_inputs(task)
     if cfg.policy is not None:
@@ -114,10 +128,16 @@ def _sampled(cfg: BuildPrefsConfig):
         engine.close()
         texts = tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
         samples = [texts[i * cfg.n:(i + 1) * cfg.n] for i in range(len(ex))]
-    for e, s in zip(ex, samples, strict=True):
+    # every sample verified at once (the code task's programs concurrently, in its sandbox)
+    flat = verify(task, [t for s in samples for t in s], [e.answer for e, s in zip(ex, samples, strict=True) for _ in s],
+                  sandbox).values
+    starts = [0]
+    for s in samples:
+        starts.append(starts[-1] + len(s))
+    for k, (e, s) in enumerate(zip(ex, samples, strict=True)):
         rng = random.Random(f"{cfg.seed}|{e.prompt_id}")
         pairs = (prefs.length_biased_pairs(e.answer, rng) if cfg.bias == "length"
-                 else prefs.verified_pairs(e.answer, s, [task.reward(t, e.answer) for t in s], rng))
+                 else prefs.verified_pairs(e.answer, s, flat[starts[k]:starts[k + 1]], rng))
         for p in pairs:
             rows["prompt_id"].append(e.prompt_id)
             rows["prompt"].append(e.prompt)
