@@ -260,7 +260,7 @@ def test_follow_bad_input_one_line_each(sft_dir, ref_dir, tmp_path):
     junk.mkdir()
     (junk / "notes.txt").write_text("mine")
     assert "'notes.txt' is not an rlkit step directory" in one_error_line(run_cli_inproc(*update, "--out", str(junk),
-                                                                                  "--in", str(scored)))
+                                                                                         "--in", str(scored)))
     assert "is a model directory" in one_error_line(run_cli_inproc(*update, "--out", str(ref_dir), "--in", str(scored)))
     assert "one of this stage's inputs (--policy" in one_error_line(run_cli_inproc(*update, "--out", str(sft_dir), "--in",
                                                                            str(scored)))

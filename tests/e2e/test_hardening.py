@@ -110,7 +110,7 @@ def test_a_tampered_policy_or_reward_model_is_refused_unless_no_verify(tmp_path,
     line = one_error_line(run_cli_inproc("eval", "--policy", str(pol), "--num-prompts", "2"))
     assert f"policy {pol} fails its hash check (sha256 mismatch in model.safetensors)" in line
     r = run_cli_inproc("rollout", "--policy", str(pol), "--num-prompts", "2", "--n", "1", "--engine", "hf",
-                "--out", str(tmp_path / "r.arrow"))
+                       "--out", str(tmp_path / "r.arrow"))
     assert "fails its hash check" in one_error_line(r) and not (tmp_path / "r.arrow").exists()
     r = run_cli("eval", "--policy", str(pol), "--num-prompts", "2", "--no-verify")
     assert r.returncode == 0, r.stderr.decode()

@@ -182,7 +182,7 @@ def test_bad_preference_and_scoring_inputs(sft_dir, ref_dir, rm_dir, tmp_path):
     good = [{"question": f"<{i}+1>=", "good": str(i + 1), "bad": str(i + 2)} for i in range(20)]
     out = tmp_path / "imported.arrow"
     r = run_cli_inproc("build-prefs", "--from", jsonl("ok.jsonl", good), "--prompt-column", "question", "--chosen-column", "good",
-                "--rejected-column", "bad", "--out", str(out))
+                       "--rejected-column", "bad", "--out", str(out))
     assert r.returncode == 0, r.stderr
     t = streams.read_table(out, ["prefs"])[0]
     assert t.num_rows == 20 and set(t.column("split").to_pylist()) <= {"train", "heldout"}
@@ -192,7 +192,7 @@ def test_bad_preference_and_scoring_inputs(sft_dir, ref_dir, rm_dir, tmp_path):
     assert "chosen == rejected" in line
     empty = [{**good[0], "bad": ""}, *good[1:]]
     line = one_error_line(run_cli_inproc("build-prefs", "--from", jsonl("empty.jsonl", empty), "--prompt-column", "question",
-                                  "--chosen-column", "good", "--rejected-column", "bad", "--out", str(tmp_path / "x.arrow")))
+                                         "--chosen-column", "good", "--rejected-column", "bad", "--out", str(tmp_path / "x.arrow")))
     assert "empty 'rejected'" in line
     line = one_error_line(run_cli_inproc("build-prefs", "--from", jsonl("ok2.jsonl", good), "--out", str(tmp_path / "x.arrow")))
     assert "missing column 'prompt'" in line or "no column" in line
@@ -210,7 +210,7 @@ def test_bad_preference_and_scoring_inputs(sft_dir, ref_dir, rm_dir, tmp_path):
     line = one_error_line(run_cli_inproc("score-ref", "--in", str(roll), "--out", str(tmp_path / "s.arrow")))
     assert "--ref" in line and "--rm" in line
     line = one_error_line(run_cli_inproc("score-ref", "--rm", f"a={rm_dir}", "--rm", f"a={rm_dir}", "--in", str(roll),
-                                  "--out", str(tmp_path / "s.arrow")))
+                                         "--out", str(tmp_path / "s.arrow")))
     assert "twice" in line
     line = one_error_line(run_cli_inproc("score-ref", "--rm", f"a={sft_dir}", "--in", str(roll), "--out", str(tmp_path / "s.arrow")))
     assert "not a reward model" in line and not (tmp_path / "s.arrow").exists()

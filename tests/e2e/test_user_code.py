@@ -426,7 +426,7 @@ def test_bad_user_code_is_one_line_and_writes_nothing(sft_dir, code):
                      ("has_digit", "already has reward component 'verifier'")):
         name = "verifier" if fn == "has_digit" else "x"
         line = one_error_line(run_cli_inproc("score-ref", "--in", str(out), "--out", str(code / "s.arrow"),
-                                      "--reward-fn", f"{name}={r}:{fn}"))
+                                             "--reward-fn", f"{name}={r}:{fn}"))
         assert says in line, line
     assert not (code / "s.arrow").exists()
     r2 = run_cli("score-ref", "--in", str(out), "--out", str(code / "s.arrow"), "--reward-fn", f"x={r}:boom", "--debug")
