@@ -25,7 +25,7 @@ from rlkit import devices
 from rlkit.algorithms.config import RLConfig
 from rlkit.errors import RlkitError
 
-from conftest import one_error_line, run_cli
+from conftest import one_error_line, run_cli, run_cli_inproc
 
 # ---------------------------------------------------------------- resolution
 
@@ -89,7 +89,7 @@ def test_bad_devices_are_one_line_each_and_write_nothing(sft_dir, tmp_path):
     for stage in (("update", "--policy", str(sft_dir), "--in", str(tmp_path / "none.arrow"), "--out", str(out)),
                   ("sft", "--out", str(out), "--num-examples", "8"),
                   ("score-ref", "--ref", str(sft_dir), "--in", str(tmp_path / "none.arrow"), "--out", str(out))):
-        line = one_error_line(run_cli(*stage, "--device", "tpu"))
+        line = one_error_line(run_cli_inproc(*stage, "--device", "tpu"))
         assert line == "rlkit: error: --device 'tpu': expected auto, cpu, cuda or cuda:N (e.g. cuda:0)", line
     if not torch.cuda.is_available():
         line = one_error_line(run_cli("sft", "--out", str(out), "--num-examples", "8", "--device", "cuda:1"))

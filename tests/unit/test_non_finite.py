@@ -11,7 +11,7 @@ from rlkit.algorithms.config import RLConfig
 from rlkit.errors import RlkitError, non_finite_cause
 from rlkit.io import manifests, schemas, streams
 
-from conftest import one_error_line, run_cli, stage
+from conftest import one_error_line, run_cli, run_cli_inproc, stage
 
 
 def _last_error_line(r) -> str:
@@ -153,7 +153,7 @@ def test_update_names_the_non_finite_column_of_its_input(sft_dir, tmp_path):
 
     for bad, word in ((math.nan, "NaN"), (math.inf, "inf")):
         t = _edit(roll, tmp_path / f"{word}-reward.arrow", "reward/verifier", lambda r, v, bad=bad: bad if r == 3 else v)
-        line = one_error_line(run_cli(*update, "--in", str(t)))
+        line = one_error_line(run_cli_inproc(*update, "--in", str(t)))
         assert line == f"rlkit: error: the input table's reward/verifier holds {word} in 1 of 16 rows", line
     assert not out.exists()
 

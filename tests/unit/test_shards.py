@@ -8,7 +8,7 @@ import pytest
 from rlkit.errors import RlkitError
 from rlkit.io import schemas, shards, streams
 
-from conftest import one_error_line, run_cli
+from conftest import one_error_line, run_cli, run_cli_inproc
 
 
 def test_shard_arithmetic():
@@ -85,13 +85,13 @@ def test_sharded_rollouts_and_scoring_join_into_the_single_job_table(sft_dir, re
                                                                           "is not a shard")):
         line = one_error_line(run_cli("cat", *map(str, args), "--out", str(bad)))
         assert msg in line and not bad.exists(), line
-    line = one_error_line(run_cli("cat", str(parts[0]), str(sw), "--out", str(bad)))
+    line = one_error_line(run_cli_inproc("cat", str(parts[0]), str(sw), "--out", str(bad)))
     assert "different kinds" in line or "not a shard" in line
-    line = one_error_line(run_cli("score-ref", "--ref", str(ref_dir), "--in", str(parts[0]), "--shard", "0/2",
-                                  "--out", str(bad)))
+    line = one_error_line(run_cli_inproc("score-ref", "--ref", str(ref_dir), "--in", str(parts[0]), "--shard", "0/2",
+                                         "--out", str(bad)))
     assert "already shard 0/3" in line and not bad.exists()
-    line = one_error_line(run_cli("score-ref", "--ref", str(ref_dir), "--shard", "0/2", "--out", str(bad),
-                                  input=(tmp_path / "whole.arrow").read_bytes()))
+    line = one_error_line(run_cli_inproc("score-ref", "--ref", str(ref_dir), "--shard", "0/2", "--out", str(bad),
+                                         input=(tmp_path / "whole.arrow").read_bytes()))
     assert "--in FILE" in line
-    line = one_error_line(run_cli("rollout", "--policy", str(sft_dir), "--shard", "2/2", "--out", str(bad)))
+    line = one_error_line(run_cli_inproc("rollout", "--policy", str(sft_dir), "--shard", "2/2", "--out", str(bad)))
     assert "expected I/N" in line and not bad.exists()
