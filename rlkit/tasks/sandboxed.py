@@ -1,5 +1,6 @@
-"""Sandboxed `--reward-fn` workers: with `--sandbox bwrap|none` a user's reward function runs in worker
-processes started through `rlkit.sandbox.spawn`, not in the stage, so a verifier may execute the model's
+"""Sandboxed `--reward-fn` workers: with `--sandbox bwrap` (`load_all(..., sandbox=)`; a Sandbox of kind "none"
+runs the same workers unisolated) a user's reward function runs in worker processes started through
+`rlkit.sandbox.spawn`, not in the stage, so a verifier may execute the model's
 output without trusting it (the function itself is the user's own, trusted code).
 
 Each worker runs `rlkit/tasks/reward_worker.py` (standard library only; its text is passed with
