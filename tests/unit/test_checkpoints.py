@@ -10,7 +10,7 @@ import pytest
 from rlkit.errors import RlkitError
 from rlkit.io import checkpoints
 
-from conftest import run_cli
+from conftest import run_cli, run_cli_inproc
 
 
 def test_sft_checkpoint_is_a_plain_hugging_face_directory(sft_dir):
@@ -74,21 +74,23 @@ def test_rerun_is_skipped_when_up_to_date_and_redone_when_inputs_change(sft_dir,
     assert r.returncode == 0, r.stderr
     assert b"parameters" in r.stderr and b"as fp16" in r.stderr
     first = json.loads((out / "rlkit.json").read_text())
-    r = run_cli("freeze-ref", "--policy", str(pol), "--out", str(out), "--dtype", "fp16")
+    # the reruns in this process (the CLI's entry point and stderr; the up-to-date check reads the disk and the
+    # file-version cache that every process shares)
+    r = run_cli_inproc("freeze-ref", "--policy", str(pol), "--out", str(out), "--dtype", "fp16")
     assert r.returncode == 0 and b"up to date" in r.stderr
     assert json.loads((out / "rlkit.json").read_text())["created"] == first["created"]
     # a changed setting reruns
-    r = run_cli("freeze-ref", "--policy", str(pol), "--out", str(out), "--dtype", "bf16")
+    r = run_cli_inproc("freeze-ref", "--policy", str(pol), "--out", str(out), "--dtype", "bf16")
     assert r.returncode == 0 and b"up to date" not in r.stderr
     assert json.loads((out / "rlkit.json").read_text())["config"]["dtype"] == "bf16"
     # a new policy checkpoint (edited input) reruns
     tok = json.loads((pol / "tokenizer_config.json").read_text())
     tok["model_max_length"] = 4096
     (pol / "tokenizer_config.json").write_text(json.dumps(tok))
-    r = run_cli("freeze-ref", "--policy", str(pol), "--out", str(out), "--dtype", "bf16")
+    r = run_cli_inproc("freeze-ref", "--policy", str(pol), "--out", str(out), "--dtype", "bf16")
     assert r.returncode == 0 and b"up to date" not in r.stderr
     # --force reruns an up-to-date stage
-    r = run_cli("freeze-ref", "--policy", str(pol), "--out", str(out), "--dtype", "bf16", "--force")
+    r = run_cli_inproc("freeze-ref", "--policy", str(pol), "--out", str(out), "--dtype", "bf16", "--force")
     assert r.returncode == 0 and b"up to date" not in r.stderr
 
 
