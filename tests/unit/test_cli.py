@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from rlkit import algorithms
 from rlkit.cli import app
 
-from conftest import default_signals, one_error_line, rlkit_cmd, run_cli
+from conftest import default_signals, one_error_line, rlkit_cmd, run_cli, run_cli_inproc
 
 runner = CliRunner()
 
@@ -117,17 +117,17 @@ def test_wrong_kind_missing_column_and_empty_table(tmp_path, sft_dir):
     nocol = tmp_path / "nocol.arrow"
     with pa.ipc.new_stream(str(nocol), pa.schema([("prompt_id", pa.string()), ("text", pa.string())])) as w:
         w.write_table(pa.table({"prompt_id": ["a"], "text": ["x"]}))
-    line = one_error_line(run_cli("eval", "--policy", str(sft_dir), "--prompts", str(nocol)))
+    line = one_error_line(run_cli_inproc("eval", "--policy", str(sft_dir), "--prompts", str(nocol)))
     assert "missing column 'prompt'" in line
 
     empty = tmp_path / "empty.arrow"
-    r = run_cli("prompts", "--num-prompts", "1", "--out", str(empty))
+    r = run_cli_inproc("prompts", "--num-prompts", "1", "--out", str(empty))
     assert r.returncode == 0
     with streams.write_table("prompts", empty, manifests.make_manifest("prompts", "prompts", {}, {})):
         pass
-    line = one_error_line(run_cli("eval", "--policy", str(sft_dir), "--prompts", str(empty)))
+    line = one_error_line(run_cli_inproc("eval", "--policy", str(sft_dir), "--prompts", str(empty)))
     assert "has no rows" in line
-    line = one_error_line(run_cli("sft", "--data", str(empty), "--out", str(tmp_path / "s")))
+    line = one_error_line(run_cli_inproc("sft", "--data", str(empty), "--out", str(tmp_path / "s")))
     assert "expected a 'sft' table" in line
     assert not (tmp_path / "s").exists()
 
