@@ -112,22 +112,24 @@ def test_rewards_and_reasons_from_programs_run_in_the_sandbox():
 
 
 def test_without_bubblewrap_the_stages_refuse_model_code_in_one_line_and_write_nothing(sft_dir, tmp_path):
-    from tests.conftest import one_error_line, run_cli
+    from tests.conftest import one_error_line, run_cli, run_cli_inproc
 
     gone = {"RLKIT_BWRAP": str(tmp_path / "no-bwrap")}
     out = tmp_path / "r.arrow"
+    # a real process: one line, exit 69, nothing at --out
     r = run_cli("rollout", "--policy", str(sft_dir), "--task", "code", "--num-prompts", "2", "--out", str(out), env=gone)
     line = one_error_line(r)
     assert r.returncode == 69 and "apt-get install bubblewrap" in line and "--sandbox none" in line
     assert not out.exists()
-    r = run_cli("eval", "--policy", str(sft_dir), "--task", "code", "--sandbox", "docker", env=gone)
+    r = run_cli_inproc("eval", "--policy", str(sft_dir), "--task", "code", "--sandbox", "docker", env=gone)
     assert r.returncode == 2 and "--sandbox 'docker': expected one of bwrap, none" in one_error_line(r)
     # --sandbox none runs them unsandboxed, said on stderr; arithmetic never needs a sandbox
-    r = run_cli("eval", "--policy", str(sft_dir), "--task", "code", "--num-prompts", "3", "--max-new-tokens", "4",
-                "--sandbox", "none", "--json", env=gone)
+    r = run_cli_inproc("eval", "--policy", str(sft_dir), "--task", "code", "--num-prompts", "3", "--max-new-tokens", "4",
+                       "--sandbox", "none", "--json", env=gone)
     assert r.returncode == 0, r.stderr.decode()[-800:]
     assert "--sandbox none" in r.stderr.decode() and json.loads(r.stdout)["verdicts"]
-    assert run_cli("eval", "--policy", str(sft_dir), "--num-prompts", "2", "--max-new-tokens", "2", env=gone).returncode == 0
+    r = run_cli_inproc("eval", "--policy", str(sft_dir), "--num-prompts", "2", "--max-new-tokens", "2", env=gone)
+    assert r.returncode == 0, r.stderr.decode()[-800:]
 
 
 @needs_bwrap
