@@ -344,8 +344,11 @@ def _run_fn(code, job, deadline, wake_r):
     if bad is None and state["next"] < n:
         on_line(child)
     os.close(res_r)
+    exited = child.status  # it ended on its own before the tests were done: how (SIGXCPU: CPU limit, a timeout)
     child.kill()
     if state["next"] < n:
+        if bad is None and exited is not None:
+            bad = _status_reason(exited)
         _emit(f'{{"i": {state["next"]}, "error": "{bad or "runtime_error"}"}}')
 
 

@@ -312,7 +312,9 @@ def test_follow_bad_input_one_line_each(sft_dir, ref_dir, tmp_path):
         while not (root2 / ".lock").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.5)
-        line = one_error_line(run_cli_inproc(*update, "--out", str(root2), "--in", str(scored)))
+        # a real process: the lock is taken after the input's reader thread has started, which only a process
+        # exit ends (rlkit.cli.main's os._exit), not an in-process run
+        line = one_error_line(run_cli(*update, "--out", str(root2), "--in", str(scored)))
         assert f"(pid {first.pid})" in line and "refusing to start a second writer" in line
     finally:
         first.kill()

@@ -40,9 +40,20 @@ STDIO = TestSuite((TestCase("stdio", "3\n", "9\n"), TestCase("stdio", "12\n", "1
 FN = TestSuite((TestCase("call", [3], 7), TestCase("expr", "f(4)", 9), TestCase("call", [0], 1)), fn_name="f")
 
 
+_BEFORE: set[int] = set()  # this process's descendants when the test started (another test's engine, say)
+
+
+@pytest.fixture(autouse=True)
+def _descendants_before():
+    """Under xdist a worker may hold children of other tests (the vLLM tests' engine): they are not ours."""
+    _BEFORE.clear()
+    _BEFORE.update(int(x.split()[0]) for x in sandbox_processes() if x.endswith("(descendant)"))
+
+
 def sandbox_processes() -> list[str]:
-    """Processes of this test's sandboxes still alive: this process's descendants, and (as root) any process
-    whose uid is one of the sandbox uids (a daemon that escaped the namespace would have no parent of ours)."""
+    """Processes of this test's sandboxes still alive: this process's descendants (but those alive before the
+    test began), and (as root) any process whose uid is one of the sandbox uids (a daemon that escaped the
+    namespace would have no parent of ours)."""
     me, kids, uids = os.getpid(), {}, range(uid_base(), uid_base() + 1024)
     found = []
     for d in Path("/proc").iterdir():
@@ -61,7 +72,8 @@ def sandbox_processes() -> list[str]:
         while p > 1 and p in kids:
             p = kids[p]
             if p == me:
-                found.append(f"{pid} (descendant)")
+                if pid not in _BEFORE:
+                    found.append(f"{pid} (descendant)")
                 break
     return found
 

@@ -119,8 +119,19 @@ def _cols(completions=("2", "two", "22"), answer="2"):
             "prompt_ids": [[1, 2]] * n, "reward/verifier": [0.5] * n}
 
 
+_BEFORE: set[int] = set()  # this process's descendants when the test started (another test's engine, say)
+
+
+@pytest.fixture(autouse=True)
+def _descendants_before():
+    """Under xdist a worker may hold children of other tests (the vLLM tests' engine): they are not ours."""
+    _BEFORE.clear()
+    _BEFORE.update(int(x.split()[0]) for x in _descendants())
+
+
 def _descendants() -> list[str]:
-    """This process's descendants that are still alive (a worker, a sandbox, anything they started)."""
+    """This process's descendants that are still alive (a worker, a sandbox, anything they started), but those
+    alive before the test began."""
     parent = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
@@ -135,7 +146,8 @@ def _descendants() -> list[str]:
         while p in parent and p > 1:
             p = parent[p][0]
             if p == os.getpid():
-                out.append(f"{pid} {name}")
+                if pid not in _BEFORE:
+                    out.append(f"{pid} {name}")
                 break
     return out
 
