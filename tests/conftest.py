@@ -18,14 +18,65 @@ os.environ.setdefault("RLKIT_CACHE_DIR", tempfile.mkdtemp(prefix="rlkit-test-cac
 
 
 def rlkit_cmd() -> list[str]:
+    """`rlkit` as a process of its own from a fresh interpreter: for tests about the process as such (its
+    start-up, signals such as SIGKILL, its memory, its process tree)."""
     return [sys.executable, "-m", "rlkit"]
+
+
+# The tests' fork server (tests/zygote.py): `rlkit` started from an interpreter that has imported torch and
+# transformers already, about 4 of a stage's 5 seconds of start-up on a 2-core CPU. RLKIT_TEST_FORK_SERVER=0
+# turns it off (every command a fresh interpreter).
+ZYGOTE = Path(__file__).resolve().parent / "zygote.py"
+_FORK_SERVER_BIN: list[Path] = []  # the directory of an `rlkit` that goes through it, while it runs
+
+
+def fast_rlkit_cmd() -> list[str]:
+    """`rlkit` through the fork server: a real process with its own stdin/stdout/stderr, exit code and signals
+    (SIGTERM, SIGINT, SIGHUP handed on), for the tests that look at what a command does."""
+    return [sys.executable, "-S", str(ZYGOTE)] if _FORK_SERVER_BIN else rlkit_cmd()
+
+
+def rlkit_path(path: str) -> str:
+    """PATH with the `rlkit` that `fast_rlkit_cmd` runs first: for recipes and scripts that call `rlkit`."""
+    return os.pathsep.join([*(str(d) for d in _FORK_SERVER_BIN), str(Path(sys.executable).parent), path])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fork_server():
+    if os.environ.get("RLKIT_TEST_FORK_SERVER", "1") == "0":
+        yield
+        return
+    import shutil
+
+    d = Path(tempfile.mkdtemp(prefix="rlkit-zygote-"))
+    sock = d / "socket"
+    (d / "bin").mkdir()
+    shim = d / "bin" / "rlkit"
+    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "{ZYGOTE}" "$@"\n')
+    shim.chmod(0o755)
+    r, w = os.pipe()
+    with open(d / "server.log", "wb") as log:
+        p = subprocess.Popen([sys.executable, str(ZYGOTE), "serve", str(sock), str(r)], pass_fds=(r,),
+                             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    os.close(r)
+    p.wait()  # the server forked away from it: it answers once its imports are done (until then, fresh ones)
+    os.environ["RLKIT_TEST_ZYGOTE"] = str(sock)
+    _FORK_SERVER_BIN.append(d / "bin")
+    try:
+        yield
+    finally:
+        _FORK_SERVER_BIN.clear()
+        os.environ.pop("RLKIT_TEST_ZYGOTE", None)
+        os.close(w)  # the server's lifeline: it ends
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def run_cli(*args: str, cwd: Path | None = None, input: bytes | None = None, env: dict | None = None,
             timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run the real `rlkit` command in a subprocess (stdin is a pipe unless `input` is None)."""
+    """Run the real `rlkit` command in a subprocess (stdin is a pipe unless `input` is None), started by the
+    fork server (`fast_rlkit_cmd`)."""
     e = {**os.environ, "RLKIT_DEBUG": "0", **(env or {})}
-    return subprocess.run([*rlkit_cmd(), *args], cwd=cwd, input=input if input is not None else b"",
+    return subprocess.run([*fast_rlkit_cmd(), *args], cwd=cwd, input=input if input is not None else b"",
                           capture_output=True, env=e, timeout=timeout)
 
 

@@ -12,7 +12,7 @@ from rlkit.io import checkpoints, streams
 from rlkit.io.data import encode_responses, encode_texts
 from rlkit.tasks.reward_model import encode_pairs
 
-from conftest import rlkit_cmd, run_cli
+from conftest import fast_rlkit_cmd, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -54,15 +54,15 @@ def test_every_stage_sees_the_same_prompt_tokens(chat_policy, tmp_path):
     bos = tok.bos_token_id
     assert all(ids[0] == bos and ids.count(bos) == 1 for ids in want)  # one BOS, the template's
 
-    ev = subprocess.Popen([*rlkit_cmd(), "eval", "--policy", str(chat_policy), "--prompts", str(data), "--json",
+    ev = subprocess.Popen([*fast_rlkit_cmd(), "eval", "--policy", str(chat_policy), "--prompts", str(data), "--json",
                            "--num-prompts", "6"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     ref = tmp_path / "ref"
     r = run_cli("freeze-ref", "--policy", str(chat_policy), "--out", str(ref), "--dtype", "fp32")
     assert r.returncode == 0, r.stderr
     scored = tmp_path / "scored.arrow"
-    p1 = subprocess.Popen([*rlkit_cmd(), "rollout", "--policy", str(chat_policy), "--prompts", str(data), "--n", "2",
+    p1 = subprocess.Popen([*fast_rlkit_cmd(), "rollout", "--policy", str(chat_policy), "--prompts", str(data), "--n", "2",
                            "--max-new-tokens", "6"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    p2 = subprocess.run([*rlkit_cmd(), "score-ref", "--ref", str(ref), "--out", str(scored)], stdin=p1.stdout,
+    p2 = subprocess.run([*fast_rlkit_cmd(), "score-ref", "--ref", str(ref), "--out", str(scored)], stdin=p1.stdout,
                         capture_output=True)
     p1.stdout.close()
     assert p1.wait() == 0 and p2.returncode == 0, (p1.stderr.read(), p2.stderr)

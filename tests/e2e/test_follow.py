@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from rlkit.errors import RlkitError
 from rlkit.io import follow, manifests, streams
 
-from conftest import one_error_line, rlkit_cmd, run_cli, run_cli_inproc, stage
+from conftest import fast_rlkit_cmd, one_error_line, rlkit_cmd, run_cli, run_cli_inproc, stage
 
 P, N = 8, 4  # prompts per step, samples per prompt: small, so a step takes about a second here
 UPDATE = ["--minibatch-size", "16", "--epochs", "2", "--seed", "0"]
@@ -32,7 +32,7 @@ def _weights(d: Path) -> dict[str, torch.Tensor]:
 
 def _pipe(sft, ref, root: Path, *, lag: int, steps: int, seed: int = 100, extra_update: str = "",
           extra_rollout: str = "", timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = " ".join(rlkit_cmd())
+    cmd = " ".join(fast_rlkit_cmd())
     script = (
         "set -euo pipefail\n"
         f"{cmd} rollout --follow {root} --policy {sft} --n {N} --batch-prompts {P} --max-lag {lag} --seed {seed} {extra_rollout} "

@@ -21,9 +21,9 @@ from rlkit.io import adapters, checkpoints, fingerprints, streams
 from rlkit.training import LoraOptions, TrainOptions, lora
 
 from conftest import (
+    fast_rlkit_cmd,
     make_lora_checkpoint,
     one_error_line,
-    rlkit_cmd,
     run_cli,
     run_cli_inproc,
     updates_in_one_process,
@@ -283,7 +283,7 @@ def test_follow_pipe_trains_a_lora_adapter(sft_dir, tmp_path):
     """rollout --follow | update --follow --lora-rank: every step is an adapter on the same base, and the
     rollout samples each with the adapter merged (hf engine)."""
     root = tmp_path / "run"
-    cmd = " ".join(rlkit_cmd())
+    cmd = " ".join(fast_rlkit_cmd())
     script = (f"set -euo pipefail\n{cmd} rollout --follow {root} --policy {sft_dir} --n 4 --batch-prompts 2 "
               f"--max-lag 0 --engine hf | {cmd} update --follow --policy {sft_dir} --out {root} --max-steps 2 "
               "--max-lag 0 --beta 0 --lr 1e-2 --length-penalty 0.1 --lora-rank 4\n")  # lengths vary: a gradient

@@ -2,12 +2,11 @@
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import REPO, rlkit_path, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -80,7 +79,7 @@ def _run_recipe(name: str, runs: Path, **knobs: str):
 
     env = {**os.environ, "SFT_EXAMPLES": "3000", "EVAL_NUM": "20", "ROUNDS": "2", "PROMPTS": "16", "N": "4",
            "PREF_PROMPTS": "64", "MAX_NEW_TOKENS": "16", "RUNS": str(runs),
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", **knobs}
+           "PATH": rlkit_path(os.environ["PATH"]), **knobs}
     return subprocess.run(["bash", str(REPO / "recipes" / name)], capture_output=True, env=env, timeout=600,
                           cwd=runs.parent)
 

@@ -14,7 +14,7 @@ from rlkit.io import manifests, streams
 from rlkit.tasks import get_task
 from rlkit.tasks import prefs as prefs_lib
 
-from conftest import one_error_line, run_cli, run_cli_inproc, stage
+from conftest import fast_rlkit_cmd, one_error_line, run_cli, run_cli_inproc, stage
 
 pytestmark = pytest.mark.slow
 
@@ -226,8 +226,6 @@ def test_dpo_from_the_users_pipe(sft_dir, ref_dir, prefs, tmp_path):
     from rlkit.io.data import encode_responses
     from rlkit.stages.score_ref import score_tokens
 
-    from conftest import rlkit_cmd
-
     scored = tmp_path / "scored-prefs.arrow"
     r = run_cli("score-ref", "--ref", str(ref_dir), "--in", str(prefs), "--out", str(scored))
     assert r.returncode == 0, r.stderr
@@ -241,8 +239,8 @@ def test_dpo_from_the_users_pipe(sft_dir, ref_dir, prefs, tmp_path):
     assert all(v < 0 for v in t.column("ref_rejected_logp").to_pylist())
 
     m = tmp_path / "m.jsonl"
-    p1 = subprocess.Popen([*rlkit_cmd(), "score-ref", "--ref", str(ref_dir), "--in", str(prefs)], stdout=subprocess.PIPE)
-    p2 = subprocess.run([*rlkit_cmd(), "update", "--algo", "dpo", "--policy", str(sft_dir), "--out", str(tmp_path / "dpo"),
+    p1 = subprocess.Popen([*fast_rlkit_cmd(), "score-ref", "--ref", str(ref_dir), "--in", str(prefs)], stdout=subprocess.PIPE)
+    p2 = subprocess.run([*fast_rlkit_cmd(), "update", "--algo", "dpo", "--policy", str(sft_dir), "--out", str(tmp_path / "dpo"),
                          "--epochs", "1", "--minibatch-size", "32", "--metrics", str(m)], stdin=p1.stdout,
                         capture_output=True)
     p1.stdout.close()

@@ -4,9 +4,7 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -14,7 +12,16 @@ import torch
 
 from rlkit.io import checkpoints, fingerprints, manifests, streams
 
-from conftest import one_error_line, rlkit_cmd, run_cli, run_cli_inproc, stage, updates_in_one_process
+from conftest import (
+    fast_rlkit_cmd,
+    one_error_line,
+    rlkit_cmd,
+    rlkit_path,
+    run_cli,
+    run_cli_inproc,
+    stage,
+    updates_in_one_process,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -74,12 +81,12 @@ def test_old_logprobs_match_the_trainers_forward_pass(sft_dir, tmp_path):
 def test_the_pipe_from_the_users_card(sft_dir, ref_dir, tmp_path):
     out = tmp_path / "ckpt"
     metrics = tmp_path / "m.jsonl"
-    p1 = subprocess.Popen([*rlkit_cmd(), "rollout", "--policy", str(sft_dir), "--n", "8", "--task", "arithmetic",
+    p1 = subprocess.Popen([*fast_rlkit_cmd(), "rollout", "--policy", str(sft_dir), "--n", "8", "--task", "arithmetic",
                            "--num-prompts", "32"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    p2 = subprocess.Popen([*rlkit_cmd(), "score-ref", "--ref", str(ref_dir)], stdin=p1.stdout,
+    p2 = subprocess.Popen([*fast_rlkit_cmd(), "score-ref", "--ref", str(ref_dir)], stdin=p1.stdout,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     p1.stdout.close()
-    p3 = subprocess.run([*rlkit_cmd(), "update", "--policy", str(sft_dir), "--out", str(out), "--metrics", str(metrics)],
+    p3 = subprocess.run([*fast_rlkit_cmd(), "update", "--policy", str(sft_dir), "--out", str(out), "--metrics", str(metrics)],
                         stdin=p2.stdout, capture_output=True)
     p2.stdout.close()
     assert p1.wait() == 0 and p2.wait() == 0, (p1.stderr.read(), p2.stderr.read())
@@ -102,7 +109,7 @@ def test_the_pipe_from_the_users_card(sft_dir, ref_dir, tmp_path):
 
     # the card's line as written, without --ref: score-ref scores with the reference ckpt/ was trained against
     card = "rlkit rollout --policy ckpt/ --n 8 | rlkit score-ref | rlkit update --policy ckpt/ --out ckpt2/"
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env = {**os.environ, "PATH": rlkit_path(os.environ["PATH"])}
     r = subprocess.run(["bash", "-c", f"set -euo pipefail; {card}"], cwd=tmp_path, env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -12,7 +12,7 @@ from rlkit.errors import RlkitError
 from rlkit.io import fingerprints, manifests, streams
 from rlkit.tasks import UserTask, get_task, reward_fns, task_inputs
 
-from conftest import one_error_line, rlkit_cmd, run_cli, run_cli_inproc
+from conftest import fast_rlkit_cmd, one_error_line, run_cli, run_cli_inproc
 
 TASK = '''
 import random
@@ -351,10 +351,10 @@ def test_a_user_task_and_reward_fns_through_the_pipe(sft_dir, code):
 
     task, r = f"{code}/my_tasks.py:Countdown:max=20", code / "my_rewards.py"
     roll = code / "r.arrow"
-    p1 = subprocess.Popen([*rlkit_cmd(), "rollout", "--policy", str(sft_dir), "--task", task, "--num-prompts", "8",
+    p1 = subprocess.Popen([*fast_rlkit_cmd(), "rollout", "--policy", str(sft_dir), "--task", task, "--num-prompts", "8",
                            "--n", "4", "--reward-fn", f"len={r}:brevity", "--reward-fn", f"{r}:probe", "--sandbox",
                            "bwrap", "--sandbox-workers", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    p2 = subprocess.Popen([*rlkit_cmd(), "score-ref", "--reward-fn", f"{r}:has_digit", "--reward-fn",
+    p2 = subprocess.Popen([*fast_rlkit_cmd(), "score-ref", "--reward-fn", f"{r}:has_digit", "--reward-fn",
                            f"exact={r}:exact", "--out", str(roll)], stdin=p1.stdout, stderr=subprocess.PIPE)
     p1.stdout.close()
     assert p1.wait() == 0 and p2.wait() == 0, (p1.stderr.read(), p2.stderr.read())

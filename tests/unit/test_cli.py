@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from rlkit import algorithms
 from rlkit.cli import app
 
-from conftest import default_signals, one_error_line, rlkit_cmd, run_cli, run_cli_inproc
+from conftest import default_signals, fast_rlkit_cmd, one_error_line, rlkit_cmd, run_cli, run_cli_inproc
 
 runner = CliRunner()
 
@@ -162,8 +162,8 @@ def test_refuses_to_write_a_table_to_a_terminal(monkeypatch):
 
 
 def test_prompts_stream_through_a_pipe_into_eval(tmp_path, sft_dir):
-    p1 = subprocess.Popen([*rlkit_cmd(), "prompts", "--split", "heldout", "--num-prompts", "40"], stdout=subprocess.PIPE)
-    r = subprocess.run([*rlkit_cmd(), "eval", "--policy", str(sft_dir), "--prompts", "-", "--json"],
+    p1 = subprocess.Popen([*fast_rlkit_cmd(), "prompts", "--split", "heldout", "--num-prompts", "40"], stdout=subprocess.PIPE)
+    r = subprocess.run([*fast_rlkit_cmd(), "eval", "--policy", str(sft_dir), "--prompts", "-", "--json"],
                        stdin=p1.stdout, capture_output=True)
     p1.stdout.close()
     assert p1.wait() == 0
@@ -175,8 +175,8 @@ def test_prompts_stream_through_a_pipe_into_eval(tmp_path, sft_dir):
 
 
 def test_a_failed_upstream_fails_the_downstream(tmp_path, sft_dir):
-    p1 = subprocess.Popen([*rlkit_cmd(), "prompts", "--task", "chess"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    r = subprocess.run([*rlkit_cmd(), "eval", "--policy", str(sft_dir), "--prompts", "-", "--json"],
+    p1 = subprocess.Popen([*fast_rlkit_cmd(), "prompts", "--task", "chess"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    r = subprocess.run([*fast_rlkit_cmd(), "eval", "--policy", str(sft_dir), "--prompts", "-", "--json"],
                        stdin=p1.stdout, capture_output=True)
     p1.stdout.close()
     assert p1.wait() != 0
@@ -184,10 +184,13 @@ def test_a_failed_upstream_fails_the_downstream(tmp_path, sft_dir):
     assert "stdin holds no Arrow stream" in line
 
 
+@pytest.mark.parametrize("start", ["fresh", "fork-server"])
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_interrupt_during_a_write_leaves_nothing(tmp_path, sig):
+def test_interrupt_during_a_write_leaves_nothing(tmp_path, sig, start):
+    """In a process of its own, and through the tests' fork server, which hands the signal on."""
     out = tmp_path / "big.arrow"
-    p = subprocess.Popen([*rlkit_cmd(), "prompts", "--task", "arithmetic:terms=3-6,max=99", "--num-prompts", "3000000",
+    cmd = rlkit_cmd() if start == "fresh" else fast_rlkit_cmd()
+    p = subprocess.Popen([*cmd, "prompts", "--task", "arithmetic:terms=3-6,max=99", "--num-prompts", "3000000",
                           "--out", str(out)], stderr=subprocess.PIPE, preexec_fn=default_signals)
     deadline = time.time() + 60
     while time.time() < deadline and not any(n.startswith(".big.arrow.tmp") for n in os.listdir(tmp_path)):
