@@ -11,6 +11,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from zygote import IMPORT_TIME
 
 REPO = Path(__file__).resolve().parents[1]
 # The verified-weights cache (rlkit.io.fingerprints.file_facts) of this test session, not the user's ~/.cache.
@@ -69,6 +70,21 @@ def _fork_server():
         os.environ.pop("RLKIT_TEST_ZYGOTE", None)
         os.close(w)  # the server's lifeline: it ends
         shutil.rmtree(d, ignore_errors=True)
+
+
+# The variables torch, transformers and the loader read as they start (zygote.IMPORT_TIME), as this session
+# began. Importing vLLM in this process (an in-process engine) sets some for the process's subprocesses
+# (PYTORCH_NVML_BASED_CUDA_CHECK, LD_PRELOAD from its CPU platform, LD_LIBRARY_PATH from OpenCV's import):
+# they must not reach every later test's processes (nor send them past the fork server).
+_IMPORT_ENV = {k: v for k, v in os.environ.items() if k.startswith(IMPORT_TIME)}
+
+
+@pytest.fixture(autouse=True)
+def _import_env_restored():
+    yield
+    for k in [k for k in os.environ if k.startswith(IMPORT_TIME) and k not in _IMPORT_ENV]:
+        del os.environ[k]
+    os.environ.update(_IMPORT_ENV)
 
 
 def run_cli(*args: str, cwd: Path | None = None, input: bytes | None = None, env: dict | None = None,
