@@ -148,13 +148,13 @@ def _preload() -> None:
         AutoModelForCausalLM,
         AutoModelForSequenceClassification,
         AutoTokenizer,
-        generation,  # noqa: F401
+        generation,
     )
 
 
-def _monitor(conn: socket.socket, job: dict, fds: list[int]) -> dict | None:
-    """In the monitor (a child of the server): fork the command; -> the job in the command's process, None in
-    the monitor once the command ended and the client was told how."""
+def _monitor(conn: socket.socket, job: dict, fds: list[int]) -> dict:
+    """In the monitor (a child of the server): fork the command, hand it the client's signals, tell the client
+    how it ended, and end. -> the job, in the command's process alone."""
     import select
 
     pid = os.fork()
