@@ -97,9 +97,13 @@ def test_sft_killed_and_rerun_ends_with_the_weights_of_an_uninterrupted_run(tmp_
 
 
 @pytest.mark.slow
-def test_train_rm_killed_in_its_second_epoch_and_rerun_ends_with_the_uninterrupted_weights(sft_dir, tmp_path):
+def test_train_rm_killed_in_its_second_epoch_and_rerun_ends_with_the_uninterrupted_weights(sft_dir, tmp_path,
+                                                                                           monkeypatch):
     """LoRA with dropout: the adapter and score head are what is saved, and the dropout masks after the
-    resume are the uninterrupted run's only if the torch RNG is restored."""
+    resume are the uninterrupted run's only if the torch RNG is restored. Every run in MKL's reproducible mode
+    (MKL_CBWR): about 1 in 15 uninterrupted runs of this command, killed or not, ended with other weights than
+    the rest on a 2-core CPU, which this test is not about."""
+    monkeypatch.setenv("MKL_CBWR", "AUTO,STRICT")
     prefs = tmp_path / "prefs.arrow"
     stage("build-prefs", "--bias", "length", "--num-prompts", "200", "--out", str(prefs))  # 174 train pairs
     base = ["train-rm", "--model", str(sft_dir), "--prefs", str(prefs), "--epochs", "2", "--batch-size", "8",
