@@ -41,8 +41,6 @@ def set_level(name: str) -> None:
     lib = name if name in ("debug", "error") else "warning"
     for var, case in _LIBRARY_LEVEL_ENV.items():
         os.environ[var] = case(lib)
-    import sys
-
     if "transformers" in sys.modules:  # loaded already (rlkit used from Python): it read its variable then
         sys.modules["transformers"].logging.set_verbosity(getattr(logging, lib.upper()))
     os.environ["VLLM_CONFIGURE_LOGGING"] = "0"  # vLLM's loggers propagate to the root logger's handler

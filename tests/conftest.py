@@ -37,6 +37,20 @@ def fast_rlkit_cmd() -> list[str]:
     return [sys.executable, "-S", str(ZYGOTE)] if _FORK_SERVER_BIN else rlkit_cmd()
 
 
+def fork_server_ready(timeout: float = 120) -> None:
+    """Wait until the fork server answers (its imports take a few seconds; until then `fast_rlkit_cmd` starts
+    fresh interpreters), for a test about the server itself; skip when it is turned off."""
+    import time
+
+    if not _FORK_SERVER_BIN:
+        pytest.skip("RLKIT_TEST_FORK_SERVER=0: no fork server")
+    sock = Path(os.environ["RLKIT_TEST_ZYGOTE"])
+    deadline = time.monotonic() + timeout
+    while not sock.exists():
+        assert time.monotonic() < deadline, "the fork server never answered"
+        time.sleep(0.1)
+
+
 def rlkit_path(path: str) -> str:
     """PATH with the `rlkit` that `fast_rlkit_cmd` runs first: for recipes and scripts that call `rlkit`."""
     return os.pathsep.join([*(str(d) for d in _FORK_SERVER_BIN), str(Path(sys.executable).parent), path])

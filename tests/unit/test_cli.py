@@ -14,7 +14,15 @@ from typer.testing import CliRunner
 from rlkit import algorithms
 from rlkit.cli import app
 
-from conftest import default_signals, fast_rlkit_cmd, one_error_line, rlkit_cmd, run_cli, run_cli_inproc
+from conftest import (
+    default_signals,
+    fast_rlkit_cmd,
+    fork_server_ready,
+    one_error_line,
+    rlkit_cmd,
+    run_cli,
+    run_cli_inproc,
+)
 
 runner = CliRunner()
 
@@ -189,6 +197,8 @@ def test_a_failed_upstream_fails_the_downstream(tmp_path, sft_dir):
 def test_interrupt_during_a_write_leaves_nothing(tmp_path, sig, start):
     """In a process of its own, and through the tests' fork server, which hands the signal on."""
     out = tmp_path / "big.arrow"
+    if start == "fork-server":
+        fork_server_ready()  # else its client would start a fresh interpreter, and this case test nothing new
     cmd = rlkit_cmd() if start == "fresh" else fast_rlkit_cmd()
     p = subprocess.Popen([*cmd, "prompts", "--task", "arithmetic:terms=3-6,max=99", "--num-prompts", "3000000",
                           "--out", str(out)], stderr=subprocess.PIPE, preexec_fn=default_signals)

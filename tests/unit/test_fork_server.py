@@ -11,25 +11,13 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
 from pyarrow import ipc
 
-from conftest import fast_rlkit_cmd, rlkit_cmd, run_cli
-
-pytestmark = pytest.mark.skipif(os.environ.get("RLKIT_TEST_FORK_SERVER", "1") == "0",
-                                reason="RLKIT_TEST_FORK_SERVER=0: no fork server")
-
-
-def _wait_for_server(timeout: float = 120) -> None:
-    sock = Path(os.environ["RLKIT_TEST_ZYGOTE"])
-    deadline = time.monotonic() + timeout
-    while not sock.exists():
-        assert time.monotonic() < deadline, "the fork server never answered"
-        time.sleep(0.1)
+from conftest import fast_rlkit_cmd, fork_server_ready, rlkit_cmd, run_cli
 
 
 def test_a_command_through_it_is_a_fresh_interpreters(tmp_path):
-    _wait_for_server()
+    fork_server_ready()
     log = tmp_path / "fallbacks.log"
     env = {"RLKIT_TEST_ZYGOTE_FALLBACKS": str(log)}
     args = ["prompts", "--num-prompts", "7", "--task", "arithmetic:terms=2-3"]
@@ -49,7 +37,7 @@ def test_a_command_through_it_is_a_fresh_interpreters(tmp_path):
 
 
 def test_an_import_time_variable_that_differs_runs_a_fresh_interpreter(tmp_path):
-    _wait_for_server()
+    fork_server_ready()
     log = tmp_path / "fallbacks.log"
     r = run_cli("prompts", "--num-prompts", "2", env={"RLKIT_TEST_ZYGOTE_FALLBACKS": str(log),
                                                       "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "") + "1"})
@@ -71,7 +59,7 @@ def _in(d: Path) -> list[int]:
 
 
 def test_a_client_killed_with_sigkill_takes_its_command_along(tmp_path):
-    _wait_for_server()
+    fork_server_ready()
     work = tmp_path / "work"
     work.mkdir()
     p = subprocess.Popen([*fast_rlkit_cmd(), "prompts", "--num-prompts", "3000000", "--out", "big.arrow"], cwd=work,
