@@ -28,13 +28,17 @@ A field whose value is itself a config (TrackingConfig, TrainOptions, RLConfig, 
 how the nested config is built from their values, so it is declared once and shared by every stage that
 takes those flags (rlkit.options.TRACKING).
 
-Adding an option is one line: a field with `option(...)`; nothing else names it.
+Adding an option is one line: a field with `option(...)`; nothing else names it, except that a float option's
+range is its flag's entry in FLOAT_BOUNDS (one range per flag, whichever command takes it; a test refuses a
+float option without one).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
+import math
 import sys
 import typing
 from collections.abc import Callable, Mapping
@@ -43,6 +47,8 @@ from pathlib import PurePath
 from typing import Annotated, Any
 
 import typer
+
+from rlkit.training import MAX_DIST_TIMEOUT
 
 OPTION = "rlkit_option"  # the metadata key of a config field's option (an Opt or a Group)
 REQUIRED = ...  # option(..., PolicyDir): no default, the flag must be given
@@ -163,6 +169,7 @@ def _param(opt: Opt, field_name: str, path: str, field_type: Any, default: Any) 
                 t = list[item] if required else list[item] | None
         info = typer.Argument(**opt.kwargs) if opt.argument else typer.Option(*opt.decls, **opt.kwargs)
         annotation = Annotated[t, info]
+    annotation = _bounded(annotation, field_name)
     if required:
         cli_default = inspect.Parameter.empty
     elif opt.invert:
@@ -174,6 +181,99 @@ def _param(opt: Opt, field_name: str, path: str, field_type: Any, default: Any) 
     name = opt.name or (_flag_name(annotation) if opt.invert else field_name)
     cli_type = typing.get_args(annotation)[0]
     return Param(name, path, annotation, cli_default, _converter(opt, field_type, cli_type))
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The values a float option takes: from `low` to `high`, either end open (excluded); `what` names the
+    quantity in the error ("a learning rate"). FLOAT_BOUNDS gives each float flag its own."""
+
+    low: float
+    high: float
+    what: str = "a number"
+    low_open: bool = False
+    high_open: bool = False
+
+    def __str__(self) -> str:
+        return f"{'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+
+    def holds(self, v: float, low: bool = True, high: bool = True) -> bool:
+        """Whether `v` is in range (`low`/`high`: check that end; an end the option's own min/max checks is not)."""
+        above = not low or (v > self.low if self.low_open else v >= self.low)
+        below = not high or (v < self.high if self.high_open else v <= self.high)
+        return above and below
+
+
+# The range of every float option, by flag (one flag, one meaning, in every command that takes it): click refuses a
+# value outside it when the value is typed or read from --config, before any stage starts, with one line naming the
+# flag, the value and the range (Bounds). NaN and inf are refused before that (rlkit.cli). An end
+# an option declares itself (typer's min/max) is typer's to check. Each range is what the value can mean, and never
+# more than its consumer takes: --dist-timeout goes to torch's process group (MAX_DIST_TIMEOUT), --reward-timeout to
+# setitimer (a day is far below its time_t). tests/unit/test_stage_options.py checks that every float option is here.
+FLOAT_BOUNDS: dict[str, Bounds] = {
+    "--lr": Bounds(0, 1, "a learning rate", low_open=True),
+    "--critic-lr": Bounds(0, 1, "a learning rate", low_open=True),
+    "--warmup-ratio": Bounds(0, 1, "a fraction of the steps"),
+    "--weight-decay": Bounds(0, 10, "an AdamW weight decay"),
+    "--grad-clip": Bounds(0, 1e6, "a gradient norm"),
+    "--temperature": Bounds(0, 100, "a sampling temperature", low_open=True),
+    "--top-p": Bounds(0, 1, "a probability mass", low_open=True),
+    "--gpu-memory-utilization": Bounds(0.01, 1, "a fraction of the GPU's memory"),
+    "--gpu-memory": Bounds(1, 1e5, "a number of GiB"),
+    "--reward-timeout": Bounds(0, 86_400, "a number of seconds"),
+    "--dist-timeout": Bounds(0, MAX_DIST_TIMEOUT, "a number of minutes", low_open=True),
+    "--eval-fraction": Bounds(0, 1, "a fraction of the prompts"),
+    "--margin": Bounds(0, 100, "a reward margin"),
+    "--clip-low": Bounds(0, 1, "a ratio clip below 1"),
+    "--clip-high": Bounds(0, 100, "a ratio clip above 1"),
+    "--dual-clip": Bounds(0, 100, "a dual clip"),
+    "--beta": Bounds(0, 100, "a KL coefficient"),
+    "--gamma": Bounds(0, 1, "a discount"),
+    "--lam": Bounds(0, 1, "a GAE lambda"),
+    "--vf-clip": Bounds(0, 100, "a value clip range", low_open=True),
+    "--target-kl": Bounds(0, 1e4, "a KL per sequence", low_open=True),
+    "--tis-cap": Bounds(0, 1e4, "an importance-weight cap", low_open=True),
+    "--length-penalty": Bounds(0, 100, "a penalty per token"),
+    "--max-drift": Bounds(0, 1e3, "a relative weight distance"),
+    "--lora-alpha": Bounds(0, 1e5, "a LoRA alpha", low_open=True),
+    "--lora-dropout": Bounds(0, 1, "a dropout probability", high_open=True),
+}
+
+
+def _bounded(annotation: Any, field_name: str) -> Any:
+    """`annotation` of a float option, with a callback that refuses a value outside the flag's
+    FLOAT_BOUNDS (an end the option declares itself, typer's min/max, is left to typer): click
+    runs it when the value is typed and when it comes from a --config file, before any stage starts. NaN and
+    inf are refused before it, by rlkit.cli."""
+    base, info = typing.get_args(annotation)[:2]
+    if not _holds_float(base) or not isinstance(info, typer.models.OptionInfo):
+        return annotation
+    flag = _long_flag(info, field_name)
+    bounds = FLOAT_BOUNDS.get(flag)
+    if bounds is None:
+        return annotation
+    own = typer.main.get_param_callback(callback=info.callback)  # typer's call of the option's own callback
+    low, high = info.min is None, info.max is None
+
+    def check(ctx, param, value):
+        for v in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(v, float) and math.isfinite(v) and not bounds.holds(v, low, high):
+                raise typer.BadParameter(f"{v:g} is not {bounds.what} in {bounds}", ctx=ctx, param=param)
+        return own(ctx, param, value) if own is not None else value
+
+    info = copy.copy(info)
+    info.callback = check
+    return Annotated[base, info]
+
+
+def _holds_float(t: Any) -> bool:
+    return t is float or any(_holds_float(a) for a in typing.get_args(t))
+
+
+def _long_flag(info: Any, field_name: str) -> str:
+    """The long flag of an option: the first `--` name it declares, else typer's, from the parameter name."""
+    decls = (info.default, *(info.param_decls or ())) if isinstance(info.default, str) else info.param_decls or ()
+    return next((d for d in decls if d.startswith("--")), "--" + field_name.replace("_", "-"))
 
 
 def _flag_name(annotation: Any) -> str:

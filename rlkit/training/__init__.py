@@ -40,6 +40,9 @@ GPU_MICRO_BATCH_TOKENS = 16_384
 # (NCCL's own default is 10). Where rank 0 works alone (a piped input, the checkpoint) the others wait outside any
 # collective: rlkit.training.distributed.wait_for_main
 DEFAULT_DIST_TIMEOUT = 60.0
+# the longest --dist-timeout, in minutes (about 19 years): torch adds the timeout to steady-clock times held in
+# int64 nanoseconds (292 years in all) and gloo's store counts it in microseconds, where 1e12 minutes overflow
+MAX_DIST_TIMEOUT = 1e7
 DTYPES = ("auto", "fp32", "bf16", "fp16")  # auto: bf16 on a GPU with bf16 kernels, fp32 on the CPU (rlkit.devices)
 
 
@@ -92,8 +95,9 @@ class TrainOptions:
             raise RlkitError(f"--dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
         import math
 
-        if not (math.isfinite(self.dist_timeout) and self.dist_timeout > 0):
-            raise RlkitError(f"--dist-timeout {self.dist_timeout:g}: expected a number of minutes > 0")
+        if not (math.isfinite(self.dist_timeout) and 0 < self.dist_timeout <= MAX_DIST_TIMEOUT):
+            raise RlkitError(f"--dist-timeout {self.dist_timeout:g}: expected a number of minutes > 0 and "
+                             f"<= {MAX_DIST_TIMEOUT:g}")
         for flag, v in (("--micro-batch-size", self.micro_batch_size), ("--micro-batch-tokens", self.micro_batch_tokens)):
             if v is not None and v < 1:
                 raise RlkitError(f"{flag} {v}: expected an integer >= 1 (leave it out for one forward per step)")

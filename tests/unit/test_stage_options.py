@@ -138,3 +138,92 @@ def test_values_turn_into_the_fields_types():
     got = stage_options.config_from(_Demo, {"inp": Path("r.arrow"), "names": ["a", "b"], "no_verify": True, "k": 5})
     assert got == _Demo(inp="r.arrow", names=("a", "b"), verify=False, inner=_Inner(5))
     assert stage_options.config_from(_Demo, {"inp": None, "names": None, "no_verify": False, "k": 3}) == _Demo()
+
+
+# ---------------------------------------------------------------- every float option has a range (stage_options.FLOAT_BOUNDS)
+
+
+def _float_options() -> list[tuple[str, str]]:
+    """(command, long flag) of every option of every command whose value is (or holds) a float."""
+    return [(name, _long(p)) for name, cmd in sorted(command().commands.items()) for p in cmd.params
+            if p.param_type_name == "option" and stage_options._holds_float(p.type_descriptor.annotation)]
+
+
+def _long(p) -> str:
+    return next(o for o in p.opts if o.startswith("--"))
+
+
+def _required_args(name: str) -> list[str]:
+    """Values for the command's required options and arguments, so that only the option under test is wrong."""
+    args: list[str] = []
+    for p in command().commands[name].params:
+        if p.required:
+            args += ["x"] if p.param_type_name == "argument" else [_long(p), "x"]
+    return args
+
+
+def test_every_float_option_has_a_range_and_its_default_is_in_it():
+    found = _float_options()
+    flags = {f for _, f in found}
+    assert len(found) >= 30 and {"--lr", "--dist-timeout", "--temperature", "--top-p", "--reward-timeout"} <= flags
+    assert flags - set(stage_options.FLOAT_BOUNDS) == set(), "a float option without a range in stage_options.FLOAT_BOUNDS"
+    assert set(stage_options.FLOAT_BOUNDS) - flags == set(), "a range for no option"
+    for name, flag in found:
+        (p,) = [p for p in command().commands[name].params if flag in p.opts]
+        b = stage_options.FLOAT_BOUNDS[flag]
+        assert b.low < b.high and (p.default is None or b.holds(p.default)), (name, flag, p.default)
+
+
+BAD_FLOATS = ("1e300", "-1e300", "nan", "inf", "-inf")
+
+
+@pytest.mark.parametrize("name,flag", _float_options())
+def test_every_float_option_refuses_what_is_out_of_its_range(name, flag, tmp_path):
+    """1e300, -1e300 (every range starts at 0 or above), NaN, inf and the values just outside each end: exit 2 and
+    click's one error line naming the flag, before anything is read or written. Each end the range includes
+    parses."""
+    from tests.conftest import run_cli_inproc
+
+    b = stage_options.FLOAT_BOUNDS[flag]
+    assert b.low >= 0  # so that -1e300 is out of every range
+    outside = [f"{b.low:g}" if b.low_open else repr(b.low - max(abs(b.low), 1) * 1e-6),
+               f"{b.high:g}" if b.high_open else repr(b.high * (1 + 1e-6))]
+    stage = "update" if name == "plan" else name  # plan takes the stage's own options
+    base = [stage, *_required_args(stage)]
+    for bad in (*BAD_FLOATS, *outside):
+        r = run_cli_inproc(*(["plan"] if name == "plan" else []), *base, f"{flag}={bad}", cwd=tmp_path)
+        err = r.stderr.decode()
+        errors = [ln for ln in err.splitlines() if ln.startswith("Error:")]
+        assert r.returncode == 2 and "Traceback" not in err and "rlkit: error" not in err, (flag, bad, err)
+        assert len(errors) == 1 and f"'{flag}'" in errors[0], (flag, bad, err)
+        assert "not a finite number" in errors[0] or "is not" in errors[0] or "Input should be" in errors[0], err
+    assert list(tmp_path.iterdir()) == []
+    cmd = command().commands[name]
+    for good in ([] if b.low_open else [b.low]) + ([] if b.high_open else [b.high]):
+        with cmd.make_context(name, [*_required_args(name), flag, repr(good)]) as ctx:
+            assert any(v == good for v in ctx.params.values()), (flag, good)
+
+
+def test_a_float_out_of_range_in_a_config_file_is_refused_naming_the_file(tmp_path):
+    from tests.conftest import run_cli_inproc
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[sft]\ndist_timeout = 1e300\n")
+    r = run_cli_inproc("sft", "--out", str(tmp_path / "o"), "--config", str(cfg))
+    (line,) = [ln for ln in r.stderr.decode().splitlines() if ln.startswith("Error:")]
+    assert r.returncode == 2 and "'--dist-timeout': 1e+300 is not a number of minutes in (0, 1e+07]" in line
+    assert f"(from --config {cfg})" in line and sorted(p.name for p in tmp_path.iterdir()) == ["c.toml"]
+
+
+def test_a_dist_timeout_out_of_range_is_refused_before_the_process_group(tmp_path):
+    """A rank launched by torchrun (WORLD_SIZE 2) refuses --dist-timeout 1e300 as one process does, at once:
+    no process group is joined (its peer never comes, so joining would wait), no OverflowError from torch."""
+    from tests.conftest import run_cli
+
+    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9"}
+    for extra in ({}, env):
+        r = run_cli("sft", "--out", str(tmp_path / "o"), "--dist-timeout", "1e300", env=extra, timeout=120)
+        err = r.stderr.decode()
+        assert r.returncode == 2 and "Traceback" not in err and "Overflow" not in err, err
+        assert "Invalid value for '--dist-timeout': 1e+300 is not a number of minutes" in err, err
+    assert list(tmp_path.iterdir()) == []
