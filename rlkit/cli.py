@@ -392,7 +392,8 @@ def _main(argv: list[str] | None = None) -> int:
     # Stages in a pipe share the cores: idle OpenMP threads must sleep, not spin (before torch loads).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     err = sys.stderr
-    interrupted = "rlkit: interrupted; nothing half-written was left at --out"
+    has_out = any(a == "--out" or a.startswith("--out=") for a in args)  # a command that writes nothing says less
+    interrupted = "rlkit: interrupted" + ("; nothing half-written was left at --out" if has_out else "")
     try:
         rv = command().main(args=args, prog_name="rlkit", standalone_mode=False)
         rv = rv if isinstance(rv, int) else 0

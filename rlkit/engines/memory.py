@@ -8,6 +8,12 @@ so rollout's fraction must leave room for them. `--colocate DIR` names each of t
 from the safetensors headers (no tensor is read). The arithmetic is `vllm_memory_share`'s docstring; docs/gpu.md
 has it for 0.5B and 7B models on 24 and 80 GiB.
 
+It is rlkit's one model of vLLM's memory. The share (`vllm_memory_share`) sizes vLLM beside other models from
+weights alone; inside the share, vLLM's own accounting (`vllm_accounting`: the weights in the sampling dtype, the
+profiling run's activations, the KV cache in what is left, which must hold one whole sequence) says how many
+tokens its cache holds. `rlkit plan rollout` (rlkit.planner) prints that accounting, and rollout's check before
+vLLM starts (`preflight_vllm`) refuses a share that cannot hold one sequence.
+
 Pure arithmetic plus header reads: no torch, no vLLM (torch is not imported by this module).
 """
 
@@ -133,3 +139,77 @@ def weights_bytes(d: Path, dtype: str, flag: str = "--policy") -> int:
         s = safetensors_summary(x)
         total += s["parameters"] * per if per else s["bytes"]
     return total
+
+
+# -- vLLM's own accounting inside its share (from the model's config.json)
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes a parameter (or a KV-cache element) in dtype `name` (vLLM's or rlkit's names; unknown: 2)."""
+    return _DTYPE_BYTES.get(str(name).removeprefix("torch."), 2)
+
+
+def parameters(cfg: dict) -> int:
+    """Parameters of a Llama-family decoder from its config.json (q, k, v, o with qkv bias; gated MLP; norms)."""
+    h, layers, v = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    heads = cfg.get("num_attention_heads", 1)
+    kv = cfg.get("num_key_value_heads", heads)
+    hd = cfg.get("head_dim") or h // heads
+    inter = cfg.get("intermediate_size", 4 * h)
+    attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h + (heads * hd + 2 * kv * hd)
+    per_layer = attn + 3 * h * inter + 2 * h
+    head = 0 if cfg.get("tie_word_embeddings", False) else v * h
+    return v * h + layers * per_layer + h + head
+
+
+def kv_bytes_per_token(cfg: dict, dtype: str, tp: int = 1) -> int:
+    """KV-cache bytes of one token on one GPU: K and V of every layer's KV heads, over --tp GPUs."""
+    heads = cfg.get("num_attention_heads", 1)
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * hd * dtype_bytes(dtype) // max(1, tp)
+
+
+def vllm_accounting(cfg: dict, total_bytes: int, utilization: float, seq: int, *, dtype: str = "bf16", tp: int = 1,
+                    max_num_seqs: int = 256, max_batched_tokens: int | None = None, profile: bool = True) -> dict:
+    """vLLM's documented accounting on one GPU of `total_bytes`: it takes `utilization` of it (its share); the
+    weights in `dtype` (over `tp` GPUs) and its profiling run's activation peak come off the share, and the KV
+    cache is the rest. The profiling run (`profile`): one batch of `max_batched_tokens` (default max(8192, seq))
+    through a layer (hidden states and the MLP) plus the sampler's fp32 logits for `max_num_seqs` rows.
+    -> share, weights, activations, kv_cache (bytes), per_token, kv_cache_tokens, and `starts`: whether the cache
+    holds one `seq`-token sequence (vLLM refuses to start otherwise)."""
+    share = int(utilization * total_bytes)
+    b = dtype_bytes(dtype)
+    weights = parameters(cfg) * b // max(1, tp)
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    tokens = max_batched_tokens or max(8192, seq)
+    inter = cfg.get("intermediate_size", 4 * h)
+    activations = (tokens * (4 * h + 2 * inter) * b // max(1, tp) + max_num_seqs * v * 4) if profile else 0
+    per_token = kv_bytes_per_token(cfg, dtype, tp)
+    kv = max(0, share - weights - activations)
+    cache_tokens = kv // max(1, per_token)
+    return {"share": share, "weights": weights, "activations": activations, "kv_cache": kv, "per_token": per_token,
+            "kv_cache_tokens": cache_tokens, "starts": cache_tokens >= seq}
+
+
+def preflight_vllm(weights: Path, dtype: str, utilization: float, total: int, tp: int = 1,
+                   max_model_len: int | None = None) -> dict | None:
+    """rollout's check before vLLM starts on a GPU: vLLM starts only if its share of the GPU holds the weights and
+    a KV cache for one sequence of its context length (max_model_len, else the config's max_position_embeddings);
+    refused (OutOfMemory, exit 71) when it cannot, before vLLM's own start-up (minutes on a 7B) finds out.
+    Activations are left out: the check refuses only what vLLM would certainly refuse. A config that is not a
+    decoder-only transformer's (nothing to count): None, vLLM decides. -> the accounting."""
+    try:
+        cfg = json.loads((Path(weights) / "config.json").read_text())
+        cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    seq = max_model_len or int(cfg.get("max_position_embeddings") or 4096)
+    acc = vllm_accounting(cfg, total, utilization, seq, dtype=dtype, tp=tp, profile=False)
+    if not acc["starts"]:
+        from rlkit.devices import OutOfMemory
+
+        raise OutOfMemory(f"rollout: vLLM's share of the GPU (--gpu-memory-utilization {utilization:g} of "
+                          f"{gib(total)}) holds the weights ({gib(acc['weights'])} in {dtype}) but not the KV cache of "
+                          f"one {seq:,}-token sequence; raise --gpu-memory-utilization, lower --max-model-len, or "
+                          "spread the model with --tp; --no-plan skips this check; nothing was written")
+    return acc

@@ -173,14 +173,12 @@ class VLLMEngine:
         # sleep mode exists on CUDA only (vLLM refuses it on its CPU backend): asked for and on a GPU
         # `asleep`: False, or the set of WAKE_TAGS still asleep
         self.sleep_mode, self.asleep = bool(opts.sleep and on_gpu), False
-        if on_gpu and opts.plan:  # before vLLM's own start-up finds out (rlkit.planner)
+        if on_gpu and opts.plan:  # before vLLM's own start-up finds out (rlkit.engines.memory)
             from vllm.platforms import current_platform
 
-            from rlkit import planner
-
             try:
-                planner.preflight_vllm(w, dtype, util, int(current_platform.get_device_total_memory(0)), opts.tp,
-                                       opts.max_model_len)
+                memory.preflight_vllm(w, dtype, util, int(current_platform.get_device_total_memory(0)), opts.tp,
+                                      opts.max_model_len)
             except BaseException:
                 self._drop_tmp()
                 raise

@@ -45,6 +45,7 @@ class Work:
     completion: int
     rows: int
     batch_rows: int | None = None
+    origin: dict[str, str] = field(default_factory=dict, compare=False)  # where each figure came from (rlkit plan)
 
 
 @dataclass
@@ -52,14 +53,15 @@ class Estimate:
     """One process's memory on one GPU (bytes), and whether it fits."""
 
     stage: str
-    parts: dict[str, int]  # weights, gradients, optimizer, activations, logits (within activations), kv_cache, batch
-    peak: int
+    parts: dict[str, int]  # what the process holds at its peak: weights, gradients, optimizer, activations, kv_cache,
+    peak: int  # batch; the parts sum to it
     gpu_memory: int
     gpus: int
     method: str  # "traced" (fake tensors) or "vLLM's accounting"
     notes: list[str] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=dict)  # the flags the plan is for
     suggestion: dict[str, Any] | None = None  # --suggest: flags that make it fit, and that plan's peak
+    logits: int = 0  # the logits' (and their gradient's) own peak: within activations, at its own moment
 
     @property
     def reserve(self) -> int:
@@ -73,7 +75,7 @@ class Estimate:
         d = asdict(self)
         d.update(fits=self.fits, peak_gib=round(self.peak / GIB, 2), gpu_memory_gib=round(self.gpu_memory / GIB, 2),
                  reserve_gib=round(self.reserve / GIB, 2),
-                 parts_gib={k: round(v / GIB, 2) for k, v in self.parts.items()})
+                 parts_gib={k: round(v / GIB, 2) for k, v in self.parts.items()}, logits_gib=round(self.logits / GIB, 2))
         return d
 
     def fits_line(self) -> str:
@@ -148,15 +150,9 @@ def model_config(path: str | Path, flag: str = "--policy", tiny: Any = None) -> 
 
 def parameters(cfg: dict[str, Any]) -> int:
     """Parameters of a Llama-family decoder from its config (for vLLM's weights; the traces count their own)."""
-    h, layers, v = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-    heads = cfg.get("num_attention_heads", 1)
-    kv = cfg.get("num_key_value_heads", heads)
-    hd = cfg.get("head_dim") or h // heads
-    inter = cfg.get("intermediate_size", 4 * h)
-    attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h + (heads * hd + 2 * kv * hd)  # q, k, v, o (+ qkv bias)
-    per_layer = attn + 3 * h * inter + 2 * h
-    head = 0 if cfg.get("tie_word_embeddings", False) else v * h
-    return v * h + layers * per_layer + h + head
+    from rlkit.engines import memory
+
+    return memory.parameters(cfg)
 
 
 # -- tracing (a child process)
@@ -186,21 +182,17 @@ def run_traces(specs: list[dict]) -> list[dict]:
 
 def _estimate(stage: str, measured: dict, hw: Hardware, settings: dict, extra: dict[str, int] | None = None,
               notes: list[str] | None = None) -> Estimate:
-    """A traced step -> its estimate: the steady peak, max(passes + AdamW's moments, the optimizer step)."""
+    """A traced step -> its estimate: the steady peak, max(passes + AdamW's moments, the optimizer step), and its
+    parts: what the rank holds at that moment (the parts sum to the peak)."""
     passes, step, opt = measured["passes"], measured["step"], measured["optimizer"]
     parts = dict(passes)
-    peak = measured["passes_total"]
     if step is not None:
-        with_moments = measured["passes_total"] + opt
-        if with_moments >= measured["step_total"]:
-            parts, peak = {**passes, "optimizer": opt}, with_moments
-        else:
-            parts, peak = dict(step), measured["step_total"]
-    parts["logits"] = measured["logits"]
+        with_moments = {**passes, "optimizer": passes["optimizer"] + opt}
+        parts = with_moments if sum(with_moments.values()) >= sum(step.values()) else dict(step)
     for k, v in (extra or {}).items():
         parts[k] = parts.get(k, 0) + v
-        peak += v
-    return Estimate(stage, parts, peak, int(hw.gpu_memory_gib * GIB), hw.gpus, "traced", list(notes or []), settings)
+    return Estimate(stage, parts, sum(parts.values()), int(hw.gpu_memory_gib * GIB), hw.gpus, "traced",
+                    list(notes or []), settings, logits=measured["logits"])
 
 
 # -- the stages
@@ -264,68 +256,78 @@ def plan_score_ref(config: dict, work: Work, hw: Hardware, dtype: str, batch_tok
             "train": {"dtype": dtype, "packing": packing}}
     specs = [base] + [{**base, "config": rm, "reward_model": True} for rm in reward_models or []]
     got = run_traces(specs)
-    parts = {"weights": sum(g["passes"]["weights"] for g in got), "gradients": 0, "optimizer": 0,
-             "activations": max(g["passes"]["activations"] for g in got), "logits": max(g["logits"] for g in got)}
-    peak = parts["weights"] + parts["activations"]
-    return Estimate("score-ref", parts, peak, int(hw.gpu_memory_gib * GIB), 1, "traced", [],
-                    {"dtype": dtype, "batch_tokens": batch_tokens, "rows_per_batch": rows})
-
-
-def dtype_bytes(name: str) -> int:
-    return 4 if name in ("fp32", "float32", "float") else 2
+    parts = {"weights": sum(g["passes"]["weights"] for g in got),
+             "activations": max(g["passes"]["activations"] for g in got)}
+    return Estimate("score-ref", parts, sum(parts.values()), int(hw.gpu_memory_gib * GIB), 1, "traced", [],
+                    {"dtype": dtype, "batch_tokens": batch_tokens, "rows_per_batch": rows},
+                    logits=max(g["logits"] for g in got))
 
 
 def plan_vllm(config: dict, work: Work, hw: Hardware, *, dtype: str = "bf16", utilization: float = 0.9,
               n: int = 1, prompts: int = 1, max_num_seqs: int = 256, max_batched_tokens: int | None = None,
               profile: bool = True) -> Estimate:
-    """rollout --engine vllm, by vLLM's own accounting (the KV cache cannot be traced): vLLM takes
-    `utilization` of the GPU; the weights (in the sampling dtype) and its profiled activation peak come off
-    that, and the KV cache is the rest. It cannot start unless the cache holds one whole sequence (prompt +
-    completion); the concurrent sequences it holds set the throughput."""
+    """rollout --engine vllm, by vLLM's own accounting (`rlkit.engines.memory.vllm_accounting`; the KV cache cannot
+    be traced): its share of the GPU is the weights, the profiling run's activations and the KV cache. It cannot
+    start unless the cache holds one whole sequence (prompt + completion); then the plan's peak is the weights,
+    activations and that one sequence's cache, more than the share."""
+    from rlkit.engines import memory
+
     gpu = int(hw.gpu_memory_gib * GIB)
-    share = int(utilization * gpu)
-    b = dtype_bytes(dtype)
-    weights = parameters(config) * b // hw.gpus  # tensor parallel over the GPUs
-    h, v = config["hidden_size"], config["vocab_size"]
-    heads = config.get("num_attention_heads", 1)
-    kv_heads = config.get("num_key_value_heads", heads)
-    hd = config.get("head_dim") or h // heads
-    inter = config.get("intermediate_size", 4 * h)
     seq = work.prompt + work.completion
-    tokens = max_batched_tokens or max(8192, seq)
-    # the profiling run's peak: one batch of `tokens` through a layer (hidden states, MLP), plus the sampler's
-    # fp32 logits for `max_num_seqs` rows (vLLM's profile_run)
-    activations = tokens * (4 * h + 2 * inter) * b // hw.gpus + max_num_seqs * v * 4 if profile else 0
-    per_token = 2 * config["num_hidden_layers"] * kv_heads * hd * b // hw.gpus
-    kv = max(0, share - weights - activations)
-    cache_tokens = kv // max(1, per_token)
-    parts = {"weights": weights, "gradients": 0, "optimizer": 0, "activations": activations, "logits": max_num_seqs * v * 4,
-             "kv_cache": kv}
+    acc = memory.vllm_accounting(config, gpu, utilization, seq, dtype=dtype, tp=hw.gpus, max_num_seqs=max_num_seqs,
+                                 max_batched_tokens=max_batched_tokens, profile=profile)
+    per_token, cache_tokens = acc["per_token"], acc["kv_cache_tokens"]
+    parts = {"weights": acc["weights"], "activations": acc["activations"], "kv_cache": acc["kv_cache"]}
     notes = ["vLLM's KV cache is not traced: vLLM takes --gpu-memory-utilization of the GPU and gives the cache what "
              "its weights and profiled activations leave (vLLM's documented accounting)",
              f"KV cache: {cache_tokens:,} tokens ({per_token:,} bytes each): {cache_tokens // max(1, seq):,} sequences of "
              f"{seq:,} tokens at once ({n * prompts:,} asked for per batch)"]
-    est = Estimate("rollout", parts, share, gpu, hw.gpus, "vLLM's accounting", notes,
-                   {"dtype": dtype, "gpu_memory_utilization": utilization})
-    est.settings["kv_cache_tokens"] = cache_tokens
-    if cache_tokens < seq:
-        est.notes.append(f"the KV cache holds {cache_tokens:,} tokens, less than one sequence ({seq:,}): vLLM refuses to "
-                         "start")
-        est.peak = max(share, weights + activations + seq * per_token)  # more than its share: does not fit
-        est.parts["kv_cache"] = seq * per_token
+    if not acc["starts"]:
+        notes.append(f"the KV cache holds {cache_tokens:,} tokens, less than one sequence ({seq:,}): vLLM refuses to "
+                     "start")
+        parts["kv_cache"] = seq * per_token
+    peak = sum(parts.values()) if not acc["starts"] else acc["share"]
+    if acc["starts"]:
+        parts["kv_cache"] = acc["share"] - acc["weights"] - acc["activations"]  # the parts are the share
+    est = Estimate("rollout", parts, peak, gpu, hw.gpus, "vLLM's accounting", notes,
+                   {"dtype": dtype, "gpu_memory_utilization": utilization, "kv_cache_tokens": cache_tokens},
+                   logits=max_num_seqs * config["vocab_size"] * 4 if profile else 0)
     return est
 
 
 # -- suggestions
 
 
-def suggest_training(stage: str, config: dict, work: Work, hw: Hardware, train: Any, *, max_gpus: int = 64,
+MAX_GPUS = 1024  # the largest world a plan takes (--gpus), and the most GPUs --suggest goes to is SUGGEST_GPUS
+SUGGEST_GPUS = 64
+
+
+def flags_text(flags: dict[str, Any], gpus: int | None = None) -> str:
+    text = " ".join(k if v is True else f"{k} {v}" for k, v in flags.items())
+    return text + (f" on {gpus} GPUs" if gpus is not None else "")
+
+
+def suggest_training(stage: str, config: dict, work: Work, hw: Hardware, train: Any, *, max_gpus: int = SUGGEST_GPUS,
                      **kw) -> dict[str, Any] | None:
-    """The first of these that fits, all traced in one child process: smaller micro-batches; the same with gradient
-    checkpointing; + LoRA rank 64 (full fine-tuning only); then 2, 4, ... times the GPUs. -> the flags and that
-    plan's peak, or None."""
+    """What makes a step fit, in two child processes at most. First the least memory this search reaches (one
+    micro-batch row, gradient checkpointing, LoRA rank 64 for a full fine-tune, on the most GPUs the step's rows
+    allow, up to `max_gpus`): when even that does not fit, nothing does, and the answer says so (`nothing`:
+    True, with those flags and that peak). Otherwise the first of these that fits: smaller micro-batches; the
+    same with gradient checkpointing; + LoRA rank 64 (full fine-tuning only); then 2, 4, ... times the GPUs.
+    -> {"flags", "gpus", "peak_gib", "nothing"}."""
     from rlkit.training.lora import LoraOptions
 
+    most = hw.gpus
+    while most * 2 <= min(max_gpus, work.rows):
+        most *= 2
+    least_flags = {"--micro-batch-size": 1, "--gradient-checkpointing": True}
+    least = replace(train, gradient_checkpointing=True, micro_batch_size=1, micro_batch_tokens=None)
+    if train.lora is None:
+        least_flags["--lora-rank"] = 64
+        least = replace(least, lora=LoraOptions(rank=64))
+    floor = plan_trainings(stage, config, work, [(least, replace(hw, gpus=most))], **kw)[0]
+    if not floor.fits:
+        return {"flags": least_flags, "peak_gib": round(floor.peak / GIB, 2), "gpus": most, "nothing": True}
     per_rank = max(1, work.rows // hw.gpus)
     sizes = [s for s in (8, 4, 2, 1) if s <= per_rank and (train.micro_batch_size is None or s < train.micro_batch_size)]
     candidates: list[tuple[dict, Any, Hardware]] = []
@@ -334,19 +336,17 @@ def suggest_training(stage: str, config: dict, work: Work, hw: Hardware, train: 
             t = replace(train, gradient_checkpointing=gc, micro_batch_size=s, micro_batch_tokens=None)
             candidates.append(({"--micro-batch-size": s, **({"--gradient-checkpointing": True} if gc else {})}, t, hw))
     if train.lora is None:
-        t = replace(train, gradient_checkpointing=True, micro_batch_size=1, micro_batch_tokens=None,
-                    lora=LoraOptions(rank=64))
-        candidates.append(({"--micro-batch-size": 1, "--gradient-checkpointing": True, "--lora-rank": 64}, t, hw))
+        candidates.append((least_flags, replace(least, lora=LoraOptions(rank=64)), hw))
     g = hw.gpus * 2
-    while g <= min(max_gpus, work.rows):
+    while g <= most:
         t = replace(train, gradient_checkpointing=True, micro_batch_size=1, micro_batch_tokens=None)
         candidates.append(({"--micro-batch-size": 1, "--gradient-checkpointing": True}, t, replace(hw, gpus=g)))
         g *= 2
     ests = plan_trainings(stage, config, work, [(t, h) for _, t, h in candidates], **kw)
     for (flags, _, h), est in zip(candidates, ests, strict=True):
         if est.fits:
-            return {"flags": flags, "peak_gib": round(est.peak / GIB, 2), "gpus": h.gpus}
-    return None
+            return {"flags": flags, "peak_gib": round(est.peak / GIB, 2), "gpus": h.gpus, "nothing": False}
+    return {"flags": least_flags, "peak_gib": round(floor.peak / GIB, 2), "gpus": most, "nothing": False}
 
 
 # -- the check each stage runs when it starts on a GPU
@@ -361,11 +361,13 @@ def refuse(est: Estimate, stage: str, free: bool = False) -> None:
 
     fix = ""
     if est.suggestion:
-        flags = " ".join(k if v is True else f"{k} {v}" for k, v in est.suggestion["flags"].items())
-        if est.suggestion.get("gpus", est.gpus) != est.gpus:
-            flags += f" on {est.suggestion['gpus']} GPUs"
-        peak = est.suggestion.get("peak_gib")
-        fix = f"; it fits with {flags} (peak {peak:.1f} GiB)" if peak is not None else f"; lower it with {flags}"
+        sug = est.suggestion
+        flags = flags_text(sug["flags"], sug["gpus"] if sug.get("gpus", est.gpus) != est.gpus else None)
+        peak = sug.get("peak_gib")
+        if sug.get("nothing"):
+            fix = f"; nothing fits, even with {flags} (peak {peak:.1f} GiB)"
+        else:
+            fix = f"; it fits with {flags} (peak {peak:.1f} GiB)" if peak is not None else f"; lower it with {flags}"
     raise OutOfMemory(f"{stage}: this run needs about {est.peak / GIB:.1f} GiB per GPU (the memory plan's peak), more "
                       f"than the GPU's {est.gpu_memory / GIB:.1f} GiB{' free' if free else ''}{fix}; `rlkit plan "
                       f"{stage} ...` shows the parts; --no-plan skips this check; nothing was written")
@@ -415,26 +417,16 @@ def preflight_scoring(ref: Path | None, rms: list[Path], dtype: str, batch_token
 
 def preflight_vllm(weights: Path, dtype: str, utilization: float, total: int, tp: int = 1,
                    max_model_len: int | None = None) -> Estimate | None:
-    """rollout's check before vLLM starts on a GPU: vLLM starts only if its share of the GPU holds the weights and
-    a KV cache for one sequence of its context length (max_model_len); refused (exit 71) when it cannot, before
-    vLLM's own start-up (minutes on a 7B) finds out. Activations are left out: the check refuses only what
-    vLLM would certainly refuse."""
-    try:
-        config = model_config(weights, "--policy")
-    except RlkitError:  # a config the planner cannot read (not a decoder-only transformer's): vLLM decides
-        return None
-    seq = max_model_len or int(config.get("max_position_embeddings") or 4096)
-    est = plan_vllm(config, Work(seq, 0, 1), Hardware(tp, total / GIB), dtype=dtype, utilization=utilization,
-                    profile=False)
-    if est.settings["kv_cache_tokens"] < seq:
-        from rlkit.devices import OutOfMemory
+    """rollout's check before vLLM starts (`rlkit.engines.memory.preflight_vllm`, which rollout calls), as an
+    Estimate: refused (exit 71) when vLLM's share cannot hold the weights and one sequence's KV cache."""
+    from rlkit.engines import memory
 
-        raise OutOfMemory(f"rollout: vLLM's share of the GPU (--gpu-memory-utilization {utilization:g} of "
-                          f"{total / GIB:.1f} GiB) holds the weights ({est.parts['weights'] / GIB:.1f} GiB in {dtype}) "
-                          f"but not the KV cache of one {seq:,}-token sequence; raise --gpu-memory-utilization, lower "
-                          "--max-model-len, or spread the model with --tp; --no-plan skips this check; nothing was "
-                          "written")
-    return est
+    if memory.preflight_vllm(weights, dtype, utilization, total, tp, max_model_len) is None:
+        return None
+    config = model_config(weights, "--policy")
+    seq = max_model_len or int(config.get("max_position_embeddings") or 4096)
+    return plan_vllm(config, Work(seq, 0, 1), Hardware(tp, total / GIB), dtype=dtype, utilization=utilization,
+                     profile=False)
 
 
 def gpu_memory_gib(device) -> float:

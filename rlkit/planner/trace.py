@@ -9,9 +9,12 @@ device's allocator would hold them. Under data parallelism (`world` > 1) the sam
 with FSDP2 over a fake process group (backend "fake"), traced by `FSDPMemTracker` as rank 0 sees it.
 
 What makes a 7B step trace in seconds on a CPU:
-- **Layers**: decoder layers are identical, so every figure is linear in their number. The step is traced
-  at 1 and at 2 layers and each figure extrapolated to the model's count (`extrapolate`); the planner's
-  tests check the extrapolation against a full trace.
+- **Layers**: decoder layers are identical, so once the peak falls at the same moment of the step every
+  figure is linear in their number. The step is traced at 1, 2 and 3 layers, and at more while three
+  consecutive counts do not grow alike (with few layers the peak can fall at another moment: the end of the
+  backward, where the embedding's gradient is gathered, instead of the logits); each figure, every part of
+  the peak included, is extrapolated from the last two to the model's count (`extrapolate`), so the parts
+  sum to the peak. The planner's tests check the extrapolation against a full trace.
 - **Micro-batches**: an optimizer step of K equal micro-batches peaks in its second (the first runs
   before any gradient exists, the later ones repeat the second), so two micro-batches per rank are traced.
 - **Phases**: the passes (forward, backward, clipping) and the optimizer step peak at different moments;
@@ -46,7 +49,7 @@ PARTS = {
     "Temp": "activations", "Other": "activations", "Inputs": "activations",
 }
 PART_NAMES = ("weights", "gradients", "optimizer", "activations")
-TRACE_LAYERS = (1, 2)  # the layer counts traced; every figure is extrapolated from them
+TRACE_LAYERS = (1, 2, 3)  # the first layer counts traced; every figure is extrapolated from alike ones
 
 
 @dataclass(frozen=True)
@@ -293,7 +296,6 @@ def _build(spec: Spec, cfg, opts, dp, layers: int, device: str = "cpu"):
 
     from rlkit.training import Optim
 
-    gen = torch.Generator().manual_seed(0)
     length = spec.prompt + spec.completion
     rows = _rows_traced(spec, opts)
     if spec.stage == "score-ref":
@@ -330,19 +332,23 @@ def _build(spec: Spec, cfg, opts, dp, layers: int, device: str = "cpu"):
         from rlkit.training.trainer import Trainer
 
         n, c = rows, spec.completion
+
+        def const(value, *shape, dtype=None):
+            """A host tensor of `shape` holding `value` everywhere, one element of storage (stride 0): the plan
+            never allocates a sequence-sized tensor for real."""
+            return torch.tensor(value, dtype=dtype).expand(*shape)
+
         with _real():
-            ids = torch.randint(0, int(cfg.vocab_size), (n, length), generator=gen)
             if spec.algo == "dpo":  # `rows` preference pairs: chosen and rejected, each `length` tokens
                 from rlkit.algorithms.inputs import PrefBatch
 
-                ids = torch.randint(0, int(cfg.vocab_size), (2 * n, length), generator=gen)
-                batch = PrefBatch(ids, torch.ones_like(ids), ids[:, spec.prompt:].clone(),
-                                  torch.ones(2 * n, c, dtype=torch.bool), torch.full((2 * n,), spec.prompt - 1),
+                batch = PrefBatch(const(1, 2 * n, length), const(1, 2 * n, length), const(1, 2 * n, c),
+                                  const(True, 2 * n, c), torch.full((2 * n,), spec.prompt - 1),
                                   torch.full((2 * n,), -5.0), torch.zeros(n, dtype=torch.bool))
             else:  # `rows` rollouts, groups of two with rewards 0 and 1
-                batch = RLBatch(ids, torch.ones_like(ids), ids[:, spec.prompt:].clone(),
-                                torch.ones(n, c, dtype=torch.bool), torch.full((n,), spec.prompt - 1),
-                                torch.full((n, c), -0.5), torch.full((n, c), -0.5) if spec.beta > 0 else None,
+                batch = RLBatch(const(1, n, length), const(1, n, length), const(1, n, c), const(True, n, c),
+                                torch.full((n,), spec.prompt - 1), const(-0.5, n, c),
+                                const(-0.5, n, c) if spec.beta > 0 else None,
                                 (torch.arange(n) % 2).float(), torch.arange(n) // 2)
             host_bytes = sum(t.nbytes for t in batch if t is not None) // n  # per row
         t = Trainer(model, RLConfig(algo=spec.algo, beta=spec.beta, minibatch_size=rows), train=opts, base=base,
@@ -397,17 +403,35 @@ def _lora_base():
 
 
 def extrapolate(at: dict[int, dict], layers: int) -> dict[str, Any]:
-    """Figures measured at TRACE_LAYERS -> at `layers` (each linear in the layer count)."""
-    (a, fa), (b, fb) = sorted(at.items())
+    """Figures measured at two layer counts -> at `layers` (each linear in the layer count). Nothing is clipped:
+    the parts of a snapshot sum to its total, so the extrapolated parts sum to the extrapolated total."""
+    (a, fa), (b, fb) = sorted(at.items())[:2]
 
     def lin(x, y):
         if isinstance(x, dict):
             return {k: lin(x[k], y[k]) for k in x}
         if x is None:
             return None
-        return max(0, round(x + (layers - a) * (y - x) / (b - a)))
+        return round(x + (layers - a) * (y - x) / (b - a))
 
     return {k: lin(fa[k], fb[k]) for k in fa}
+
+
+def _slopes(fa: dict, fb: dict) -> list[tuple[int, int]]:
+    """(per-layer growth, size) of every figure from one layer count to the next (the snapshots' parts included)."""
+    out = []
+    for k in ("passes", "step"):
+        if fa[k] is not None:
+            out += [(fb[k][p] - fa[k][p], max(fa[k][p], fb[k][p])) for p in PART_NAMES]
+    return out + [(fb["optimizer"] - fa["optimizer"], fb["optimizer"])]
+
+
+def linear(f1: dict, f2: dict, f3: dict) -> bool:
+    """Whether three traces at consecutive layer counts grow alike (every part by the same bytes a layer, to 1% of
+    the largest), so their peaks are the same moment of the step and one more layer adds the same again."""
+    s12, s23 = _slopes(f1, f2), _slopes(f2, f3)
+    scale = max([abs(d) for d, _ in s12 + s23] + [1])
+    return all(abs(x - y) <= 0.01 * scale + 4096 for (x, _), (y, _) in zip(s12, s23, strict=True))
 
 
 def _setup_world(world: int) -> None:
@@ -440,15 +464,28 @@ def _as_on_gpu() -> None:
 
 
 def measure(spec: Spec) -> dict[str, Any]:
-    """`spec` traced at TRACE_LAYERS and extrapolated to its model's layers, in this process."""
+    """`spec` traced at a few layer counts and extrapolated to its model's layers, in this process. The peak of a
+    step with few layers can fall at another moment than with many (the logits' peak at the end of the forward
+    against the embedding's gradient at the end of the backward): the counts traced go up from TRACE_LAYERS
+    until three consecutive ones grow alike (`linear`), or the model is traced whole."""
     if spec.world > 1:
         _setup_world(spec.world)
     t0 = time.monotonic()
     layers = int(spec.config["num_hidden_layers"])
-    if spec.exact:
+    first = TRACE_LAYERS[0]
+    if spec.exact or layers <= first + 2:
         out = trace_one(spec, layers)
     else:
-        out = extrapolate({n: trace_one(spec, n) for n in TRACE_LAYERS}, layers)
+        got = {n: trace_one(spec, n) for n in range(first, first + 3)}
+        n = first
+        while not linear(got[n], got[n + 1], got[n + 2]) and n + 3 < layers:
+            n += 1
+            got[n + 2] = trace_one(spec, n + 2)
+        if linear(got[n], got[n + 1], got[n + 2]):
+            out = extrapolate({n + 1: got[n + 1], n + 2: got[n + 2]}, layers)
+        else:  # no run of alike layers below the model's count: the model whole
+            out = trace_one(spec, layers)
+        out["layers_traced"] = sorted(got)
     out["trace_s"] = round(time.monotonic() - t0, 2)
     return out
 
