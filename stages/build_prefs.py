@@ -37,7 +37,7 @@ class BuildPrefsConfig:
     num_prompts: int = option(512, min=1, panel="Data", help="Train prompts to build pairs for.")
     n: int = option(4, "--n", min=1, panel="Data", help="Samples per prompt to find correct and wrong answers.")
     temperature: float = option(1.0, panel="Sampling", help="Sampling temperature.")
-    max_new_tokens: int = option(16, min=1, panel="Sampling", help="Longest sampled answer, in tokens.")
+    max_new_tokens: int | None = option(None, min=1, panel="Sampling", help="Longest sampled answer, in tokens. Default: the task's own generation length (arithmetic 16; math 96, 256 with data=; code 40, 512 with data=; a user task's max_new_tokens, else 16); the manifest records the value in force. A warning says so when more than half of the samples are cut there.")
     eval_fraction: float = option(0.1, panel="Data", help="Fraction of prompts marked split=heldout (stable per prompt).")
     # None | "length"
     bias: str | None = option(None, panel="Data", help="'length': the deliberately flawed set where the longer answer always wins.")
@@ -101,14 +101,22 @@ def _run(cfg: BuildPrefsConfig) -> Path | None:
 def _sampled(cfg: BuildPrefsConfig):
     import random
 
-    from rlkit import engines
+    from rlkit import console, engines
     from rlkit.errors import RlkitError
     from rlkit.io import checkpoints, data, fingerprints
-    from rlkit.tasks import get_task, prefs, task_inputs, task_sandbox, verify
+    from rlkit.tasks import (
+        generation_length,
+        get_task,
+        prefs,
+        task_inputs,
+        task_sandbox,
+        truncation_warning,
+        verify,
+    )
 
     task = get_task(cfg.task)
     sandbox = task_sandbox(task, cfg.sandbox, cfg.sandbox_workers)  # the code task's: checked before sampling
-    cfg = replace(cfg, task=task.spec)
+    cfg = replace(cfg, task=task.spec, max_new_tokens=generation_length(task, cfg.max_new_tokens))  # in force, recorded
     inputs = task_inputs(task)
     if cfg.policy is not None:
         checkpoints.check_model_dir(cfg.policy, "policy")
@@ -126,6 +134,10 @@ def _sampled(cfg: BuildPrefsConfig):
         gen = engine.sample(data.encode_prompts(tokenizer, [e.prompt for e in ex], False), n=cfg.n,
                             temperature=cfg.temperature, top_p=1.0, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
         engine.close()
+        cut = truncation_warning("build-prefs", gen.finish_reasons.count("length"), len(gen.finish_reasons),
+                                 cfg.max_new_tokens, task)
+        if cut:
+            console.warn(cut)
         texts = tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
         samples = [texts[i * cfg.n:(i + 1) * cfg.n] for i in range(len(ex))]
     # every sample verified at once (the code task's programs concurrently, in its sandbox)

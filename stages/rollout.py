@@ -6,7 +6,11 @@ table, streamed batch by batch: prompt and completion token ids, the sampling po
 each completion token (pi_old, at the sampling temperature), the finish reason, the checkpoint's
 fingerprint and step, and each reward component as a `reward/<name>` column: `reward/verifier` (the
 task's), and one per `--reward-fn NAME=FILE.py:FUNC` (the user's function, `rlkit.tasks.reward_fns`; its
-signature is checked before the engine starts). Same seed and inputs give the same table. Sampling goes
+signature is checked before the engine starts). Completions are up to --max-new-tokens, by default the task's
+generation length; the code task's `verdict/verifier` says `truncated` for one cut there that did not pass. The
+progress and closing lines show the mean total reward (the components summed, what update trains on without
+--reward) and each component's mean, and a warning when most completions were cut. Same seed and inputs give
+the same table. Sampling goes
 through the `rlkit.engines` protocol: `--engine` names a registered engine (hf, vllm) or auto, and the
 engine's name is recorded in the manifest, where `engines.capabilities(name)` tells what its log-probs are worth.
 `--device` (auto: the GPU when there is one) is where the hf engine runs and what vLLM, which picks its own GPU, is
@@ -58,7 +62,7 @@ class RolloutConfig:
     n: int = option(8, "--n", min=1, panel="Data", help="Completions per prompt (the group size).")
     temperature: float = option(1.0, panel="Sampling", help="Sampling temperature (> 0).")
     top_p: float = option(1.0, panel="Sampling", help="Nucleus sampling threshold.")
-    max_new_tokens: int = option(16, min=1, panel="Sampling", help="Longest completion, in tokens.")
+    max_new_tokens: int | None = option(None, min=1, panel="Sampling", help="Longest completion, in tokens (TRL's max_completion_length, verl's response_length). Default: the task's own generation length (arithmetic 16; math 96, 256 with data=; code 40, 512 with data=; a user task's max_new_tokens, else 16); the manifest records the value in force. A completion cut there has finish_reason `length` (verdict `truncated` where the task gives verdicts), and a warning says so when more than half are.")
     engine: EngineName = option("auto", panel="Engine", help="Rollout engine: hf, vllm, or auto (vLLM when it imports and a GPU is present, else hf).")
     batch_tokens: int = option(16384, min=16, panel="Optimization", help="Token budget per generation batch (hf engine).")
     tp: int = option(1, "--tp", min=1, panel="Engine", help="vLLM tensor-parallel size (GPUs per engine).")
@@ -120,7 +124,7 @@ def _run(cfg: RolloutConfig) -> Path | None:
     from rlkit.engines import memory
     from rlkit.errors import RlkitError
     from rlkit.io import checkpoints, claims, streams
-    from rlkit.tasks import get_task, reward_fn_sandbox, reward_fns, task_sandbox
+    from rlkit.tasks import generation_length, get_task, reward_fn_sandbox, reward_fns, task_sandbox
 
     task = get_task(cfg.task)
     sandbox = task_sandbox(task, cfg.sandbox, cfg.sandbox_workers)  # the code task's: checked before any sampling
@@ -138,14 +142,14 @@ def _run(cfg: RolloutConfig) -> Path | None:
     checkpoints.check_model_dir(cfg.policy, "policy")
     out = streams.resolve_out(cfg.out)
     claims.check_out(out, "table")
-    cfg = replace(cfg, task=task.spec)
+    cfg = replace(cfg, task=task.spec, max_new_tokens=generation_length(task, cfg.max_new_tokens))  # in force, recorded
     # --reward-fn: checked (and, with --sandbox bwrap, their sandboxed workers started) before any sampling
     fns = reward_fns.load_all(cfg.reward_fn, taken=("verifier",), timeout=cfg.reward_timeout,
                               sandbox=reward_fn_sandbox(cfg.sandbox, cfg.sandbox_workers))
     with reward_fns.closing(fns):
         if cfg.follow is not None:
-            return _run_follow(cfg, _Verifier(task, sandbox), out, fns)
-        return _run_table(cfg, _Verifier(task, sandbox), out, fns)
+            return _run_follow(cfg, _Verifier(task, sandbox, cfg.max_new_tokens), out, fns)
+        return _run_table(cfg, _Verifier(task, sandbox, cfg.max_new_tokens), out, fns)
 
 
 def _run_table(cfg: RolloutConfig, verifier: _Verifier, out: Path | None, fns) -> Path | None:
@@ -487,33 +491,65 @@ def _first_made(chunks):
 @dataclass
 class _Verifier:
     """The task's verifier as rollout runs it: a chunk's rows at once (`rlkit.tasks.verify`; the code task's
-    programs in `sandbox`, concurrently), the verdict reasons counted for the summary line at the end."""
+    programs in `sandbox`, concurrently; a completion cut at --max-new-tokens gets the verdict `truncated`), and
+    the run's tally for the progress and summary lines: the verdict reasons, the completions cut, and the sum of
+    each reward component and of their total."""
 
     task: object
     sandbox: object = None
+    max_new_tokens: int = 0
     counts: dict = field(default_factory=dict)
+    rows: int = 0
+    cut: int = 0
+    sums: dict = field(default_factory=dict)  # reward/<name> -> sum over rows; "reward" -> the total's
 
     @property
     def verdicts(self) -> bool:
         """Whether the task gives a reason with each reward (a `verdict/verifier` column)."""
         return getattr(self.task, "score_batch", None) is not None
 
-    def __call__(self, completions: list[str], answers: list[str]):
+    def __call__(self, completions: list[str], answers: list[str], finish_reasons: list[str]):
         from rlkit.tasks import verify
 
-        scores = verify(self.task, completions, answers, self.sandbox)
+        scores = verify(self.task, completions, answers, self.sandbox, finish_reasons=finish_reasons)
         for r in scores.reasons or ():
             self.counts[r] = self.counts.get(r, 0) + 1
         return scores
 
+    def record(self, cols: dict) -> dict[str, float]:
+        """Tally a chunk's written columns -> the running means for the progress line: `reward`, the total
+        update trains on (`rlkit.algorithms.inputs.combine_rewards`: the components summed at weight 1, as update
+        takes them without --reward), then each `reward/<name>`."""
+        from rlkit.algorithms.inputs import combine_rewards
+
+        self.rows += len(cols["finish_reason"])
+        self.cut += sum(f == "length" for f in cols["finish_reason"])
+        comps = {k.split("/", 1)[1]: v for k, v in cols.items() if k.startswith("reward/")}
+        if not comps:
+            return {}
+        total, _ = combine_rewards(comps, None)
+        for k, v in (("reward", float(total.double().sum())), *((f"reward/{n}", float(sum(c))) for n, c in comps.items())):
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        return {k: v / self.rows for k, v in self.sums.items()}
+
     def say(self) -> None:
         from rlkit import console
+        from rlkit.tasks import truncation_warning
 
+        if self.sums:
+            means = {k: v / self.rows for k, v in self.sums.items()}
+            parts = [f"{k} {v:.4g}" for k, v in means.items() if k != "reward"]
+            console.info(f"rollout: mean reward {means['reward']:.4g} over {self.rows} completions ("
+                         + (" + ".join(parts) if len(parts) > 1 else parts[0])
+                         + "; update trains on this sum, or on the components weighed by its --reward)")
         if self.counts:
             total = sum(self.counts.values())
             console.info(f"rollout: {self.task.name} verdicts of {total} responses: "
                          + ", ".join(f"{k} {v} ({v / total:.1%})" for k, v in sorted(self.counts.items(),
                                                                                         key=lambda kv: -kv[1])))
+        cut = truncation_warning("rollout", self.cut, self.rows, self.max_new_tokens, self.task)
+        if cut:
+            console.warn(cut)
 
 
 def _sample(cfg: RolloutConfig, engine: Engine, tokenizer, verifier: _Verifier, w, bar, chunks, seed: int, group0: int,
@@ -543,14 +579,14 @@ def _sample(cfg: RolloutConfig, engine: Engine, tokenizer, verifier: _Verifier, 
             "answer": [ch.answers[p] for p, _ in rows],
         }
         if scored:
-            scores = verifier(comps, [ch.answers[p] for p, _ in rows])
+            scores = verifier(comps, [ch.answers[p] for p, _ in rows], gen.finish_reasons)
             cols["reward/verifier"] = scores.values
             if verifier.verdicts:
                 cols["verdict/verifier"] = scores.reasons
         for f in fns:
             cols[f"reward/{f.name}"] = f.score(cols, row0=w.rows)
         w.write(cols)
-        bar.advance(len(rows), **({"reward": sum(cols["reward/verifier"]) / len(rows)} if scored else {}))
+        bar.advance(len(rows), **verifier.record(cols))
 
 
 command = stage_options.command(

@@ -63,7 +63,7 @@ class SftConfig:
     warmup: float = option(0.05, "--warmup-ratio", panel="Optimization", help="Fraction of steps for linear warmup.")
     # sft's own, like adam_betas below; AdamW's other settings are rlkit's (rlkit.training.Optim)
     weight_decay: float = option(0.01, panel="Optimization", help="AdamW weight decay (not on norms and biases).")
-    batch_tokens: int = option(512, min=16, panel="Optimization", help="Token budget per batch (rows x longest row).")
+    batch_tokens: int = option(512, min=16, panel="Optimization", help="Token budget per optimizer step, counted padded: rows x the longest row's prompt + completion tokens (all ranks together under torchrun). Unlike --micro-batch-tokens, which counts real tokens per forward pass; TRL's per_device_train_batch_size x gradient_accumulation_steps counts rows instead.")
     max_len: int = option(256, "--max-length", min=2, panel="Data", help="Longest training sequence; longer ones are truncated.")
     eval_num: int = option(300, min=1, panel="Data", help="Held-out prompts for the final greedy evaluation.")
     sandbox: str | None = option(None, SandboxKind)  # where the code task's held-out programs run (default bwrap)
@@ -87,7 +87,7 @@ class SftConfig:
     min_lr_ratio: float = 0.1
     adam_betas: tuple[float, float] = (0.9, 0.95)  # sft's own; rlkit's default is (0.9, 0.99)
     grad_clip: float = 1.0
-    max_new_tokens: int = 16
+    max_new_tokens: int | None = None  # the held-out eval's length: the task's (resolved in run), or longer, see below
 
 
 def _lr_lambda(total: int, warmup: int, min_ratio: float):
@@ -135,14 +135,15 @@ def _run(cfg: SftConfig, tracker) -> Path:
     from rlkit import console, tiny
     from rlkit.errors import RlkitError
     from rlkit.io import atomic, checkpoints, claims, data, fingerprints, manifests, metrics_log, tracking
-    from rlkit.tasks import get_task, task_inputs, task_sandbox
+    from rlkit.tasks import generation_length, get_task, task_inputs, task_sandbox
     from rlkit.tasks.evaluate import greedy_eval
 
     if cfg.task is None and cfg.data is None:
         cfg = replace(cfg, task="arithmetic")
     task = get_task(cfg.task) if cfg.task else None
     sandbox = task_sandbox(task, cfg.sandbox, cfg.sandbox_workers)  # checked before any training
-    cfg = replace(cfg, task=task.spec if task else None)
+    # the held-out eval samples up to the task's generation length (recorded), or longest SFT target + 8 if more
+    cfg = replace(cfg, task=task.spec if task else None, max_new_tokens=generation_length(task, None) if task else None)
     if cfg.model != checkpoints.TINY:
         cfg = replace(cfg, tiny=None)
     claims.check_out(cfg.out, "model")

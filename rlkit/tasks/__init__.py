@@ -12,7 +12,7 @@ constructor, converted to the parameter's annotated type (int, float, bool, str)
 
 Every task follows the `Task` protocol below. A user class needs only `iter_examples(split, seed)`
 and `reward(response, answer)`; `UserTask` supplies the rest (`examples`, `completion` = the gold
-answer, `name`, `spec`) and checks what the class returns. A user task's identity in manifests
+answer, `name`, `spec`, `max_new_tokens` = 16 unless the class sets it) and checks what the class returns. A user task's identity in manifests
 includes the hash of the file that defines it (`task_inputs`), so editing it reruns the stages.
 
 A verifier is a reward function of (response, gold answer) -> float, so a verifier (RLVR) and a
@@ -33,15 +33,19 @@ from dataclasses import dataclass, field
 
 from rlkit.errors import RlkitError
 from rlkit.tasks.base import (  # noqa: F401 (the task vocabulary, named from here too)
+    DEFAULT_MAX_NEW_TOKENS,
     SPLITS,
+    TRUNCATED,
     VERBOSE,
     VERIFIERS,
     Example,
     Scores,
     Task,
     check_split,
+    generation_length,
     is_heldout,
     last_integer,
+    truncation_warning,
     verify,
 )
 
@@ -53,6 +57,7 @@ class Arithmetic:
     Knobs: `terms` (range of the number of terms, e.g. 2-4), `max` (largest operand, 0..max), `heldout`
     (fraction of the problem space held out) and `prose` (fraction of SFT targets written as a sentence,
     "The total is 12.", instead of the bare number; the prompts are the same whatever `prose` is).
+    Generation length 16 tokens: a bare answer is a few characters.
     """
 
     min_terms: int = 2
@@ -62,6 +67,7 @@ class Arithmetic:
     prose: float = 0.0
     name: str = field(default="arithmetic", init=False)
     verifier: str = field(default="last-integer", init=False)
+    max_new_tokens: int = field(default=16, init=False)  # the task's generation length (Task.max_new_tokens)
 
     @classmethod
     def from_options(cls, opts: dict[str, str]) -> Arithmetic:
@@ -310,6 +316,12 @@ class UserTask:
         return out
 
     @property
+    def max_new_tokens(self) -> int:
+        """The class's `max_new_tokens` (checked when the task was made), else DEFAULT_MAX_NEW_TOKENS."""
+        n = getattr(self.impl, "max_new_tokens", None)
+        return DEFAULT_MAX_NEW_TOKENS if n is None else n
+
+    @property
     def runs_code(self) -> bool:
         """The class says its verifier runs model-written programs (`runs_code = True`): the stage then checks
         the sandbox (`--sandbox`, default bwrap) before sampling and hands it to its `score_batch`."""
@@ -381,6 +393,11 @@ def _user_task(factory: object, source: str, name: str, opts: dict[str, str]) ->
         _check_signature(getattr(obj, m), args, f"task {label}", m, sig)
     if callable(getattr(obj, "completion", None)):
         _check_signature(obj.completion, (None,), f"task {label}", "completion", "(example)")
+    n = getattr(obj, "max_new_tokens", None)
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise RlkitError(f"task {label}: max_new_tokens is {n!r:.60}; expected an integer >= 1 (the task's generation "
+                         "length in tokens), or leave it out for the default "
+                         f"{DEFAULT_MAX_NEW_TOKENS}")
     own = getattr(obj, "fingerprint", None)
     own = own() if callable(own) else own
     fp = user_code.fingerprint(factory, label) + (f"+{own}" if isinstance(own, str) and own else "")

@@ -11,6 +11,10 @@ from typing import Protocol
 from rlkit.errors import RlkitError
 
 SPLITS = ("train", "heldout")
+# the generation length (max new tokens) of a task that names none: a user task without a `max_new_tokens`
+DEFAULT_MAX_NEW_TOKENS = 16
+TRUNCATED = "truncated"  # the verdict of a response cut at max-new-tokens (it never ended with eos)
+PASSED = "passed"  # the verdict of full credit (rlkit.sandbox.REASONS), which a cut response keeps
 VERBOSE = (  # the prose forms of an answer: SFT targets under `prose=F`, and build-prefs' verbose negatives
     "The total is {}.",
     "Adding the terms one by one gives {}.",
@@ -49,14 +53,43 @@ class Scores:
     reasons: list[str] | None = None
 
 
-def verify(task, responses: Sequence[str], answers: Sequence[str], sandbox=None) -> Scores:
+def verify(task, responses: Sequence[str], answers: Sequence[str], sandbox=None,
+           finish_reasons: Sequence[str] | None = None) -> Scores:
     """The task's rewards for a batch of (response, gold answer) rows: through its `score_batch(responses,
     answers, sandbox)` when it has one (the code task runs its programs concurrently, in `sandbox`, an
-    `rlkit.sandbox.Sandbox`), else `reward` row by row."""
+    `rlkit.sandbox.Sandbox`), else `reward` row by row.
+
+    `finish_reasons` (the engine's, "eos" | "length", one per row): a row cut at max-new-tokens ("length")
+    gets the verdict `truncated` in place of the verifier's reason, unless that reason is `passed` (full
+    credit: the cut did not matter). Its reward stays the verifier's; a verifier without reasons gives none."""
     batch = getattr(task, "score_batch", None)
-    if batch is not None:
-        return batch(list(responses), list(answers), sandbox)
-    return Scores([task.reward(r, a) for r, a in zip(responses, answers, strict=True)])
+    if batch is None:
+        return Scores([task.reward(r, a) for r, a in zip(responses, answers, strict=True)])
+    scores = batch(list(responses), list(answers), sandbox)
+    if finish_reasons is None or scores.reasons is None:
+        return scores
+    cut = [TRUNCATED if f == "length" and r != PASSED else r
+           for r, f in zip(scores.reasons, finish_reasons, strict=True)]
+    return Scores(scores.values, cut)
+
+
+def generation_length(task, given: int | None) -> int:
+    """The max new tokens a stage samples with: `given` (--max-new-tokens) when set, else the task's own
+    generation length (`task.max_new_tokens`; DEFAULT_MAX_NEW_TOKENS for a task without one)."""
+    if given is not None:
+        return given
+    n = getattr(task, "max_new_tokens", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else DEFAULT_MAX_NEW_TOKENS
+
+
+def truncation_warning(stage: str, cut: int, n: int, max_new_tokens: int, task=None, share: float = 0.5) -> str | None:
+    """One line when more than `share` of `n` responses (`cut` of them) were cut at `max_new_tokens` (they never
+    ended with eos): their rewards score cut-off text, usually wrong. None otherwise."""
+    if not n or cut <= share * n:
+        return None
+    own = f"; task {task.name}'s own length is {generation_length(task, None)}" if task is not None else ""
+    return (f"{stage}: {cut} of {n} responses ({cut / n:.0%}) hit --max-new-tokens {max_new_tokens} before they "
+            f"ended, so their rewards score cut-off text{own}; raise --max-new-tokens")
 
 
 def is_heldout(text: str, fraction: float) -> bool:
@@ -77,7 +110,10 @@ class Task(Protocol):
       chunk by chunk instead of building this list, so --num-prompts can be any count);
     - `completion(example)`: the SFT target (the eos token is appended by the tokenization step);
     - `reward(response, gold answer)`: the verifier, a finite float (1.0 = correct), never raising on
-      a malformed response.
+      a malformed response;
+    - `max_new_tokens`: the task's generation length, what eval, rollout, build-prefs and sft's held-out
+      eval sample up to when no --max-new-tokens is given (TRL's max_completion_length, verl's
+      response_length); a user class may set it, else DEFAULT_MAX_NEW_TOKENS.
 
     A task may also have `score_batch(responses, answers, sandbox) -> Scores` (a batch at once, with verdict
     reasons; `verify` prefers it) and `runs_code = True` (its verifier runs model-written programs: stages
@@ -97,6 +133,9 @@ class Task(Protocol):
     def completion(self, ex: Example) -> str: ...
 
     def reward(self, response: str, answer: str) -> float: ...
+
+    @property
+    def max_new_tokens(self) -> int: ...
 
 
 def shuffled_passes(rows: Sequence, rng, unique: bool) -> Iterator:

@@ -302,3 +302,25 @@ def test_bad_engine_and_pi_old_options(sft_dir, tmp_path):
     r = run_cli_inproc(*upd, "--old-logprobs", "sometimes")  # a choice: click's usage error names the option
     assert r.returncode == 2 and "'sometimes' is not one of 'engine', 'recompute', 'auto'" in r.stderr.decode()
     assert not (tmp_path / "u").exists() and not (tmp_path / "x.arrow").exists()
+
+
+def test_rollout_shows_the_total_reward_update_trains_on_and_each_component(sft_dir, tmp_path):
+    """A --reward-fn that gives every row 1.0: the progress and closing lines show the total (the components
+    summed at weight 1, as update takes them) and one mean per component, not the verifier's alone. No
+    --max-new-tokens: arithmetic's own 16, recorded."""
+    (tmp_path / "rw.py").write_text("def probe(completion, row):\n    return 1.0\n")
+    out = tmp_path / "r.arrow"
+    r = run_cli_inproc("rollout", "--policy", str(sft_dir), "--num-prompts", "8", "--n", "2", "--seed", "5",
+                       "--reward-fn", f"probe={tmp_path}/rw.py:probe", "--out", str(out))
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    rows = _table_rows(out)
+    verifier = sum(x["reward/verifier"] for x in rows) / len(rows)
+    assert [x["reward/probe"] for x in rows] == [1.0] * 16
+    err = r.stderr.decode()
+    progress = [x for x in err.splitlines() if x.startswith("rollout: 16/16")]
+    assert len(progress) == 1 and progress[0].endswith(f"reward {1 + verifier:.4g}  reward/verifier {verifier:.4g}  "
+                                                       "reward/probe 1"), err
+    assert (f"rollout: mean reward {1 + verifier:.4g} over 16 completions (reward/verifier {verifier:.4g} + "
+            "reward/probe 1; update trains on this sum, or on the components weighed by its --reward)") in err
+    m = manifests.read_manifest(out)
+    assert m["config"]["max_new_tokens"] == 16 == json.loads((sft_dir / "rlkit.json").read_text())["config"]["max_new_tokens"]

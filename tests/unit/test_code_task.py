@@ -162,3 +162,41 @@ class Squares:
     got = verify(t, ["print(4)", "print(5)", "open('/etc/passwd-x', 'w')"], ["4", "4", "4"], sb)
     assert got == Scores([1.0, 0.0, 0.0], ["passed", "wrong_answer", "runtime_error"])
     assert task_sandbox(get_task("arithmetic"), None) is None  # a task that runs no code gets none
+
+
+def test_eval_and_rollout_sample_up_to_the_tasks_length_and_a_cut_response_is_truncated(sft_dir, tmp_path):
+    from rlkit.io import manifests, streams
+    from tests.conftest import run_cli_inproc
+
+    # no --max-new-tokens: the code task's own 40 tokens (what recipes/code.sh passes), recorded in the result
+    r = run_cli_inproc("eval", "--policy", str(sft_dir), "--task", "code", "--num-prompts", "4", "--sandbox", "none",
+                       "--json")
+    assert r.returncode == 0, r.stderr.decode()[-800:]
+    ev = json.loads(r.stdout)
+    assert ev["max_new_tokens"] == 40 and ev["truncated_fraction"] == 0.0 and "truncated" not in ev["verdicts"]
+    # cut at one token: most responses never end; each is `truncated` (not wrong_answer) and one line says so
+    r = run_cli_inproc("eval", "--policy", str(sft_dir), "--task", "code", "--num-prompts", "6", "--max-new-tokens", "1",
+                       "--sandbox", "none", "--json")
+    assert r.returncode == 0, r.stderr.decode()[-800:]
+    ev = json.loads(r.stdout)
+    cut = round(ev["truncated_fraction"] * ev["n"])
+    assert ev["max_new_tokens"] == 1 and cut > 3 and ev["verdicts"]["truncated"] == cut
+    assert sum(ev["verdicts"].values()) == ev["n_scored"] == 6
+    warnings = [x for x in r.stderr.decode().splitlines() if "hit --max-new-tokens" in x]
+    assert warnings == [f"warning: eval: {cut} of 6 responses ({cut / 6:.0%}) hit --max-new-tokens 1 before they ended, "
+                        "so their rewards score cut-off text; task code's own length is 40; raise --max-new-tokens"]
+    # rollout: the verdict/verifier column (what update's verdict fractions count) says truncated for every cut row
+    # that did not pass; the manifest records the length in force
+    out = tmp_path / "r.arrow"
+    r = run_cli_inproc("rollout", "--policy", str(sft_dir), "--task", "code", "--num-prompts", "3", "--n", "2",
+                       "--max-new-tokens", "1", "--sandbox", "none", "--out", str(out))
+    assert r.returncode == 0, r.stderr.decode()[-800:]
+    rows = streams.read_table(out, ["rollouts"])[0].to_pylist()
+    assert any(x["finish_reason"] == "length" for x in rows)
+    for x in rows:
+        assert (x["verdict/verifier"] == "truncated") == (x["finish_reason"] == "length"), x
+    assert manifests.read_manifest(out)["config"]["max_new_tokens"] == 1
+    assert "hit --max-new-tokens 1 before they ended" in r.stderr.decode()
+    r = run_cli_inproc("rollout", "--policy", str(sft_dir), "--task", "code", "--num-prompts", "1", "--n", "1",
+                       "--sandbox", "none", "--out", str(tmp_path / "d.arrow"))
+    assert r.returncode == 0 and manifests.read_manifest(tmp_path / "d.arrow")["config"]["max_new_tokens"] == 40

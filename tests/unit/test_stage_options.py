@@ -227,3 +227,42 @@ def test_a_dist_timeout_out_of_range_is_refused_before_the_process_group(tmp_pat
         assert r.returncode == 2 and "Traceback" not in err and "Overflow" not in err, err
         assert "Invalid value for '--dist-timeout': 1e+300 is not a number of minutes" in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+def _help_line(name: str, flag: str) -> str:
+    """The `rlkit NAME --help` line of `flag`, its help text on one line (a wide terminal), whitespace collapsed."""
+    from conftest import run_cli_inproc
+
+    r = run_cli_inproc(name, "--help", env={"COLUMNS": "4000"})
+    assert r.returncode == 0, r.stderr
+    lines = [" ".join(x.strip("│ ").split()) for x in r.stdout.decode().splitlines()]
+    (line,) = [x for x in lines if x.startswith(f"{flag} ")]
+    return line
+
+
+def test_the_help_says_each_batch_option_in_trl_and_verl_terms():
+    """What a TRL or verl user misreads: what each batch size counts, per GPU or in all, padded or real tokens,
+    --packing vs TRL's packing, and where the generation length comes from."""
+    mb = _help_line("update", "--minibatch-size")
+    assert "Sequences (table rows = prompts x rollout's --n samples) per optimizer step, over all GPUs" in mb
+    assert "Unlike verl's ppo_mini_batch_size, which counts prompts" in mb
+    for name in ("update", "sft", "train-rm"):
+        micro = _help_line(name, "--micro-batch-size")
+        assert "per forward/backward pass on each GPU or process: per rank under torchrun" in micro
+        assert "verl's ppo_micro_batch_size_per_gpu" in micro
+        assert "real prompt + completion tokens (no padding counted)" in _help_line(name, "--micro-batch-tokens")
+        assert "This is TRL's padding_free, not TRL's packing" in _help_line(name, "--packing")
+    assert "counted padded: rows x the longest row's prompt + completion tokens" in _help_line("sft", "--batch-tokens")
+    for name in ("eval", "rollout", "build-prefs"):
+        assert "Default: the task's own generation length (arithmetic 16; math 96" in _help_line(name, "--max-new-tokens")
+
+
+def test_a_micro_batch_of_zero_says_what_leaving_it_out_means_on_a_cpu_and_a_gpu():
+    from rlkit.errors import RlkitError
+    from rlkit.training import TrainOptions
+
+    for kw, flag in (({"micro_batch_size": 0}, "--micro-batch-size 0"), ({"micro_batch_tokens": 0}, "--micro-batch-tokens 0")):
+        with pytest.raises(RlkitError) as e:
+            TrainOptions(**kw).check()
+        assert str(e.value) == (f"{flag}: expected an integer >= 1, or leave it out for the default: the whole step in "
+                                "one forward pass on a CPU, micro-batches of 16384 tokens on a GPU")

@@ -50,3 +50,70 @@ def test_spec_round_trips_and_bad_specs_fail():
 def test_too_many_unique_prompts_is_a_clear_error():
     with pytest.raises(RlkitError, match="ran out of distinct heldout prompts"):
         get_task("arithmetic:terms=1-1,max=9").examples("heldout", 50, 0)
+
+
+def test_each_task_carries_its_generation_length_and_a_flag_wins(tmp_path):
+    from rlkit.tasks import DEFAULT_MAX_NEW_TOKENS, generation_length
+
+    # arithmetic keeps 16 (the recipes that rely on the default compute what they did); math and code the
+    # lengths their recipes pass (96, 40) on the shipped data, longer on the user's data
+    for spec, want in (("arithmetic", 16), ("arithmetic:terms=2-5,prose=0.5", 16), ("math", 96),
+                       ("math:data=gsm8k.jsonl", 256), ("code", 40), ("code:data=sample", 512)):
+        assert generation_length(get_task(spec), None) == want, spec
+        assert generation_length(get_task(spec), 7) == 7  # --max-new-tokens, when given, wins
+    (tmp_path / "mine.py").write_text('''
+from rlkit.tasks import Example
+
+class Plain:
+    def iter_examples(self, split, seed):
+        yield Example(f"{split}-0", "q", "a", split)
+
+    def reward(self, response, answer):
+        return 1.0
+
+class Long(Plain):
+    max_new_tokens = 300
+
+class Bad(Plain):
+    def __init__(self, n: str = "0"):
+        self.max_new_tokens = {"0": 0, "str": "300", "bool": True, "float": 2.5}[n]
+''')
+    assert generation_length(get_task(f"{tmp_path}/mine.py:Plain"), None) == DEFAULT_MAX_NEW_TOKENS == 16
+    assert generation_length(get_task(f"{tmp_path}/mine.py:Long"), None) == 300
+    for n in ("0", "str", "bool", "float"):
+        with pytest.raises(RlkitError, match=r"max_new_tokens is .*expected an integer >= 1") as e:
+            get_task(f"{tmp_path}/mine.py:Bad:n={n}")
+        assert "\n" not in str(e.value)
+
+
+def test_a_response_cut_at_max_new_tokens_has_the_verdict_truncated_and_keeps_its_reward(tmp_path):
+    from rlkit.tasks import Scores, truncation_warning, verify
+
+    (tmp_path / "judged.py").write_text('''
+from rlkit.tasks import Example, Scores
+
+class Judged:
+    def iter_examples(self, split, seed):
+        yield Example(f"{split}-0", "q", "a", split)
+
+    def reward(self, response, answer):
+        raise AssertionError("score_batch is used")
+
+    def score_batch(self, responses, answers, sandbox):
+        return Scores([1.0 if r == a else 0.25 for r, a in zip(responses, answers)],
+                      ["passed" if r == a else "wrong_answer" for r, a in zip(responses, answers)])
+''')
+    t = get_task(f"{tmp_path}/judged.py:Judged")
+    responses, answers = ["a", "b", "b", "a"], ["a"] * 4
+    plain = verify(t, responses, answers)
+    assert plain == Scores([1.0, 0.25, 0.25, 1.0], ["passed", "wrong_answer", "wrong_answer", "passed"])
+    # cut rows: `truncated` in place of the verifier's reason, unless they passed; the rewards do not change
+    cut = verify(t, responses, answers, finish_reasons=["eos", "length", "eos", "length"])
+    assert cut == Scores([1.0, 0.25, 0.25, 1.0], ["passed", "truncated", "wrong_answer", "passed"])
+    # a verifier without reasons gives no verdicts, cut or not
+    assert verify(get_task("arithmetic"), ["1", "2"], ["1", "1"], finish_reasons=["length", "eos"]) == Scores([1.0, 0.0])
+    # the warning: more than half cut names the flag, the value in force and the task's own length
+    line = truncation_warning("eval", 3, 4, 16, get_task("code"))
+    assert line == ("eval: 3 of 4 responses (75%) hit --max-new-tokens 16 before they ended, so their rewards score "
+                    "cut-off text; task code's own length is 40; raise --max-new-tokens")
+    assert truncation_warning("eval", 2, 4, 16, get_task("code")) is None and truncation_warning("eval", 0, 0, 16) is None
