@@ -284,8 +284,12 @@ def plan_stage(stage: str, s, cfg: PlanConfig, hw, suggest: bool = False):
                              "accounting); expected --engine vllm (or auto: vLLM on a GPU)")
         config = _model(s.policy, "--policy")
         ctx = int(config.get("max_position_embeddings") or 0)
-        prompt = min(DEFAULT_TOKENS, max(1, ctx - (s.max_new_tokens or 0))) if ctx else DEFAULT_TOKENS
-        limit = (prompt, s.max_new_tokens, "--max-new-tokens") if s.max_new_tokens else None
+        from rlkit.tasks import generation_length, get_task
+
+        task = get_task(s.task)
+        max_new = generation_length(task, s.max_new_tokens)  # without the flag: the task's own length
+        prompt = min(DEFAULT_TOKENS, max(1, ctx - max_new)) if ctx else DEFAULT_TOKENS
+        limit = (prompt, max_new, "--max-new-tokens" if s.max_new_tokens else f"task {task.name}'s length")
         work = _work(stage, s, cfg, config, (1, ""), limit)
         if limit is not None and not cfg.prompt_tokens:
             why = f"the default {DEFAULT_TOKENS}" if prompt == DEFAULT_TOKENS else "the model's context less --max-new-tokens"

@@ -58,7 +58,7 @@ RL = Group(
     algo=option(RLConfig.algo, type=AlgoName, panel="Algorithm", help=f"The algorithm ({algorithms.help_text()}). Each sets its own defaults for --beta, --kl-in, --loss-agg, --clip-low and --clip-high."),
     lr=option(RLConfig.lr, panel="Optimization", help="AdamW learning rate (default suits the tiny model; ~1e-6 for 1B+ models)."),
     epochs=option(RLConfig.epochs, min=1, panel="Optimization", help="Passes over the rollout batch."),
-    minibatch_size=option(RLConfig.minibatch_size, min=1, panel="Optimization", help="Sequences per optimizer step."),
+    minibatch_size=option(RLConfig.minibatch_size, min=1, panel="Optimization", help="Sequences (table rows = prompts x rollout's --n samples) per optimizer step, over all GPUs/processes together (offline algorithms such as dpo: pairs). Unlike verl's ppo_mini_batch_size, which counts prompts: verl's 32 prompts at n=8 is --minibatch-size 256. Each step may run as smaller forward passes (--micro-batch-size / --micro-batch-tokens, per GPU) without changing the update."),
     clip_low=option(None, panel="Algorithm", help=f"Ratio clip below 1: 1 - clip_low. Default: per --algo ({algo_default('clip_low')})."),
     clip_high=option(None, panel="Algorithm", help=f"Ratio clip above 1: 1 + clip_high. Default: per --algo ({algo_default('clip_high')})."),
     dual_clip=option(DEFAULT_DUAL_CLIP, type=float, to_config=lambda c: c or None, panel="Algorithm", help="Dual clip C (verl's clip_ratio_c): for a negative advantage the clipped loss is capped at -C*A, so a ratio far above 1 cannot blow it up; must be > 1; 0 turns it off."),

@@ -33,6 +33,9 @@ Reward and extraction
   timeout, memory); `rollout` writes it as the `verdict/verifier` column and counts it. `timeout` (seconds
   per program, all its tests; default 10) and `memory` (MB of address space, default 1024) are the
   sandbox limits, part of the task's identity because they decide rewards.
+- A response cut at max-new-tokens (it never ended) has the verdict `truncated` instead, unless it passed.
+  The task's generation length (`max_new_tokens`, what a stage samples up to without --max-new-tokens) is 40
+  tokens for the generated task, 512 with `data`.
 """
 
 from __future__ import annotations
@@ -263,6 +266,12 @@ class Code:
         opts += [f"heldout={self.heldout_fraction}", f"reward={self.reward_mode}", f"timeout={self.timeout_s:g}",
                  f"memory={self.memory_mb}"]
         return "code:" + ",".join(opts)
+
+    @property
+    def max_new_tokens(self) -> int:
+        """The task's generation length: 40 tokens for the generated task (its longest program is 28
+        characters), 512 with `data` (APPS-style programs)."""
+        return 40 if self.data is None else 512
 
     @property
     def fingerprint(self) -> str:

@@ -16,15 +16,16 @@ def greedy_eval(model, tokenizer, prompts: Sequence[str], answers: Sequence[str 
                 batch_tokens: int = 16384, samples: int = 5) -> dict[str, Any]:
     """accuracy = mean verifier reward (`task`'s, through `verify`: the code task runs its programs in `sandbox`)
     over prompts with a gold answer; lengths in tokens (no eos); `verdicts` counts the verifier's reasons
-    when it gives them."""
+    when it gives them (`truncated` for a response cut at `max_new_tokens` that did not pass)."""
     ids = encode_prompts(tokenizer, prompts, chat)
     with progress("eval", len(ids)) as t:
         gen = generate(model, tokenizer, ids, max_new_tokens=max_new_tokens, greedy=True,
                        batch_tokens=batch_tokens, ticker=t)
     texts = tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
     lengths = [len(c) - (f == "eos") for c, f in zip(gen.completion_ids, gen.finish_reasons, strict=True)]
-    pairs = [(t, a) for t, a in zip(texts, answers, strict=True) if a is not None]
-    verdict = verify(task, [t for t, _ in pairs], [a for _, a in pairs], sandbox)
+    pairs = [(t, a, f) for t, a, f in zip(texts, answers, gen.finish_reasons, strict=True) if a is not None]
+    verdict = verify(task, [t for t, _, _ in pairs], [a for _, a, _ in pairs], sandbox,
+                     finish_reasons=[f for _, _, f in pairs])  # a cut response: verdict `truncated`
     scored = verdict.values
     counts: dict[str, int] = {}
     for r in verdict.reasons or ():
@@ -41,4 +42,5 @@ def greedy_eval(model, tokenizer, prompts: Sequence[str], answers: Sequence[str 
             for p, i, t, a in list(zip(prompts, ids, texts, answers, strict=True))[:samples]
         ],
         "responses": texts,
+        "finish_reasons": gen.finish_reasons,  # "eos" | "length", one per prompt
     }

@@ -100,7 +100,9 @@ class TrainOptions:
                              f"<= {MAX_DIST_TIMEOUT:g}")
         for flag, v in (("--micro-batch-size", self.micro_batch_size), ("--micro-batch-tokens", self.micro_batch_tokens)):
             if v is not None and v < 1:
-                raise RlkitError(f"{flag} {v}: expected an integer >= 1 (leave it out for one forward per step)")
+                raise RlkitError(f"{flag} {v}: expected an integer >= 1, or leave it out for the default: the whole "
+                                 f"step in one forward pass on a CPU, micro-batches of {GPU_MICRO_BATCH_TOKENS} tokens "
+                                 "on a GPU")
         if self.micro_batch_size is not None and self.micro_batch_tokens is not None:
             raise RlkitError("--micro-batch-size and --micro-batch-tokens both cut the optimizer step into micro-batches; "
                              "give one of them")
