@@ -1,12 +1,16 @@
 """Data sources, tokenization and token-budget batching.
 
-A data source is an rlkit table, a plain `.arrow`/`.parquet`/`.jsonl` file, or a `datasets` spec
+A data source is an rlkit table, a plain `.arrow`/`.parquet`/`.jsonl`/`.json`/`.csv` file, or a `datasets` spec
 (`name[:config][@split]`), with column-mapping flags to rename the user's columns to rlkit's. When the
 data has a `messages` column and the tokenizer has a chat template, the template renders the prompt.
+A file that cannot be read is one RlkitError naming it (and, in a text file, its first bad line).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -28,6 +32,7 @@ class Source:
     fingerprint: str
     label: str
     chat: bool  # prompts come from a `messages` column through the chat template
+    columns: tuple[str, ...] = ()  # the file's own column names, before any renaming (what an error names)
 
     def head(self, n: int | None) -> Source:
         """The first `n` rows (all when n is None), so later steps render and tokenize only those."""
@@ -47,49 +52,172 @@ def _quiet_datasets():
     return datasets
 
 
+@contextlib.contextmanager
+def _silent_datasets():
+    """`datasets` logs nothing while a file or spec is read: a file it cannot parse is logged as an error ("Failed
+    to load JSON from file ...", through every handler, rlkit's included) before it raises, and rlkit's own line,
+    naming the file and the line, says it once."""
+    loggers = [logging.getLogger(name) for name in ("datasets", "huggingface_hub")]  # the hub: its retry lines
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+DATA_SUFFIXES = (".arrow", ".parquet", ".jsonl", ".json", ".csv")
+# what a data file of each kind holds, as the error about an empty one says it
+_EXPECTED = {".jsonl": "one JSON object a line", ".json": "JSON objects, one a line or a list of them",
+             ".csv": "a header line, then one row a line", ".parquet": "a Parquet file", ".arrow": "an Arrow table"}
+_TEXT = (".jsonl", ".json", ".csv")
+
+
+def _first_line(e: BaseException) -> str:
+    """The first non-blank line of the deepest cause of `e` (a library's wrapper says less), else its type."""
+    while (e.__cause__ or e.__context__) is not None and not isinstance(e, RlkitError):
+        e = e.__cause__ or e.__context__
+    line = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+    line = "".join(c if c.isprintable() else "?" for c in line)  # a parser quoting binary input
+    return line if len(line) <= 160 else line[:157] + "..."
+
+
+def _not_text(p: Path, expected: str) -> str | None:
+    """'line N is not UTF-8 text ...' for the first such line of `p`, None when every line is."""
+    with open(p, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return f"line {n} is not UTF-8 text (a binary file?); expected {expected}"
+    return None
+
+
+def _csv_problem(p: Path) -> str | None:
+    """The first line of CSV file `p` that is not UTF-8 text or has another number of fields than the header."""
+    import csv
+
+    if (why := _not_text(p, _EXPECTED[".csv"])) is not None:
+        return why
+    with open(p, encoding="utf-8-sig", newline="") as f:
+        rows = csv.reader(f)
+        try:
+            header = next(rows, [])
+            for row in rows:
+                if row and len(row) != len(header):
+                    return f"line {rows.line_num} has {len(row)} field(s), the header {len(header)}"
+        except csv.Error as e:
+            return f"line {rows.line_num}: {e}"
+    return None
+
+
+def _is_empty(p: Path, text: bool) -> bool:
+    """0 bytes, or (a text format) only whitespace."""
+    with open(p, "rb") as f:
+        while chunk := f.read(1 << 20):
+            if not text or chunk.strip():
+                return False
+    return True
+
+
+def _json_problem(p: Path) -> str | None:
+    """Why `p` is not JSON lines (or, for .json, one JSON document): the first line that is not UTF-8 text, not
+    JSON or not an object, by number; None when none is found (the parser's message is then the best there is)."""
+    if p.suffix.lower() == ".json" and p.stat().st_size <= 64 << 20:
+        try:
+            doc = json.loads(p.read_bytes())
+        except ValueError:
+            pass  # not one document: JSON lines, read line by line below
+        else:
+            if isinstance(doc, list) and all(isinstance(x, dict) for x in doc) or isinstance(doc, dict):
+                return None
+            return f"it is one JSON {_json_kind(doc)}; expected {_EXPECTED['.json']}"
+    if (why := _not_text(p, _EXPECTED[".jsonl"])) is not None:
+        return why
+    with open(p, encoding="utf-8-sig") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError as e:
+                return f"line {n} is not valid JSON ({getattr(e, 'msg', e)} at column {getattr(e, 'colno', '?')}); " \
+                       f"expected {_EXPECTED['.jsonl']}"
+            if not isinstance(obj, dict):
+                return f"line {n} is a JSON {_json_kind(obj)}, not an object; expected {_EXPECTED['.jsonl']}"
+    return None
+
+
+def _json_kind(v) -> str:
+    return {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(v), "null" if v is None
+                                                                                             else "object")
+
+
+def _read_file(p: Path, suffix: str) -> pa.Table:
+    """The table in data file `p` (not an rlkit table); every failure is one RlkitError naming the file."""
+    if suffix == ".arrow":
+        import datasets
+
+        try:
+            with _silent_datasets():
+                return datasets.Dataset.from_file(str(p)).data.table
+        except Exception as e:  # noqa: BLE001 (whatever the reader raises, the file is not an Arrow table)
+            raise RlkitError(f"{p} is not an Arrow table ({_first_line(e)})") from e
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.read_table(p)
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise RlkitError(f"{p} is not a Parquet file ({_first_line(e)})") from e
+    if suffix == ".csv":
+        import pyarrow.csv as pcsv
+
+        try:
+            return pcsv.read_csv(p)
+        except (pa.ArrowException, OSError, ValueError) as e:
+            why = _csv_problem(p) or f"cannot read it as CSV ({_first_line(e)}); expected {_EXPECTED['.csv']}"
+            raise RlkitError(f"{p}: {why}") from e
+    datasets = _quiet_datasets()
+    try:
+        with _silent_datasets():
+            return datasets.load_dataset("json", data_files=str(p), split="train").data.table
+    except Exception as e:  # noqa: BLE001 (datasets wraps the parser's error in its own)
+        why = _json_problem(p) or f"cannot read it as JSON lines ({_first_line(e)})"
+        raise RlkitError(f"{p}: {why}") from e
+
+
 def _read_any(source: str) -> tuple[pa.Table | None, str, bool]:
     """(table, fingerprint, is_rlkit_table) for a file path or a datasets spec."""
     p = Path(source)
     if p.exists():
         if p.is_dir():
-            raise RlkitError(f"{p} is a directory, expected a data file (.arrow, .parquet, .jsonl)")
+            raise RlkitError(f"{p} is a directory, expected a data file ({', '.join(DATA_SUFFIXES)})")
         suffix = p.suffix.lower()
-        if suffix == ".arrow":
-            if manifests.read_manifest(p) is not None:
+        if suffix not in DATA_SUFFIXES:
+            raise RlkitError(f"{p}: unsupported data file type {suffix!r}; expected {', '.join(DATA_SUFFIXES)}")
+        try:
+            if _is_empty(p, suffix in _TEXT):
+                raise RlkitError(f"{p} is empty: expected {_EXPECTED[suffix]}")
+            if suffix == ".arrow" and manifests.read_manifest(p) is not None:
                 return None, "", True
-            import datasets
-
-            try:
-                table = datasets.Dataset.from_file(str(p)).data.table
-            except Exception as e:
-                raise RlkitError(f"{p} is not an Arrow table ({e})") from e
-        elif suffix == ".parquet":
-            import pyarrow.parquet as pq
-
-            try:
-                table = pq.read_table(p)
-            except (pa.ArrowException, OSError) as e:
-                raise RlkitError(f"{p} is not a Parquet file ({str(e).splitlines()[0]})") from e
-        elif suffix in (".jsonl", ".json"):
-            datasets = _quiet_datasets()
-
-            try:
-                table = datasets.load_dataset("json", data_files=str(p), split="train").data.table
-            except Exception as e:
-                raise RlkitError(f"{p}: cannot read JSON lines ({str(e).splitlines()[0]})") from e
-        else:
-            raise RlkitError(f"{p}: unsupported data file type {suffix!r}; expected .arrow, .parquet or .jsonl")
+            table = _read_file(p, suffix)
+        except OSError as e:
+            raise RlkitError(f"cannot read {p}: {e.strerror or _first_line(e)}") from e
         return table, fingerprints.fingerprint(p), False
-    if source.startswith((".", "/", "~")) or p.suffix.lower() in (".arrow", ".parquet", ".jsonl", ".json"):
+    if source.startswith((".", "/", "~")) or p.suffix.lower() in DATA_SUFFIXES:
         raise RlkitError(f"{source}: no such file")
     datasets = _quiet_datasets()
 
     spec, _, split = source.partition("@")
     name, _, config = spec.partition(":")
     try:
-        ds = datasets.load_dataset(name, config or None, split=split or "train")
-    except Exception as e:
-        raise RlkitError(f"cannot load dataset {source!r}: {str(e).splitlines()[0]}") from e
+        with _silent_datasets():
+            ds = datasets.load_dataset(name, config or None, split=split or "train")
+    except Exception as e:  # noqa: BLE001 (a hub, network or builder error: the spec cannot be loaded)
+        raise RlkitError(f"cannot load dataset {source!r}: {_first_line(e)}") from e
     return ds.data.table, f"datasets:{source}:{ds._fingerprint}", False
 
 
@@ -103,10 +231,13 @@ def load_source(source: str, kind: str, columns: Mapping[str, str | None]) -> So
     if is_rlkit:
         table, reader = streams.read_table(source, [kind])
         return Source(table, reader.fingerprint, source, chat=False)
+    own = tuple(table.column_names)
+    if table.num_rows == 0:  # before the columns: an empty file's columns have no types (a header-only CSV)
+        raise RlkitError(f"{source}: the table has no rows")
     renames = {user: ours for ours, user in columns.items() if user and user != ours}
     for user in renames:
-        if user not in table.column_names:
-            raise RlkitError(f"{source}: no column {user!r} (columns: {', '.join(table.column_names)})")
+        if user not in own:
+            raise RlkitError(f"{source}: no column {user!r} (columns: {', '.join(own) or 'none'})")
     table = table.rename_columns([renames.get(c, c) for c in table.column_names])
     chat = "messages" in table.column_names and "prompt" not in table.column_names
     if chat:
@@ -123,10 +254,11 @@ def load_source(source: str, kind: str, columns: Mapping[str, str | None]) -> So
         if col in table.column_names and not pa.types.is_string(table.schema.field(col).type):
             idx = table.column_names.index(col)
             table = table.set_column(idx, col, pa.array([None if v is None else str(v) for v in table.column(col).to_pylist()], pa.string()))
-    schemas.validate_schema(table.schema.remove_metadata(), [kind], source)
-    if table.num_rows == 0:
-        raise RlkitError(f"{source}: the table has no rows")
-    return Source(table, fp, source, chat=chat)
+    try:
+        schemas.validate_schema(table.schema.remove_metadata(), [kind], source)
+    except RlkitError as e:
+        raise RlkitError(f"{e} (the file's columns: {', '.join(own) or 'none'})") from None
+    return Source(table, fp, source, chat=chat, columns=own)
 
 
 def render_prompts(tokenizer, source: Source, for_sft: bool) -> list[str]:

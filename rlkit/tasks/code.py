@@ -425,8 +425,8 @@ class Code:
         sol_col = self.solution or ("solutions" if "solutions" in names else None)
         for col, opt in ((tests_col, "tests"), (sol_col, "solution")):
             if col is not None and col not in names:
-                raise RlkitError(f"{source}: no column {col!r} for task code (columns: {', '.join(names)}); pass "
-                                 f"{opt}=COL")
+                raise RlkitError(f"{source}: no column {col!r} for task code (columns: {', '.join(src.columns)}); "
+                                 f"pass {opt}=COL")
         starters = t.column("starter_code").to_pylist() if "starter_code" in t.column_names else [None] * t.num_rows
         sols = t.column(sol_col).to_pylist() if sol_col else [None] * t.num_rows
         out, skipped = [], 0

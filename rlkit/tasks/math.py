@@ -223,7 +223,7 @@ class Math:
                              "pass question=COL")
         for col in ("answer", *([self.solution] if self.solution else [])):
             if col not in t.column_names:
-                raise RlkitError(f"{source}: no column {col!r} for task math (columns: {', '.join(t.column_names)}); "
+                raise RlkitError(f"{source}: no column {col!r} for task math (columns: {', '.join(src.columns)}); "
                                  "pass answer=COL (and solution=COL)")
         sols = t.column(self.solution).to_pylist() if self.solution else t.column("answer").to_pylist()
         out, skipped = [], 0

@@ -711,3 +711,57 @@ def sprefs(work) -> Path:
 @pytest.mark.parametrize("argv,expect", MICRO_ROWS)
 def test_micro_batch_rows(sprefs, argv, expect, capfd):
     _check(sprefs, argv, capfd, expect)
+
+
+# Damaged data files through every stage and task that reads one (rlkit.io.data): (the file, its bytes, the command
+# line with {f} for it, what the one error line says). The same reader serves --prompts, --data, --from and `data=`.
+_JUNK = bytes(range(256)) * 8
+DATA_FILES = [
+    pytest.param("empty.jsonl", b"", ["eval", "--policy", "{pol}", "--task", "code:data={f}"],
+                 "empty.jsonl is empty: expected one JSON object a line", id="eval-code-empty"),
+    pytest.param("blank.jsonl", b" \n\n", ["eval", "--policy", "{pol}", "--task", "math:data={f}"],
+                 "blank.jsonl is empty: expected one JSON object a line", id="eval-math-blank"),
+    pytest.param("notests.jsonl", b'{"question": "def f(): pass"}\n',
+                 ["eval", "--policy", "{pol}", "--task", "code:data={f}"],
+                 "no column 'tests' for task code (columns: question)", id="eval-code-no-tests"),
+    pytest.param("noanswer.jsonl", b'{"question": "1+1"}\n', ["eval", "--policy", "{pol}", "--task", "math:data={f}"],
+                 "no column 'answer' for task math (columns: question)", id="eval-math-no-answer"),
+    pytest.param("bad.jsonl", b'{"question": "a", "tests": "[]"}\n{"question": \n',
+                 ["eval", "--policy", "{pol}", "--task", "code:data={f}"],
+                 "bad.jsonl: line 2 is not valid JSON", id="eval-code-bad-line"),
+    pytest.param("junk.jsonl", _JUNK, ["rollout", "--policy", "{pol}", "--prompts", "{f}", "--out", "{out}"],
+                 "junk.jsonl: line 2 is not UTF-8 text", id="rollout-binary-prompts"),
+    pytest.param("empty.json", b"", ["eval", "--policy", "{pol}", "--prompts", "{f}"],
+                 "empty.json is empty", id="eval-empty-prompts"),
+    pytest.param("header.csv", b"prompt,completion\n", ["sft", "--data", "{f}", "--out", "{out}"],
+                 "header.csv: the table has no rows", id="sft-header-only-csv"),
+    pytest.param("cut.parquet", b"PAR1" + _JUNK[:100], ["sft", "--data", "{f}", "--out", "{out}"],
+                 "cut.parquet is not a Parquet file", id="sft-truncated-parquet"),
+    pytest.param("empty.arrow", b"", ["build-prefs", "--from", "{f}", "--out", "{out}"],
+                 "empty.arrow is empty: expected an Arrow table", id="build-prefs-empty-arrow"),
+    pytest.param("list.jsonl", b'{"prompt": "a", "chosen": "b", "rejected": "c"}\n[]\n',
+                 ["build-prefs", "--from", "{f}", "--out", "{out}"], "list.jsonl: line 2 is a JSON list",
+                 id="build-prefs-not-an-object"),
+]
+
+
+@pytest.mark.parametrize("name,content,argv,expect", DATA_FILES)
+def test_data_file_rows(work, tmp_path, name, content, argv, expect, capfd):
+    f = tmp_path / name
+    f.write_bytes(content)
+    _check(work, [a.replace("{f}", str(f)) for a in argv], capfd, expect)
+    (line,) = [ln for ln in _run(work, [a.replace("{f}", str(f)) for a in argv], capfd)[1] if "rlkit: error:" in ln]
+    assert str(f) in line and f.read_bytes() == content and list(tmp_path.iterdir()) == [f]
+
+
+def test_a_data_file_the_library_cannot_parse_is_one_line_in_a_process(work, tmp_path):
+    """In a real process: datasets' own error about the file (logged before it raises) is not printed, only
+    rlkit's line naming the file and the line; no traceback."""
+    from tests.conftest import one_error_line, run_cli
+
+    f = tmp_path / "bad.jsonl"
+    f.write_bytes(b'{"question": "a", "tests": "[]"}\n\x00\xff\n')
+    r = run_cli("eval", "--policy", str(work / "pol"), "--task", f"code:data={f}")
+    assert r.returncode == 2
+    assert one_error_line(r) == f"rlkit: error: {f}: line 2 is not UTF-8 text (a binary file?); expected one JSON " \
+                                "object a line"
