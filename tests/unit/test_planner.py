@@ -126,3 +126,95 @@ def test_score_ref_preflight_weighs_its_models_against_the_free_memory(tmp_path)
         est = planner.preflight_scoring(tmp_path, [], "auto", 16384, True, dev, free=20 * 2**30)
     # the reference in bf16 on a GPU (1.54B parameters, 2 bytes each) plus one 16k-token forward
     assert 2.8e9 < est.parts["weights"] < 3.3e9 and est.fits
+
+
+def test_the_parts_sum_to_the_peak_and_fsdp_shards_the_state_over_its_ranks():
+    """Each part is what the rank holds at the peak, so they add up to it exactly; under FSDP2 over 4 fake ranks the
+    sharded fp32 state (the optimizer step's weights, gradients and AdamW moments) is a quarter of one GPU's; and the
+    parts extrapolated from a few layers equal those of a trace of every layer (a peak that falls at another moment
+    with few layers, as the logits' does against the embedding's gathered gradient, would not)."""
+    from rlkit.training import TrainOptions
+
+    config, work = dict(SMALL, num_hidden_layers=6), planner.Work(32, 96, rows=8)
+    train = TrainOptions(dtype="bf16", micro_batch_size=2)
+    one, four = planner.plan_trainings("update", config, work, [(train, planner.Hardware(1)), (train, planner.Hardware(4))])
+    for est in (one, four):
+        assert sum(est.parts.values()) == est.peak, est.parts
+        assert all(v >= 0 for v in est.parts.values()), est.parts
+    spec = planner.train_spec("update", config, work, planner.Hardware(4), train, algo="grpo", beta=0.0)
+    extrapolated, full, solo = planner.run_traces([spec, {**spec, "exact": True}, {**spec, "world": 1}])
+    # fp32 weights and gradients at the optimizer step, and AdamW's two moments held after it (8 bytes a parameter)
+    sharded = {**{k: extrapolated["step"][k] for k in ("weights", "gradients")}, "moments": extrapolated["optimizer"]}
+    whole = {**{k: solo["step"][k] for k in ("weights", "gradients")}, "moments": solo["optimizer"]}
+    params = planner.parameters(config)
+    assert whole["gradients"] == pytest.approx(4 * params, rel=0.01)
+    assert whole["moments"] == pytest.approx(8 * params, rel=0.01)
+    for k in sharded:  # each rank holds its shard of each parameter: a quarter (padded to 4 rows)
+        assert sharded[k] == pytest.approx(whole[k] / 4, rel=0.01), (k, sharded[k], whole[k])
+    for snap in ("passes", "step"):
+        for k in ("weights", "gradients", "optimizer", "activations"):
+            assert extrapolated[snap][k] == pytest.approx(full[snap][k], rel=0.01, abs=2**16), (snap, k)
+
+
+def test_plan_refuses_what_it_cannot_plan_in_one_line(tmp_path, sft_dir):
+    """Lengths past the model's context (the tiny model's 256 tokens), a world past MAX_GPUS or past the step's rows,
+    the hf engine, and an input the stage itself refuses (a rollouts table as train-rm's --prefs): exit 2, one
+    line, nothing written, the input byte-identical; no real allocation at a 2**31-token shape."""
+    from tests.conftest import one_error_line, run_cli, run_cli_inproc, stage
+
+    roll = tmp_path / "roll.arrow"
+    stage("rollout", "--policy", str(sft_dir), "--num-prompts", "2", "--n", "2", "--out", str(roll))
+    before = roll.read_bytes()
+    listing = sorted(tmp_path.iterdir())
+    pol = str(sft_dir)
+    cases = (
+        (["update", "--policy", pol, "--completion-tokens", "2147483647", "--json"], "context of 256 tokens"),
+        (["update", "--policy", pol, "--prompt-tokens", "200", "--completion-tokens", "100"], "expected at most 256"),
+        (["sft", "--model", pol, "--max-length", "1024"], "context of 256 tokens"),
+        (["update", "--policy", pol, "--gpus", "100000", "--json"], "expected at most 1024"),
+        (["update", "--policy", pol, "--gpus", "200"], "more GPUs than the 128 rows"),
+        (["rollout", "--policy", pol, "--engine", "hf"], "expected --engine vllm"),
+        (["train-rm", "--model", pol, "--prefs", str(roll)], "prefs"),
+    )
+    for args, words in cases:
+        r = run_cli_inproc("plan", *args)
+        assert r.returncode == 2, (args, r.stderr)
+        lines = r.stderr.decode().strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("rlkit: error:") and words in lines[0], (args, lines)
+        assert not r.stdout
+    line = one_error_line(run_cli("plan", "update", "--policy", pol, "--completion-tokens", "2147483647"))
+    assert "max_position_embeddings" in line
+    assert roll.read_bytes() == before and sorted(tmp_path.iterdir()) == listing
+
+
+def test_plan_says_what_it_planned_for_and_where_each_figure_came_from(sft_dir):
+    import json
+
+    from tests.conftest import run_cli_inproc
+
+    r = run_cli_inproc("plan", "update", "--policy", str(sft_dir), "--micro-batch-size", "16", "--json")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)["plans"][0]
+    shape = plan["settings"]["shape"]
+    # neither --in nor lengths: half the tiny model's 256-token context each (the default 256 is longer)
+    assert (shape["prompt_tokens"], shape["completion_tokens"], shape["rows"]) == (128, 128, 128)
+    assert "context" in shape["from"]["prompt_tokens"] and shape["from"]["rows"] == "--minibatch-size's default"
+    assert (shape["micro_batch_rows"], shape["micro_batches_per_gpu"]) == (16, 8)
+    assert shape["micro_batch_from"] == "--micro-batch-size"
+    assert sum(plan["parts"].values()) == plan["peak"]
+    r = run_cli_inproc("plan", "update", "--policy", str(sft_dir), "--prompt-tokens", "100", "--completion-tokens", "50")
+    out = r.stdout.decode()
+    assert r.returncode == 0 and "planned for: 128 rows a step (--minibatch-size's default); 100 prompt tokens " \
+        "(--prompt-tokens); 50 completion tokens (--completion-tokens)" in out, out
+
+
+def test_suggest_says_nothing_fits_after_one_trace():
+    """The least memory the search reaches is traced first: when even that does not fit, one line says so."""
+    from rlkit.training import TrainOptions
+
+    config, work, hw = dict(SMALL, num_hidden_layers=4), planner.Work(32, 32, rows=4), planner.Hardware(1, 1.0)
+    sug = planner.suggest_training("update", config, work, hw, TrainOptions(dtype="bf16"))
+    # 1 GiB less the 1 GiB reserved for the CUDA context: nothing fits
+    assert sug["nothing"] and sug["gpus"] == 4 and sug["flags"]["--lora-rank"] == 64
+    roomy = planner.suggest_training("update", config, work, planner.Hardware(1, 2.0), TrainOptions(dtype="bf16"))
+    assert not roomy["nothing"] and roomy["peak_gib"] < 2.0 - 1.0
