@@ -110,3 +110,30 @@ def test_the_docs_table_is_the_functions():
                 except RlkitError:
                     cell = "does not fit"
                 assert f"| {name} | {gpu} GiB | {what} | {cell} |" in text, (name, gpu, what, cell)
+
+
+def test_one_vllm_memory_model_without_torch(tmp_path):
+    """vLLM's accounting lives here, torch-free: the planner's `rollout` plan and rollout's pre-flight use it (the vLLM
+    engine imports this module, not the planner). Qwen2.5-7B in bf16: 28 layers x 4 KV heads x 128 x 2 (K, V) x 2
+    bytes = 57,344 bytes a token; half of 24 GiB does not hold its 15.2e9 bytes of weights and a 32k sequence."""
+    import subprocess
+    import sys
+
+    from rlkit import planner
+    from rlkit.devices import OutOfMemory
+
+    cfg = planner.model_config("qwen2.5-7b")
+    assert memory.kv_bytes_per_token(cfg, "bf16") == 57344
+    acc = memory.vllm_accounting(cfg, 80 * GiB, 0.9, 32768, profile=False)
+    assert acc["kv_cache_tokens"] == (int(0.9 * 80 * GiB) - acc["weights"]) // 57344 and acc["starts"]
+    est = planner.plan_vllm(cfg, planner.Work(512, 1024, 1), planner.Hardware(1, 80))
+    assert sum(est.parts.values()) == est.peak == int(0.9 * 80 * GiB)  # the share: weights, activations, KV cache
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(OutOfMemory, match=r"not the KV cache of one 32,768-token sequence"):
+        memory.preflight_vllm(tmp_path, "bf16", 0.5, 24 * GiB)
+    code = ("import sys, rlkit.engines.memory; assert 'torch' not in sys.modules; "
+            "src = open('rlkit/engines/vllm.py').read(); assert 'planner' not in src, 'vllm.py imports the planner'")
+    from pathlib import Path
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    assert r.returncode == 0, r.stderr
