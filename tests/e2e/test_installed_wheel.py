@@ -88,7 +88,7 @@ def test_the_installed_wheel_runs_outside_the_checkout(installed, tmp_path):
     sandbox = "bwrap" if shutil.which("bwrap") or os.environ.get("RLKIT_REQUIRE_SANDBOX") else "none"
     # a new user's environment: the venv first on PATH, no PYTHONPATH, bytecode written (the first process
     # writes torch's .pyc, the next ones read it), this test session's rlkit cache
-    env = {"PATH": f"{installed / 'bin'}:/usr/bin:/bin", "HOME": str(home), "LANG": "C.UTF-8",
+    env = {"PATH": f"{installed / 'bin'}:/usr/local/bin:/usr/bin:/bin", "HOME": str(home), "LANG": "C.UTF-8",
            "SANDBOX": sandbox, "RLKIT_CACHE_DIR": os.environ["RLKIT_CACHE_DIR"],
            "TMPDIR": os.environ.get("TMPDIR", "/tmp")}
     r = subprocess.run(["bash", str(REPO / "tests" / "installed" / "smoke.sh"), str(tmp_path / "work")],
