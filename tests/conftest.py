@@ -306,7 +306,7 @@ def vllm_ok() -> None:
 
 # The longest files first: with two pytest-xdist workers (by file) they then run beside the short ones
 # instead of alone at the end.
-_FIRST = ("test_recipes.py", "test_vllm.py", "test_follow_vllm.py", "test_lora_vllm.py", "test_follow.py", "test_lora.py",
+_FIRST = ("test_recipes.py", "test_installed_wheel.py", "test_vllm.py", "test_follow_vllm.py", "test_lora_vllm.py", "test_follow.py", "test_lora.py",
           "test_distributed.py")
 
 
