@@ -42,7 +42,7 @@ def main() -> None:
               TrainOptions(micro_batch_size=1, gradient_checkpointing=True))]
     out = []
     t0 = time.monotonic()
-    print("| model | GPUs | training | sequence | fits (defaults) | peak per GPU | makes it fit | its peak |")
+    print("| model | GPUs | training | sequence | fits (defaults) | peak per GPU | least memory | its peak |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in a.models:
         config = planner.model_config(name)
