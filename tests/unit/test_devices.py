@@ -301,8 +301,12 @@ def test_an_update_on_the_simulated_gpu_trains_in_bf16_from_pinned_batches(polic
     with sim as dev:
         t, got = _train(copy.deepcopy(model), tok, cfg, batch, sft_dir, device=dev, dtype="auto")
     assert t.train_options.dtype == "bf16" and t.prec.device_type == "cuda"
-    for k in ("loss", "grad_norm"):  # bf16 moves them ~1e-3 from fp32; the simulated GPU is 10x closer to bf16
-        assert abs(got[k] - bf16[k]) * 4 < abs(got[k] - fp32[k]), (k, got[k], bf16[k], fp32[k])
+    for k in ("loss", "grad_norm"):
+        # bf16 moves them ~1e-3 from fp32. The GPU's autocast casts other ops than the CPU's (its own op lists), so
+        # the simulated GPU's figures are not the CPU's bf16 ones either (nearer one or the other by CPU): they are
+        # off fp32's by bf16's rounding (autocast ran), and within bf16's own distance of them (nothing else moved)
+        moved, bf16_moved = abs(got[k] - fp32[k]), abs(bf16[k] - fp32[k])
+        assert 1e-4 * abs(fp32[k]) < moved < 10 * bf16_moved, (k, got[k], bf16[k], fp32[k])
     batch_moves = len(batch) - sum(x is None for x in batch)
     assert sim.copies.count((True, True)) >= batch_moves, sim.copies  # pinned, non_blocking: each batch tensor
     assert got["gpu_mem_peak_gib"] == round(sim.peak / 2**30, 3) > 0
