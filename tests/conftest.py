@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -178,7 +179,13 @@ def run_cli_inproc(*args: str, input: bytes | None = None, env: dict | None = No
                 cli._leave_process_group()
             except SystemExit as x:
                 rc = x.code if isinstance(x.code, int) else (0 if x.code is None else 1)
-        blocked = [t.name for t in threading.enumerate() if t.name in ("rlkit-open", "rlkit-prefetch") and t.is_alive()]
+        # a stage that stopped early (a bad checkpoint) leaves its reader draining the rest of a file: it ends on
+        # its own within moments (on a busy machine, after _main has returned); one still alive after 10 s is blocked
+        readers = [t for t in threading.enumerate() if t.name in ("rlkit-open", "rlkit-prefetch")]
+        deadline = time.monotonic() + 10
+        for t in readers:
+            t.join(max(0.0, deadline - time.monotonic()))
+        blocked = [t.name for t in readers if t.is_alive()]
         assert not blocked, f"rlkit {' '.join(args)} left its reader thread running: {blocked}"
     finally:
         for f in (sys.stdout, sys.stderr):
