@@ -2,6 +2,10 @@
 left padding, KV cache, per-sequence stop at EOS, batches sized by a token budget, and optionally the
 log-prob of every sampled token. Returns the engines' `Generated`.
 
+A batch generates at most what the model's context (`max_position_embeddings`) leaves after its longest prompt:
+a response is cut there as at `max_new_tokens` (finish reason "length"), never run into positions the model
+has no embedding or training for.
+
 On any device: the batch is built on the host and moved to the model's device once (pinned, non-blocking on a
 GPU), and the results come back to the host once per batch (one `.cpu()` each for the tokens and log-probs).
 """
@@ -28,11 +32,12 @@ def generate(model, tokenizer, prompt_ids: Sequence[list[int]], *, max_new_token
         **({} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": 0}),
     )
     device = devices.model_device(model)
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     total = len(prompt_ids) * n
     out_ids: list[list[int] | None] = [None] * total
     out_fin: list[str | None] = [None] * total
     out_lp: list[list[float] | None] = [None] * total
-    cost = [n * (len(p) + max_new_tokens) for p in prompt_ids]
+    cost = [n * (len(p) + _room(len(p), max_new_tokens, context)) for p in prompt_ids]
     was_training = model.training
     model.eval()
     try:
@@ -47,7 +52,8 @@ def generate(model, tokenizer, prompt_ids: Sequence[list[int]], *, max_new_token
             ids, mask = devices.to_device((ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)), device)
             torch.manual_seed(seed * 1_000_003 + b)
             with torch.no_grad():
-                res = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg)
+                res = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg,
+                                     max_new_tokens=_room(width, max_new_tokens, context))
             new = res.sequences[:, width:]
             if logprobs:
                 logits = torch.stack(res.logits, dim=1).float()
@@ -66,3 +72,11 @@ def generate(model, tokenizer, prompt_ids: Sequence[list[int]], *, max_new_token
     finally:
         model.train(was_training)
     return Generated(out_ids, out_fin, out_lp if logprobs else None)  # type: ignore[arg-type]
+
+
+def _room(prompt: int, max_new_tokens: int, context: int | None) -> int:
+    """New tokens a batch whose longest prompt is `prompt` tokens may generate: `max_new_tokens`, at most what the
+    model's `context` leaves (at least 1: a prompt that fills the context is the stages' to refuse)."""
+    if not isinstance(context, int) or context <= 0:
+        return max_new_tokens
+    return max(1, min(max_new_tokens, context - prompt))

@@ -83,13 +83,13 @@ def generation_length(task, given: int | None) -> int:
 
 
 def truncation_warning(stage: str, cut: int, n: int, max_new_tokens: int, task=None, share: float = 0.5) -> str | None:
-    """One line when more than `share` of `n` responses (`cut` of them) were cut at `max_new_tokens` (they never
-    ended with eos): their rewards score cut-off text, usually wrong. None otherwise."""
+    """One line when more than `share` of `n` responses (`cut` of them) were cut at `max_new_tokens` or the model's
+    context (they never ended with eos): their rewards score cut-off text, usually wrong. None otherwise."""
     if not n or cut <= share * n:
         return None
     own = f"; task {task.name}'s own length is {generation_length(task, None)}" if task is not None else ""
-    return (f"{stage}: {cut} of {n} responses ({cut / n:.0%}) hit --max-new-tokens {max_new_tokens} before they "
-            f"ended, so their rewards score cut-off text{own}; raise --max-new-tokens")
+    return (f"{stage}: {cut} of {n} responses ({cut / n:.0%}) hit --max-new-tokens {max_new_tokens} (or the "
+            f"model's context) before they ended, so their rewards score cut-off text{own}; raise --max-new-tokens")
 
 
 def is_heldout(text: str, fraction: float) -> bool:

@@ -183,8 +183,8 @@ def test_eval_and_rollout_sample_up_to_the_tasks_length_and_a_cut_response_is_tr
     assert ev["max_new_tokens"] == 1 and cut > 3 and ev["verdicts"]["truncated"] == cut
     assert sum(ev["verdicts"].values()) == ev["n_scored"] == 6
     warnings = [x for x in r.stderr.decode().splitlines() if "hit --max-new-tokens" in x]
-    assert warnings == [f"warning: eval: {cut} of 6 responses ({cut / 6:.0%}) hit --max-new-tokens 1 before they ended, "
-                        "so their rewards score cut-off text; task code's own length is 40; raise --max-new-tokens"]
+    assert warnings == [f"warning: eval: {cut} of 6 responses ({cut / 6:.0%}) hit --max-new-tokens 1 (or the model's "
+                        "context) before they ended, so their rewards score cut-off text; task code's own length is 40; raise --max-new-tokens"]
     # rollout: the verdict/verifier column (what update's verdict fractions count) says truncated for every cut row
     # that did not pass; the manifest records the length in force
     out = tmp_path / "r.arrow"
@@ -196,7 +196,7 @@ def test_eval_and_rollout_sample_up_to_the_tasks_length_and_a_cut_response_is_tr
     for x in rows:
         assert (x["verdict/verifier"] == "truncated") == (x["finish_reason"] == "length"), x
     assert manifests.read_manifest(out)["config"]["max_new_tokens"] == 1
-    assert "hit --max-new-tokens 1 before they ended" in r.stderr.decode()
+    assert "hit --max-new-tokens 1 (or the model's context) before they ended" in r.stderr.decode()
     r = run_cli_inproc("rollout", "--policy", str(sft_dir), "--task", "code", "--num-prompts", "1", "--n", "1",
                        "--sandbox", "none", "--out", str(tmp_path / "d.arrow"))
     assert r.returncode == 0 and manifests.read_manifest(tmp_path / "d.arrow")["config"]["max_new_tokens"] == 40

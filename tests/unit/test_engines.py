@@ -469,10 +469,10 @@ def test_generation_keeps_every_tensor_on_the_models_device():
             super().__init__()
             self.w = torch.nn.Parameter(torch.linspace(-1, 1, vocab))
 
-        def generate(self, input_ids, attention_mask, generation_config):
+        def generate(self, input_ids, attention_mask, generation_config, max_new_tokens=None):
             dev = self.w.device
             assert input_ids.device == attention_mask.device == dev, (input_ids.device, dev)
-            b, steps = input_ids.shape[0], generation_config.max_new_tokens
+            b, steps = input_ids.shape[0], max_new_tokens or generation_config.max_new_tokens
             new = torch.full((b, steps), 7, dtype=torch.long, device=dev)
             logits = tuple(self.w.unsqueeze(0).expand(b, -1) * (k + 1) for k in range(steps))
             return NS(sequences=torch.cat([input_ids, new], 1), logits=logits)
@@ -487,3 +487,39 @@ def test_generation_keeps_every_tensor_on_the_models_device():
         got = generate(model, tok, prompts, **kw)
     assert got.completion_ids == want.completion_ids == [[7, 7, 7]] * 4
     assert got.logprobs == want.logprobs and got.finish_reasons == want.finish_reasons
+
+
+def test_generation_stops_at_the_models_context():
+    """A batch generates at most what the model's context leaves after its longest prompt: a response is cut there
+    (finish reason "length", as at max_new_tokens), never run into positions past max_position_embeddings; where
+    the context leaves more than max_new_tokens, max_new_tokens is the limit, as before."""
+    import logging
+
+    from rlkit import tiny
+    from rlkit.engines.generation import generate
+
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model(tiny.TinyConfig(layers=1, hidden=32, heads=4, intermediate=64, max_positions=24), tok,
+                             seed=0)
+    model.generation_config.eos_token_id = None  # an untrained model may say eos anywhere: never stop early here
+    tok_eos = tok.eos_token_id
+    tok.eos_token_id = None
+    long, short = tok("12+34+56=")["input_ids"], tok("1=")["input_ids"]
+    said = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    handler = Catch()
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        got = generate(model, tok, [long, short], max_new_tokens=100, n=2, greedy=False, seed=0, batch_tokens=10**6)
+        few = generate(model, tok, [long], max_new_tokens=3, greedy=True)
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+        tok.eos_token_id = tok_eos
+    room = 24 - len(long)  # one batch: its longest prompt decides
+    assert [len(c) for c in got.completion_ids] == [room] * 4 and got.finish_reasons == ["length"] * 4
+    assert [len(c) for c in few.completion_ids] == [3] and few.finish_reasons == ["length"]
+    assert not [m for m in said if "maximum length" in m], said

@@ -114,6 +114,6 @@ class Judged:
     assert verify(get_task("arithmetic"), ["1", "2"], ["1", "1"], finish_reasons=["length", "eos"]) == Scores([1.0, 0.0])
     # the warning: more than half cut names the flag, the value in force and the task's own length
     line = truncation_warning("eval", 3, 4, 16, get_task("code"))
-    assert line == ("eval: 3 of 4 responses (75%) hit --max-new-tokens 16 before they ended, so their rewards score "
-                    "cut-off text; task code's own length is 40; raise --max-new-tokens")
+    assert line == ("eval: 3 of 4 responses (75%) hit --max-new-tokens 16 (or the model's context) before they "
+                    "ended, so their rewards score cut-off text; task code's own length is 40; raise --max-new-tokens")
     assert truncation_warning("eval", 2, 4, 16, get_task("code")) is None and truncation_warning("eval", 0, 0, 16) is None
