@@ -26,11 +26,8 @@ def generate(model, tokenizer, prompt_ids: Sequence[list[int]], *, max_new_token
     from transformers import GenerationConfig
 
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    gen_cfg = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=not greedy, pad_token_id=pad, eos_token_id=eos,
-        return_dict_in_generate=True, output_logits=logprobs,
-        **({} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": 0}),
-    )
+    gen_kw = dict(do_sample=not greedy, pad_token_id=pad, eos_token_id=eos, return_dict_in_generate=True,
+                  output_logits=logprobs, **({} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": 0}))
     device = devices.model_device(model)
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     total = len(prompt_ids) * n
@@ -52,8 +49,8 @@ def generate(model, tokenizer, prompt_ids: Sequence[list[int]], *, max_new_token
             ids, mask = devices.to_device((ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)), device)
             torch.manual_seed(seed * 1_000_003 + b)
             with torch.no_grad():
-                res = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg,
-                                     max_new_tokens=_room(width, max_new_tokens, context))
+                gen_cfg = GenerationConfig(max_new_tokens=_room(width, max_new_tokens, context), **gen_kw)
+                res = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg)
             new = res.sequences[:, width:]
             if logprobs:
                 logits = torch.stack(res.logits, dim=1).float()

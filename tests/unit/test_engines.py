@@ -469,10 +469,10 @@ def test_generation_keeps_every_tensor_on_the_models_device():
             super().__init__()
             self.w = torch.nn.Parameter(torch.linspace(-1, 1, vocab))
 
-        def generate(self, input_ids, attention_mask, generation_config, max_new_tokens=None):
+        def generate(self, input_ids, attention_mask, generation_config):
             dev = self.w.device
             assert input_ids.device == attention_mask.device == dev, (input_ids.device, dev)
-            b, steps = input_ids.shape[0], max_new_tokens or generation_config.max_new_tokens
+            b, steps = input_ids.shape[0], generation_config.max_new_tokens
             new = torch.full((b, steps), 7, dtype=torch.long, device=dev)
             logits = tuple(self.w.unsqueeze(0).expand(b, -1) * (k + 1) for k in range(steps))
             return NS(sequences=torch.cat([input_ids, new], 1), logits=logits)
