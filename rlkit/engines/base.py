@@ -19,9 +19,12 @@ from rlkit.errors import RlkitError
 class Generated:
     """Completions in prompt-major order: row i*n + j is sample j of prompt i."""
 
-    completion_ids: list[list[int]]  # ends with eos when finish_reason == "eos"
-    finish_reasons: list[str]  # "eos" | "length"
+    completion_ids: list[list[int]]  # ends with eos when finish_reason == "eos", with the stop string's tokens on "stop"
+    finish_reasons: list[str]  # "eos" | "stop" (a stop string ended it) | "length" (max_new_tokens or the context)
     logprobs: list[list[float]] | None  # log pi(token) under the sampling distribution
+    # 1 on tokens the policy sampled, 0 on tokens an environment appended (`rlkit.sampling`'s multi-turn rows);
+    # None: every token was sampled (what an engine's `sample` returns)
+    loss_mask: list[list[int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -97,9 +100,11 @@ class Engine(Protocol):
         ...
 
     def sample(self, prompt_ids: Sequence[list[int]], *, n: int, temperature: float, top_p: float,
-               max_new_tokens: int, seed: int) -> Generated:
+               max_new_tokens: int, seed: int, stop: Sequence[str] = ()) -> Generated:
         """Row i*n + j of the result is sample j of prompt i; logprobs are always filled, under the
-        temperature-scaled distribution; the same seed gives the same samples."""
+        temperature-scaled distribution; the same seed gives the same samples. Temperature 0 is greedy decoding.
+        `stop`: strings that end a completion once its text contains one (finish reason "stop"; the completion
+        keeps the tokens that wrote it: a tool call ends with its closing tag)."""
         ...
 
     def reload(self, model_dir: Path) -> float:

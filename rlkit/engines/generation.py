@@ -6,6 +6,9 @@ A batch generates at most what the model's context (`max_position_embeddings`) l
 a response is cut there as at `max_new_tokens` (finish reason "length"), never run into positions the model
 has no embedding or training for.
 
+`stop` strings end a completion once its text contains one (finish reason "stop"), keeping the tokens that wrote
+it (a tool call keeps its closing tag); what `generate` produced after them in the batch is dropped.
+
 On any device: the batch is built on the host and moved to the model's device once (pinned, non-blocking on a
 GPU), and the results come back to the host once per batch (one `.cpu()` each for the tokens and log-probs).
 """
@@ -21,7 +24,7 @@ from rlkit.io.data import token_batches
 
 def generate(model, tokenizer, prompt_ids: Sequence[list[int]], *, max_new_tokens: int, n: int = 1,
              greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
-             batch_tokens: int = 16384, logprobs: bool = False, ticker=None) -> Generated:
+             batch_tokens: int = 16384, logprobs: bool = False, ticker=None, stop: Sequence[str] = ()) -> Generated:
     import torch
     from transformers import GenerationConfig
 
@@ -49,8 +52,10 @@ def generate(model, tokenizer, prompt_ids: Sequence[list[int]], *, max_new_token
             ids, mask = devices.to_device((ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)), device)
             torch.manual_seed(seed * 1_000_003 + b)
             with torch.no_grad():
-                gen_cfg = GenerationConfig(max_new_tokens=_room(width, max_new_tokens, context), **gen_kw)
-                res = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg)
+                gen_cfg = GenerationConfig(max_new_tokens=_room(width, max_new_tokens, context), **gen_kw,
+                                           **({"stop_strings": list(stop)} if stop else {}))
+                res = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg,
+                                     **({"tokenizer": tokenizer} if stop else {}))
             new = res.sequences[:, width:]
             if logprobs:
                 logits = torch.stack(res.logits, dim=1).float()
@@ -58,17 +63,41 @@ def generate(model, tokenizer, prompt_ids: Sequence[list[int]], *, max_new_token
                     logits = logits / temperature
                 lp_rows = torch.log_softmax(logits, -1).gather(-1, new.unsqueeze(-1)).squeeze(-1).cpu().tolist()
             for r, row in enumerate(new.cpu().tolist()):
-                stop = row.index(eos) + 1 if eos in row else len(row)
+                end = row.index(eos) + 1 if eos in row else len(row)
+                fin = "eos" if end <= len(row) and row[end - 1] == eos else "length"
+                if stop:
+                    cut = _stop_end(tokenizer, row[:end], stop)
+                    if cut is not None:
+                        end, fin = cut, "stop"
                 k = batch[r // n] * n + r % n
-                out_ids[k] = row[:stop]
-                out_fin[k] = "eos" if stop <= len(row) and row[stop - 1] == eos else "length"
+                out_ids[k] = row[:end]
+                out_fin[k] = fin
                 if logprobs:
-                    out_lp[k] = lp_rows[r][:stop]
+                    out_lp[k] = lp_rows[r][:end]
             if ticker is not None:
                 ticker.advance(len(batch))
     finally:
         model.train(was_training)
     return Generated(out_ids, out_fin, out_lp if logprobs else None)  # type: ignore[arg-type]
+
+
+def _stop_end(tokenizer, row: list[int], stop: Sequence[str]) -> int | None:
+    """The length of the shortest prefix of `row` whose text contains one of the `stop` strings (the tokens
+    after it are generate's padding or past the stop), or None when no stop string occurs."""
+    def hit(k: int) -> bool:
+        text = tokenizer.decode(row[:k], skip_special_tokens=True)
+        return any(s in text for s in stop)
+
+    if not row or not hit(len(row)):
+        return None
+    lo, hi = 1, len(row)  # hit(hi) holds; find the smallest such k
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if hit(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def _room(prompt: int, max_new_tokens: int, context: int | None) -> int:

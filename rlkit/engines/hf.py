@@ -49,12 +49,19 @@ class HFEngine:
         model, tokenizer = checkpoints.load_policy(policy, "fp32", opts.trust_remote_code, merged=True)  # LoRA: merged
         return cls(model.to(device), tokenizer, opts.batch_tokens)
 
-    def sample(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed) -> Generated:
+    def sample(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed, stop=(), ticker=None) -> Generated:
         from rlkit.engines.generation import generate
 
-        return generate(self.model, self.tokenizer, prompt_ids, max_new_tokens=max_new_tokens, n=n, greedy=False,
-                        temperature=temperature, top_p=top_p, seed=seed, batch_tokens=self.batch_tokens,
-                        logprobs=True)
+        greedy = temperature == 0
+        return generate(self.model, self.tokenizer, prompt_ids, max_new_tokens=max_new_tokens, n=n, greedy=greedy,
+                        temperature=1.0 if greedy else temperature, top_p=top_p, seed=seed,
+                        batch_tokens=self.batch_tokens, logprobs=True, stop=stop, ticker=ticker)
+
+    @property
+    def context(self) -> int | None:
+        """The longest sequence the model takes (prompt + completion): its max_position_embeddings."""
+        n = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        return n if isinstance(n, int) and n > 0 else None
 
     def reload(self, model_dir: Path) -> float:
         """Copy checkpoint `model_dir`'s weights into the live model (a LoRA checkpoint: merged); the seconds."""

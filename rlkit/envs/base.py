@@ -1,0 +1,121 @@
+"""The environment protocol, a leaf module (no torch): what `rlkit rollout --env` runs a trajectory against.
+
+An environment is a class; rlkit makes one instance per trajectory, calls `reset(example)` once, then
+`step(action)` after every model turn until the environment says the episode is over (or a limit is reached),
+and finally `close()` when the class has one (always, also after an error):
+
+    class Env:
+        def reset(self, example) -> Observation: ...          # example: rlkit.tasks.Example (prompt, answer, ...)
+        def step(self, action: str) -> Step | tuple: ...      # action: the model's turn, decoded text
+        def close(self) -> None: ...                          # optional
+
+An `Observation` is text (appended to the trajectory as tokens: the tokenizer's encoding of exactly that text) or
+a list of chat messages ({"role": ..., "content": ...}; rendered through the chat template, only the new suffix
+tokenised). `reset`'s observation is the prompt; it may simply return `example.prompt`.
+
+`step` returns a `Step(observation, reward, terminated, truncated)`, or a plain tuple `(observation, reward,
+done)` or `(observation, reward, terminated, truncated)` (gymnasium's order). `terminated`: the episode reached
+its end (won, lost, answered); `truncated`: it was cut short (a limit of the environment's own), not lost. When
+neither is set, `observation` (not None) is appended and the model takes another turn. The trajectory's reward is
+the sum of its steps' rewards.
+
+Optional, read when present:
+  `iter_examples(split, seed)`: the environment brings its own prompts (as a task does); otherwise they come from
+      `--task` or `--prompts`.
+  `stop`: strings that end a model turn (a tool call's closing tag); the turn keeps them.
+  `tool_calls`: the calls the trajectory made, read after the episode (the `tool_calls` column).
+  `max_new_tokens`: the environment's per-turn generation length, when `--max-new-tokens` is not given.
+Any task is a one-step environment: `TaskEnv`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, Union
+
+from rlkit.errors import RlkitError
+
+Observation = Union[str, list[dict[str, str]]]  # noqa: UP007 (read at run time by older typing users)
+
+
+@dataclass(frozen=True)
+class Step:
+    """What `step` returns: the next observation (None when the episode is over), the step's reward, and
+    whether the episode ended (`terminated`) or was cut short (`truncated`)."""
+
+    observation: Observation | None
+    reward: float = 0.0
+    terminated: bool = False
+    truncated: bool = False
+
+
+class Environment(Protocol):
+    def reset(self, example: Any) -> Observation: ...
+
+    def step(self, action: str) -> Step | tuple: ...
+
+
+class EnvError(RlkitError):
+    """An environment misbehaved (raised, returned a bad value, overran its time limit): one line naming the
+    class, the method and the trajectory."""
+
+
+def as_step(value: object, where: str) -> Step:
+    """`step`'s value as a Step: a Step, or a 3-tuple (observation, reward, done) or 4-tuple (observation,
+    reward, terminated, truncated); the reward a finite number, the observation text, messages or None."""
+    from rlkit.tasks.user_code import as_number
+
+    if isinstance(value, Step):
+        s = value
+    elif isinstance(value, tuple) and len(value) in (3, 4):
+        s = Step(value[0], value[1], bool(value[2]), bool(value[3]) if len(value) == 4 else False)
+    elif isinstance(value, tuple) and len(value) == 5:  # gymnasium's (obs, reward, terminated, truncated, info)
+        s = Step(value[0], value[1], bool(value[2]), bool(value[3]))
+    else:
+        raise EnvError(f"{where} returned a {type(value).__name__}; expected rlkit.envs.Step(observation, reward, "
+                       "terminated, truncated) or a tuple (observation, reward, done)")
+    r = as_number(s.reward)
+    if r is None:
+        raise EnvError(f"{where} returned the reward {s.reward!r:.60}; expected a finite number")
+    check_observation(s.observation, where, allow_none=True)
+    return Step(s.observation, r, bool(s.terminated), bool(s.truncated))
+
+
+MAX_OBSERVATION_CHARS = 1_000_000  # an observation longer than this is a bug in the environment, not context
+
+
+def check_observation(obs: object, where: str, allow_none: bool = False) -> None:
+    if obs is None:
+        if allow_none:
+            return
+        raise EnvError(f"{where} returned None; expected an observation (text or a list of chat messages)")
+    if isinstance(obs, str):
+        size = len(obs)
+    elif isinstance(obs, Sequence) and all(isinstance(m, Mapping) and isinstance(m.get("content"), str)
+                                           and isinstance(m.get("role"), str) for m in obs):
+        size = sum(len(m["content"]) for m in obs)
+    else:
+        raise EnvError(f"{where} returned a {type(obs).__name__} observation; expected text or a list of chat "
+                       "messages ({'role': ..., 'content': ...})")
+    if size > MAX_OBSERVATION_CHARS:
+        raise EnvError(f"{where} returned an observation of {size:,} characters; the limit is "
+                       f"{MAX_OBSERVATION_CHARS:,} (--max-env-tokens then cuts what is appended)")
+
+
+class TaskEnv:
+    """A task as a one-step environment: the prompt is the observation, the task's verifier scores the one
+    turn, and the episode ends."""
+
+    def __init__(self, task) -> None:
+        self.task = task
+        self.answer = None
+
+    def reset(self, example) -> str:
+        self.answer = example.answer
+        return example.prompt
+
+    def step(self, action: str) -> Step:
+        r = self.task.reward(action, self.answer)
+        return Step(None, r if math.isfinite(r) else 0.0, terminated=True)

@@ -1,0 +1,7 @@
+"""The sampling driver: engine + prompts (+ an environment) -> rows. Every stage that samples goes through it
+(`rollout`, its `--follow` service, `eval`, `build-prefs`, sft's held-out eval), so each takes `--engine` and the
+same sampling options. See `rlkit.sampling.driver`."""
+
+from rlkit.sampling.driver import Episodes, Prompts, Sampling, run_episodes, sample
+
+__all__ = ["Episodes", "Prompts", "Sampling", "run_episodes", "sample"]
