@@ -77,6 +77,13 @@ RewardTimeout = Annotated[
     float,
     typer.Option("--reward-timeout", min=0, rich_help_panel="Data", help="Seconds one call of a --reward-fn may run; a call that takes longer stops the stage with one error line naming the function and the row (0: no limit)."),
 ]
+# Multi-turn rollouts against an environment (rlkit.envs, rlkit.sampling; docs/environments.md)
+Env = Annotated[str | None, typer.Option("--env", rich_help_panel="Environment", help="Run multi-turn trajectories against this environment: a built-in NAME[:key=value,...] (calc, guess), path/to/file.py:CLASS[:key=value,...], package.module:CLASS, or an `rlkit.envs` entry point. One instance per trajectory: reset(example) gives the prompt, step(action) the next observation and reward, until it terminates or a limit truncates it; the trajectory's reward (reward/env) is the sum of its steps'. Prompts come from the environment when it brings its own (iter_examples), else from --task or --prompts. See docs/environments.md.")]
+MaxTurns = Annotated[int, typer.Option("--max-turns", min=1, rich_help_panel="Environment", help="--env: model turns per trajectory; one that reaches it is truncated (not a loss).")]
+MaxTotalTokens = Annotated[int | None, typer.Option("--max-total-tokens", min=1, rich_help_panel="Environment", help="--env: completion tokens of a whole trajectory, the model's and the environment's (default: what the model's context leaves after the prompt); --max-new-tokens is per turn.")]
+MaxEnvTokens = Annotated[int, typer.Option("--max-env-tokens", min=1, rich_help_panel="Environment", help="--env: tokens of one observation appended to the trajectory; a longer one keeps its first tokens (the end is cut).")]
+EnvTimeout = Annotated[float, typer.Option("--env-timeout", min=0, rich_help_panel="Environment", help="--env: seconds one reset() or step() call may run; one that takes longer stops the stage with one error line naming the class, the method and the trajectory, or ends that trajectory with --env-errors end (0: no limit).")]
+EnvErrors = Annotated[Literal["fail", "end"], typer.Option("--env-errors", rich_help_panel="Environment", help="--env: what an environment that raises, returns a bad value (a reward that is not a finite number, an observation that is not text or chat messages) or overruns --env-timeout does: fail (one error line, exit 2, nothing written) or end (that trajectory ends with reward 0 and its end_reason says why).")]
 # Where model-written programs run (the code task's verifier; --reward-fn with --sandbox): see rlkit.sandbox
 SandboxKind = Annotated[
     str | None,
@@ -160,7 +167,7 @@ RENAMED_VALUES: dict[str, dict[str, dict[str, str]]] = {
 # where it is declared (stage_options.option(panel=...) on a config field, or the rich_help_panel of a shared alias
 # above); the shared --config, --log-level and -q stay under "Options". tests/unit/test_vocabulary.py checks that
 # no option is left out, tests/unit/test_stage_options.py that each panel is one of these.
-PANELS = ("Model", "Data", "Algorithm", "KL", "Optimization", "Sampling", "Engine", "Precision & memory", "LoRA",
+PANELS = ("Model", "Data", "Algorithm", "KL", "Optimization", "Sampling", "Environment", "Engine", "Precision & memory", "LoRA",
           "Follow", "Output & tracking", "What to show")
 
 
