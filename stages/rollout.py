@@ -29,7 +29,13 @@ from rlkit import engines, stage_options
 from rlkit.options import (
     AnswerColumn,
     Device,
+    Env,
+    EnvErrors,
+    EnvTimeout,
     Force,
+    MaxEnvTokens,
+    MaxTotalTokens,
+    MaxTurns,
     NoPlan,
     NoVerify,
     OutTable,
@@ -63,6 +69,12 @@ class RolloutConfig:
     temperature: float = option(1.0, panel="Sampling", help="Sampling temperature (> 0).")
     top_p: float = option(1.0, panel="Sampling", help="Nucleus sampling threshold.")
     max_new_tokens: int | None = option(None, min=1, panel="Sampling", help="Longest completion, in tokens (TRL's max_completion_length, verl's response_length). Default: the task's own generation length (arithmetic 16; math 96, 256 with data=; code 40, 512 with data=; a user task's max_new_tokens, else 16); the manifest records the value in force. A completion cut there has finish_reason `length` (verdict `truncated` where the task gives verdicts), and a warning says so when more than half are.")
+    env: str | None = option(None, Env)  # multi-turn trajectories against an environment (rlkit.envs)
+    max_turns: int = option(8, MaxTurns)
+    max_total_tokens: int | None = option(None, MaxTotalTokens)
+    max_env_tokens: int = option(256, MaxEnvTokens)
+    env_timeout: float = option(60.0, EnvTimeout)
+    env_errors: Literal["fail", "end"] = option("fail", EnvErrors)
     engine: EngineName = option("auto", panel="Engine", help="Rollout engine: hf, vllm, or auto (vLLM when it imports and a GPU is present, else hf).")
     batch_tokens: int = option(16384, min=16, panel="Optimization", help="Token budget per generation batch (hf engine).")
     tp: int = option(1, "--tp", min=1, panel="Engine", help="vLLM tensor-parallel size (GPUs per engine).")
@@ -126,7 +138,16 @@ def _run(cfg: RolloutConfig) -> Path | None:
     from rlkit.io import checkpoints, claims, streams
     from rlkit.tasks import generation_length, get_task, reward_fn_sandbox, reward_fns, task_sandbox
 
+    env = None
+    if cfg.env is not None:
+        from rlkit.envs import get_env
+
+        env = get_env(cfg.env)  # a bad spec, class or option: one line before anything starts
     task = get_task(cfg.task)
+    if env is not None and callable(env.attribute("iter_examples")) and not cfg.prompts:
+        from rlkit.envs import env_task
+
+        task = env_task(env)  # the environment brings its own prompts (and scores them itself)
     sandbox = task_sandbox(task, cfg.sandbox, cfg.sandbox_workers)  # the code task's: checked before any sampling
     if cfg.colocate and cfg.gpu_memory_utilization:
         raise RlkitError("--colocate sizes vLLM's --gpu-memory-utilization from the models it names; pass one of them")
@@ -142,19 +163,23 @@ def _run(cfg: RolloutConfig) -> Path | None:
     checkpoints.check_model_dir(cfg.policy, "policy")
     out = streams.resolve_out(cfg.out)
     claims.check_out(out, "table")
+    if env is not None and cfg.max_new_tokens is None and isinstance(env.attribute("max_new_tokens"), int):
+        cfg = replace(cfg, max_new_tokens=env.attribute("max_new_tokens"))  # the environment's turn length
+    if env is not None:
+        cfg = replace(cfg, env=env.spec)
     cfg = replace(cfg, task=task.spec, max_new_tokens=generation_length(task, cfg.max_new_tokens))  # in force, recorded
     # --reward-fn: checked (and, with --sandbox bwrap, their sandboxed workers started) before any sampling
     fns = reward_fns.load_all(cfg.reward_fn, taken=("verifier",), timeout=cfg.reward_timeout,
                               sandbox=reward_fn_sandbox(cfg.sandbox, cfg.sandbox_workers))
     with reward_fns.closing(fns):
+        verifier = _Verifier(task, sandbox, cfg.max_new_tokens, env)
         if cfg.follow is not None:
-            return _run_follow(cfg, _Verifier(task, sandbox, cfg.max_new_tokens), out, fns)
-        return _run_table(cfg, _Verifier(task, sandbox, cfg.max_new_tokens), out, fns)
+            return _run_follow(cfg, verifier, out, fns)
+        return _run_table(cfg, verifier, out, fns)
 
 
 def _run_table(cfg: RolloutConfig, verifier: _Verifier, out: Path | None, fns) -> Path | None:
     """rollout's one finite table (without --follow)."""
-    import pyarrow as pa
 
     from rlkit import console, devices
     from rlkit.errors import RlkitError
@@ -164,7 +189,8 @@ def _run_table(cfg: RolloutConfig, verifier: _Verifier, out: Path | None, fns) -
     task = verifier.task
     if cfg.batch_prompts is not None or cfg.max_steps is not None:
         raise RlkitError("--batch-prompts and --max-steps are --follow options (without it: --num-prompts)")
-    inputs = {"policy": fingerprints.fingerprint(cfg.policy), **task_inputs(task), **reward_fns.fingerprints(fns)}
+    inputs = {"policy": fingerprints.fingerprint(cfg.policy), **task_inputs(task), **reward_fns.fingerprints(fns),
+              **verifier.env_inputs()}
     # prompts stream: a chunk of --chunk-prompts is drawn (or sliced), rendered and tokenized only when it
     # is sampled, so memory stays flat and the first rows come out at once whatever --num-prompts
     if cfg.prompts:
@@ -192,8 +218,7 @@ def _run_table(cfg: RolloutConfig, verifier: _Verifier, out: Path | None, fns) -
                          else _task_chunks(task, tokenizer, cfg, span))
     if not scored:
         console.warn("some prompts have no gold answer: no verifier reward column is written")
-    extra = [pa.field(f"reward/{n}", pa.float64()) for n in [*(["verifier"] if scored else []), *(f.name for f in fns)]]
-    extra += [pa.field("verdict/verifier", pa.string())] if scored and verifier.verdicts else []
+    extra = verifier.fields(scored, fns)
     fp, step = inputs["policy"], checkpoints.policy_step(cfg.policy)
     manifest = manifests.make_manifest("rollouts", "rollout", cfg, inputs,
                                        tokenizer=checkpoints.tokenizer_fingerprint(tokenizer), engine=engine.name,
@@ -215,8 +240,6 @@ def _run_follow(cfg: RolloutConfig, verifier: _Verifier, out: Path | None, fns=(
     complete step (reloaded into the live engine), batch b waiting until that step is >= start + b - K."""
     import time
 
-    import pyarrow as pa
-
     from rlkit import console, devices, engines
     from rlkit.errors import DownstreamClosed, RlkitError
     from rlkit.io import checkpoints, data, fingerprints, follow, manifests, streams
@@ -236,7 +259,8 @@ def _run_follow(cfg: RolloutConfig, verifier: _Verifier, out: Path | None, fns=(
     base_tok = checkpoints.tokenizer_fingerprint(checkpoints.load_tokenizer(cfg.policy, cfg.trust_remote_code))
     newest = follow.newest(root)
     start = newest.path if newest else cfg.policy
-    inputs = {"policy": fingerprints.fingerprint(cfg.policy), **task_inputs(task), **reward_fns.fingerprints(fns)}
+    inputs = {"policy": fingerprints.fingerprint(cfg.policy), **task_inputs(task), **reward_fns.fingerprints(fns),
+              **verifier.env_inputs()}
     if newest:
         m = follow.verify_step(start)
         if (m.get("follow") or {}).get("base_fingerprint") != inputs["policy"]:
@@ -280,8 +304,7 @@ def _run_follow(cfg: RolloutConfig, verifier: _Verifier, out: Path | None, fns=(
         scored = True
     if not scored:
         console.warn("some prompts have no gold answer: no verifier reward column is written")
-    extra = [pa.field(f"reward/{n}", pa.float64()) for n in [*(["verifier"] if scored else []), *(f.name for f in fns)]]
-    extra += [pa.field("verdict/verifier", pa.string())] if scored and verifier.verdicts else []
+    extra = verifier.fields(scored, fns)
     # no rows without an engine: the name recorded then is the fallback's, as it has always been
     manifest = manifests.make_manifest("rollouts", "rollout", cfg, inputs, tokenizer=base_tok,
                                        engine=engine.name if engine is not None else engines.FALLBACK,
@@ -416,15 +439,10 @@ def _engine_device(engine: Engine, cfg: RolloutConfig):
     return dev if dev is not None else devices.resolve(cfg.device)
 
 
-@dataclass(frozen=True)
-class _Chunk:
-    """One generation chunk: prompts c0, c0 + 1, ... of the run (a chunk's seed and group ids follow c0)."""
+def _prompts(c0, ids, answers, texts, prompt_ids):
+    from rlkit.sampling import Prompts
 
-    c0: int
-    ids: list[str]
-    answers: list[str | None]
-    texts: list[str]
-    prompt_ids: list[list[int]]
+    return Prompts(c0, ids, answers, texts, prompt_ids)
 
 
 def _task_total(task, cfg: RolloutConfig) -> int:
@@ -440,7 +458,7 @@ def _task_total(task, cfg: RolloutConfig) -> int:
 
 
 def _task_chunks(task, tokenizer, cfg: RolloutConfig, span: range):
-    """Yield the task's train prompts `span` as _Chunks of --chunk-prompts, each drawn and tokenized when
+    """Yield the task's train prompts `span` as Prompts of --chunk-prompts, each drawn and tokenized when
     it is asked for. `task.examples(split, n, seed)` is the first n of `iter_examples` (the Task protocol;
     every task from `get_task` has both), so the rows are those of the whole list; a shard draws and drops
     the prompts before its span (the stream is sequential in its seed)."""
@@ -454,12 +472,12 @@ def _task_chunks(task, tokenizer, cfg: RolloutConfig, span: range):
         if not ex:
             return  # a user task's stream ended before --num-prompts
         texts = [e.prompt for e in ex]
-        yield _Chunk(c0, [e.prompt_id for e in ex], [e.answer for e in ex], texts,
+        yield _prompts(c0, [e.prompt_id for e in ex], [e.answer for e in ex], texts,
                      data.encode_prompts(tokenizer, texts, False))
 
 
 def _file_chunks(source, tokenizer, span: range, chunk: int):
-    """Yield rows `span` of a prompts file as _Chunks of `chunk` rows, each rendered (chat template) and
+    """Yield rows `span` of a prompts file as Prompts of `chunk` rows, each rendered (chat template) and
     tokenized when it is asked for."""
     from rlkit.io import data
 
@@ -468,15 +486,15 @@ def _file_chunks(source, tokenizer, span: range, chunk: int):
         t = part.table
         texts = data.render_prompts(tokenizer, part, for_sft=False)
         answers = t.column("answer").to_pylist() if "answer" in t.column_names else [None] * t.num_rows
-        yield _Chunk(c0, t.column("prompt_id").to_pylist(), answers, texts,
+        yield _prompts(c0, t.column("prompt_id").to_pylist(), answers, texts,
                      data.encode_prompts(tokenizer, texts, part.chat))
 
 
 def _list_chunks(span: range, chunk: int, ids, answers, texts, prompt_ids):
-    """Yield prompts `span` of lists already in memory (a --follow batch) as _Chunks of `chunk`."""
+    """Yield prompts `span` of lists already in memory (a --follow batch) as Prompts of `chunk`."""
     for c0 in range(span.start, span.stop, chunk):
         c1 = min(span.stop, c0 + chunk)
-        yield _Chunk(c0, ids[c0:c1], answers[c0:c1], texts[c0:c1], prompt_ids[c0:c1])
+        yield _prompts(c0, ids[c0:c1], answers[c0:c1], texts[c0:c1], prompt_ids[c0:c1])
 
 
 def _first_made(chunks):
@@ -498,6 +516,7 @@ class _Verifier:
     task: object
     sandbox: object = None
     max_new_tokens: int = 0
+    env: object = None  # --env's EnvSpec: trajectories (reward/env), the task's verifier on the final turn
     counts: dict = field(default_factory=dict)
     rows: int = 0
     cut: int = 0
@@ -506,7 +525,30 @@ class _Verifier:
     @property
     def verdicts(self) -> bool:
         """Whether the task gives a reason with each reward (a `verdict/verifier` column)."""
-        return getattr(self.task, "score_batch", None) is not None
+        return self.scores and getattr(self.task, "score_batch", None) is not None
+
+    @property
+    def scores(self) -> bool:
+        """Whether the task's verifier scores the rows (not when the environment brings the prompts: it scores
+        its own trajectories)."""
+        return not getattr(self.task, "from_env", False)
+
+    def env_inputs(self) -> dict[str, str]:
+        """What --env adds to the input fingerprints: its class's file (an edited environment reruns)."""
+        return {"env": self.env.fingerprint} if self.env is not None else {}
+
+    def fields(self, scored: bool, fns) -> list:
+        """The table's columns beyond the rollouts kind's: each reward component (and the verifier's verdicts),
+        and with --env the trajectories' (`rlkit.io.schemas.MULTI_TURN_FIELDS`)."""
+        import pyarrow as pa
+
+        from rlkit.io import schemas
+
+        names = [*(["env"] if self.env is not None else []), *(["verifier"] if scored and self.scores else []),
+                 *(f.name for f in fns)]
+        extra = [pa.field(f"reward/{n}", pa.float64()) for n in names]
+        extra += [pa.field("verdict/verifier", pa.string())] if scored and self.verdicts else []
+        return extra + (list(schemas.MULTI_TURN_FIELDS) if self.env is not None else [])
 
     def __call__(self, completions: list[str], answers: list[str], finish_reasons: list[str]):
         from rlkit.tasks import verify
@@ -554,39 +596,74 @@ class _Verifier:
 
 def _sample(cfg: RolloutConfig, engine: Engine, tokenizer, verifier: _Verifier, w, bar, chunks, seed: int, group0: int,
             fp: str, step: int, scored: bool, fns=()) -> None:
-    """Sample each _Chunk of `chunks` and write its rows to `w`. A chunk starting at prompt c0 is seeded
-    `seed * 1_000_003 + c0`; prompt p becomes group `group0 + p`. `verifier` scores each chunk's rows at once
-    (with their verdicts where the task gives them); `fns` (--reward-fn) add their reward columns, computed on
-    each chunk's rows."""
+    """Sample each `rlkit.sampling.Prompts` of `chunks` through the sampling driver and write its rows to `w`. A
+    chunk starting at prompt c0 is seeded `seed * 1_000_003 + c0`; prompt p becomes group `group0 + p`. Without
+    --env each row is one completion; with it, one trajectory (`rlkit.sampling.run_episodes`). `verifier` scores
+    each chunk's rows at once (the final turn's text of a trajectory; with their verdicts where the task gives
+    them); `fns` (--reward-fn) add their reward columns, computed on each chunk's rows."""
+    from rlkit import sampling
+
     n = cfg.n
+    s = _sampling(cfg)
     for ch in chunks:
-        gen = engine.sample(ch.prompt_ids, n=n, temperature=cfg.temperature, top_p=cfg.top_p,
-                            max_new_tokens=cfg.max_new_tokens, seed=seed * 1_000_003 + ch.c0)
-        comps = tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
-        rows = [(k // n, k % n) for k in range(len(comps))]  # (prompt within the chunk, sample)
-        cols = {
-            "prompt_id": [ch.ids[p] for p, _ in rows],
-            "group_id": [group0 + ch.c0 + p for p, _ in rows],
-            "sample_idx": [j for _, j in rows],
-            "prompt": [ch.texts[p] for p, _ in rows],
-            "completion": comps,
-            "prompt_ids": [ch.prompt_ids[p] for p, _ in rows],
-            "completion_ids": gen.completion_ids,
-            "old_logprobs": gen.logprobs,
-            "finish_reason": gen.finish_reasons,
-            "policy_fingerprint": [fp] * len(rows),
-            "policy_step": [step] * len(rows),
-            "answer": [ch.answers[p] for p, _ in rows],
-        }
-        if scored:
-            scores = verifier(comps, [ch.answers[p] for p, _ in rows], gen.finish_reasons)
+        if verifier.env is None:
+            gen = sampling.sample(engine, ch, s, seed * 1_000_003 + ch.c0)
+            comps = tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
+            finals, fins = comps, gen.finish_reasons
+            rows = [(k // n, k % n) for k in range(len(comps))]  # (prompt within the chunk, sample)
+            cols = {
+                "prompt_id": [ch.ids[p] for p, _ in rows],
+                "group_id": [group0 + ch.c0 + p for p, _ in rows],
+                "sample_idx": [j for _, j in rows],
+                "prompt": [ch.texts[p] for p, _ in rows],
+                "completion": comps,
+                "prompt_ids": [ch.prompt_ids[p] for p, _ in rows],
+                "completion_ids": gen.completion_ids,
+                "old_logprobs": gen.logprobs,
+                "finish_reason": gen.finish_reasons,
+            }
+        else:
+            ep = sampling.run_episodes(engine, tokenizer, verifier.env, ch, s, seed * 1_000_003 + ch.c0)
+            c = ep.columns
+            rows = [(k // n, k % n) for k in range(len(c["prompt_id"]))]
+            finals, fins = ep.final, ep.finish_reasons
+            cols = {
+                "prompt_id": c["prompt_id"],
+                "group_id": [group0 + ch.c0 + p for p, _ in rows],
+                "sample_idx": c["sample_idx"],
+                "prompt": c["prompt"],
+                "completion": tokenizer.batch_decode(c["completion_ids"], skip_special_tokens=True),
+                "prompt_ids": c["prompt_ids"],
+                "completion_ids": c["completion_ids"],
+                "old_logprobs": c["old_logprobs"],
+                "finish_reason": c["finish_reason"],
+            }
+        cols["policy_fingerprint"] = [fp] * len(rows)
+        cols["policy_step"] = [step] * len(rows)
+        cols["answer"] = [ch.answers[p] for p, _ in rows]
+        if verifier.env is not None:
+            cols["reward/env"] = c["reward/env"]
+        if scored and verifier.scores:
+            scores = verifier(finals, [ch.answers[p] for p, _ in rows], fins)
             cols["reward/verifier"] = scores.values
             if verifier.verdicts:
                 cols["verdict/verifier"] = scores.reasons
         for f in fns:
             cols[f"reward/{f.name}"] = f.score(cols, row0=w.rows)
+        if verifier.env is not None:
+            cols.update({k: c[k] for k in ("loss_mask", "turns", "turn_rewards", "terminated", "truncated",
+                                           "end_reason", "tool_calls", "messages")})
         w.write(cols)
         bar.advance(len(rows), **verifier.record(cols))
+
+
+def _sampling(cfg: RolloutConfig):
+    """The driver's options from the stage's (`rlkit.sampling.Sampling`)."""
+    from rlkit.sampling import Sampling
+
+    return Sampling(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+                    max_turns=cfg.max_turns, max_total_tokens=cfg.max_total_tokens, max_env_tokens=cfg.max_env_tokens,
+                    env_timeout=cfg.env_timeout, env_errors=cfg.env_errors)
 
 
 command = stage_options.command(

@@ -23,7 +23,7 @@ from rlkit.envs.base import MAX_OBSERVATION_CHARS, EnvError, Environment, Observ
 from rlkit.errors import RlkitError
 
 __all__ = ["ENVS", "EnvError", "EnvSpec", "Environment", "MAX_OBSERVATION_CHARS", "Observation", "Step",
-           "TaskEnv", "Tools", "as_step", "get_env"]
+           "TaskEnv", "Tools", "as_step", "env_task", "get_env"]
 
 ENVS: dict[str, str] = {"calc": "rlkit.envs.calc:CalcEnv", "guess": "rlkit.envs.guess:GuessNumber"}
 ENTRY_POINT_GROUP = "rlkit.envs"
@@ -101,6 +101,79 @@ def get_env(spec: str) -> EnvSpec:
     shown = name + (":" + ",".join(f"{k}={v}" for k, v in parse_options(rest, spec).items()) if rest else "")
     fp = user_code.fingerprint(factory, label) if name not in ENVS else f"builtin:{name}"
     return EnvSpec(factory, opts, shown, getattr(factory, "__name__", label), fp)
+
+
+@dataclass
+class _EnvTask:
+    """An environment that brings its own prompts (`iter_examples`) as the stages' task: its examples, its name
+    and identity; it scores its own trajectories (`from_env`: no task verifier runs)."""
+
+    env: EnvSpec
+    from_env: bool = True
+    _proto: Any = None
+
+    @property
+    def name(self) -> str:
+        return self.env.name
+
+    @property
+    def spec(self) -> str:
+        return f"env:{self.env.spec}"
+
+    @property
+    def fingerprint(self) -> str:
+        return self.env.fingerprint
+
+    @property
+    def max_new_tokens(self) -> int:
+        from rlkit.tasks.base import DEFAULT_MAX_NEW_TOKENS
+
+        n = self.env.attribute("max_new_tokens")
+        return n if isinstance(n, int) and n > 0 else DEFAULT_MAX_NEW_TOKENS
+
+    def iter_examples(self, split: str, seed: int, unique: bool = False):
+        import atexit
+
+        from rlkit.tasks import _as_example
+        from rlkit.tasks.base import check_split
+
+        check_split(split)
+        if self._proto is None:
+            self._proto = self.env.make()  # the instance that draws the examples (closed at exit)
+            close = getattr(self._proto, "close", None)
+            if callable(close):
+                atexit.register(close)
+        fn = self._proto.iter_examples
+        it = fn(split, seed, unique) if _takes(fn, 3) else fn(split, seed)
+        for i, item in enumerate(it):
+            yield _as_example(item, split, f"{split}-{seed}-{i}", f"environment {self.name}: iter_examples()")
+
+    def examples(self, split: str, n: int, seed: int, unique: bool = False) -> list:
+        import itertools
+
+        return list(itertools.islice(self.iter_examples(split, seed, unique), n))
+
+    def reward(self, response: str, answer: str) -> float:  # noqa: ARG002 (the environment scores itself)
+        return 0.0
+
+
+def _takes(fn, k: int) -> bool:
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return False
+    try:
+        sig.bind(*range(k))
+        return True
+    except TypeError:
+        return False
+
+
+def env_task(env: EnvSpec) -> _EnvTask:
+    """The environment `env` (which has `iter_examples`) as the task whose prompts a stage samples."""
+    return _EnvTask(env)
 
 
 def _entry_points() -> dict:
