@@ -11,8 +11,11 @@ log-prob 0.0), concatenated as tokens: nothing is ever re-tokenised from text, s
 what was sampled. A text observation is appended as the tokenizer's encoding of that text (no special tokens). A
 chat-message observation is rendered through the chat template and only the new suffix is tokenised: the suffix
 is what the template's rendering of the whole conversation adds after the trajectory's own text; where the
-template would render the earlier turns differently (some templates drop earlier reasoning), the trajectory ends
-there (`end_reason` "template_rewrites_history", truncated) rather than be altered. A tokenizer without a chat
+template would render the earlier turns differently (some templates drop earlier reasoning), the trajectory is cut
+into a new sample there rather than altered: the row so far ends (`end_reason` "continued"), and the trajectory
+goes on in a new row whose prompt is the template's rendering of the whole conversation (prime-rl's rule). Every
+row of a trajectory has its group and sample index and the trajectory's reward; `turns` and `turn_rewards` are the
+row's own, `tool_calls` is on the trajectory's last row. A tokenizer without a chat
 template renders a message as `<ROLE>content</ROLE>` (a tool result: `<tool>408</tool>`).
 
 Limits: `max_turns` model turns; `max_new_tokens` per turn; `max_total_tokens` completion tokens over all turns
@@ -93,6 +96,8 @@ class _Traj:
     tool_calls: int = 0
     spent: bool = False  # the completion budget is used up: the environment judges the last turn, then it ends
     env: Any = None  # this trajectory's environment instance
+    done: list = field(default_factory=list)  # rows already cut off the trajectory (the template rewrote history)
+    all_rewards: list[float] = field(default_factory=list)  # every step's reward, over all its rows
 
     @property
     def label(self) -> str:
@@ -104,8 +109,11 @@ class Episodes:
     """A batch's trajectories as rollouts-table columns (row i*n + j: trajectory j of prompt i)."""
 
     columns: dict[str, list]
-    final: list[str]  # each trajectory's last model turn (what a task's verifier scores)
+    final: list[str]  # each row's trajectory's last model turn (what a task's verifier scores)
     finish_reasons: list[str]
+    # the trajectory of each row (k: sample k % n of prompt k // n); a trajectory whose chat template rewrote its
+    # history has more than one row
+    trajectory: list[int]
 
 
 def run_episodes(engine, tokenizer, env, prompts: Prompts, s: Sampling, seed: int, ticker=None) -> Episodes:
@@ -150,6 +158,7 @@ def run_episodes(engine, tokenizer, env, prompts: Prompts, s: Sampling, seed: in
                     if t.end_reason is not None:
                         continue  # the call failed and env_errors="end" ended it
                     t.rewards.append(st.reward)
+                    t.all_rewards.append(st.reward)
                     if st.terminated or st.truncated:
                         t.terminated, t.truncated = st.terminated, st.truncated
                         t.end_reason = "terminated" if st.terminated else "truncated"
@@ -300,7 +309,7 @@ def _observe(t: _Traj, tokenizer, obs, s: Sampling, context: int | None) -> None
             history = [*t.messages, *msgs]
             full = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
             if not full.startswith(before):
-                t.truncated, t.end_reason = True, "template_rewrites_history"
+                _new_sample(t, tokenizer, full, msgs, s, context)
                 return
             toks = list(tokenizer(full[len(before):], add_special_tokens=False)["input_ids"])
         else:
@@ -314,6 +323,33 @@ def _observe(t: _Traj, tokenizer, obs, s: Sampling, context: int | None) -> None
     t.ids += toks
     t.mask += [0] * len(toks)
     t.logprobs += [0.0] * len(toks)
+
+
+def _new_sample(t: _Traj, tokenizer, full: str, msgs: list[dict], s: Sampling, context: int | None) -> None:
+    """The chat template renders the conversation's earlier turns otherwise than they were sampled: close the
+    trajectory's row here and go on in a new one whose prompt is the template's rendering of all of it."""
+    t.done.append(_Row(t.prompt_text, t.prompt_ids, t.ids, t.mask, t.logprobs, t.rewards, t.turns, t.finish,
+                       [*t.messages, *msgs]))
+    t.messages += msgs
+    t.prompt_text, t.prompt_ids = full, list(tokenizer(full, add_special_tokens=False)["input_ids"])
+    t.ids, t.mask, t.logprobs, t.rewards, t.turns = [], [], [], [], 0
+    if _room_left(t, s, context) <= 0:
+        t.truncated, t.end_reason = True, "max_total_tokens"
+
+
+@dataclass(frozen=True)
+class _Row:
+    """A row cut off a trajectory (see `_new_sample`)."""
+
+    prompt_text: str
+    prompt_ids: list[int]
+    ids: list[int]
+    mask: list[int]
+    logprobs: list[float]
+    rewards: list[float]
+    turns: int
+    finish: str
+    messages: list[dict]
 
 
 def _close_all(instances: list, name: str, failure: BaseException | None) -> None:
@@ -333,25 +369,24 @@ def _close_all(instances: list, name: str, failure: BaseException | None) -> Non
 
 
 def _columns(trajs: list[_Traj]) -> Episodes:
-    for t in trajs:
-        if t.end_reason == "_step":  # cannot happen: every stepped trajectory gets a reason
-            t.end_reason = "truncated"
-    cols = {
-        "prompt_id": [t.prompt_id for t in trajs],
-        "sample_idx": [t.sample for t in trajs],
-        "prompt": [t.prompt_text for t in trajs],
-        "prompt_ids": [t.prompt_ids for t in trajs],
-        "completion_ids": [t.ids for t in trajs],
-        "old_logprobs": [t.logprobs for t in trajs],
-        "finish_reason": [t.finish for t in trajs],
-        "loss_mask": [t.mask for t in trajs],
-        "turns": [t.turns for t in trajs],
-        "turn_rewards": [t.rewards for t in trajs],
-        "terminated": [t.terminated for t in trajs],
-        "truncated": [t.truncated or not t.terminated for t in trajs],
-        "end_reason": [t.end_reason for t in trajs],
-        "tool_calls": [t.tool_calls for t in trajs],
-        "messages": [t.messages for t in trajs],
-        "reward/env": [0.0 if t.error else float(sum(t.rewards)) for t in trajs],
-    }
-    return Episodes(cols, [t.last_action for t in trajs], [t.finish for t in trajs])
+    """The rows: each trajectory's rows cut off (`_new_sample`), then its last, in order."""
+    names = ("prompt_id", "sample_idx", "prompt", "prompt_ids", "completion_ids", "old_logprobs", "finish_reason",
+             "loss_mask", "turns", "turn_rewards", "terminated", "truncated", "end_reason", "tool_calls", "messages",
+             "reward/env")
+    cols: dict[str, list] = {k: [] for k in names}
+    index, final, fins = [], [], []
+    for k, t in enumerate(trajs):
+        reward = 0.0 if t.error else float(sum(t.all_rewards))
+        last = _Row(t.prompt_text, t.prompt_ids, t.ids, t.mask, t.logprobs, t.rewards, t.turns, t.finish, t.messages)
+        for r in [*t.done, last]:
+            is_last = r is last
+            vals = (t.prompt_id, t.sample, r.prompt_text, r.prompt_ids, r.ids, r.logprobs, r.finish, r.mask, r.turns,
+                    r.rewards, t.terminated and is_last, (t.truncated or not t.terminated) and is_last,
+                    (t.end_reason if t.end_reason != "_step" else "truncated") if is_last else "continued",
+                    t.tool_calls if is_last else 0, r.messages, reward)
+            for name, v in zip(names, vals, strict=True):
+                cols[name].append(v)
+            index.append(k)
+            final.append(t.last_action)
+            fins.append(r.finish)
+    return Episodes(cols, final, fins, index)
