@@ -1,6 +1,9 @@
 """`rlkit score-ref`: the forward-only scorer; adds the frozen reference's log-prob of every completion
 token (pi_ref) to a rollouts table.
 
+Every completion token is scored, a multi-turn row's environment tokens too (their `loss_mask` is 0: `update`
+leaves them out of the loss and of the KL, not this stage); the multi-turn columns pass through unchanged.
+
 Reads a rollouts table (stdin or --in) and a reference made by `freeze-ref`, whose weights hash is
 verified before use. Writes a 'scored' table: the input rows, in input order, plus `ref_logprobs`.
 Rows are bucketed by length within each incoming batch to cut padding, and each batch is written as
@@ -107,7 +110,7 @@ def _score_prefs(cfg, reader, models: Models, tokenizer, out, inputs, reference:
     from rlkit import console
     from rlkit.algorithms.inputs import check_pair_lengths
     from rlkit.errors import RlkitError
-    from rlkit.io import manifests, streams
+    from rlkit.io import manifests, schemas, streams
     from rlkit.io.data import encode_responses
 
     if cfg.ref is None or cfg.rm or cfg.reward_fn:
@@ -118,7 +121,10 @@ def _score_prefs(cfg, reader, models: Models, tokenizer, out, inputs, reference:
     manifest = manifests.make_manifest("prefs", "score-ref", cfg, inputs, **reference,
                                        **devices.manifest_entry(models.dev))
     rows = 0
-    with streams.write_table("prefs", out, manifest) as w, console.progress("score-ref", None, unit="pairs") as bar:
+    # multi-turn columns pass through, so that `update --algo dpo` can refuse the rows
+    extra = [f for f in reader.schema if f.name in schemas.MULTI_TURN_NAMES]
+    with streams.write_table("prefs", out, manifest, extra) as w, \
+            console.progress("score-ref", None, unit="pairs") as bar:
         for batch in reader:
             model, limits = models.load().model, models.limits
             if rows == 0:
@@ -331,7 +337,9 @@ def _run_loaded(cfg: ScoreRefConfig, rms: dict[str, Path], fns) -> Path | None:
         batches = table.slice(span.start, len(span)).to_batches(max_chunksize=4096)
         shard = shards.manifest_entry(cfg.shard, span, table.num_rows, manifests.jsonable(cfg), inputs)
     out_kind = "scored" if cfg.ref is not None or reader.kind == "scored" else "rollouts"
-    extra = [f for f in reader.schema if f.name.startswith(("reward/", "verdict/"))]
+    # reward components, verdicts and a multi-turn trajectory's columns (loss_mask, turns, ...) pass through as they are
+    extra = [f for f in reader.schema
+             if f.name.startswith(("reward/", "verdict/")) or f.name in schemas.MULTI_TURN_NAMES]
     extra += [pa.field(f"reward/{n}", pa.float64()) for n in [*rms, *(f.name for f in fns)]]
     manifest = manifests.make_manifest(out_kind, "score-ref", cfg, inputs, tokenizer=want,
                                        rollout=dict(upstream.sampling) or None, temperature=temperature,

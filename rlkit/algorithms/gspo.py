@@ -22,7 +22,8 @@ from rlkit.algorithms.grpo import GroupAdvantage
 
 def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     """GSPO's log importance ratio per token: value mean_t(logp - old_logp) over the row's masked tokens
-    (log s_i), gradient that of the token's own logp. (B, T), (B, T), (B, T) bool -> (B, T).
+    (log s_i; the tokens the policy sampled, so |y_i| leaves out a multi-turn row's environment tokens),
+    gradient that of the token's own logp. (B, T), (B, T), (B, T) bool -> (B, T).
 
     Example: log-ratios [0.3, 0.1] give log s = 0.2 at both tokens (s = e^0.2 = 1.2214), and
     d/d logp_t of exp(that) is s, for each t."""

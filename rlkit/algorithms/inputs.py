@@ -21,17 +21,28 @@ from rlkit.training import Precision
 
 
 class RLBatch(NamedTuple):
-    """A rollout batch as tensors. N sequences, L = longest prompt+completion, C = longest completion."""
+    """A rollout batch as tensors. N sequences, L = longest prompt+completion, C = longest completion.
+
+    `mask` is what every loss, aggregation, KL, entropy, advantage and token count reads: the completion
+    tokens the policy sampled. In a multi-turn row (a `loss_mask` column) the tokens the environment appended
+    (tool results, feedback) are in the sequence, so the model reads them, but off `mask`; `span` then marks
+    every completion token, sampled or not (log-probs are computed on all of them)."""
 
     input_ids: Tensor  # (N, L) long, right-padded
     attn: Tensor  # (N, L)
     targets: Tensor  # (N, C) completion tokens
-    mask: Tensor  # (N, C) bool, True on completion tokens
+    mask: Tensor  # (N, C) bool, True on completion tokens sampled by the policy (trained on)
     start: Tensor  # (N,) position whose logits predict completion token 0
     old_logp: Tensor  # (N, C) pi_old, logged at rollout
     ref_logp: Tensor | None  # (N, C) pi_ref from score-ref, or None
     rewards: Tensor  # (N,) combined reward
     groups: Tensor  # (N,) group ids
+    span: Tensor | None = None  # (N, C) bool, True on every completion token (environment ones too); None: `mask`
+
+    @property
+    def completion_mask(self) -> Tensor:
+        """(N, C) bool: every completion token, sampled by the policy or appended by the environment."""
+        return self.mask if self.span is None else self.span
 
 
 class PrefBatch(NamedTuple):
@@ -217,33 +228,131 @@ def verdict_fractions(table) -> dict[str, float]:
     return out
 
 
-def _reward_columns(table, length_penalty: float) -> dict[str, list[float]]:
+def loss_masks(table, label: str = "the input", row0: int = 0) -> list[list[int] | None] | None:
+    """A rollouts/scored table's `loss_mask` column (multi-turn rows: 1 on the completion tokens the policy
+    sampled, 0 on those the environment appended), checked (`check_loss_mask`): None when the table has none or
+    every row is null (single-turn: every completion token sampled), else one list a row (None: that row's
+    tokens all sampled)."""
+    lm = check_loss_mask(table, label, row0)
+    return None if lm is None else lm.to_pylist()
+
+
+def check_loss_mask(table, label: str = "the input", row0: int = 0):
+    """Refuse, in one line naming the row, a `loss_mask` whose length is not its completion's, a value other than
+    0 or 1, or a non-empty completion with no sampled token (nothing of it to train on). Vectorised.
+    -> the column as one Arrow array, or None when the table has none or every row of it is null."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if "loss_mask" not in table.column_names:
+        return None
+    lm = table.column("loss_mask")
+    if lm.null_count == len(lm):
+        return None
+    if isinstance(lm, pa.ChunkedArray):
+        lm = lm.combine_chunks()
+    what = ("loss_mask holds one entry a completion token: 1 where the policy sampled it, 0 where the "
+            "environment added it")
+    n_mask = pc.list_value_length(lm).to_numpy(zero_copy_only=False)
+    n_comp = pc.list_value_length(table.column("completion_ids")).fill_null(0).to_numpy(zero_copy_only=False)
+    present = ~np.asarray(lm.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+    bad = present & (np.nan_to_num(n_mask, nan=0).astype(np.int64) != n_comp)
+    if bad.any():
+        i = int(bad.argmax())
+        raise RlkitError(f"{label}: {_row_name(table, i, row0)} has {int(n_mask[i])} loss_mask entries but "
+                         f"{int(n_comp[i])} completion tokens; {what}")
+    flat = pc.list_flatten(lm)
+    values = np.asarray(flat.fill_null(-1).to_numpy(zero_copy_only=False), dtype=np.int64)
+    parents = np.asarray(pc.list_parent_indices(lm).to_numpy(zero_copy_only=False), dtype=np.int64)
+    wrong = (values != 0) & (values != 1)
+    if wrong.any():
+        k = int(wrong.argmax())
+        v = flat[k].as_py()
+        raise RlkitError(f"{label}: {_row_name(table, int(parents[k]), row0)} has loss_mask value {v} at completion "
+                         f"token {k - int((parents < parents[k]).sum())}; {what}")
+    sampled = np.bincount(parents, weights=values, minlength=len(lm))
+    none = present & (n_comp > 0) & (sampled == 0)
+    if none.any():
+        i = int(none.argmax())
+        raise RlkitError(f"{label}: {_row_name(table, i, row0)} has no token sampled by the policy (its loss_mask is "
+                         f"all 0 over {int(n_comp[i])} completion tokens): nothing of it can be trained on; drop the "
+                         "row, or check the environment that wrote it")
+    return lm
+
+
+def sampled_tokens(table, masks: list[list[int] | None] | None = None) -> list[int]:
+    """Each row's completion tokens sampled by the policy: the completion's length, less the environment's
+    tokens of a multi-turn row (`masks`: `loss_masks(table)`)."""
+    comps = table.column("completion_ids").to_pylist()
+    if masks is None:
+        return [len(c) for c in comps]
+    return [len(c) if m is None else sum(m) for c, m in zip(comps, masks, strict=True)]
+
+
+def _reward_columns(table, length_penalty: float, masks: list[list[int] | None] | None = None
+                    ) -> dict[str, list[float]]:
     cols = {n.split("/", 1)[1]: table.column(n).to_pylist() for n in table.column_names if n.startswith("reward/")}
-    if length_penalty:
-        cols["length_penalty"] = [-length_penalty * len(c) for c in table.column("completion_ids").to_pylist()]
+    if length_penalty:  # the tokens the policy sampled: an environment's tool output costs it nothing
+        cols["length_penalty"] = [-length_penalty * n for n in sampled_tokens(table, masks)]
     return cols
 
 
 def build_batch(table, pad_id: int, weights: dict[str, float] | None = None,
-                length_penalty: float = 0.0) -> tuple[RLBatch, dict[str, float]]:
+                length_penalty: float = 0.0, label: str = "the input") -> tuple[RLBatch, dict[str, float]]:
     """Tensors from a rollouts/scored Arrow table. `length_penalty` > 0 adds the component
-    `length_penalty` = -length_penalty * completion tokens (weight 1) to the reward."""
+    `length_penalty` = -length_penalty * sampled completion tokens (weight 1) to the reward.
+
+    A `loss_mask` column (multi-turn rows, `loss_masks`) is ANDed into the batch's `mask` here, and only here:
+    everything downstream trains on and counts the tokens the policy sampled."""
     prompts = table.column("prompt_ids").to_pylist()
     comps = table.column("completion_ids").to_pylist()
     old = table.column("old_logprobs").to_pylist()
     for i, (c, o) in enumerate(zip(comps, old, strict=True)):
         if len(c) != len(o):
             raise RlkitError(f"row {i}: {len(c)} completion tokens but {len(o)} old log-probs; the rollouts table is corrupt")
+    masks = loss_masks(table, label)
     ids, attn, targets, mask, start = pack_sequences(prompts, comps, pad_id)
+    span = None
+    if masks is not None:
+        span, sampled = mask, mask.clone()
+        for i, m in enumerate(masks):
+            if m is not None:
+                sampled[i, : len(m)] = torch.tensor(m, dtype=torch.bool)
+        mask = sampled & span
     C = targets.shape[1]
     ref = None
     if "ref_logprobs" in table.column_names:
         ref = _padded(table.column("ref_logprobs").to_pylist(), C)
     if length_penalty:
         weights = None if weights is None else {**weights, "length_penalty": 1.0}
-    rewards, used = combine_rewards(_reward_columns(table, length_penalty), weights)
+    rewards, used = combine_rewards(_reward_columns(table, length_penalty, masks), weights)
     groups = torch.tensor(table.column("group_id").to_pylist(), dtype=torch.long)
-    return RLBatch(ids, attn, targets, mask, start, _padded(old, C), ref, rewards, groups), used
+    return RLBatch(ids, attn, targets, mask, start, _padded(old, C), ref, rewards, groups, span), used
+
+
+def refuse_multi_turn(table, label: str = "the input") -> None:
+    """DPO's input: refuse multi-turn rows (a `loss_mask` with a 0, or `turns` > 1) in one line naming the first.
+    A preference pair is two whole text responses; DPO cannot leave an environment's tokens out of them."""
+    import pyarrow.compute as pc
+
+    why = None
+    if "loss_mask" in table.column_names:
+        lm = table.column("loss_mask")
+        zero = pc.equal(pc.list_flatten(lm), 0).fill_null(False)
+        if pc.any(zero).as_py():
+            i = pc.list_parent_indices(lm)[pc.index(zero, True).as_py()].as_py()
+            why = (i, "its loss_mask marks environment tokens (0)")
+    if why is None and "turns" in table.column_names:
+        many = pc.greater(table.column("turns"), 1).fill_null(False)
+        if pc.any(many).as_py():
+            i = pc.index(many, True).as_py()
+            why = (i, f"it has {table.column('turns')[i].as_py()} turns")
+    if why is not None:
+        raise RlkitError(f"{label}: {_row_name(table, why[0])} is a multi-turn trajectory ({why[1]}); --algo dpo "
+                         "trains on whole single-turn responses and cannot keep environment tokens out of its loss: "
+                         "build the pairs from single-turn rollouts, or train multi-turn rows with a policy-gradient "
+                         "--algo (grpo, ppo, ...)")
 
 
 def build_pref_batch(table, tokenizer, limits: Limits | None = None, label: str = "the input") -> PrefBatch:
@@ -251,6 +360,7 @@ def build_pref_batch(table, tokenizer, limits: Limits | None = None, label: str 
     model's context, naming it."""
     from rlkit.io.data import encode_responses
 
+    refuse_multi_turn(table, label)
     for col in ("ref_chosen_logp", "ref_rejected_logp"):
         if col not in table.column_names or table.column(col).null_count:
             raise RlkitError("--algo dpo needs the reference's log-probs of chosen and rejected: pipe the prefs "
@@ -269,9 +379,10 @@ def build_pref_batch(table, tokenizer, limits: Limits | None = None, label: str 
 
 def recompute_logprobs(model, batch: RLBatch, temperature: float, chunk_rows: int, prec: Precision | None = None,
                        host: RLBatch | None = None, *, engine=None) -> Tensor:
-    """Log-probs of the sampled tokens under `model` in precision `prec`, no grad: (N, C) on the batch's
-    device, 0 off the mask; `chunk_rows` rows per forward pass, packed (`rlkit.ops.packing`). `host`: the
-    same batch on the CPU, which sizes the passes without a device sync (default `batch`). `engine`
+    """Log-probs of the completion tokens under `model` in precision `prec`, no grad: (N, C) on the batch's
+    device, 0 past each completion (a multi-turn row's environment tokens included: they are off `mask`, not
+    off this); `chunk_rows` rows per forward pass, packed (`rlkit.ops.packing`). `host`: the same batch on the
+    CPU, which sizes the passes without a device sync (default `batch`). `engine`
     (`rlkit.training.engine.Engine`): its model, precision, micro-batches and layout (--no-packing) instead, and
     under torchrun its data-parallel split (`Engine.forward_rows`: each rank recomputes its share of the rows,
     then every rank holds all of them)."""
@@ -291,13 +402,13 @@ def recompute_logprobs(model, batch: RLBatch, temperature: float, chunk_rows: in
 
         with engine.prec.autocast():
             engine.forward_rows(rows, host.attn.sum(1), chunk_rows, run, out)
-        return out * batch.mask
+        return out * batch.completion_mask
     with torch.no_grad(), (prec or Precision()).autocast():
         for c in rows.split(chunk_rows):
             seqs = layout([tokens[i] for i in c], [plens[i] for i in c]).to(out.device)
             lp, _ = completion_logprobs(model, seqs, temperature=temperature)
             out[c.to(out.device), : lp.shape[1]] = lp
-    return out * batch.mask
+    return out * batch.completion_mask
 
 
 def mismatch_metrics(old_logp: Tensor, engine_logp: Tensor, mask: Tensor, lags: Tensor | None = None) -> dict[str, Any]:
@@ -369,12 +480,13 @@ class Rollouts:
         if limits is not None:
             check_rows(table, limits, label, budget=budget, budget_flag="--micro-batch-tokens")
         check_not_all_empty(table, label)
+        check_loss_mask(table, label)
         if policy_fingerprint is not None and any(
                 p != policy_fingerprint for p in set(table.column("policy_fingerprint").to_pylist())):
             console.warn("these rollouts were sampled from another checkpoint than --policy (off-policy); "
                          "the pi_theta/pi_old ratio corrects for it, within the clip range")
         temperature = upstream.temperature
-        batch, used = build_batch(table, tokenizer.pad_token_id, weights, length_penalty)
+        batch, used = build_batch(table, tokenizer.pad_token_id, weights, length_penalty, label)
         if not self.said_reward:
             console.info("update: reward = " + " + ".join(f"{w:g}*{k}" for k, w in used.items())
                          + (" (the sum of the components present; weigh them with --reward NAME=W)"
@@ -392,7 +504,7 @@ class Rollouts:
                    f"--dtype {dtype} computes other log-probs than the fp32 engine")
             console.info(f"update: {why}: recomputing pi_old with the trainer (--old-logprobs engine to trust the engine's)")
             self.said_recompute = True
-        comps = _reward_columns(table, length_penalty)
+        comps = _reward_columns(table, length_penalty, loss_masks(table, label) if length_penalty else None)
         rew = batch.rewards
         metrics = {
             "reward_mean": float(rew.mean()),
@@ -402,6 +514,8 @@ class Rollouts:
                if "verifier" in comps else {}),
             **verdict_fractions(table),
         }
+        if batch.span is not None:  # multi-turn rows: how much of the completions the environment wrote
+            metrics["environment_token_fraction"] = 1 - float(batch.mask.sum()) / max(1, int(batch.span.sum()))
         train = {"temperature": temperature, "recompute": recompute, "lags": lags,
                  "length_norm": float(upstream.sampling.get("max_new_tokens") or batch.targets.shape[1])}  # Dr. GRPO's
         return Loaded(batch, train, metrics, used)

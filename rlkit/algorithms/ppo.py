@@ -10,6 +10,13 @@ loss instead); advantages come from GAE over the critic's values, whitened over 
 loss is PPO's clipped one, a token mean. `--target-kl` adapts the KL coefficient between updates
 (Ziegler et al. 2019); its state travels in `critic/kl_controller.json`.
 
+Multi-turn rows (a `loss_mask`): the environment's tokens are context, not actions. The KL penalty sits on
+the sampled tokens only and the sequence's reward on its last sampled token; GAE steps over the
+environment's tokens, so the value of the next turn's first sampled token (which has read the environment's
+reply) bootstraps the previous turn's last one, undiscounted by the tokens between; the policy and the
+value losses train on the sampled tokens only (verl's response_mask), so the critic is never fitted, nor
+read, at a token the policy did not choose.
+
 The math is in `rlkit.ops.gae`, `rlkit.ops.losses`, `rlkit.ops.kl`; this module wires it to the models.
 """
 

@@ -1,5 +1,13 @@
 """Table kinds: the versioned Arrow schema of every table rlkit writes (its kind, version and producing command),
-and the check a reader runs on a table's schema."""
+and the check a reader runs on a table's schema.
+
+Multi-turn columns (`MULTI_TURN_FIELDS`: `loss_mask`, `turns`, `turn_rewards`, `terminated`, `truncated`,
+`end_reason`, `tool_calls`, `messages`) are not among a kind's always-written optional columns: a writer adds
+them as `extra` fields when it has them (rollout sampling with an environment; score-ref carrying them
+through), so a single-turn table holds exactly the columns it always held, byte for byte. Rollouts and scored
+tables `accept` them: a reader checks their types when they are present, and a table without them is
+single-turn (a missing `loss_mask`, or a null row of it, means every completion token was sampled).
+"""
 
 from __future__ import annotations
 
@@ -52,6 +60,8 @@ class TableKind:
     producer: str
     optional: tuple[pa.Field, ...] = ()
     prefixes: tuple[tuple[str, pa.DataType], ...] = ()
+    # columns a writer adds only when it has them (as `extra`); a reader checks their types when present
+    accepted: tuple[pa.Field, ...] = ()
 
     def schema(self, extra: Sequence[pa.Field] = (), manifest: Mapping[str, Any] | None = None) -> pa.Schema:
         meta = {SCHEMA_KEY: json.dumps(manifest, sort_keys=True).encode()} if manifest else None
@@ -74,6 +84,27 @@ _ROLLOUT_FIELDS = (
 
 
 _ROLLOUT_OPTIONAL = (_f("answer", _STR, True),)
+
+
+# A multi-turn trajectory's columns (rollout with an environment), written only when present (see the module
+# docstring). `loss_mask`: one entry per completion token, 1 where the policy sampled it (trained on), 0 where
+# the environment appended it (tool results, feedback: in the context, never in the loss; old_logprobs 0.0
+# there); `turns`: model turns; `turn_rewards`: each step's reward (their sum is `reward/env`); `end_reason`:
+# why it ended ("terminated", "max_turns", "max_total_tokens", "length", "error: ..."); `messages`: the
+# conversation, for reading.
+MULTI_TURN_FIELDS = (
+    _f("loss_mask", pa.list_(pa.int8()), True),
+    _f("turns", pa.int32(), True),
+    _f("turn_rewards", pa.list_(pa.float64()), True),
+    _f("terminated", pa.bool_(), True),
+    _f("truncated", pa.bool_(), True),
+    _f("end_reason", _STR, True),
+    _f("tool_calls", pa.int32(), True),
+    _f("messages", _MESSAGES, True),
+)
+
+
+MULTI_TURN_NAMES = frozenset(f.name for f in MULTI_TURN_FIELDS)
 
 
 # reward/<component>: each reward component's value; verdict/<component>: why a verifier gave it (the code
@@ -100,10 +131,11 @@ KINDS: dict[str, TableKind] = {
                       # summed reference log-probs of each response, added by `rlkit score-ref --ref` (DPO)
                       _f("ref_chosen_logp", pa.float64(), True), _f("ref_rejected_logp", pa.float64(), True)),
         ),
-        TableKind("rollouts", 1, _ROLLOUT_FIELDS, "rlkit rollout", optional=_ROLLOUT_OPTIONAL, prefixes=_REWARDS),
+        TableKind("rollouts", 1, _ROLLOUT_FIELDS, "rlkit rollout", optional=_ROLLOUT_OPTIONAL, prefixes=_REWARDS,
+                  accepted=MULTI_TURN_FIELDS),
         TableKind(
             "scored", 1, (*_ROLLOUT_FIELDS, _f("ref_logprobs", _LOGPROBS)), "rlkit score-ref",
-            optional=_ROLLOUT_OPTIONAL, prefixes=_REWARDS,
+            optional=_ROLLOUT_OPTIONAL, prefixes=_REWARDS, accepted=MULTI_TURN_FIELDS,
         ),
     )
 }
@@ -128,6 +160,9 @@ def _compatible(actual: pa.DataType, expected: pa.DataType) -> bool:
         return pa.types.is_floating(actual) or pa.types.is_integer(actual)
     if pa.types.is_list(expected) and (pa.types.is_list(actual) or pa.types.is_large_list(actual)):
         return _compatible(actual.value_type, expected.value_type)
+    if pa.types.is_struct(expected) and pa.types.is_struct(actual):
+        return all(actual.get_field_index(f.name) >= 0 and _compatible(actual.field(f.name).type, f.type)
+                   for f in expected)
     return False
 
 
@@ -169,6 +204,11 @@ def validate_schema(schema: pa.Schema, kinds: Sequence[str], label: str) -> dict
                 problems.append(f"missing column '{f.name}' ({f.type})")
             elif not _compatible(schema.field(idx).type, f.type):
                 problems.append(f"column '{f.name}' has type {schema.field(idx).type}, expected {f.type}")
+        for f in k.accepted:  # present or not; when present, of its type (all-null columns are fine)
+            idx = schema.get_field_index(f.name)
+            got = schema.field(idx).type if idx >= 0 else None
+            if got is not None and not (pa.types.is_null(got) or _compatible(got, f.type)):
+                problems.append(f"column '{f.name}' has type {got}, expected {f.type}")
         if not problems:
             return manifest
         errors.append(problems)

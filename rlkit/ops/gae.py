@@ -1,8 +1,12 @@
 """PPO-with-a-critic math for RLHF: per-token rewards with a KL penalty, generalized advantage
 estimation, whitening, the clipped value loss and the adaptive KL coefficient.
 
-Token tensors are (B, T) over completion tokens only; `mask` (B, T) bool is True on real completion
-tokens. Completions are left-aligned: each row's mask is True for positions 0..len-1, False after.
+Token tensors are (B, T) over completion tokens only; `mask` (B, T) bool is True on the completion
+tokens the policy sampled. Completions are left-aligned: a single-turn row's mask is True for positions
+0..len-1, False after. A multi-turn row's mask also has holes: the tokens an environment appended between
+turns (tool results, feedback) are not the policy's actions, so they are not time steps either: GAE steps
+over them (verl's multi-turn GAE), the value and the advantage of the next sampled token flowing back
+through them undiscounted, and whatever rewards or values sit there are never read.
 Every (B, T) result is zero off the mask.
 """
 
@@ -35,10 +39,13 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
     rewards, values (B, T) float; mask (B, T) bool, left-aligned. The value after a row's last valid
     token is 0 (the episode ends there), so values past the end never leak in:
         delta_t = r_t + gamma * V_{t+1} - V_t,   A_t = delta_t + gamma * lam * A_{t+1}
+    where t + 1 is the next token *on the mask*: positions off it inside a row (a multi-turn row's
+    environment tokens) are skipped, V and A carried through them unchanged.
     -> (advantages (B, T), returns (B, T)) with returns = advantages + values; both zero off the mask,
     neither whitened (see `masked_whiten`). Vectorised over B, a backward loop over T.
     """
-    m = mask.to(values.dtype)
+    on = mask.bool()
+    m = on.to(values.dtype)
     v = values * m
     r = rewards * m
     B, T = values.shape
@@ -47,9 +54,9 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
     next_v = torch.zeros(B, dtype=v.dtype, device=v.device)
     for t in reversed(range(T)):
         delta = r[:, t] + gamma * next_v - v[:, t]
-        last = (delta + gamma * lam * last) * m[:, t]
-        adv[:, t] = last
-        next_v = v[:, t]
+        last = torch.where(on[:, t], delta + gamma * lam * last, last)  # off the mask: carried through
+        adv[:, t] = last * m[:, t]
+        next_v = torch.where(on[:, t], v[:, t], next_v)
     returns = (adv + v) * m
     return adv, returns
 
