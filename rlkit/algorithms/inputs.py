@@ -517,8 +517,21 @@ class Rollouts:
         if batch.span is not None:  # multi-turn rows: how much of the completions the environment wrote
             metrics["environment_token_fraction"] = 1 - float(batch.mask.sum()) / max(1, int(batch.span.sum()))
         train = {"temperature": temperature, "recompute": recompute, "lags": lags,
-                 "length_norm": float(upstream.sampling.get("max_new_tokens") or batch.targets.shape[1])}  # Dr. GRPO's
+                 "length_norm": _length_norm(upstream.sampling, batch)}  # Dr. GRPO's
         return Loaded(batch, train, metrics, used)
+
+
+def _length_norm(sampling, batch: RLBatch) -> float:
+    """Dr. GRPO's constant normaliser: the most tokens a row's policy may sample. A single-turn rollout's
+    --max-new-tokens; with --env, the turns times the tokens a turn, at most --max-total-tokens."""
+    per_turn = sampling.get("max_new_tokens")
+    if not per_turn:
+        return float(batch.targets.shape[1])
+    if not sampling.get("env"):
+        return float(per_turn)
+    most = per_turn * int(sampling.get("max_turns") or 1)
+    total = sampling.get("max_total_tokens")
+    return float(min(most, total) if total else most)
 
 
 class Prefs:
