@@ -145,9 +145,10 @@ def run_episodes(engine, tokenizer, env, prompts: Prompts, s: Sampling, seed: in
                 if not active:
                     break
                 turn += 1
+                # 31 bits: the hf engine seeds torch with seed * 1_000_003 + batch, which must stay in 64 bits
                 gen = engine.sample([t.prompt_ids + t.ids for t in active], n=1, temperature=s.temperature,
                                     top_p=s.top_p, max_new_tokens=s.max_new_tokens,
-                                    seed=(seed * 1_000_003 + turn) % (2**63 - 1), **({"stop": stop} if stop else {}))
+                                    seed=(seed * 1_000_003 + turn) % (2**31 - 1), **({"stop": stop} if stop else {}))
                 for t, ids, lps, fin in zip(active, gen.completion_ids, gen.logprobs or [None] * len(active),
                                             gen.finish_reasons, strict=True):
                     _take_turn(t, tokenizer, ids, lps, fin, s, context)

@@ -364,3 +364,58 @@ def test_score_ref_streams_an_unbounded_input(sft_dir, ref_dir, tmp_path):
     assert proc.wait(timeout=60) == 0, proc.stderr.read().decode()[-2000:]
     assert b"the downstream stage ended" in proc.stderr.read()
     proc.stdin.close()
+
+
+_TWO_TURNS = '''
+from rlkit.envs.base import Step
+
+
+class TwoTurns:
+    """Two model turns: the task's prompt, then a fixed feedback text; reward: 1 per turn of odd length."""
+
+    def reset(self, example):
+        self.turn = 0
+        return example.prompt
+
+    def step(self, action):
+        self.turn += 1
+        r = float(len(action) % 2)
+        return Step(None, r, terminated=True) if self.turn >= 2 else Step(" again=", r)
+'''
+
+
+def test_env_rollout_follow_streams_trajectories_into_update(sft_dir, tmp_path):
+    """`rollout --follow --env` writes trajectory rows batch by batch, each batch by the newest step, and `update
+    --follow` trains a step on each."""
+    env = tmp_path / "two.py"
+    env.write_text(_TWO_TURNS)
+    root, rolls = tmp_path / "ckpts", tmp_path / "rolls.arrow"
+    cmd = " ".join(fast_rlkit_cmd())
+    script = (
+        "set -euo pipefail\n"
+        f"{cmd} rollout --follow {root} --policy {sft_dir} --env {env}:TwoTurns --n {N} --batch-prompts {P} "
+        f"--max-lag 0 --max-steps 2 --seed 100 "
+        f"| tee {rolls} "
+        f"| {cmd} update --follow --policy {sft_dir} --out {root} --max-steps 2 --max-lag 0 --beta 0 "
+        f"{' '.join(UPDATE)} --metrics {root}.metrics.jsonl\n"
+    )
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "RLKIT_DEBUG": "0"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [s.step for s in follow.scan(root)[0]] == [1, 2]
+    metrics = [json.loads(line) for line in Path(f"{root}.metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2] and all(m["sequences_trained"] == P * N for m in metrics)
+    t, reader = streams.read_table(rolls, ["rollouts"])
+    assert reader.manifest["config"]["env"] == f"{env}:TwoTurns"
+    rows = t.to_pylist()
+    assert len(rows) == 2 * P * N
+    # batch b (groups bP .. bP+P-1) was sampled by step b (--max-lag 0: the step trained on batch b - 1)
+    assert {(row["group_id"] // P, row["policy_step"]) for row in rows} == {(0, 0), (1, 1)}
+    for row in rows:
+        assert row["turns"] == 2 and row["end_reason"] == "terminated" and row["terminated"]
+        mask, lps = row["loss_mask"], row["old_logprobs"]
+        assert len(mask) == len(row["completion_ids"]) == len(lps)
+        first = mask.index(0)  # the first turn, then the feedback's tokens (mask 0, log-prob 0.0), then the second
+        assert mask[first:first + len(" again=")] == [0] * len(" again=") and 1 in mask[first + len(" again="):]
+        assert [lp for lp, m in zip(lps, mask, strict=True) if m == 0] == [0.0] * mask.count(0)
+        assert row["reward/env"] == sum(row["turn_rewards"])
