@@ -126,6 +126,11 @@ def run(cfg: InspectConfig) -> dict[str, Any]:
         info = {"path": str(p), "type": "table", "kind": manifest["kind"], "rows": table.num_rows,
                 "manifest": manifest, "schema": {f.name: str(f.type) for f in table.schema},
                 "first_rows": table.slice(0, cfg.rows).to_pylist(), "lineage": _lineage(manifest)}
+        from rlkit.io import trajectories
+
+        figures = trajectories.figures(table)
+        if figures is not None:
+            info["multi_turn"] = figures
     if cfg.as_json:
         sys.stdout.write(json.dumps(info, indent=2, default=str) + "\n")
         if cfg.verify and info.get("weights_verified") is False:
@@ -134,7 +139,7 @@ def run(cfg: InspectConfig) -> dict[str, Any]:
     from rich.table import Table
 
     t = Table(title=f"{info['path']} ({info['type']})", show_header=False)
-    skip = {"first_rows", "schema", "manifest", "lineage", "config", "metrics"}
+    skip = {"first_rows", "schema", "manifest", "lineage", "config", "metrics", "multi_turn"}
     for k, v in info.items():
         if k not in skip:
             t.add_row(k, f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v))
@@ -157,7 +162,20 @@ def run(cfg: InspectConfig) -> dict[str, Any]:
             lt.add_row("  " * e["depth"] + e["role"], e["path"], e["kind"],
                        "" if changed is None else ("yes" if changed else "no"))
         console.err.print(lt)
-    if "schema" in info:
+    if info.get("multi_turn"):
+        console.err.print(_figures_table(info["multi_turn"]))
+    if "schema" in info and info.get("multi_turn"):
+        # multi-turn: the columns, then each shown row as its conversation (every value is in --json)
+        st = Table(title=f"schema ({info['rows']:,} rows)")
+        st.add_column("column")
+        st.add_column("type", overflow="fold")
+        for name, typ in info["schema"].items():
+            st.add_row(name, typ)
+        console.err.print(st)
+        console.err.print(f"first {min(cfg.rows, info['rows'])} of {info['rows']:,} rows:\n")
+        for block in _conversations(info["first_rows"]):
+            console.err.print(block)
+    elif "schema" in info:
         st = Table(title=f"schema and first {min(cfg.rows, info['rows'])} of {info['rows']:,} rows")
         for name in info["schema"]:
             st.add_column(f"{name}\n{info['schema'][name]}", overflow="fold", max_width=40)
@@ -167,6 +185,67 @@ def run(cfg: InspectConfig) -> dict[str, Any]:
     if cfg.verify and info.get("weights_verified") is False:
         _verify_now(p, manifest)
     return info
+
+
+_MESSAGE_CHARS = 2000  # of one message's content, shown
+
+
+def _figures_table(fig: dict[str, Any]):
+    from rich.table import Table
+
+    def num(v) -> str:
+        return "-" if v is None else f"{v:.3g}"
+
+    t = Table(title="multi-turn trajectories", show_header=False)
+    t.add_row("trajectories", f"{fig['trajectories']:,}")
+    t.add_row("turns per trajectory (mean)", num(fig["mean_turns"]))
+    t.add_row("tool calls per trajectory (mean)", num(fig["mean_tool_calls"]))
+    if "end_reasons" in fig:
+        t.add_row("end reasons", ", ".join(f"{k} {v:,}" for k, v in fig["end_reasons"].items()))
+    if fig.get("continued_rows"):
+        t.add_row("rows continued in the next row", f"{fig['continued_rows']:,} (a chat template re-rendered history)")
+    t.add_row("sampled tokens per trajectory (mean, loss_mask 1)", num(fig["mean_response_tokens"]))
+    t.add_row("environment tokens per trajectory (mean, loss_mask 0)", num(fig["mean_environment_tokens"]))
+    t.add_row("environment's share of completion tokens", f"{fig['environment_token_fraction']:.1%}")
+    t.add_row("reward/env (mean)", num(fig["mean_reward_env"]))
+    return t
+
+
+def _conversations(rows: list[dict]) -> list:
+    """Each shown row of a multi-turn table as rich Text: a line of its figures (turns, tool calls, how it
+    ended, its rewards, its sampled and environment tokens), then its conversation (`messages`), each message
+    marked with its role and the environment's marked so; a row without messages shows its completion."""
+    from rich.text import Text
+
+    out: list = []
+    for i, row in enumerate(rows):
+        head = [f"row {i}", f"prompt {row.get('prompt_id')!r}", f"sample {row.get('sample_idx')}"]
+        for key, unit in (("turns", "turn"), ("tool_calls", "tool call")):
+            if isinstance(row.get(key), int):
+                head.append(f"{row[key]} {unit}{'' if row[key] == 1 else 's'}")
+        if row.get("end_reason"):
+            head.append(f"ended: {row['end_reason']}")
+        rewards = [f"{k} {v:g}" for k, v in row.items() if k.startswith("reward/") and isinstance(v, (int, float))]
+        if rewards:
+            head.append(", ".join(rewards))
+        ids, mask = row.get("completion_ids") or [], row.get("loss_mask")
+        sampled = len(ids) if mask is None else sum(1 for m in mask if m == 1)
+        head.append(f"tokens: {sampled:,} sampled + {len(ids) - sampled:,} from the environment")
+        text = Text(" · ".join(head) + "\n", style="bold")
+        msgs = row.get("messages") or [{"role": "completion", "content": str(row.get("completion") or "")}]
+        answered = False  # the messages after the first model turn that are not the model's: the environment's
+        for m in msgs:
+            role = str(m.get("role"))
+            mine = role == "assistant"
+            label = f"[{role}]" if mine or not answered else f"[{role}, from the environment]"
+            answered = answered or mine
+            content = str(m.get("content") or "")
+            if len(content) > _MESSAGE_CHARS:
+                content = f"{content[:_MESSAGE_CHARS]}… ({len(content) - _MESSAGE_CHARS:,} more characters)"
+            text.append(f"  {label} ", style="bold cyan" if mine else "bold")
+            text.append(content.replace("\n", "\n    ") + "\n")
+        out.append(text)
+    return out
 
 
 def _only_files(p: Path) -> None:

@@ -3,7 +3,9 @@
 Reads the JSON-lines files that `update --metrics` and `eval --metrics` append to (one row per
 update or evaluation, keyed by the policy step) and draws one panel per figure against the step:
 reward (every component), held-out accuracy, KL to the reference, mean response length, entropy,
-clip fraction and weight drift. Several files are overlaid, one colour per run, for sweeps (name
+clip fraction and weight drift; for multi-turn runs (`rollout --env`, `eval --env`), the turns and tool
+calls per trajectory (training rollouts and held-out) and the environment's share of completion tokens,
+where the rows hold them. Several files are overlaid, one colour per run, for sweeps (name
 them `NAME=FILE`). A panel whose figure no file holds is left out; the rest still render. Writes a
 PNG/SVG/PDF, or an HTML page with the picture and the table embedded; matplotlib draws headless.
 A rerun that appended rows for steps already in the file replaces them: the last row per
@@ -27,7 +29,8 @@ FORMATS = (".png", ".svg", ".pdf", ".html")
 class Panel:
     title: str
     stage: str  # which rows hold the figure: update or eval
-    keys: tuple[str, ...]  # figures drawn in this panel; "reward/*" means every reward component
+    # figures drawn in this panel; "reward/*" means every reward component; "eval:KEY" a figure of the eval rows
+    keys: tuple[str, ...]
     ylabel: str = ""
 
 
@@ -39,6 +42,10 @@ PANELS = (
     Panel("entropy", "update", ("entropy",), "nats per token"),
     Panel("clip fraction", "update", ("clip_fraction",), "fraction of tokens"),
     Panel("weight drift from the reference", "update", ("drift",), "relative L2"),
+    # multi-turn rollouts only (rows without these figures draw neither panel)
+    Panel("turns and tool calls per trajectory", "update",
+          ("mean_turns", "mean_tool_calls", "eval:mean_turns", "eval:mean_tool_calls"), "mean per trajectory"),
+    Panel("environment tokens", "update", ("environment_token_fraction",), "share of completion tokens"),
 )
 
 
@@ -159,9 +166,10 @@ def panel_lines(panel: Panel, run: Run) -> list[tuple[str, list[int], list[float
         keys += sorted(x for x in run.keys(panel.stage) if x.startswith("reward/")) if k == "reward/*" else [k]
     out = []
     for k in keys:
-        xs, ys = run.series(panel.stage, k)
+        stage, _, key = k.rpartition(":") if k.startswith("eval:") else (panel.stage, "", k)
+        xs, ys = run.series(stage, key)
         if xs:
-            out.append((k, xs, ys))
+            out.append((f"held-out {key}" if stage != panel.stage else k, xs, ys))
     if panel.keys[0] == "reward_mean" and out and out[0][0] == "reward_mean":
         # the optimised reward is one component (weight 1; float32 vs float64 means): one line, named after it
         same = [c for c in out[1:] if c[1] == out[0][1] and all(abs(a - b) <= 1e-6 * max(1.0, abs(b)) for a, b in zip(c[2], out[0][2], strict=True))]
@@ -189,6 +197,8 @@ def summary(runs: list[Run]) -> list[dict]:
             "kl_per_seq": first_last(r, "update", "kl_per_seq"),
             "length": first_last(r, "update", "mean_response_tokens"),
             "drift": first_last(r, "update", "drift"),
+            "turns": first_last(r, "update", "mean_turns"),
+            "tool_calls": first_last(r, "update", "mean_tool_calls"),
         })
     return out
 
@@ -204,6 +214,12 @@ def _fmt(v, pct: bool = False) -> str:
 SUMMARY_COLUMNS = (("run", "run", False), ("steps", "steps", False), ("reward", "reward", False),
                    ("held-out accuracy", "accuracy", True), ("best accuracy", "best_accuracy", True),
                    ("KL / seq", "kl_per_seq", False), ("tokens", "length", False), ("drift", "drift", False))
+MULTI_TURN_COLUMNS = (("turns", "turns", False), ("tool calls", "tool_calls", False))
+
+
+def summary_columns(rows: list[dict]) -> tuple[tuple[str, str, bool], ...]:
+    """The summary's columns: the multi-turn ones only when some run has them (multi-turn rollouts)."""
+    return SUMMARY_COLUMNS + tuple(c for c in MULTI_TURN_COLUMNS if any(r.get(c[1]) is not None for r in rows))
 
 
 def draw(runs: list[Run], title: str | None):
@@ -247,9 +263,10 @@ def _html(png: bytes, rows: list[dict], runs: list[Run], title: str) -> str:
     import base64
     import html
 
-    head = "".join(f"<th>{html.escape(h)}</th>" for h, _, _ in SUMMARY_COLUMNS)
+    columns = summary_columns(rows)
+    head = "".join(f"<th>{html.escape(h)}</th>" for h, _, _ in columns)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(r[k], pct) if k not in ('run', 'steps') else r[k])}</td>"
-                                    for _, k, pct in SUMMARY_COLUMNS) + "</tr>" for r in rows)
+                                    for _, k, pct in columns) + "</tr>" for r in rows)
     files = "".join(f"<li>{html.escape(r.name)}: <code>{html.escape(str(r.path))}</code></li>" for r in runs)
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
@@ -286,8 +303,8 @@ def _run(cfg: ReportConfig) -> Path:
     title = cfg.title or "rlkit report: " + ", ".join(r.name for r in runs)
     fig = draw(runs, cfg.title)
     if fig is None:
-        raise RlkitError("none of the metrics files has a figure to plot (reward_mean, accuracy, kl_per_seq, "
-                         "mean_response_tokens, entropy, clip_fraction or drift)")
+        keys = list(dict.fromkeys(k.removeprefix("eval:") for p in PANELS for k in p.keys if k != "reward/*"))
+        raise RlkitError(f"none of the metrics files has a figure to plot ({', '.join(keys[:-1])} or {keys[-1]})")
     rows = summary(runs)
     buf = io.BytesIO()
     fmt = "png" if cfg.out.suffix.lower() == ".html" else cfg.out.suffix.lower()[1:]
@@ -298,14 +315,16 @@ def _run(cfg: ReportConfig) -> Path:
     with atomic.atomic_file(cfg.out) as tmp:
         tmp.write_bytes(data)
     t = Table(title=title)
-    for h, _, _ in SUMMARY_COLUMNS:
+    columns = summary_columns(rows)
+    for h, _, _ in columns:
         t.add_column(h, justify="left" if h == "run" else "right")
     for r in rows:
-        t.add_row(*(r[k] if k in ("run", "steps") else _fmt(r[k], pct) for _, k, pct in SUMMARY_COLUMNS))
+        t.add_row(*(r[k] if k in ("run", "steps") else _fmt(r[k], pct) for _, k, pct in columns))
     console.print_wide(t)
     console.info(f"report: {len(runs)} run(s) -> {cfg.out}")
     return cfg.out
 
 
 command = stage_options.command(
-    ReportConfig, "Plot reward, held-out accuracy, KL, length, entropy, clip fraction and drift per step; runs overlaid.")
+    ReportConfig, "Plot reward, held-out accuracy, KL, length, entropy, clip fraction and drift per step (multi-turn: "
+    "turns and tool calls); runs overlaid.")

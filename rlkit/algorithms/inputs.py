@@ -473,6 +473,7 @@ class Rollouts:
         policy's vocabulary and context, which every row must fit (`check_rows`) before the model runs;
         `budget` (with `limits`): --micro-batch-tokens, which every row must fit too."""
         from rlkit import console
+        from rlkit.io import trajectories
 
         for col in ("prompt_ids", "completion_ids", "old_logprobs"):
             if table.column(col).null_count:
@@ -516,6 +517,8 @@ class Rollouts:
         }
         if batch.span is not None:  # multi-turn rows: how much of the completions the environment wrote
             metrics["environment_token_fraction"] = 1 - float(batch.mask.sum()) / max(1, int(batch.span.sum()))
+        traj = trajectories.figures(table)  # multi-turn rows: turns and tool calls a trajectory (rlkit report)
+        metrics.update({k: traj[k] for k in ("mean_turns", "mean_tool_calls") if traj and traj[k] is not None})
         train = {"temperature": temperature, "recompute": recompute, "lags": lags,
                  "length_norm": _length_norm(upstream.sampling, batch)}  # Dr. GRPO's
         return Loaded(batch, train, metrics, used)
