@@ -384,6 +384,7 @@ class TwoTurns:
 '''
 
 
+@pytest.mark.slow
 def test_env_rollout_follow_streams_trajectories_into_update(sft_dir, tmp_path):
     """`rollout --follow --env` writes trajectory rows batch by batch, each batch by the newest step, and `update
     --follow` trains a step on each."""
