@@ -14,7 +14,13 @@ the same table. Sampling goes
 through the `rlkit.engines` protocol: `--engine` names a registered engine (hf, vllm) or auto, and the
 engine's name is recorded in the manifest, where `engines.capabilities(name)` tells what its log-probs are worth.
 `--device` (auto: the GPU when there is one) is where the hf engine runs and what vLLM, which picks its own GPU, is
-checked against; the device is said once on stderr and recorded in the manifest. On a GPU shared with score-ref,
+checked against; the device is said once on stderr and recorded in the manifest.
+
+With `--env SPEC` each row is a multi-turn trajectory against an environment (`rlkit.envs`): the sampling driver
+(`rlkit.sampling.run_episodes`) runs every trajectory of a chunk turn by turn, the rows carry `loss_mask` (0 on
+the environment's tokens), `turns`, `turn_rewards`, `terminated`, `truncated`, `end_reason`, `tool_calls`,
+`messages` and `reward/env`; the prompts are the environment's own when it brings them, else the task's (whose
+verifier then scores each trajectory's final turn). docs/environments.md. On a GPU shared with score-ref,
 `--colocate DIR` sizes vLLM's memory share (`rlkit.engines.memory`), and `--follow --max-lag 0` puts vLLM to sleep
 while update trains (docs/gpu.md).
 """
