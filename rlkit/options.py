@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 import typer
 
 from rlkit import config_file
+from rlkit.engines.base import names as engine_names
 from rlkit.io import tracking
 from rlkit.stage_options import Group, option
 from rlkit.training import TrainOptions
@@ -147,6 +148,17 @@ def tracking_options(report_to: str | None, project: str, run_name: str | None, 
 TRACKING = Group(tracking.TrackingConfig, build=tracking_options, report_to=option(None, ReportTo),
                  run_name=option(None, RunName), project=option(tracking.DEFAULT_PROJECT, Project),
                  tensorboard=option(None, TensorBoardDir))
+
+
+# The engine a stage samples with and its knobs (rollout, eval, build-prefs; rlkit.engines, rlkit.sampling)
+EngineName = Literal[engine_names()]  # auto and every registered --engine, shown and checked by click
+SamplingEngine = Annotated[EngineName, typer.Option("--engine", rich_help_panel="Engine", help="Sampling engine: hf (Hugging Face generate in this process), vllm, or auto (vLLM when it imports and a GPU is present, else hf).")]
+TensorParallel = Annotated[int, typer.Option("--tp", min=1, rich_help_panel="Engine", help="vLLM tensor-parallel size (GPUs per engine).")]
+GpuMemoryUtilization = Annotated[float | None, typer.Option("--gpu-memory-utilization", min=0.01, max=1.0, rich_help_panel="Engine", help="vLLM memory fraction (on a GPU default: what rollout's --colocate models leave, capped at 0.9, or 0.5 without --colocate; 0.3 on vLLM's CPU backend). See docs/gpu.md.")]
+SamplingDtype = Annotated[Literal["auto", "fp32", "bf16", "fp16"], typer.Option("--dtype", rich_help_panel="Precision & memory", help="Sampling dtype: auto (vLLM on a GPU: bf16; vLLM's CPU backend: the checkpoint's; the hf engine: fp32), fp32, bf16 or fp16 (the hf engine samples in fp32; other dtypes need --engine vllm).")]
+MaxModelLen = Annotated[int | None, typer.Option("--max-model-len", min=16, rich_help_panel="Engine", help="vLLM context length (default: the model's).")]
+EnforceEager = Annotated[bool, typer.Option("--enforce-eager", rich_help_panel="Engine", help="vLLM: no CUDA graphs (faster start-up).")]
+VllmLora = Annotated[Literal["adapter", "merge"], typer.Option("--vllm-lora", rich_help_panel="Engine", help="vLLM on a LoRA checkpoint: adapter (vLLM's LoRA: the base's weights plus the adapter per request; a --follow reload swaps adapters) or merge (the merged weights, written to a temporary directory: no LoRA kernels, a weights write per reload). The hf engine always merges.")]
 
 
 # One name per concept across the commands. Old spellings keep working, hidden from --help, with one

@@ -1,7 +1,11 @@
 """`rlkit eval`: greedy held-out accuracy of a policy.
 
 Reads a policy and either a task's held-out split or a prompts file (scored by the task's verifier
-against its answer column). Prints accuracy, mean response length and sample responses as a table, or
+against its answer column), and samples one greedy response each through the sampling driver (`rlkit.sampling`)
+on `--engine` (hf, vllm, or auto: vLLM when it imports and a GPU is present) with rollout's engine options.
+With `--env SPEC` each prompt is one greedy multi-turn trajectory against the environment (its own held-out
+prompts when it brings them): accuracy is the mean trajectory reward (reward/env), beside the mean turns, tool
+calls and how the trajectories ended. Prints accuracy, mean response length and sample responses as a table, or
 JSON with --json (each sample with the prompt token ids the model saw: chat template and special tokens); --metrics appends the figures as one JSON line to the file `update --metrics` writes
 (held-out accuracy beside reward, KL and length, per round), --report-to sends them to experiment trackers.
 Responses are up to the task's generation length unless --max-new-tokens says otherwise; one cut there is
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Literal
 
 from rlkit import stage_options
 from rlkit.io.tracking import TrackingConfig
@@ -19,15 +24,30 @@ from rlkit.options import (
     TRACKING,
     AnswerColumn,
     Device,
+    EnforceEager,
+    EngineName,
+    Env,
+    EnvErrors,
+    EnvTimeout,
+    GpuMemoryUtilization,
+    MaxEnvTokens,
+    MaxModelLen,
+    MaxTotalTokens,
+    MaxTurns,
     Metrics,
+    NoPlan,
     NoVerify,
     PolicyDir,
     PromptColumn,
+    SamplingDtype,
+    SamplingEngine,
     SandboxKind,
     SandboxWorkers,
     Seed,
     Task,
+    TensorParallel,
     TrustRemoteCode,
+    VllmLora,
 )
 from rlkit.stage_options import nested, option
 
@@ -41,7 +61,20 @@ class EvalConfig:
     answer_column: str = option("answer", AnswerColumn)
     num: int = option(300, "--num-prompts", min=1, panel="Data", help="Number of held-out prompts.")
     max_new_tokens: int | None = option(None, min=1, panel="Sampling", help="Longest response, in tokens (TRL's max_completion_length, verl's response_length). Default: the task's own generation length (arithmetic 16; math 96, 256 with data=; code 40, 512 with data=; a user task's max_new_tokens, else 16). A response cut there is counted as truncated (verdict `truncated` where the task gives verdicts), and a warning says so when more than half are.")
-    batch_tokens: int = option(16384, min=16, panel="Optimization", help="Token budget per generation batch.")
+    env: str | None = option(None, Env)  # multi-turn trajectories against an environment (rlkit.envs)
+    max_turns: int = option(8, MaxTurns)
+    max_total_tokens: int | None = option(None, MaxTotalTokens)
+    max_env_tokens: int = option(256, MaxEnvTokens)
+    env_timeout: float = option(60.0, EnvTimeout)
+    env_errors: Literal["fail", "end"] = option("fail", EnvErrors)
+    engine: EngineName = option("auto", SamplingEngine)
+    batch_tokens: int = option(16384, min=16, panel="Optimization", help="Token budget per generation batch (hf engine).")
+    tp: int = option(1, TensorParallel)
+    gpu_memory_utilization: float | None = option(None, GpuMemoryUtilization)
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = option("auto", SamplingDtype)
+    max_model_len: int | None = option(None, MaxModelLen)
+    enforce_eager: bool = option(False, EnforceEager)
+    vllm_lora: Literal["adapter", "merge"] = option("adapter", VllmLora)
     as_json: bool = option(False, "--json", panel="Output & tracking", help="Print JSON to stdout instead of tables.")
     metrics: Path | None = option(None, Metrics)
     tracking: TrackingConfig = nested(TRACKING)  # --report-to, --run-name, --project, --tensorboard
@@ -53,6 +86,7 @@ class EvalConfig:
     seed: int = option(0, Seed)
     device: str = option("auto", Device)
     trust_remote_code: bool = option(False, TrustRemoteCode)
+    plan: bool = option(True, NoPlan, invert=True)  # --no-plan: no memory check before vLLM starts on a GPU
     verify: bool = option(True, NoVerify, invert=True)  # --no-verify: no hash check of the policy (never for a reference)
 
 
@@ -73,42 +107,72 @@ def _run(cfg: EvalConfig) -> dict:
     import json
     import sys
 
-    from rlkit import console, devices
+    from rlkit import console, devices, engines
+    from rlkit.errors import RlkitError
     from rlkit.io import checkpoints, data, metrics_log, tracking
     from rlkit.tasks import generation_length, get_task, task_sandbox, truncation_warning
-    from rlkit.tasks.evaluate import greedy_eval
+    from rlkit.tasks.evaluate import engine_eval, env_eval
 
+    env = None
+    if cfg.env is not None:
+        from rlkit.envs import get_env
+
+        env = get_env(cfg.env)  # a bad spec, class or option: one line before anything starts
+        if cfg.rm is not None:
+            raise RlkitError("--rm scores single responses; with --env the environment's rewards score the "
+                             "trajectories: leave out one of them")
     task = get_task(cfg.task)
+    if env is not None and callable(env.attribute("iter_examples")) and not cfg.prompts:
+        from rlkit.envs import env_task
+
+        task = env_task(env)  # the environment brings its own held-out prompts
+    if env is not None and cfg.max_new_tokens is None and isinstance(env.attribute("max_new_tokens"), int):
+        cfg = replace(cfg, max_new_tokens=env.attribute("max_new_tokens"))  # the environment's turn length
     cfg = replace(cfg, max_new_tokens=generation_length(task, cfg.max_new_tokens))  # the value in force, recorded
-    sandbox = task_sandbox(task, cfg.sandbox, cfg.sandbox_workers)  # checked before the model loads
+    sandbox = task_sandbox(task, cfg.sandbox, cfg.sandbox_workers) if env is None else None  # before the model loads
     tracking.check(cfg.tracking)
+    engines.check(cfg.engine, _engine_options(cfg))  # a known name; a named engine takes these options
+    if cfg.vllm_lora not in ("adapter", "merge"):
+        raise RlkitError(f"--vllm-lora {cfg.vllm_lora!r} is not one of adapter, merge")
     checkpoints.check_model_dir(cfg.policy, "policy")
     source = None
     if cfg.prompts:
         source = data.load_source(cfg.prompts, "prompts", {"prompt": cfg.prompt_column, "answer": cfg.answer_column})
-    dev = devices.resolve(cfg.device)
-    model, tokenizer = checkpoints.load_policy(cfg.policy, "fp32", cfg.trust_remote_code, merged=True)  # LoRA: merged
-    model.to(dev)
-    if source is not None:
-        source = source.head(cfg.num)
-        prompts = data.render_prompts(tokenizer, source, for_sft=False)
-        t = source.table
-        answers = t.column("answer").to_pylist() if "answer" in t.column_names else [None] * t.num_rows
-    else:
-        held = task.examples("heldout", cfg.num, cfg.seed)
-        prompts, answers = [e.prompt for e in held], [e.answer for e in held]
-    devices.announce("eval", dev, "fp32")
-    ev = greedy_eval(model, tokenizer, prompts, answers, task, sandbox=sandbox, chat=bool(source and source.chat),
-                     max_new_tokens=cfg.max_new_tokens, batch_tokens=cfg.batch_tokens)
-    responses = ev.pop("responses")
+    chosen, why = engines.choose(cfg.engine)
+    engine = engines.create(chosen, cfg.policy, _engine_options(cfg))
+    try:
+        tokenizer = engine.tokenizer
+        ids = None
+        if source is not None:
+            source = source.head(cfg.num)
+            prompts = data.render_prompts(tokenizer, source, for_sft=False)
+            t = source.table
+            answers = t.column("answer").to_pylist() if "answer" in t.column_names else [None] * t.num_rows
+            ids = t.column("prompt_id").to_pylist()
+        else:
+            held = task.examples("heldout", cfg.num, cfg.seed)
+            prompts, answers, ids = [e.prompt for e in held], [e.answer for e in held], [e.prompt_id for e in held]
+        console.info(f"eval: engine {chosen} ({why})")  # once the checkpoint and the prompts are good
+        devices.announce("eval", engine.device, getattr(engine, "dtype", None))
+        if env is None:
+            ev = engine_eval(engine, prompts, answers, task, sandbox=sandbox, chat=bool(source and source.chat),
+                             max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+        else:
+            ev = env_eval(engine, env, prompts, answers, _sampling(cfg), ids=ids, seed=cfg.seed)
+    finally:
+        engine.close()  # the GPU memory is free for --rm's model
     finished = ev.pop("finish_reasons")
     cut = truncation_warning("eval", finished.count("length"), len(finished), cfg.max_new_tokens, task)
-    if cut:
+    if cut and env is None:
         console.warn(cut)
+    if env is None:
+        responses = ev.pop("responses")
+    else:
+        ev.pop("rewards")
     if cfg.rm is not None:
         from rlkit.tasks.reward_model import load_reward_model, score_texts
 
-        rm, rm_tok = load_reward_model(cfg.rm, cfg.trust_remote_code, device=dev)
+        rm, rm_tok = load_reward_model(cfg.rm, cfg.trust_remote_code, device=devices.resolve(cfg.device))
         scores = score_texts(rm, rm_tok, prompts, responses, cfg.batch_tokens)
         ev["rm_score_mean"] = sum(scores) / len(scores)
     result = {
@@ -117,6 +181,8 @@ def _run(cfg: EvalConfig) -> dict:
         "task": task.spec,
         "prompts": cfg.prompts or f"{task.spec} heldout (seed {cfg.seed})",
         "max_new_tokens": cfg.max_new_tokens,
+        "engine": chosen,
+        **({"env": env.spec, "max_turns": cfg.max_turns} if env is not None else {}),
         **ev,
     }
     if cfg.label:
@@ -134,22 +200,57 @@ def _run(cfg: EvalConfig) -> dict:
 
         acc = result["accuracy"]
         summary = Table(title=f"eval {cfg.policy} (step {result['step']})", show_header=False)
-        summary.add_row("held-out accuracy", "n/a (no answers)" if acc is None else f"{acc:.1%} of {result['n_scored']}")
+        if env is not None:
+            summary.add_row("mean trajectory reward (reward/env)",
+                            "n/a (no prompts)" if acc is None else f"{acc:.4g} over {result['n']} trajectories")
+            summary.add_row("mean turns", f"{result['mean_turns']:.2f} (at most {cfg.max_turns})")
+            summary.add_row("mean tool calls", f"{result['mean_tool_calls']:.2f}")
+            summary.add_row("ended", ", ".join(f"{k} {v}" for k, v in result["end_reasons"].items()))
+        else:
+            summary.add_row("held-out accuracy", "n/a (no answers)" if acc is None else f"{acc:.1%} of {result['n_scored']}")
         summary.add_row("mean response tokens", f"{result['mean_response_tokens']:.2f}")
         if "rm_score_mean" in result:
             summary.add_row("mean reward-model score", f"{result['rm_score_mean']:.4f} ({cfg.rm})")
-        summary.add_row(f"hit max-new-tokens ({cfg.max_new_tokens})", f"{result['truncated_fraction']:.1%}")
+        if env is None:
+            summary.add_row(f"hit max-new-tokens ({cfg.max_new_tokens})", f"{result['truncated_fraction']:.1%}")
+        summary.add_row("engine", result["engine"])
         if "verdicts" in result:
             summary.add_row("verdicts", ", ".join(f"{k} {v}" for k, v in result["verdicts"].items()))
         summary.add_row("prompts", result["prompts"])
         samples = Table(title="samples")
-        for col in ("prompt", "response", "answer"):
-            samples.add_column(col)
-        for s in result["samples"]:
-            samples.add_row(s["prompt"], repr(s["response"]), str(s["answer"]))
+        if env is None:
+            for col in ("prompt", "response", "answer"):
+                samples.add_column(col)
+            for s in result["samples"]:
+                samples.add_row(s["prompt"], repr(s["response"]), str(s["answer"]))
+        else:
+            for col in ("conversation", "reward", "ended"):
+                samples.add_column(col)
+            for s in result["samples"]:
+                talk = "\n".join(f"{m['role']}: {m['content']!r}" for m in s["messages"])
+                samples.add_row(talk, f"{s['reward']:.4g}", f"{s['end_reason']} after {s['turns']} turns")
         console.err.print(summary)
         console.err.print(samples)
     return result
+
+
+def _engine_options(cfg: EvalConfig):
+    """The engine's share of the config (`engines.EngineOptions`)."""
+    from rlkit import engines
+
+    return engines.EngineOptions(seed=cfg.seed, trust_remote_code=cfg.trust_remote_code, batch_tokens=cfg.batch_tokens,
+                                 tp=cfg.tp, gpu_memory_utilization=cfg.gpu_memory_utilization, dtype=cfg.dtype,
+                                 max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager, lora=cfg.vllm_lora,
+                                 device=cfg.device, plan=cfg.plan)
+
+
+def _sampling(cfg: EvalConfig):
+    """The driver's options for one greedy trajectory per prompt (`rlkit.sampling.Sampling`)."""
+    from rlkit.sampling import Sampling
+
+    return Sampling(n=1, temperature=0.0, max_new_tokens=cfg.max_new_tokens, max_turns=cfg.max_turns,
+                    max_total_tokens=cfg.max_total_tokens, max_env_tokens=cfg.max_env_tokens,
+                    env_timeout=cfg.env_timeout, env_errors=cfg.env_errors)
 
 
 command = stage_options.command(EvalConfig, "Greedy held-out accuracy, response length and sample responses of a policy.")

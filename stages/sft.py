@@ -6,7 +6,9 @@ with `rlkit.json` (config, input fingerprints, weights sha256, metrics).
 
 Loss is on completion tokens only (prompt and padding masked); batches are packed by a token budget,
 not a fixed row count; AdamW with linear warmup and cosine decay. Ends with a greedy held-out
-evaluation when a task is known. Under torchrun it trains data-parallel (FSDP2, `rlkit.training.distributed`):
+evaluation when a task is known, through the sampling driver on the hf engine wrapping the trained model in memory
+(its figures go into the checkpoint's manifest, written with the weights; `rlkit eval --engine vllm --policy OUT`
+evaluates the written checkpoint on vLLM). Under torchrun it trains data-parallel (FSDP2, `rlkit.training.distributed`):
 each rank takes rows rank::N of every batch; rank 0 writes the gathered checkpoint.
 """
 

@@ -94,6 +94,17 @@ def _prompt_seed(seed: int, i: int) -> int:
     return int.from_bytes(h, "little") % (2**31 - 2**16)
 
 
+def finish_reason(vllm_reason: str | None, stop_reason: int | str | None, toks: list[int], eos: int) -> str:
+    """rlkit's finish reason of a vLLM completion: "stop" when a stop string ended it (vLLM's `stop_reason` is the
+    string), "eos" when it ends with the tokenizer's eos or one of the model's own (generation_config's eos ids,
+    which vLLM stops on and names as `stop_reason`), else "length"."""
+    if isinstance(stop_reason, str):
+        return "stop"
+    if (toks and toks[-1] == eos) or (vllm_reason == "stop" and isinstance(stop_reason, int)):
+        return "eos"
+    return "length"
+
+
 @register("vllm")
 class VLLMEngine:
     """`vllm.LLM` over the checkpoint directory; prompts go in as token ids, samples come back as
@@ -234,13 +245,19 @@ class VLLMEngine:
         engine.add_lora(req)
         self.lora_request = req
 
-    def sample(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed) -> Generated:
+    def sample(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed, stop=()) -> Generated:
+        """Token ids in (`TokensPrompt`: a multi-turn prefix is sent as the very tokens the trajectory holds, never
+        re-tokenised), token ids and their log-probs out. Temperature 0 is vLLM's greedy decoding. `stop`: strings
+        that end a completion once its text holds one (vLLM's own check, on the detokenised text, which it then
+        needs: without `stop` nothing is detokenised); the completion keeps the tokens up to and including the one
+        that completed the string (finish reason "stop")."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         self.wake_up()
+        stops = {"stop": list(stop), "include_stop_str_in_output": True} if stop else {"detokenize": False}
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
-                                 seed=_prompt_seed(seed, i), logprobs=0, detokenize=False)
+                                 seed=_prompt_seed(seed, i), logprobs=0, **stops)
                   for i in range(len(prompt_ids))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params, use_tqdm=False,
                                  lora_request=self.lora_request)
@@ -252,8 +269,16 @@ class VLLMEngine:
                     raise RlkitError("vLLM returned no log-prob for some sampled tokens; cannot log pi_old")
                 ids.append(toks)
                 lps.append([float(d[t].logprob) for d, t in zip(c.logprobs, toks, strict=True)])
-                fins.append("eos" if toks and toks[-1] == self.eos else "length")
+                fins.append(finish_reason(getattr(c, "finish_reason", None), getattr(c, "stop_reason", None), toks,
+                                          self.eos))
         return Generated(ids, fins, lps)
+
+    @property
+    def context(self) -> int | None:
+        """The longest sequence the engine takes (prompt + completion): vLLM's max_model_len (--max-model-len, by
+        default the model's context)."""
+        n = getattr(getattr(getattr(self.llm, "llm_engine", None), "model_config", None), "max_model_len", None)
+        return n if isinstance(n, int) and n > 0 else None
 
     def reload(self, model_dir: Path) -> float:
         """Load the weights of checkpoint `model_dir` (same architecture and tokenizer, a Hugging Face directory
