@@ -2,7 +2,7 @@
 from the user's code.
 
 A task spec is one of
-  `NAME[:key=value,...]`                 a built-in task (`arithmetic`, `math`, `code`) or one registered by an
+  `NAME[:key=value,...]`                 a built-in task (`arithmetic`, `math`, `code`, `calc`) or one registered by an
                                          installed package under the `rlkit.tasks` entry-point group
   `path/to/file.py:CLASS[:key=value,...]`  a class in a Python file
   `package.module:CLASS[:key=value,...]`   a class in an importable module
@@ -160,8 +160,14 @@ def _code(opts: dict[str, str]) -> Task:
     return Code.from_options(opts)
 
 
+def _calc(opts: dict[str, str]) -> Task:
+    from rlkit.envs.calc import Calc  # the calc environment's problems, with tool-use transcripts
+
+    return Calc.from_options(opts)
+
+
 TASKS: dict[str, Callable[[dict[str, str]], Task]] = {"arithmetic": Arithmetic.from_options, "math": _math,
-                                                      "code": _code}
+                                                      "code": _code, "calc": _calc}
 ENTRY_POINT_GROUP = "rlkit.tasks"
 _USER_FORMS = "or a class in your code: path/to/file.py:CLASS or package.module:CLASS"
 
