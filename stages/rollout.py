@@ -35,11 +35,15 @@ from rlkit import engines, stage_options
 from rlkit.options import (
     AnswerColumn,
     Device,
+    EnforceEager,
+    EngineName,
     Env,
     EnvErrors,
     EnvTimeout,
     Force,
+    GpuMemoryUtilization,
     MaxEnvTokens,
+    MaxModelLen,
     MaxTotalTokens,
     MaxTurns,
     NoPlan,
@@ -49,18 +53,21 @@ from rlkit.options import (
     PromptColumn,
     RewardFn,
     RewardTimeout,
+    SamplingDtype,
+    SamplingEngine,
     SandboxKind,
     SandboxWorkers,
     Seed,
     Task,
+    TensorParallel,
     TrustRemoteCode,
+    VllmLora,
 )
 from rlkit.stage_options import option
 
 if TYPE_CHECKING:
     from rlkit.engines import Engine
 
-EngineName = Literal[engines.names()]  # auto and every registered --engine, shown and checked by click
 
 
 @dataclass(frozen=True)
@@ -81,16 +88,16 @@ class RolloutConfig:
     max_env_tokens: int = option(256, MaxEnvTokens)
     env_timeout: float = option(60.0, EnvTimeout)
     env_errors: Literal["fail", "end"] = option("fail", EnvErrors)
-    engine: EngineName = option("auto", panel="Engine", help="Rollout engine: hf, vllm, or auto (vLLM when it imports and a GPU is present, else hf).")
+    engine: EngineName = option("auto", SamplingEngine)
     batch_tokens: int = option(16384, min=16, panel="Optimization", help="Token budget per generation batch (hf engine).")
-    tp: int = option(1, "--tp", min=1, panel="Engine", help="vLLM tensor-parallel size (GPUs per engine).")
-    gpu_memory_utilization: float | None = option(None, min=0.01, max=1.0, panel="Engine", help="vLLM memory fraction (on a GPU default: what --colocate's models leave, capped at 0.9, or 0.5 without --colocate; 0.3 on vLLM's CPU backend). See docs/gpu.md.")
+    tp: int = option(1, TensorParallel)
+    gpu_memory_utilization: float | None = option(None, GpuMemoryUtilization)
     # models other stages run on the same GPU meanwhile (score-ref's --ref, --rm): vLLM's memory share leaves them room
     colocate: tuple[Path, ...] = option((), "--colocate", panel="Engine", help="A model another stage of the pipe runs on this GPU at the same time, e.g. score-ref's --ref and --rm (repeatable): rollout's vLLM leaves room for it (its weights x 1.25, plus 2 GiB for CUDA contexts) when it sizes --gpu-memory-utilization. See docs/gpu.md.")
-    dtype: Literal["auto", "fp32", "bf16", "fp16"] = option("auto", panel="Precision & memory", help="Sampling dtype: auto (vLLM on a GPU: bf16; vLLM's CPU backend: the checkpoint's; the hf engine: fp32), fp32, bf16 or fp16 (the hf engine samples in fp32; other dtypes need --engine vllm). The manifest records it as sampling_dtype.")
-    max_model_len: int | None = option(None, min=16, panel="Engine", help="vLLM context length (default: the model's).")
-    enforce_eager: bool = option(False, "--enforce-eager", panel="Engine", help="vLLM: no CUDA graphs (faster start-up).")
-    vllm_lora: Literal["adapter", "merge"] = option("adapter", panel="Engine", help="vLLM on a LoRA checkpoint: adapter (vLLM's LoRA: the base's weights plus the adapter per request; a --follow reload swaps adapters) or merge (the merged weights, written to a temporary directory: no LoRA kernels, a weights write per reload). The hf engine always merges.")
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = option("auto", SamplingDtype)
+    max_model_len: int | None = option(None, MaxModelLen)
+    enforce_eager: bool = option(False, EnforceEager)
+    vllm_lora: Literal["adapter", "merge"] = option("adapter", VllmLora)
     # "i/N": this job's share of the prompts (whole chunks), see rlkit.io.shards
     shard: str | None = option(None, panel="Engine", help="I/N: sample only this job's share of the prompts (0 <= I < N); `rlkit cat` joins the N shards into the table one job gives.")
     # --follow DIR: stream batches of `batch_prompts` prompts forever, switching to DIR's newest step
@@ -138,7 +145,6 @@ def _check_device(spec: str) -> None:
 
 
 def _run(cfg: RolloutConfig) -> Path | None:
-    from rlkit import engines
     from rlkit.engines import memory
     from rlkit.errors import RlkitError
     from rlkit.io import checkpoints, claims, streams
@@ -270,7 +276,6 @@ def _run_follow(cfg: RolloutConfig, verifier: _Verifier, out: Path | None, fns=(
 
 def _engine_options(cfg: RolloutConfig):
     """The engine's share of the config (`engines.EngineOptions`)."""
-    from rlkit import engines
 
     return engines.EngineOptions(seed=cfg.seed, trust_remote_code=cfg.trust_remote_code, batch_tokens=cfg.batch_tokens,
                                  tp=cfg.tp, gpu_memory_utilization=cfg.gpu_memory_utilization, dtype=cfg.dtype,
@@ -282,7 +287,7 @@ def _engine_options(cfg: RolloutConfig):
 def _start_engine(cfg: RolloutConfig, policy: Path) -> Engine:
     """The engine --engine names (auto: resolved, and why said on stderr), started on checkpoint `policy`, its
     device said on stderr; its `tokenizer` is the checkpoint's."""
-    from rlkit import console, devices, engines
+    from rlkit import console, devices
 
     chosen, why = engines.choose(cfg.engine)
     console.info(f"rollout: engine {chosen} ({why})")

@@ -49,13 +49,15 @@ class HFEngine:
         model, tokenizer = checkpoints.load_policy(policy, "fp32", opts.trust_remote_code, merged=True)  # LoRA: merged
         return cls(model.to(device), tokenizer, opts.batch_tokens)
 
-    def sample(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed, stop=(), ticker=None) -> Generated:
+    def sample(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed, stop=(), ticker=None,
+               logprobs: bool = True) -> Generated:
+        """The protocol's `sample`; `logprobs=False` (greedy evaluation) keeps no logits (`Generated.logprobs` None)."""
         from rlkit.engines.generation import generate
 
         greedy = temperature == 0
         return generate(self.model, self.tokenizer, prompt_ids, max_new_tokens=max_new_tokens, n=n, greedy=greedy,
                         temperature=1.0 if greedy else temperature, top_p=top_p, seed=seed,
-                        batch_tokens=self.batch_tokens, logprobs=True, stop=stop, ticker=ticker)
+                        batch_tokens=self.batch_tokens, logprobs=logprobs, stop=stop, ticker=ticker)
 
     @property
     def context(self) -> int | None:

@@ -51,6 +51,9 @@ class Sampling:
     max_env_tokens: int = 256  # tokens of one observation appended
     env_timeout: float = 60.0  # seconds per reset/step call; 0: no limit
     env_errors: str = "fail"  # fail | end
+    # the sampled tokens' log-probs (`sample`): the hf engine keeps a batch's logits for them; greedy evaluation,
+    # which reads none, turns them off
+    logprobs: bool = True
 
 
 @dataclass(frozen=True)
@@ -67,10 +70,13 @@ class Prompts:
 
 def sample(engine, prompts: Prompts, s: Sampling, seed: int, stop: Sequence[str] = (), ticker=None) -> Generated:
     """One turn: `s.n` completions of each prompt (row i*n + j is sample j of prompt i), seeded `seed`."""
-    kw = {"ticker": ticker} if ticker is not None and getattr(engine, "name", "") == "hf" else {}
+    hf = getattr(engine, "name", "") == "hf"
+    kw = {"ticker": ticker} if ticker is not None and hf else {}
+    if hf and not s.logprobs:
+        kw["logprobs"] = False
     gen = engine.sample(prompts.prompt_ids, n=s.n, temperature=s.temperature, top_p=s.top_p,
                         max_new_tokens=s.max_new_tokens, seed=seed, **({"stop": tuple(stop)} if stop else {}), **kw)
-    if ticker is not None and not kw:
+    if ticker is not None and "ticker" not in kw:
         ticker.advance(len(prompts.prompt_ids))
     return gen
 

@@ -35,8 +35,8 @@ def engine_eval(engine, prompts: Sequence[str], answers: Sequence[str | None], t
     ids = encode_prompts(tokenizer, prompts, chat)
     batch = sampling.Prompts(0, [str(i) for i in range(len(ids))], list(answers), list(prompts), ids)
     with progress("eval", len(ids)) as t:
-        gen = sampling.sample(engine, batch, sampling.Sampling(n=1, temperature=0.0, max_new_tokens=max_new_tokens),
-                              seed, ticker=t)
+        greedy = sampling.Sampling(n=1, temperature=0.0, max_new_tokens=max_new_tokens, logprobs=False)  # no logits kept
+        gen = sampling.sample(engine, batch, greedy, seed, ticker=t)
     texts = tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
     lengths = [len(c) - (f == "eos") for c, f in zip(gen.completion_ids, gen.finish_reasons, strict=True)]
     pairs = [(t, a, f) for t, a, f in zip(texts, answers, gen.finish_reasons, strict=True) if a is not None]
