@@ -117,7 +117,7 @@ def _run(cfg: EvalConfig) -> dict:
     if cfg.env is not None:
         from rlkit.envs import get_env
 
-        env = get_env(cfg.env)  # a bad spec, class or option: one line before anything starts
+        env = get_env(cfg.env).sandboxed(cfg.sandbox)  # a bad spec, class or option: one line before anything starts
         if cfg.rm is not None:
             raise RlkitError("--rm scores single responses; with --env the environment's rewards score the "
                              "trajectories: leave out one of them")

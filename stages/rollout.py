@@ -154,7 +154,7 @@ def _run(cfg: RolloutConfig) -> Path | None:
     if cfg.env is not None:
         from rlkit.envs import get_env
 
-        env = get_env(cfg.env)  # a bad spec, class or option: one line before anything starts
+        env = get_env(cfg.env).sandboxed(cfg.sandbox)  # a bad spec, class or option: one line before anything starts
     task = get_task(cfg.task)
     if env is not None and callable(env.attribute("iter_examples")) and not cfg.prompts:
         from rlkit.envs import env_task

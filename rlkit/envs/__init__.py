@@ -59,6 +59,23 @@ class EnvSpec:
 
             raise EnvError(f"environment {self.name}: its constructor raised {one_line(e)}") from e
 
+    def sandboxed(self, kind: str | None) -> EnvSpec:
+        """With the stage's `--sandbox KIND`: the environment built with `sandbox=KIND` when its constructor takes a
+        `sandbox` keyword (`Tools`: its tool calls then run in sandboxed workers) and the spec did not set one."""
+        import inspect
+
+        if kind is None or "sandbox" in self.options:
+            return self
+        try:
+            params = inspect.signature(self.factory).parameters
+        except (TypeError, ValueError):
+            return self
+        if "sandbox" not in params:
+            return self
+        from dataclasses import replace
+
+        return replace(self, options={**self.options, "sandbox": kind})
+
     def attribute(self, name: str, default=None):
         """A class attribute of the environment (e.g. `stop`, `max_new_tokens`), read without an instance."""
         return getattr(self.factory, name, default)

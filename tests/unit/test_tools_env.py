@@ -445,3 +445,18 @@ def test_driver_runs_calc_on_the_tiny_model_token_exact(calc_policy):
     for c, n in zip(cols["completion_ids"], calls, strict=True):
         if n == 1:  # the transcript's shape, as sft trained it (the call, its result or error, the answer)
             assert re.fullmatch(r"<call>mul\([^<]*\)</call><tool>[^<]+</tool>[^<]*(<eos>)?", tok.decode(c)), tok.decode(c)
+
+
+def test_the_stages_sandbox_reaches_an_environment_that_takes_one(tmp_path):
+    """`rollout --sandbox bwrap --env SPEC` builds the environment with sandbox=bwrap when its constructor takes a
+    `sandbox` keyword and the spec set none; a spec's own sandbox= wins; an environment without the keyword is
+    left as it is."""
+    from rlkit.envs import get_env
+
+    assert get_env("calc").sandboxed("bwrap").options["sandbox"] == "bwrap"
+    assert get_env("calc").sandboxed(None).options.get("sandbox") is None
+    assert get_env("calc:sandbox=none").sandboxed("bwrap").options["sandbox"] == "none"
+    f = tmp_path / "plain_env.py"
+    f.write_text("class Plain:\n    def reset(self, ex):\n        return ex.prompt\n"
+                 "    def step(self, a):\n        return None, 0.0, True\n")
+    assert "sandbox" not in get_env(f"{f}:Plain").sandboxed("bwrap").options
