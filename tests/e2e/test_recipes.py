@@ -87,7 +87,8 @@ def _run_recipe(name: str, runs: Path, **knobs: str):
 
 
 def test_every_recipe_is_tested():
-    assert set(RECIPES) == {"rlvr.sh", "rlhf.sh", "reward-hacking.sh", "math.sh", "config.sh", "code.sh"}, \
+    assert set(RECIPES) == {"rlvr.sh", "rlhf.sh", "reward-hacking.sh", "math.sh", "config.sh", "code.sh",
+                            "tools.sh"}, \
         "a new recipe needs a test here"
     assert {p.name for p in (REPO / "recipes").glob("*.sh")} - set(RECIPES) == {"rlvr-follow.sh", "quickstart.sh"}
     assert 'bash "$quickstart"' in (REPO / "tests" / "installed" / "smoke.sh").read_text()
@@ -102,14 +103,15 @@ def test_every_recipe_runs_scaled_down(recipe, tmp_path):
     knobs = {"reward-hacking.sh": {"ROUNDS": "1", "BETAS": "0.05 0"}, "rlhf.sh": {"ROUNDS": "1"},
              "math.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "200", "N": "2"}, "config.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "200", "PROMPTS": "8", "N": "2"},
              "code.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "300", "PROMPTS": "8", "N": "2", "EVAL_NUM": "12",
-                         "SANDBOX_WORKERS": "2"}}
+                         "SANDBOX_WORKERS": "2"},
+             "tools.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "300", "PROMPTS": "8", "N": "2", "EVAL_NUM": "12"}}
     # rlvr.sh: with an experiment tracker (the whole recipe one run: eval and update continue sft's)
     knobs["rlvr.sh"] = {"REPORT_TO": "tensorboard", "PROJECT": "recipe"}
     r = _run_recipe(recipe, runs, **knobs.get(recipe, {}))
     assert r.returncode == 0, f"{recipe}: {r.stderr.decode()[-2000:]}"
     # every RL recipe leaves one metrics file with held-out accuracy after every round, and its report
     metrics = {"rlvr.sh": "metrics.jsonl", "rlhf.sh": "rlhf-metrics.jsonl", "math.sh": "metrics.jsonl",
-               "config.sh": "metrics.jsonl", "code.sh": "metrics.jsonl"}.get(recipe)
+               "config.sh": "metrics.jsonl", "code.sh": "metrics.jsonl", "tools.sh": "metrics.jsonl"}.get(recipe)
     if metrics:
         rows = [json.loads(x) for x in (runs / metrics).read_text().splitlines()]
         rounds = int(knobs.get(recipe, {}).get("ROUNDS", 2))
@@ -133,6 +135,17 @@ def test_every_recipe_runs_scaled_down(recipe, tmp_path):
         evals = [r for r in rows if r["stage"] == "eval"]
         assert all(sum(r["verdicts"].values()) == r["n_scored"] == 12 for r in evals)
         assert "verdicts of 16 responses" in r.stderr.decode() and "after RL (1 rounds)" in r.stdout.decode()
+    if recipe == "tools.sh":  # sft on tool-use transcripts, RL on trajectories against the calc environment
+        sft = json.loads((runs / "sft" / "rlkit.json").read_text())
+        assert sft["config"]["task"] == "calc:digits=2,heldout=0.1,tool=0.4"
+        rows = [json.loads(x) for x in (runs / "metrics.jsonl").read_text().splitlines()]
+        (upd,) = [r for r in rows if r["stage"] == "update"]
+        assert upd["sequences"] == 8 * 2
+        for label in ("sft", "round-1"):
+            ev = json.loads((runs / f"eval-{label}.json").read_text())
+            assert ev["n"] == 12 and 0 <= ev["mean_tool_calls"] <= 4 and 0 <= ev["accuracy"] <= 1
+        out = r.stdout.decode()
+        assert "tool calls/answer" in out and "after RL (1 rounds)" in out
     if recipe == "config.sh":  # settings from recipes/rlvr.toml, the knobs' flags over them, written back
         opts = json.loads((runs / "round-1" / "rlkit.json").read_text())["options"]
         assert opts["lr"] == 5e-5 and opts["minibatch_size"] == 128 and opts["kl_estimator"] == "k3+"  # the file's
