@@ -2,8 +2,9 @@
 from the user's code.
 
 A task spec is one of
-  `NAME[:key=value,...]`                 a built-in task (`arithmetic`, `math`, `code`, `calc`) or one registered by an
-                                         installed package under the `rlkit.tasks` entry-point group
+  `NAME[:key=value,...]`                 a built-in task (`arithmetic`, `math`, `code`, `calc`, `guess`) or one
+                                         registered by an installed package under the `rlkit.tasks` entry-point
+                                         group
   `path/to/file.py:CLASS[:key=value,...]`  a class in a Python file
   `package.module:CLASS[:key=value,...]`   a class in an importable module
 e.g. `arithmetic:terms=2-5,max=20` or `my_tasks.py:Countdown:max=50`. Options reach a user class
@@ -166,8 +167,14 @@ def _calc(opts: dict[str, str]) -> Task:
     return Calc.from_options(opts)
 
 
+def _guess(opts: dict[str, str]) -> Task:
+    from rlkit.envs.guess import Guess  # games of guess-the-number as transcripts (the `guess` environment's)
+
+    return Guess.from_options(opts)
+
+
 TASKS: dict[str, Callable[[dict[str, str]], Task]] = {"arithmetic": Arithmetic.from_options, "math": _math,
-                                                      "code": _code, "calc": _calc}
+                                                      "code": _code, "calc": _calc, "guess": _guess}
 ENTRY_POINT_GROUP = "rlkit.tasks"
 _USER_FORMS = "or a class in your code: path/to/file.py:CLASS or package.module:CLASS"
 

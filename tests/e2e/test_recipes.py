@@ -88,7 +88,7 @@ def _run_recipe(name: str, runs: Path, **knobs: str):
 
 def test_every_recipe_is_tested():
     assert set(RECIPES) == {"rlvr.sh", "rlhf.sh", "reward-hacking.sh", "math.sh", "config.sh", "code.sh",
-                            "tools.sh"}, \
+                            "guess.sh", "tools.sh"}, \
         "a new recipe needs a test here"
     assert {p.name for p in (REPO / "recipes").glob("*.sh")} - set(RECIPES) == {"rlvr-follow.sh", "quickstart.sh"}
     assert 'bash "$quickstart"' in (REPO / "tests" / "installed" / "smoke.sh").read_text()
@@ -104,6 +104,7 @@ def test_every_recipe_runs_scaled_down(recipe, tmp_path):
              "math.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "200", "N": "2"}, "config.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "200", "PROMPTS": "8", "N": "2"},
              "code.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "300", "PROMPTS": "8", "N": "2", "EVAL_NUM": "12",
                          "SANDBOX_WORKERS": "2"},
+             "guess.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "300", "PROMPTS": "8", "N": "4", "TURNS": "4"},
              "tools.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "300", "PROMPTS": "8", "N": "2", "EVAL_NUM": "12"}}
     # rlvr.sh: with an experiment tracker (the whole recipe one run: eval and update continue sft's)
     knobs["rlvr.sh"] = {"REPORT_TO": "tensorboard", "PROJECT": "recipe"}
@@ -135,6 +136,26 @@ def test_every_recipe_runs_scaled_down(recipe, tmp_path):
         evals = [r for r in rows if r["stage"] == "eval"]
         assert all(sum(r["verdicts"].values()) == r["n_scored"] == 12 for r in evals)
         assert "verdicts of 16 responses" in r.stderr.decode() and "after RL (1 rounds)" in r.stdout.decode()
+    if recipe == "guess.sh":  # multi-turn: each round's games kept, their success and turns printed per round
+        import pyarrow as pa
+
+        out = r.stdout.decode()
+        for name, label in (("rollouts-1.arrow", "round 1"), ("rollouts-final.arrow", "final")):
+            with pa.OSFile(str(runs / name)) as f:
+                try:
+                    t = pa.ipc.open_stream(f).read_all()
+                except pa.ArrowInvalid:
+                    t = pa.ipc.open_file(str(runs / name)).read_all()
+            assert t.num_rows == 8 * 4 and set(t.column("end_reason").to_pylist()) == {"terminated"}
+            turns = t.column("turns").to_pylist()
+            assert all(1 <= k <= 4 for k in turns) and all(0 in m for m, k in zip(t.column("loss_mask").to_pylist(),
+                                                                                 turns, strict=True) if k > 1)
+            won = sum(t.column("reward/env").to_pylist()) / t.num_rows
+            (line,) = [x for x in out.splitlines() if x.startswith(label + " ")]
+            assert f"{won:.1%}" in line and f"{sum(turns) / len(turns):.2f}" in line, line
+        rows = [json.loads(x) for x in (runs / "metrics.jsonl").read_text().splitlines()]
+        assert [m["step"] for m in rows if m["stage"] == "update"] == [1]
+        assert json.loads((runs / "round-1" / "rlkit.json").read_text())["kind"] == "model"
     if recipe == "tools.sh":  # sft on tool-use transcripts, RL on trajectories against the calc environment
         sft = json.loads((runs / "sft" / "rlkit.json").read_text())
         assert sft["config"]["task"] == "calc:digits=2,heldout=0.1,tool=0.4"
