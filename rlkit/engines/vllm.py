@@ -199,7 +199,10 @@ class VLLMEngine:
                            enforce_eager=opts.enforce_eager, seed=opts.seed, logprobs_mode="processed_logprobs",
                            trust_remote_code=opts.trust_remote_code,
                            worker_extension_cls=f"{__name__}.VLLMWorkerExtension", **lora_kw,
-                           **({"enable_sleep_mode": True} if self.sleep_mode else {}))
+                           **({"enable_sleep_mode": True} if self.sleep_mode else {}),
+                           # the CPU backend cannot rewind a seeded request's generator, which a prefill chunked
+                           # over steps needs (multi-turn prefixes outgrow a step's token budget): whole prefills
+                           **({} if on_gpu else {"enable_chunked_prefill": False}))
         except Exception as e:
             self._drop_tmp()
             oom = _start_failure(e, util, w, dtype, opts) if on_gpu else start_out_of_memory(e, util)
