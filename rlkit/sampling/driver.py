@@ -158,9 +158,7 @@ def run_episodes(engine, tokenizer, env, prompts: Prompts, s: Sampling, seed: in
                 for t, ids, lps, fin in zip(active, gen.completion_ids, gen.logprobs or [None] * len(active),
                                             gen.finish_reasons, strict=True):
                     _take_turn(t, tokenizer, ids, lps, fin, s, context)
-                acting = [t for t in active if t.end_reason is None or t.end_reason == "_step"]
-                for t in acting:
-                    t.end_reason = None
+                for t in active:  # the environment judges every turn (even one the budget cut)
                     st = call(t, "step", lambda t=t: t.env.step(t.last_action), check=as_step)
                     if t.end_reason is not None:
                         continue  # the call failed and env_errors="end" ended it
@@ -283,8 +281,8 @@ def _room_left(t: _Traj, s: Sampling, context: int | None) -> int:
 
 
 def _take_turn(t: _Traj, tokenizer, ids: list[int], lps, fin: str, s: Sampling, context: int | None) -> None:
-    """Append the tokens the engine sampled for this turn (cut at the trajectory's budget); mark the trajectory
-    to be stepped (`end_reason` "_step") or ended by the budget."""
+    """Append the tokens the engine sampled for this turn (cut at the trajectory's budget); `spent`: no room is
+    left for another turn (the environment still judges this one)."""
     room = _room_left(t, s, context)
     cut = len(ids) > room
     if cut:
@@ -298,7 +296,6 @@ def _take_turn(t: _Traj, tokenizer, ids: list[int], lps, fin: str, s: Sampling, 
     t.last_action = tokenizer.decode(ids, skip_special_tokens=True)
     t.messages.append({"role": "assistant", "content": t.last_action})
     t.spent = _room_left(t, s, context) <= 0
-    t.end_reason = "_step"  # to be stepped: the environment judges the turn (even one the budget cut)
 
 
 def _observe(t: _Traj, tokenizer, obs, s: Sampling, context: int | None) -> None:
@@ -389,7 +386,7 @@ def _columns(trajs: list[_Traj]) -> Episodes:
             is_last = r is last
             vals = (t.prompt_id, t.sample, r.prompt_text, r.prompt_ids, r.ids, r.logprobs, r.finish, r.mask, r.turns,
                     r.rewards, t.terminated and is_last, (t.truncated or not t.terminated) and is_last,
-                    (t.end_reason if t.end_reason != "_step" else "truncated") if is_last else "continued",
+                    t.end_reason if is_last else "continued",
                     t.tool_calls if is_last else 0, r.messages, reward)
             for name, v in zip(names, vals, strict=True):
                 cols[name].append(v)
