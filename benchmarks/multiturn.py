@@ -10,10 +10,8 @@ so the games run several turns as in training. Each engine runs in its own fresh
 first (vLLM's first call compiles), then each mode --repeats times, and the median is printed. Every
 trajectory plays a game of at most 6 turns of at most 5 new tokens (`GuessNumber.max_new_tokens`).
 Needs vLLM importable for the vLLM half (on a CPU: `make setup-vllm`); an engine that cannot run is reported
-as such and left out. vLLM's CPU backend (0.32) fails a step whose prefill it splits into chunks (more than its
-4096 batched tokens) while requests carry seeds, as rlkit's do: `RuntimeError: CPU Generator does not use offset`,
-then EngineDeadError. The default batch (16 games x 4) stays under that; 32 x 4 passes or not with the policy's
-game lengths, 128 x 8 (recipes/guess.sh's round) fails.
+as such and left out. On its CPU backend the vLLM engine prefills whole prompts (no chunked prefill, which a seeded
+request cannot use there), so a batch of any size runs (`--prompts 64 --n 8`: 512 trajectories a batch).
 """
 
 from __future__ import annotations
