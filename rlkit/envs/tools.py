@@ -478,17 +478,5 @@ class _ToolWorkers(Workers):
     def _what(self) -> str:
         return f"environment {self.name}: the sandboxed worker of {self.label}"
 
-    def _spawn(self) -> None:
-        import os
-        import sys
-        import time
-
-        from rlkit.sandbox import spawn
-        from rlkit.tasks.sandboxed import START_S, _Worker
-
-        argv = [os.path.realpath(sys.executable), "-I", "-c", worker_source()]
-        proc = spawn(self.sandbox, argv, ro_binds=self.binds, venv=True)
-        w = _Worker(proc, time.monotonic() + max(START_S, self.timeout), self.sandbox)
-        self.live.append(w)
-        w.outbuf = json.dumps(self.config).encode() + b"\n"  # its CONFIG, written as its pipe takes it
-        w.flush()
+    def _source(self) -> str:
+        return worker_source()

@@ -179,10 +179,14 @@ class Workers:
     def _what(self) -> str:
         return f"--reward-fn {self.name} ({self.label})"
 
+    def _source(self) -> str:
+        """The Python program each worker runs (`python -I -c SOURCE`)."""
+        return worker_source()
+
     def _spawn(self) -> None:
         from rlkit.sandbox import spawn
 
-        argv = [os.path.realpath(sys.executable), "-I", "-c", worker_source()]
+        argv = [os.path.realpath(sys.executable), "-I", "-c", self._source()]
         proc = spawn(self.sandbox, argv, ro_binds=self.binds, venv=True)
         w = _Worker(proc, time.monotonic() + max(START_S, self.timeout), self.sandbox)
         self.live.append(w)
