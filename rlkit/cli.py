@@ -312,7 +312,14 @@ def _on_sigterm(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
-    rc = _main(argv)
+    from rlkit import startup
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    startup.pause(next((a for a in args if not a.startswith("-")), None))  # until the stage's model is loaded
+    try:
+        rc = _main(argv)
+    finally:
+        startup.finish()
     if rc and _rank() is not None:
         _exit_now(rc)  # a failed rank: its peers may be stuck in a collective that tearing down would wait on
     _leave_process_group()

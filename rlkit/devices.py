@@ -122,8 +122,10 @@ def describe(device, dtype: str | None = None) -> str:
 
 
 def announce(stage: str, device, dtype: str | None = None) -> None:
-    from rlkit import console
+    """Say the device a stage works on, once its models are loaded: the end of its start-up (`rlkit.startup`)."""
+    from rlkit import console, startup
 
+    startup.done()
     console.info(f"{stage}: device {describe(device, dtype)}")
 
 

@@ -128,7 +128,7 @@ def _run(cfg: BuildPrefsConfig) -> Path | None:
 def _sampled(cfg: BuildPrefsConfig):
     import random
 
-    from rlkit import console, engines, sampling
+    from rlkit import console, engines, sampling, startup
     from rlkit.errors import RlkitError
     from rlkit.io import checkpoints, data, fingerprints
     from rlkit.tasks import (
@@ -158,6 +158,7 @@ def _sampled(cfg: BuildPrefsConfig):
             raise RlkitError(f"--temperature {cfg.temperature:g}: expected a number > 0 (sampling; 0 would be greedy)")
         chosen, why = engines.choose(cfg.engine)
         engine = engines.create(chosen, cfg.policy, _engine_options(cfg))
+        startup.done()  # its libraries imported and its model loaded (rlkit.startup)
         console.info(f"build-prefs: engine {chosen} ({why})")  # once the checkpoint is good
         try:
             tokenizer = engine.tokenizer
