@@ -329,7 +329,27 @@ def main(argv: list[str] | None = None) -> int:
         # abort a rank ("terminate called without an active exception", exit -6) after a successful stage
         _exit_now(rc)
     _exit_if_reader_blocked(rc)
+    if argv is None:  # the process's own command line (the `rlkit` command, `python -m rlkit`)
+        _exit_without_teardown(rc)
     return rc
+
+
+def _exit_without_teardown(rc: int) -> None:
+    """End a stage process that loaded torch without the interpreter's teardown: its outputs are written and
+    closed by now, and freeing the ~2,500 modules torch and transformers bring, one object at a time, takes a
+    second or more of CPU (more while a pipe's other stages share the cores). What an exit does for others still
+    happens: the `atexit` handlers run (trackers, logging, temporary directories, vLLM's shutdown), then stdout and
+    stderr are flushed. A process with a thread that a normal exit would wait for (not a daemon) exits normally."""
+    import atexit
+    import threading
+
+    if "torch" not in sys.modules:
+        return  # a light command: its teardown is quick
+    main_thread = threading.main_thread()
+    if any(t is not main_thread and not t.daemon and t.is_alive() for t in threading.enumerate()):
+        return
+    atexit._run_exitfuncs()
+    _exit_now(rc)
 
 
 def _rank() -> int | None:
