@@ -37,30 +37,36 @@ KNOBS = dict(max_new=16, epochs=2, minibatch=128, beta=0.01, kl="k3+", dual_clip
 
 # (phase, compute?, frame patterns): a sample belongs to the first phase one of whose patterns is a substring of
 # one of its frames ("function (file)"). Imports come first: an import in progress is start-up whatever calls it.
+# Before these, a sample whose innermost frame blocks (WAITING) is waiting for input; one with no Python frame is
+# the interpreter starting or tearing down (or native code called from no Python frame).
+WAITING = ("TableReader.__iter__", "TableReader.batches", "wait_for (", "Condition.wait", "Event.wait", "select (",
+           "sleep (", "Queue.get", "PendingTable.result", "_wait_for_tstate_lock")
 PHASES: list[tuple[str, bool, tuple[str, ...]]] = [
     ("imports", False, ("_find_and_load", "_handle_fromlist")),
     ("model load and checks", False, ("load_policy", "load_reference", "load_tokenizer", "from_pretrained",
-                                      "verify_reference", "verify_weights", "fingerprint", "sha256",
+                                      "verify_reference", "verify_weights", "verify_step", "fingerprint", "sha256",
                                       "check_model_dir", "HFEngine.start", "Trainer.__init__", "Trainer.load",
                                       "load_reward_model", "VLLMEngine.__init__", "_start_engine", "switch (",
-                                      "load_weights", "load_state_dict")),
+                                      "HFEngine.reload", "load_state_dict")),
     ("sampling", True, ("GenerationMixin.generate", "LLM.generate", "HFEngine.sample", "VLLMEngine.sample")),
     ("scoring forward", True, ("score_tokens", "score_texts")),
     ("backward", True, ("Tensor.backward", "Precision.backward")),
     ("optimizer step", True, ("Optimizer.profile_hook_step", "Adam.step", "AdamW.step", "clip_grad_norm_",
                               "Precision.clip", "Precision.apply")),
     ("forward", True, ("Module._call_impl", "completion_logprobs")),
-    ("save", False, ("Trainer.save", "save_file", "atomic_dir", "save_pretrained", "write_step", "save_model")),
-    ("verifier and rewards", False, ("verify (", "score_batch (rlkit/tasks", "_Verifier", "reward_fns",
-                                     "combine_rewards")),
+    ("save and publish", False, ("Trainer.save", "save_file", "atomic_dir", "save_pretrained", "publish (",
+                                 "save_model")),
+    ("verifier and rewards", False, ("verify (", "_Verifier", "reward_fns", "combine_rewards")),
     ("tokenize and decode", False, ("batch_decode", "encode_prompts", "encode_responses", "PreTrainedTokenizer",
                                     "TokenizersBackend", "apply_chat_template")),
-    ("waiting for input", False, ("PendingTable.result", "Condition.wait", "Event.wait", "select", "time.sleep",
-                                  "sleep (", "wait_for", "_wait", "Queue.get", "read_next_batch", "readinto")),
     ("arrow and pipe I/O", False, ("rlkit/io/streams.py", "pyarrow", "to_pylist", "write_table", "TableWriter",
-                                   "RecordBatchStreamWriter", "open_table")),
+                                   "open_table")),
     ("other", False, ("",)),
 ]
+# the timeline's coarser phases
+_COARSE = {"imports": "start-up", "model load and checks": "start-up", "sampling": "compute",
+           "scoring forward": "compute", "backward": "compute", "optimizer step": "compute", "forward": "compute",
+           "interpreter start and exit": "interpreter"}
 COMPUTE = {name for name, c, _ in PHASES if c}
 
 
@@ -201,6 +207,10 @@ def run_mode(tree: Path, mode: str, sft: Path, ref: Path, work: Path, a, tag: st
 
 
 def _classify(frames: list[str]) -> str:
+    if not frames:
+        return "interpreter start and exit"
+    if any(w in frames[-1] for w in WAITING) and not any("_find_and_load" in f for f in frames):
+        return "waiting for input"
     for name, _, pats in PHASES:
         if any(p in f for f in frames for p in pats):
             return name
@@ -245,10 +255,11 @@ def read_profiles(run: dict, top: int) -> dict:
             for k, fr in enumerate(samples):
                 ph = _classify(fr)
                 phases[n][ph] += dt
-                if segs and segs[-1][0] == ph:
+                ph_t = _COARSE.get(ph, ph)
+                if segs and segs[-1][0] == ph_t:
                     segs[-1][2] = s0 + (k + 1) * dt
                 else:
-                    segs.append([ph, s0 + k * dt, s0 + (k + 1) * dt])
+                    segs.append([ph_t, s0 + k * dt, s0 + (k + 1) * dt])
                 if fr:
                     selfs[n][fr[-1]] += dt
                 if ph in COMPUTE:
@@ -314,7 +325,8 @@ def report(results: dict, modes: list[str], variants: list[str], profiled: bool,
         for n in ("rollout", "score-ref", "update"):
             print(f"  {n}: seconds per phase (profiled run)")
             total = [sum(p["phases"][n].values()) for p in ps]
-            for ph, compute, _ in PHASES:
+            for ph, compute in [(p, c) for p, c, _ in PHASES] + [("waiting for input", False),
+                                                                  ("interpreter start and exit", False)]:
                 vals = [p["phases"][n].get(ph, 0.0) for p in ps]
                 if max(vals) < 0.05:
                     continue

@@ -406,6 +406,8 @@ def _exit_if_reader_blocked(rc: int) -> None:
 
 
 def _main(argv: list[str] | None = None) -> int:
+    from rlkit import startup
+
     args = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get("RLKIT_DEBUG", "") not in ("", "0") or "--debug" in args
     args = [a for a in args if a != "--debug"]
@@ -416,8 +418,9 @@ def _main(argv: list[str] | None = None) -> int:
         console.silence()
     args = modernize(args, lambda line: None if rank else print(line, file=sys.stderr))
     signal.signal(signal.SIGTERM, _on_sigterm)
-    # Stages in a pipe share the cores: idle OpenMP threads must sleep, not spin (before torch loads).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    command_name = next((a for a in args if not a.startswith("-")), None)
+    if command_name != "update":  # update sets its own, from its options (`rlkit.startup.threads`)
+        startup.threads(command_name)  # OpenMP's wait policy, before torch loads
     err = sys.stderr
     has_out = any(a == "--out" or a.startswith("--out=") for a in args)  # a command that writes nothing says less
     interrupted = "rlkit: interrupted" + ("; nothing half-written was left at --out" if has_out else "")

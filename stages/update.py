@@ -151,9 +151,11 @@ def resolve(cfg: UpdateConfig) -> UpdateConfig:
 def run(cfg: UpdateConfig) -> Path:
     """Resolves the algorithm's defaults, claims --out (see `claims.claim_out`: never over an input,
     one writer) and runs the stage."""
-    from rlkit import devices
+    from rlkit import devices, startup
     from rlkit.io import checkpoints, claims, tracking
 
+    # trains alone on the cores unless a --follow rollout samples beside it (--max-lag > 0): rlkit.startup
+    startup.threads("update", alone=not (cfg.follow and cfg.max_lag > 0))
     devices.parse(cfg.device)
     cfg = resolve(cfg)
     inputs = {"--policy": cfg.policy, "--in": cfg.inp, "--ref": cfg.ref}
