@@ -1,5 +1,5 @@
 """Where a round's time goes: one RLVR round (`rollout | score-ref | update`, recipes/rlvr.sh) and the persistent
-pipe (`rollout --follow | score-ref | update --follow`, recipes/rlvr-follow.sh at LAG=0), each stage's wall split
+pipe (`rollout --follow | score-ref | update --follow`, recipes/rlvr-follow.sh, at LAG=0 unless --lag), each stage's wall split
 into phases, for the code at --old REV and this checkout side by side on one machine.
 
 Usage: python benchmarks/round_profile.py [--runs DIR] [--old REV] [--modes rounds follow] [--rounds 3]
@@ -97,10 +97,10 @@ def _stage_args(mode: str, sft: Path, ref: Path, policy: Path, out: Path, seed: 
                 ["update", "--policy", str(policy), "--out", str(out), *upd]]
     return [["rollout", "--follow", str(out), "--policy", str(sft), "--task", "arithmetic", "--batch-prompts",
              str(a.prompts), "--n", str(a.n), "--max-new-tokens", str(k["max_new"]), "--temperature",
-             str(k["temperature"]), "--seed", "0", "--max-lag", "0", "--max-steps", str(a.rounds)],
+             str(k["temperature"]), "--seed", "0", "--max-lag", str(a.lag), "--max-steps", str(a.rounds)],
             ["score-ref", "--ref", str(ref)],
             ["update", "--follow", "--policy", str(sft), "--out", str(out), "--max-steps", str(a.rounds), "--max-lag",
-             "0", *upd]]
+             str(a.lag), *upd]]
 
 
 def _pipe(tree: Path, stages: list[list[str]], work: Path, tag: str, rate: int | None) -> dict:
@@ -297,10 +297,11 @@ def _fmt_row(label: str, cells: list[str], widths: list[int]) -> str:
     return f"{label:34}" + "".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True))
 
 
-def report(results: dict, modes: list[str], variants: list[str], profiled: bool, timelines: bool = False) -> None:
+def report(results: dict, modes: list[str], variants: list[str], profiled: bool, timelines: bool = False,
+           lag: int = 0) -> None:
     w = [12] * len(variants)
     for mode in modes:
-        title = (f"{'rounds' if mode == 'rounds' else 'persistent pipe (follow, lag 0)'}: "
+        title = (f"{'rounds' if mode == 'rounds' else f'persistent pipe (follow, lag {lag})'}: "
                  f"{results[(variants[0], mode)]['rows']} samples")
         print(f"\n== {title}")
         print(_fmt_row("", variants, w))
@@ -370,6 +371,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=512)
     ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--lag", type=int, default=0, help="The follow pipe's --max-lag (recipes/rlvr-follow.sh's LAG).")
     ap.add_argument("--rate", type=int, default=100, help="py-spy samples per second.")
     ap.add_argument("--top", type=int, default=8)
     ap.add_argument("--no-profile", action="store_true", help="The plain runs only (no py-spy).")
@@ -399,7 +401,7 @@ def main() -> None:
                         run = run_mode(tree, mode, sft, ref, work, a, f"{v}-{mode}-prof", a.rate)
                         results[(v, mode, "profiled-run")] = run
                         results[(v, mode, "profile")] = read_profiles(run, a.top)
-            report(results, a.modes, list(trees), profiled, a.timeline)
+            report(results, a.modes, list(trees), profiled, a.timeline, a.lag)
         finally:
             if a.old:
                 subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(trees["old"])],
