@@ -1,21 +1,24 @@
 """Where a round's time goes: one RLVR round (`rollout | score-ref | update`, recipes/rlvr.sh) and the persistent
-pipe (`rollout --follow | score-ref | update --follow`, recipes/rlvr-follow.sh, at LAG=0 unless --lag), each stage's wall split
-into phases, for the code at --old REV and this checkout side by side on one machine.
+pipe (`rollout --follow | score-ref | update --follow`, recipes/rlvr-follow.sh, at LAG=0 unless --lag),
+each stage's wall split into phases, for the code at --old REV and this checkout side by side on one machine.
 
 Usage: python benchmarks/round_profile.py [--runs DIR] [--old REV] [--modes rounds follow] [--rounds 3]
-                                          [--prompts 512] [--n 8] [--rate 100] [--top 8] [--no-profile]
+                                          [--prompts 512] [--n 8] [--repeats 1] [--lag 0] [--rate 100] [--top 8]
+                                          [--timeline] [--no-profile] [--json FILE] [--keep DIR]
 --runs DIR: a recipes/rlvr.sh run whose DIR/sft and DIR/ref are used (default: `rlkit sft` and `rlkit freeze-ref`
 with the recipe's defaults, made once in a temporary folder). --old REV: the code to compare with (a git revision
 of this repository, checked out as a worktree; `--old ''` profiles this checkout alone).
 
-Each variant runs twice per mode:
-- plain, for the figures: each process's wall, the round's (or the pipe's) wall, samples per second and tokens
-  per second (prompt + completion tokens of the rows scored), ms per sample;
+Each variant runs per mode:
+- plain, --repeats times, old and new in turn (the median run's figures): each process's wall, the round's (or
+  the pipe's) wall, the CPU seconds of all its processes, samples per second and tokens per second (prompt +
+  completion tokens of the rows scored), ms per sample;
 - under py-spy (sampling profiler: `pip install py-spy`, or `make setup`; `--idle`, so waiting shows), for the
   phases: each stage's main-thread samples are put in the first phase whose frames they hold (PHASES, in order),
   and aligned on the pipe's clock, so the share of the wall in which no stage runs compute (forward, backward,
   the optimizer step, sampling) is rlkit's and the libraries' overhead. The top of each stage's self time follows.
-The profiler costs a little CPU of its own (a 2-core machine shares it); the plain runs' seconds are the figures.
+The profiler costs CPU of its own (a 2-core machine shares it); the plain runs' seconds are the figures. Seconds on
+a shared machine move with its load: compare old and new from one run of this script, and CPU seconds beside wall.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -71,6 +75,11 @@ COMPUTE = {name for name, c, _ in PHASES if c}
 
 
 # -- running a pipe
+
+
+def _py_spy() -> str:
+    """py-spy: on PATH, or beside this interpreter (a virtual environment's bin/)."""
+    return shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
 
 
 def _env(tree: Path) -> dict:
@@ -129,7 +138,7 @@ def _pipe(tree: Path, stages: list[list[str]], work: Path, tag: str, rate: int |
         prof = None
         if rate:  # py-spy writes its own lines to stdout: the stage's stdout is the pipe, py-spy's the log
             prof = work / f"{tag}-{args[0]}.json"
-            cmd = ["py-spy", "record", "--rate", str(rate), "--idle", "--threads", "--nonblocking", "--format",
+            cmd = [_py_spy(), "record", "--rate", str(rate), "--idle", "--threads", "--nonblocking", "--format",
                    "speedscope", "-o", str(prof), "--", "bash", "-c", f'exec "$@" >&{w} {w}>&-', "bash", *cmd]
             p = subprocess.Popen(cmd, stdin=r_prev, stdout=log, stderr=log, env=env, cwd=work, pass_fds=(w,))
         else:
@@ -174,9 +183,12 @@ def _counts(scored: Path) -> tuple[int, int]:
 
 def run_mode(tree: Path, mode: str, sft: Path, ref: Path, work: Path, a, tag: str, rate: int | None) -> dict:
     """One mode's run: `rounds` rounds of separate processes, or the follow pipe for `rounds` steps."""
+    import resource
+
     names = ("rollout", "score-ref", "update")
     walls: dict[str, float] = defaultdict(float)
     rounds, profiles, rows, toks = [], [], 0, 0
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     if mode == "rounds":
         policy = sft
         for i in range(1, a.rounds + 1):
@@ -199,7 +211,9 @@ def run_mode(tree: Path, mode: str, sft: Path, ref: Path, work: Path, a, tag: st
             walls[n] += e - s
         profiles.append((r["profiles"], [s - t0 for s, _ in r["times"]], [e - s for s, e in r["times"]]))
         rows, toks = _counts(work / f"{tag}-f-scored.arrow")
-    return {"wall": sum(rounds), "rounds": rounds, "walls": dict(walls), "rows": rows, "tokens": toks,
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)  # every process of the runs (and tee)
+    return {"wall": sum(rounds), "rounds": rounds, "walls": dict(walls), "rows": rows, "tokens": toks, "cpu": cpu,
             "profiles": profiles}
 
 
@@ -245,6 +259,7 @@ def read_profiles(run: dict, top: int) -> dict:
     selfs = {n: Counter() for n in names}
     overhead = 0.0
     timeline: list[str] = []
+    first: dict[str, list[float]] = {n: [] for n in names}  # per run (round): when the stage first computes
     for profs, starts, walls in run["profiles"]:
         busy: list[tuple[float, float]] = []  # (start, end) of compute samples on the pipe's clock
         for n, prof, s0, wall in zip(names, profs, starts, walls, strict=True):
@@ -252,8 +267,11 @@ def read_profiles(run: dict, top: int) -> dict:
             scale = wall / (len(samples) * w) if samples else 1.0
             dt = w * scale
             segs: list[list] = []  # [phase, start, end] on the pipe's clock
+            began = None
             for k, fr in enumerate(samples):
                 ph = _classify(fr)
+                if began is None and ph in COMPUTE:
+                    began = s0 + k * dt
                 phases[n][ph] += dt
                 ph_t = _COARSE.get(ph, ph)
                 if segs and segs[-1][0] == ph_t:
@@ -264,6 +282,7 @@ def read_profiles(run: dict, top: int) -> dict:
                     selfs[n][fr[-1]] += dt
                 if ph in COMPUTE:
                     busy.append((s0 + k * dt, s0 + (k + 1) * dt))
+            first[n].append(began if began is not None else float("nan"))
             timeline.append(f"{n}: " + ", ".join(f"{p} {a:.1f}-{b:.1f}" for p, a, b in _merge(segs)))
         end = max(s + w for s, w in zip(starts, walls, strict=True))
         covered, last = 0.0, 0.0
@@ -274,7 +293,7 @@ def read_profiles(run: dict, top: int) -> dict:
                 last = e
         overhead += end - covered
     return {"phases": phases, "top": {n: selfs[n].most_common(top) for n in names}, "overhead": overhead,
-            "timeline": timeline}
+            "timeline": timeline, "first": first}
 
 
 def _merge(segs: list[list], least: float = 0.3) -> list[list]:
@@ -306,11 +325,16 @@ def report(results: dict, modes: list[str], variants: list[str], profiled: bool,
         print(f"\n== {title}")
         print(_fmt_row("", variants, w))
         rs = [results[(v, mode)] for v in variants]
-        print(_fmt_row("wall s", [f"{r['wall']:.1f}" for r in rs], w))
+        print(_fmt_row("wall s (median run)", [f"{r['wall']:.1f}" for r in rs], w))
+        if len(rs[0]["all_walls"]) > 1:
+            print(_fmt_row("  every run's wall s", ["/".join(f"{x:.1f}" for x in r["all_walls"]) for r in rs], w))
+        print(_fmt_row("CPU s, all processes (median)", [f"{r['cpu']:.1f}" for r in rs], w))
         if mode == "rounds":
             print(_fmt_row("  per round s", ["/".join(f"{x:.1f}" for x in r["rounds"]) for r in rs], w))
         for n in ("rollout", "score-ref", "update"):
             print(_fmt_row(f"  {n} process wall s", [f"{r['walls'][n]:.1f}" for r in rs], w))
+            print(_fmt_row(f"    {n} samples/s, tokens/s", [f"{r['rows'] / r['walls'][n]:.0f}, "
+                                                          f"{r['tokens'] / r['walls'][n]:.0f}" for r in rs], w))
         print(_fmt_row("samples/s", [f"{r['rows'] / r['wall']:.0f}" for r in rs], w))
         print(_fmt_row("tokens/s", [f"{r['tokens'] / r['wall']:.0f}" for r in rs], w))
         print(_fmt_row("ms per sample", [f"{1000 * r['wall'] / r['rows']:.2f}" for r in rs], w))
@@ -323,6 +347,9 @@ def report(results: dict, modes: list[str], variants: list[str], profiled: bool,
         print(_fmt_row("profiled wall s (py-spy running)", [f"{x:.1f}" for x in pw], w))
         print(_fmt_row("  no stage computing s", [f"{p['overhead']:.1f}" for p in ps], w))
         print(_fmt_row("  overhead share of the wall", [f"{p['overhead'] / x:.0%}" for p, x in zip(ps, pw, strict=True)], w))
+        for n in ("rollout", "score-ref", "update"):
+            print(_fmt_row(f"  {n}: first compute at s", ["/".join(f"{x:.1f}" for x in p["first"][n]) for p in ps],
+                           w))
         for n in ("rollout", "score-ref", "update"):
             print(f"  {n}: seconds per phase (profiled run)")
             total = [sum(p["phases"][n].values()) for p in ps]
@@ -345,6 +372,24 @@ def report(results: dict, modes: list[str], variants: list[str], profiled: bool,
                     print(f"-- timeline, {v}, {mode} (main threads' phases, seconds on the pipe's clock)")
                     for line in results[(v, mode, "profile")]["timeline"]:
                         print(f"  {line}")
+
+
+def _jsonable(results: dict, modes: list[str], variants: list[str], profiled: bool) -> dict:
+    """{variant: {mode: figures}}: the plain run's walls, rows and tokens; the profiled run's phases per stage,
+    first compute, overhead seconds and wall."""
+    out: dict = {}
+    for v in variants:
+        for mode in modes:
+            r = results[(v, mode)]
+            fig = {k: r[k] for k in ("wall", "rounds", "walls", "rows", "tokens", "cpu", "all_walls")}
+            if profiled:
+                p = results[(v, mode, "profile")]
+                fig["profile"] = {"wall": results[(v, mode, "profiled-run")]["wall"], "overhead": p["overhead"],
+                                  "walls": results[(v, mode, "profiled-run")]["walls"],
+                                  "phases": {n: dict(c) for n, c in p["phases"].items()}, "first": p["first"],
+                                  "top": p["top"]}
+            out.setdefault(v, {})[mode] = fig
+    return out
 
 
 def _checkout(rev: str, dest: Path) -> Path:
@@ -371,16 +416,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=512)
     ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=1, help="Plain runs per variant, old and new in turn; medians.")
     ap.add_argument("--lag", type=int, default=0, help="The follow pipe's --max-lag (recipes/rlvr-follow.sh's LAG).")
     ap.add_argument("--rate", type=int, default=100, help="py-spy samples per second.")
     ap.add_argument("--top", type=int, default=8)
     ap.add_argument("--no-profile", action="store_true", help="The plain runs only (no py-spy).")
     ap.add_argument("--timeline", action="store_true", help="Also print each stage's phases in time order.")
+    ap.add_argument("--json", type=Path, help="Also write the figures to FILE as JSON.")
     ap.add_argument("--keep", type=Path, help="Keep the runs, logs and profiles under DIR.")
     a = ap.parse_args()
     profiled = not a.no_profile
-    if profiled and shutil.which("py-spy") is None:
-        raise SystemExit("py-spy is not on PATH: pip install py-spy (or --no-profile)")
+    if profiled and not Path(_py_spy()).exists():
+        raise SystemExit("py-spy is not installed: pip install py-spy (or --no-profile)")
     with tempfile.TemporaryDirectory() as tmp:
         work = a.keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
@@ -394,14 +441,24 @@ def main() -> None:
                 sft, ref = _prepare(REPO, work)
             results: dict = {}
             for mode in a.modes:
+                runs: dict[str, list[dict]] = {v: [] for v in trees}
+                for i in range(a.repeats):  # old and new in turn, so that a change in the machine's load hits both
+                    for v, tree in trees.items():
+                        run = run_mode(tree, mode, sft, ref, work, a, f"{v}-{mode}-{i}", None)
+                        runs[v].append(run)
+                        print(f"{v} {mode} #{i + 1}: wall {run['wall']:.1f}s, CPU {run['cpu']:.1f}s", file=sys.stderr,
+                              flush=True)
                 for v, tree in trees.items():
-                    results[(v, mode)] = run_mode(tree, mode, sft, ref, work, a, f"{v}-{mode}", None)
-                    print(f"{v} {mode}: wall {results[(v, mode)]['wall']:.1f}s", file=sys.stderr, flush=True)
+                    rs = sorted(runs[v], key=lambda r: r["wall"])
+                    results[(v, mode)] = {**rs[(len(rs) - 1) // 2], "all_walls": [r["wall"] for r in runs[v]],
+                                          "cpu": statistics.median(r["cpu"] for r in runs[v])}
                     if profiled:
                         run = run_mode(tree, mode, sft, ref, work, a, f"{v}-{mode}-prof", a.rate)
                         results[(v, mode, "profiled-run")] = run
                         results[(v, mode, "profile")] = read_profiles(run, a.top)
             report(results, a.modes, list(trees), profiled, a.timeline, a.lag)
+            if a.json:
+                a.json.write_text(json.dumps(_jsonable(results, a.modes, list(trees), profiled), indent=1))
         finally:
             if a.old:
                 subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(trees["old"])],

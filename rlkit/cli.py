@@ -314,8 +314,7 @@ def _on_sigterm(signum, frame):
 def main(argv: list[str] | None = None) -> int:
     from rlkit import startup
 
-    args = list(sys.argv[1:] if argv is None else argv)
-    startup.pause(next((a for a in args if not a.startswith("-")), None))  # until the stage's model is loaded
+    startup.pause(_command_name(sys.argv[1:] if argv is None else argv))  # until the stage's model is loaded
     try:
         rc = _main(argv)
     finally:
@@ -332,6 +331,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the process's own command line (the `rlkit` command, `python -m rlkit`)
         _exit_without_teardown(rc)
     return rc
+
+
+def _command_name(args: list[str]) -> str | None:
+    """The command a command line runs (its first word that is not an option), or None."""
+    return next((a for a in args if not a.startswith("-")), None)
 
 
 def _exit_without_teardown(rc: int) -> None:
@@ -418,9 +422,8 @@ def _main(argv: list[str] | None = None) -> int:
         console.silence()
     args = modernize(args, lambda line: None if rank else print(line, file=sys.stderr))
     signal.signal(signal.SIGTERM, _on_sigterm)
-    command_name = next((a for a in args if not a.startswith("-")), None)
-    if command_name != "update":  # update sets its own, from its options (`rlkit.startup.threads`)
-        startup.threads(command_name)  # OpenMP's wait policy, before torch loads
+    if _command_name(args) != "update":  # update sets its own, from its options (`rlkit.startup.threads`)
+        startup.threads(_command_name(args))  # OpenMP's wait policy, before torch loads
     err = sys.stderr
     has_out = any(a == "--out" or a.startswith("--out=") for a in args)  # a command that writes nothing says less
     interrupted = "rlkit: interrupted" + ("; nothing half-written was left at --out" if has_out else "")
