@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -189,28 +190,22 @@ def run_mode(tree: Path, mode: str, sft: Path, ref: Path, work: Path, a, tag: st
     walls: dict[str, float] = defaultdict(float)
     rounds, profiles, rows, toks = [], [], 0, 0
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # (stages, tag) of each pipe: a round each, or the one follow pipe
     if mode == "rounds":
-        policy = sft
-        for i in range(1, a.rounds + 1):
-            out = work / f"{tag}-round-{i}"
-            r = _pipe(tree, _stage_args(mode, sft, ref, policy, out, i, a), work, f"{tag}-r{i}", rate)
-            t0 = min(t[0] for t in r["times"])
-            rounds.append(max(t[1] for t in r["times"]) - t0)
-            for n, (s, e) in zip(names, r["times"], strict=True):
-                walls[n] += e - s
-            profiles.append((r["profiles"], [s - t0 for s, _ in r["times"]], [e - s for s, e in r["times"]]))
-            n_rows, n_toks = _counts(work / f"{tag}-r{i}-scored.arrow")
-            rows, toks = rows + n_rows, toks + n_toks
-            policy = out
+        outs = [work / f"{tag}-round-{i}" for i in range(1, a.rounds + 1)]
+        pipes = [(_stage_args(mode, sft, ref, [sft, *outs][i - 1], outs[i - 1], i, a), f"{tag}-r{i}")
+                 for i in range(1, a.rounds + 1)]
     else:
-        out = work / f"{tag}-steps"
-        r = _pipe(tree, _stage_args(mode, sft, ref, sft, out, 0, a), work, f"{tag}-f", rate)
+        pipes = [(_stage_args(mode, sft, ref, sft, work / f"{tag}-steps", 0, a), f"{tag}-f")]
+    for stages, ptag in pipes:
+        r = _pipe(tree, stages, work, ptag, rate)
         t0 = min(t[0] for t in r["times"])
         rounds.append(max(t[1] for t in r["times"]) - t0)
         for n, (s, e) in zip(names, r["times"], strict=True):
             walls[n] += e - s
         profiles.append((r["profiles"], [s - t0 for s, _ in r["times"]], [e - s for s, e in r["times"]]))
-        rows, toks = _counts(work / f"{tag}-f-scored.arrow")
+        n_rows, n_toks = _counts(work / f"{ptag}-scored.arrow")
+        rows, toks = rows + n_rows, toks + n_toks
     ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)  # every process of the runs (and tee)
     return {"wall": sum(rounds), "rounds": rounds, "walls": dict(walls), "rows": rows, "tokens": toks, "cpu": cpu,
@@ -237,7 +232,9 @@ def _main_timeline(path: Path) -> tuple[list[list[str]], float]:
     d = json.loads(path.read_text())
     frames = d["shared"]["frames"]
     names = [f"{f['name']} ({_short(f.get('file') or '')})" for f in frames]
-    prof = d["profiles"][0]  # the main thread (py-spy lists it first)
+    # the main thread: the process's first, whose thread id is the lowest (py-spy names them "Thread TID ...")
+    prof = min(d["profiles"], key=lambda p: int(re.search(r"\d+", p["name"]).group()) if re.search(r"\d+", p["name"])
+               else 1 << 62)
     samples = [[names[i] for i in s] for s in prof["samples"]]
     w = prof["weights"][0] if prof["weights"] else 0.01
     return samples, w
