@@ -6,20 +6,21 @@ parallel operation starts at once. A stage whose compute runs while another stag
 cores sets `OMP_WAIT_POLICY=PASSIVE` (`threads`): its idle threads sleep at once and leave the cores to the other.
 That is every stage but `update` without --follow or with `--follow --max-lag 0`: it trains once its input has
 ended (or, synchronously, while rollout waits for its step), alone on the cores, where threads that spin briefly
-start its many small operations in a row sooner (its two epochs of a recipe round take about a fifth less time on a
-2-core CPU). A value the user set is kept. How threads wait changes no result.
+start its many small operations in a row sooner (on a busy 2-core machine, up to a fifth of a recipe round's two
+epochs). A value the user set is kept. How threads wait changes no result.
 
 Importing torch and transformers makes about 350,000 Python objects the collector tracks, and with it running the
-imports trigger several full collections that each walk all of them again (about 1.3 s of a stage's ~4 s start on
-a 2-core machine). A model-loading stage therefore starts with the collector paused (`pause`, from `rlkit.cli`
+imports trigger several full collections that each walk all of them again (a few tenths of a second to a second of
+a stage's start, more on a busy machine). A model-loading stage therefore starts with the collector paused (`pause`, from `rlkit.cli`
 before the stage imports anything heavy) and, once its libraries are imported and its models loaded (`done`,
 called where the stage announces its device, `rlkit.devices.announce`, or loads its model without announcing),
 moves every object made so far into the collector's permanent generation (`gc.freeze`: module objects that live as
 long as the process) and turns it back on: the run's own garbage is collected as always, and later full
 collections skip the frozen objects. Reference counting frees everything non-cyclic meanwhile; what the paused
 collector leaves is the few cycles import machinery makes. Nothing computed changes. When the stage has finished
-(`finish`, from `rlkit.cli`) the objects are unfrozen, so the interpreter's teardown collects them as it always did
-(extension modules check at exit that their objects went).
+(`finish`, from `rlkit.cli`) the objects are unfrozen, so that a teardown collects them as it always did (extension
+modules check at exit that their objects went); a stage process that loaded torch skips the teardown altogether
+(`rlkit.cli._exit_without_teardown`).
 """
 
 from __future__ import annotations

@@ -20,10 +20,10 @@ import pyarrow as pa
 from tests.conftest import rlkit_cmd
 
 PROBE = textwrap.dedent('''
-    import atexit, gc, json, os, sys, threading, time
+    import atexit, gc, json, os, threading, time
 
     OUT = os.environ["PROBE_OUT"]
-    seen = {"import": {"gc_enabled": gc.isenabled(), "torch_loaded": "torch" in sys.modules}}
+    seen = {"import": {"gc_enabled": gc.isenabled()}}
 
     def probe(completion):
         if "call" not in seen:
@@ -65,7 +65,7 @@ def test_stage_start_and_end_seen_from_inside(tmp_path, sft_dir):
     t = pa.ipc.open_stream(r.stdout).read_all()
     assert t.num_rows == 8 and t.column("reward/probe").to_pylist() == [0.0] * 8
     seen = json.loads((tmp_path / "probe.json").read_text())  # written by an atexit handler
-    assert seen["import"] == {"gc_enabled": False, "torch_loaded": True}
+    assert seen["import"] == {"gc_enabled": False}  # loaded before the engine starts: the collector is paused
     assert seen["call"]["gc_enabled"] is True and seen["call"]["frozen"] > 10_000
     assert seen["call"]["omp_wait_policy"] == "PASSIVE"
 
