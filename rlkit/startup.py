@@ -35,9 +35,9 @@ _paused = False
 _frozen = False
 
 
-def threads(command: str | None, alone: bool = False) -> None:
-    """OpenMP's wait policy for stage `command`, set before torch loads: PASSIVE unless the stage computes `alone`
-    (`update` says so itself, from its options; `rlkit.cli` calls this for every other command)."""
+def threads(alone: bool = False) -> None:
+    """OpenMP's wait policy of this process's stage, set before torch loads: PASSIVE unless the stage computes
+    `alone` (`update` says so itself, from its options; `rlkit.cli` calls this for every other command)."""
     if not alone:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

@@ -155,7 +155,7 @@ def run(cfg: UpdateConfig) -> Path:
     from rlkit.io import checkpoints, claims, tracking
 
     # trains alone on the cores unless a --follow rollout samples beside it (--max-lag > 0): rlkit.startup
-    startup.threads("update", alone=not (cfg.follow and cfg.max_lag > 0))
+    startup.threads(alone=not (cfg.follow and cfg.max_lag > 0))
     devices.parse(cfg.device)
     cfg = resolve(cfg)
     inputs = {"--policy": cfg.policy, "--in": cfg.inp, "--ref": cfg.ref}
