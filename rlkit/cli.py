@@ -342,9 +342,12 @@ def _exit_without_teardown(rc: int) -> None:
     """End a stage process that loaded torch without the interpreter's teardown: its outputs are written and
     closed by now, and freeing the ~2,500 modules torch and transformers bring, one object at a time, takes a
     second or more of CPU (more while a pipe's other stages share the cores). What an exit does for others still
-    happens: the `atexit` handlers run (trackers, logging, temporary directories, vLLM's shutdown), then stdout and
-    stderr are flushed. A process with a thread that a normal exit would wait for (not a daemon) exits normally."""
+    happens: the `atexit` handlers run (trackers, logging, temporary directories, vLLM's shutdown), every file still
+    open for writing is flushed (a user's reward function may leave one open, which a teardown would flush), then
+    stdout and stderr. A process with a thread that a normal exit would wait for (not a daemon) exits normally."""
     import atexit
+    import gc
+    import io
     import threading
 
     if "torch" not in sys.modules:
@@ -353,6 +356,13 @@ def _exit_without_teardown(rc: int) -> None:
     if any(t is not main_thread and not t.daemon and t.is_alive() for t in threading.enumerate()):
         return
     atexit._run_exitfuncs()
+    for f in gc.get_objects():
+        if isinstance(f, io.IOBase):
+            try:
+                if not f.closed and f.writable():
+                    f.flush()
+            except (OSError, ValueError):
+                pass
     _exit_now(rc)
 
 

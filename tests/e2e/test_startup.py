@@ -5,8 +5,8 @@
   the engine starts) and back on, with the start-up's objects frozen, once the model is loaded (the function is
   called while sampling);
 - rollout's idle OpenMP threads sleep at once (OMP_WAIT_POLICY=PASSIVE, unless the user set one);
-- the process ends without the interpreter's teardown but runs what an exit runs for others: atexit handlers,
-  complete stdout; a thread a normal exit would wait for (not a daemon) makes it a normal exit, which waits."""
+- the process ends without the interpreter's teardown but does what an exit does for others: atexit handlers run,
+  a file the user's code left open is flushed, stdout is complete; a thread a normal exit would wait for (not a daemon) makes it a normal exit, which waits."""
 
 from __future__ import annotations
 
@@ -24,8 +24,10 @@ PROBE = textwrap.dedent('''
 
     OUT = os.environ["PROBE_OUT"]
     seen = {"import": {"gc_enabled": gc.isenabled()}}
+    LOG = open(OUT + ".log", "w")  # left open, written without a flush: the process's end must flush it
 
     def probe(completion):
+        LOG.write(completion + "\\n")
         if "call" not in seen:
             seen["call"] = {"gc_enabled": gc.isenabled(), "frozen": gc.get_freeze_count(),
                             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
@@ -68,6 +70,7 @@ def test_stage_start_and_end_seen_from_inside(tmp_path, sft_dir):
     assert seen["import"] == {"gc_enabled": False}  # loaded before the engine starts: the collector is paused
     assert seen["call"]["gc_enabled"] is True and seen["call"]["frozen"] > 10_000
     assert seen["call"]["omp_wait_policy"] == "PASSIVE"
+    assert (tmp_path / "probe.log").read_text().splitlines() == t.column("completion").to_pylist()
 
 
 def test_a_users_omp_wait_policy_is_kept_and_a_live_thread_is_waited_for(tmp_path, sft_dir):
