@@ -356,10 +356,12 @@ def _exit_without_teardown(rc: int) -> None:
     if any(t is not main_thread and not t.daemon and t.is_alive() for t in threading.enumerate()):
         return
     atexit._run_exitfuncs()
+    # by type alone: isinstance() would read `__class__` of every object, which some (deprecated torch names) warn on
+    files = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
     for f in gc.get_objects():
-        if isinstance(f, io.IOBase):
+        if issubclass(type(f), files):
             try:
-                if not f.closed and f.writable():
+                if not f.closed:
                     f.flush()
             except (OSError, ValueError):
                 pass
