@@ -343,7 +343,8 @@ def report(results: dict, modes: list[str], variants: list[str], profiled: bool,
         pw = [results[(v, mode, "profiled-run")]["wall"] for v in variants]
         print(_fmt_row("profiled wall s (py-spy running)", [f"{x:.1f}" for x in pw], w))
         print(_fmt_row("  no stage computing s", [f"{p['overhead']:.1f}" for p in ps], w))
-        print(_fmt_row("  overhead share of the wall", [f"{p['overhead'] / x:.0%}" for p, x in zip(ps, pw, strict=True)], w))
+        shares = [f"{p['overhead'] / x:.0%}" for p, x in zip(ps, pw, strict=True)]
+        print(_fmt_row("  overhead share of the wall", shares, w))
         for n in ("rollout", "score-ref", "update"):
             print(_fmt_row(f"  {n}: first compute at s", ["/".join(f"{x:.1f}" for x in p["first"][n]) for p in ps],
                            w))

@@ -434,7 +434,7 @@ def _main(argv: list[str] | None = None) -> int:
         console.silence()
     args = modernize(args, lambda line: None if rank else print(line, file=sys.stderr))
     signal.signal(signal.SIGTERM, _on_sigterm)
-    if _command_name(args) != "update":  # update sets its own, from its options (`rlkit.startup.threads`)
+    if _command_name(args) != "update":  # update sets its own, from its options
         startup.threads()  # OpenMP's wait policy, before torch loads
     err = sys.stderr
     has_out = any(a == "--out" or a.startswith("--out=") for a in args)  # a command that writes nothing says less

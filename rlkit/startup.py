@@ -11,10 +11,10 @@ epochs). A value the user set is kept. How threads wait changes no result.
 
 Importing torch and transformers makes about 350,000 Python objects the collector tracks, and with it running the
 imports trigger several full collections that each walk all of them again (a few tenths of a second to a second of
-a stage's start, more on a busy machine). A model-loading stage therefore starts with the collector paused (`pause`, from `rlkit.cli`
-before the stage imports anything heavy) and, once its libraries are imported and its models loaded (`done`,
-called where the stage announces its device, `rlkit.devices.announce`, or loads its model without announcing),
-moves every object made so far into the collector's permanent generation (`gc.freeze`: module objects that live as
+a stage's start, more on a busy machine). A model-loading stage therefore starts with the collector paused
+(`pause`, from `rlkit.cli` before the stage imports anything heavy) and, once its libraries are imported and its
+models loaded (`done`, called where the stage announces its device, `rlkit.devices.announce`, or loads its model
+without announcing), moves every object made so far into the collector's permanent generation (`gc.freeze`: module objects that live as
 long as the process) and turns it back on: the run's own garbage is collected as always, and later full
 collections skip the frozen objects. Reference counting frees everything non-cyclic meanwhile; what the paused
 collector leaves is the few cycles import machinery makes. Nothing computed changes. When the stage has finished

@@ -6,7 +6,8 @@
   called while sampling);
 - rollout's idle OpenMP threads sleep at once (OMP_WAIT_POLICY=PASSIVE, unless the user set one);
 - the process ends without the interpreter's teardown but does what an exit does for others: atexit handlers run,
-  a file the user's code left open is flushed, stdout is complete; a thread a normal exit would wait for (not a daemon) makes it a normal exit, which waits."""
+  a file the user's code left open is flushed, stdout is complete; a thread a normal exit would wait for (not a
+  daemon) makes it a normal exit, which waits."""
 
 from __future__ import annotations
 
