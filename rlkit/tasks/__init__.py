@@ -2,9 +2,9 @@
 from the user's code.
 
 A task spec is one of
-  `NAME[:key=value,...]`                 a built-in task (`arithmetic`, `math`, `code`, `calc`, `guess`) or one
-                                         registered by an installed package under the `rlkit.tasks` entry-point
-                                         group
+  `NAME[:key=value,...]`                 a built-in task (`arithmetic`, `math`, `code`, `calc`, `guess`,
+                                         `reasoning-gym` through its extra) or one registered by an installed
+                                         package under the `rlkit.tasks` entry-point group
   `path/to/file.py:CLASS[:key=value,...]`  a class in a Python file
   `package.module:CLASS[:key=value,...]`   a class in an importable module
 e.g. `arithmetic:terms=2-5,max=20` or `my_tasks.py:Countdown:max=50`. Options reach a user class
@@ -173,8 +173,15 @@ def _guess(opts: dict[str, str]) -> Task:
     return Guess.from_options(opts)
 
 
+def _reasoning_gym(opts: dict[str, str]) -> Task:
+    from rlkit.tasks.reasoning_gym import ReasoningGym  # the optional extra rlkit[reasoning-gym], imported on use
+
+    return ReasoningGym.from_options(opts)
+
+
 TASKS: dict[str, Callable[[dict[str, str]], Task]] = {"arithmetic": Arithmetic.from_options, "math": _math,
-                                                      "code": _code, "calc": _calc, "guess": _guess}
+                                                      "code": _code, "calc": _calc, "guess": _guess,
+                                                      "reasoning-gym": _reasoning_gym}
 ENTRY_POINT_GROUP = "rlkit.tasks"
 _USER_FORMS = "or a class in your code: path/to/file.py:CLASS or package.module:CLASS"
 
