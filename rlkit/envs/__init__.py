@@ -9,8 +9,13 @@ are. The protocol (`reset`, `step`, `Step`, optional `close`) is in `rlkit.envs.
 Python functions into a tool-calling environment; docs/environments.md has the whole story.
 
 Built in:
-  calc    multi-digit products with a `calc` tool (rlkit.envs.calc)
-  guess   guess the number with higher/lower feedback (rlkit.envs.guess)
+  calc       multi-digit products with a `calc` tool (rlkit.envs.calc)
+  guess      guess the number with higher/lower feedback (rlkit.envs.guess)
+  textarena  textarena's single-player games, `textarena:game=ID` (extra rlkit[textarena]; rlkit.envs.textarena)
+  openenv    an OpenEnv server over its WebSocket protocol, `openenv:url=ws://...` (extra rlkit[openenv];
+             rlkit.envs.openenv)
+A class written for TRL's `GRPOTrainer(environment_factory=...)` (a `reset(**row)` and no `step`; its public methods
+the tools) runs unchanged through `rlkit.envs.trl`.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from rlkit.errors import RlkitError
 __all__ = ["ENVS", "EnvError", "EnvSpec", "Environment", "MAX_OBSERVATION_CHARS", "Observation", "Step",
            "TaskEnv", "Tools", "as_step", "env_task", "get_env"]
 
-ENVS: dict[str, str] = {"calc": "rlkit.envs.calc:CalcEnv", "guess": "rlkit.envs.guess:GuessNumber"}
+ENVS: dict[str, str] = {"calc": "rlkit.envs.calc:CalcEnv", "guess": "rlkit.envs.guess:GuessNumber",
+                        "textarena": "rlkit.envs.textarena:TextArena", "openenv": "rlkit.envs.openenv:OpenEnv"}
 ENTRY_POINT_GROUP = "rlkit.envs"
 _USER_FORMS = "or a class in your code: path/to/file.py:CLASS or package.module:CLASS"
 
@@ -77,7 +83,13 @@ class EnvSpec:
         return replace(self, options={**self.options, "sandbox": kind})
 
     def attribute(self, name: str, default=None):
-        """A class attribute of the environment (e.g. `stop`, `max_new_tokens`), read without an instance."""
+        """A class attribute of the environment (e.g. `stop`, `max_new_tokens`), read without an instance; an
+        adapter whose options set it (`textarena:...,stop=\\n`) says so through its `option_attribute(name, options)`."""
+        hook = getattr(self.factory, "option_attribute", None)
+        if callable(hook):
+            value = hook(name, self.options)
+            if value is not None:
+                return value
         return getattr(self.factory, name, default)
 
 
@@ -110,13 +122,23 @@ def get_env(spec: str) -> EnvSpec:
             rest = rest or ""
     if not callable(factory):
         raise RlkitError(f"environment {label}: {type(factory).__name__} is not a class")
+    fp = user_code.fingerprint(factory, label) if name not in ENVS else f"builtin:{name}"
+    library = getattr(factory, "library", None)
+    if name in ENVS and callable(library):
+        fp += f"+{library()}"  # the library a built-in adapter runs (textarena's games): a new version reruns
+    from rlkit.envs import trl
+
+    if name not in ENVS and trl.is_trl_class(factory):
+        factory = trl.factory(factory, label)  # TRL's environment_factory class: reset(**row), tools, reward
     for method in ("reset", "step"):
-        if not callable(getattr(factory, method, None)):
+        if not callable(getattr(factory, method, None)) and not getattr(factory, "trl", False):
             raise RlkitError(f"environment {label} has no {method}() method; an environment class needs "
                              "reset(example) and step(action) (rlkit.envs.base)")
     opts = _typed_options(factory, parse_options(rest, spec), f"environment {label}")
+    check = getattr(factory, "check_options", None)
+    if callable(check):  # an adapter's own check before any model loads (textarena: the game starts here)
+        check(dict(opts))
     shown = name + (":" + ",".join(f"{k}={v}" for k, v in parse_options(rest, spec).items()) if rest else "")
-    fp = user_code.fingerprint(factory, label) if name not in ENVS else f"builtin:{name}"
     return EnvSpec(factory, opts, shown, getattr(factory, "__name__", label), fp)
 
 

@@ -215,8 +215,9 @@ class _Caller:
             why = f"did not return within {self.limit:g} s"
             return self.fail(t, method, why, f"{where} did not return within {self.limit:g} s on {t.label}; raise "
                              "--env-timeout (0: no limit) or fix the environment")
-        except EnvError as e:
-            return self.fail(t, method, str(e).split(" returned ", 1)[-1], str(e))
+        except EnvError as e:  # the check's, or the environment's own (an adapter's: a server's error): the row named
+            line = str(e) if t.label in str(e) else f"{e} on {t.label}"
+            return self.fail(t, method, str(e).split(" returned ", 1)[-1], line)
         except RlkitError:
             raise
         except Exception as e:

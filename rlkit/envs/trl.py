@@ -1,0 +1,150 @@
+"""TRL's environment classes (`GRPOTrainer(environment_factory=CLASS)`) as rlkit environments, unchanged.
+
+A TRL environment class has `reset(**row) -> str | None` and no `step`; its public methods are the model's tools,
+and the reward is read from the instance after the episode. `rlkit rollout --env my_env.py:MyEnv` recognises such
+a class (a `reset` and no `step`) and runs it through `TrlEnvironment`, which maps TRL's contract onto rlkit's:
+
+  TRL                                              rlkit
+  one instance per rollout (per completion)        one instance per trajectory (`EnvSpec.make`)
+  `reset(**row)`: the dataset row's columns        `reset(prompt=..., answer=..., prompt_id=..., split=...)`: the
+                                                   example's fields; an answer that is a JSON object also spreads
+                                                   its keys (`{"target": 3}` -> `target=3`), so a row's extra
+                                                   columns can travel in the answer column
+  reset's str appended to the last user message    appended to the prompt text (no separator, as TRL)
+  None: the prompt unchanged                       the same
+  tools: public methods but reset and get_reward   the same (bound methods; names, signatures and annotated
+                                                   int/float/str/bool arguments checked as for `rlkit.envs.Tools`)
+  tool calls parsed by the chat template's parser  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (the
+                                                   Hermes/Qwen format) or `<call>NAME(ARGS)</call>`
+  a tool's result as a `tool` message              the same (`[{"role": "tool", "content": str(result)}]`)
+  a tool that raises: `{'error': '...'}` fed back  `error: NAME raised ...` fed back; the episode goes on
+  the loop ends when the model calls no tool       the same: that turn ends the episode (terminated)
+  `max_tool_calling_iterations`                    `--max-turns` (a trajectory that reaches it is truncated)
+  reward: `get_reward()`, or the user's reward     `get_reward()` when the class has it, else the instance's
+  function reading `env.reward`                    `reward` attribute (a number), read when the episode ends;
+                                                   neither: one line naming the class
+
+Limits: rlkit renders the prompt as the stage's prompts are (`--task`, `--prompts`, a chat template at read
+time); the tools' JSON schemas are not put into the prompt by rlkit (TRL passes them to the chat template), so the
+prompt must describe them: `describe()` gives one line per tool. Async tools are not supported (one line). The
+instance's other attributes (`done`) are the class's own business, as in TRL.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+
+from rlkit.envs.base import EnvError, Step
+from rlkit.envs.tools import Tools, parse_call
+from rlkit.errors import RlkitError
+
+RESERVED = ("reset", "get_reward")
+
+
+def is_trl_class(factory) -> bool:
+    """A TRL environment class: it has `reset` and no `step`."""
+    return callable(getattr(factory, "reset", None)) and not callable(getattr(factory, "step", None))
+
+
+def tool_methods(obj, label: str) -> dict:
+    """The instance's public bound methods but reset and get_reward: the model's tools (TRL's rule)."""
+    out = {}
+    for name, fn in inspect.getmembers(obj, predicate=inspect.ismethod):
+        if name.startswith("_") or name in RESERVED:
+            continue
+        if inspect.iscoroutinefunction(fn):
+            raise RlkitError(f"environment {label}: tool {name} is async; rlkit runs tools synchronously (make it a "
+                             "plain def)")
+        out[name] = fn
+    return out
+
+
+class TrlEnvironment(Tools):
+    """One instance of a TRL environment class, run as an rlkit environment (see the module docstring)."""
+
+    def __init__(self, cls, label: str, options: dict) -> None:
+        try:
+            self.inner = cls(**options)
+        except RlkitError:
+            raise
+        except Exception as e:
+            from rlkit.tasks.user_code import one_line
+
+            raise EnvError(f"environment {label}: its constructor raised {one_line(e)}") from e
+        self.label = label
+        super().__init__(functions=tool_methods(self.inner, label))
+
+    def reset(self, example):
+        self.example = example
+        self.tool_calls = self.tool_errors = 0
+        row = {"prompt": example.prompt, "answer": example.answer, "prompt_id": example.prompt_id,
+               "split": example.split}
+        try:
+            extra = json.loads(example.answer) if isinstance(example.answer, str) else None
+        except ValueError:
+            extra = None
+        if isinstance(extra, dict):
+            row = {**{k: v for k, v in extra.items() if isinstance(k, str)}, **row}
+        fn = self.inner.reset
+        try:
+            params = inspect.signature(fn).parameters
+            if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+                row = {k: v for k, v in row.items() if k in params}
+        except (TypeError, ValueError):
+            pass
+        out = fn(**row)
+        if out is None:
+            return example.prompt
+        if not isinstance(out, str):
+            raise EnvError(f"environment {self.label}: reset() returned a {type(out).__name__}; a TRL environment's "
+                           "reset returns a str (appended to the prompt) or None")
+        return example.prompt + out
+
+    def step(self, action: str) -> Step:
+        call = parse_call(action)
+        if call is None:  # no tool call: the episode's end, scored by the instance
+            return Step(None, self._reward(), terminated=True)
+        self.tool_calls += 1
+        ok, text = self.call(call)
+        if not ok:
+            self.tool_errors += 1
+        return Step([{"role": "tool", "content": text}], 0.0)
+
+    def _reward(self) -> float:
+        from rlkit.tasks.user_code import as_number
+
+        get = getattr(self.inner, "get_reward", None)
+        if callable(get):
+            value, what = get(), "get_reward()"
+        elif hasattr(self.inner, "reward"):
+            value, what = self.inner.reward, "its reward attribute"
+        else:
+            raise EnvError(f"environment {self.label} has neither get_reward() nor a reward attribute; rlkit reads the "
+                           "trajectory's reward from one of them when the episode ends")
+        v = as_number(value)
+        if v is None or not math.isfinite(v):
+            raise EnvError(f"environment {self.label}: {what} is {value!r:.60}; expected a finite number")
+        return v
+
+    def close(self) -> None:
+        super().close()
+
+
+def factory(cls, label: str):
+    """A callable making one `TrlEnvironment` of `cls` per trajectory, with the class's keyword options."""
+
+    for name, fn in inspect.getmembers(cls, predicate=inspect.isfunction):
+        if not name.startswith("_") and name not in RESERVED and inspect.iscoroutinefunction(fn):
+            raise RlkitError(f"environment {label}: tool {name} is async; rlkit runs tools synchronously (make it a "
+                             "plain def)")
+
+    def make(**options):
+        return TrlEnvironment(cls, label, options)
+
+    make.__name__ = getattr(cls, "__name__", label)
+    make.__wrapped__ = cls  # inspect.signature reads the class's constructor (options typed as for any class)
+    make.stop = TrlEnvironment.stop  # what the driver reads off the class: a turn ends at a call's closing tag
+    make.trl = True
+    return make

@@ -1,0 +1,244 @@
+"""The ecosystem's environments under `rlkit rollout --env`, on the real tiny model through the real CLI:
+an OpenEnv server (a real `openenv` Environment served by the package's own app on 127.0.0.1, spoken to by rlkit's
+WebSocket client), textarena's single-player games, and a class written for TRL's `environment_factory`."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from rlkit.io import streams
+from rlkit.io.manifests import read_manifest
+
+from conftest import run_cli
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+SERVER = REPO / "tests" / "servers" / "openenv_echo.py"
+P, N = 3, 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """tests/servers/openenv_echo.py in a process of its own, ready once /health answers."""
+
+    def __init__(self, sessions: int) -> None:
+        self.port = _free_port()
+        self.proc = subprocess.Popen([sys.executable, str(SERVER), str(self.port), str(sessions)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the OpenEnv server exited: {self.proc.stderr.read().decode()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("the OpenEnv server did not answer /health within 120 s")
+            time.sleep(0.3)
+        self.url = f"ws://127.0.0.1:{self.port}/ws"
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server(sessions=16)
+    yield s
+    s.stop()
+
+
+def _error_line(r) -> str:
+    err = r.stderr.decode()
+    lines = err.strip().splitlines()
+    assert r.returncode == 2, err[-2000:]
+    assert "Traceback" not in err and [x for x in lines if x.startswith("rlkit: error:")] == lines[-1:], lines
+    return lines[-1]
+
+
+def _rows(path: Path) -> list[dict]:
+    t, _ = streams.read_table(path, ["rollouts"])
+    return t.to_pylist()
+
+
+def test_openenv_server_trajectories(server, sft_dir, tmp_path):
+    out = tmp_path / "r.arrow"
+    env = f"openenv:url={server.url},stop=\\n,max_new_tokens=4"
+    r = run_cli("rollout", "--policy", str(sft_dir), "--env", env, "--num-prompts", str(P), "--n", str(N),
+                "--max-turns", "5", "--seed", "3", "--out", str(out))
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    rows = _rows(out)
+    assert len(rows) == P * N
+    for row in rows:
+        digit = int(row["answer"]) % 10  # the reset seed is the example's answer; the server asks for seed % 10
+        assert row["prompt"] == f"Say {digit}:" and row["end_reason"] == "terminated" and row["turns"] == 3
+        actions = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        said = [str(digit) in a for a in actions]
+        # the server's per-step rewards, summed; its feedback after each turn but the last, masked out
+        assert row["turn_rewards"] == [float(x) for x in said] and row["reward/env"] == sum(said)
+        feedback = [m["content"] for m in row["messages"] if m["role"] == "user"][1:]
+        assert [f.strip() for f in feedback] == ["yes" if x else "no" for x in said[:-1]]
+        assert 0 in row["loss_mask"] and 1 in row["loss_mask"]
+    # the n samples of a prompt play one episode (one seed); the prompts differ
+    assert len({r["answer"] for r in rows}) == P and all(rows[2 * i]["answer"] == rows[2 * i + 1]["answer"]
+                                                         for i in range(P))
+    from importlib.metadata import version
+
+    manifest = read_manifest(out)
+    assert manifest["inputs"]["env"] == f"builtin:openenv+openenv-client websockets=={version('websockets')}"
+
+
+def test_openenv_failures_are_one_line(server, sft_dir, tmp_path):
+    out = tmp_path / "r.arrow"
+    base = ["--policy", str(sft_dir), "--num-prompts", str(P), "--n", str(N), "--out", str(out)]
+    # no server there
+    r = run_cli("rollout", "--env", f"openenv:url=ws://127.0.0.1:{_free_port()}/ws", *base)
+    assert "cannot connect (ConnectionRefusedError" in _error_line(r) and not out.exists()
+    # the server refuses an action (an extra field its Action forbids): its error, named
+    r = run_cli("rollout", "--env", f"openenv:url={server.url},action.colour=red", *base)
+    line = _error_line(r)
+    assert f"environment openenv {server.url}: the server answered step with an error" in line
+    assert "VALIDATION_ERROR" in line and "on prompt " in line and not out.exists()
+    # ... or, with --env-errors end, those trajectories end with reward 0 and say why
+    r = run_cli("rollout", "--env", f"openenv:url={server.url},action.colour=red", "--env-errors", "end", *base)
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    rows = _rows(out)
+    assert all(x["reward/env"] == 0.0 and x["end_reason"].startswith("error: step") for x in rows)
+    out.unlink()
+    # bad options: one line before any model loads
+    r = run_cli("rollout", "--env", "openenv:url=localhost:8000", *base)
+    assert "url='localhost:8000': expected ws://HOST:PORT/ws" in _error_line(r) and not out.exists()
+    r = run_cli("rollout", "--env", f"openenv:url={server.url},colour=red", *base)
+    assert "unknown option 'colour' for environment openenv" in _error_line(r) and not out.exists()
+
+
+def test_openenv_server_at_capacity_and_gone_mid_trajectory(sft_dir, tmp_path):
+    from rlkit.envs import EnvError, get_env
+
+    s = Server(sessions=1)  # OpenEnv's default: one session
+    try:
+        out = tmp_path / "r.arrow"
+        r = run_cli("rollout", "--policy", str(sft_dir), "--env", f"openenv:url={s.url}", "--num-prompts", "2",
+                    "--out", str(out))
+        line = _error_line(r)
+        assert "the server is at capacity" in line and "max_concurrent_envs" in line and not out.exists()
+        env = get_env(f"openenv:url={s.url},timeout=5").make()
+        ex = next(env.iter_examples("train", 0))
+        assert env.reset(ex).startswith("Say ")
+    finally:
+        s.stop()
+    with pytest.raises(EnvError, match="the server closed the connection during step|step failed"):
+        env.step("1")
+    env.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# textarena
+
+GUESS = "textarena:game=GuessTheNumber-v0,max_turns=4,stop=\\n,max_new_tokens=6,prompt=Guess 1-20 as [N]:\\n"
+
+
+def test_textarena_game_trajectories(sft_dir, tmp_path):
+    out = tmp_path / "r.arrow"
+    r = run_cli("rollout", "--policy", str(sft_dir), "--env", GUESS, "--num-prompts", str(P), "--n", str(N),
+                "--max-turns", "6", "--out", str(out))
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    rows = _rows(out)
+    assert len(rows) == P * N
+    for row in rows:
+        assert row["prompt"] == "Guess 1-20 as [N]:\n" and row["reward/env"] in (0.0, 1.0)
+        assert row["end_reason"] == "terminated" and 1 <= row["turns"] <= 5
+        users = [m["content"] for m in row["messages"] if m["role"] == "user"][1:]
+        # the game's answers (an invalid move's warning, or higher/lower), never the echo of the model's own turn
+        assert all("You attempted an invalid move" in u or "The target number is" in u for u in users), users
+    from importlib.metadata import version
+
+    assert read_manifest(out)["inputs"]["env"] == f"builtin:textarena+textarena=={version('textarena')}"
+
+
+@pytest.mark.parametrize(("spec", "says"), [
+    ("textarena:game=Battleship-v0", "is a game for more than one player"),
+    ("textarena:game=Wordle-v0", "needs NLTK data downloaded at start"),
+    ("textarena:game=GuessTheNumbr-v0", "unknown game 'GuessTheNumbr-v0' (did you mean GuessTheNumber-v0"),
+    ("textarena:game=GuessTheNumber-v0,colour=red", "the game takes min_number, max_number, max_turns"),
+    ("textarena:game=GuessTheNumber-v0,max_turns=many", "option max_turns='many' is not a valid int"),
+    ("textarena:game=GuessTheNumber-v0,reward=points", "reward='points': expected win or shaped"),
+])
+def test_textarena_games_that_cannot_run_are_refused_in_one_line(spec, says, sft_dir, tmp_path):
+    out = tmp_path / "r.arrow"
+    r = run_cli("rollout", "--policy", str(sft_dir), "--env", spec, "--num-prompts", "2", "--out", str(out))
+    line = _error_line(r)
+    assert says in line, line
+    assert not out.exists() and "device" not in r.stderr.decode()  # refused before the model loaded
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# TRL's environment classes
+
+TRL_ENV = '''
+import random
+
+
+class IncrementEnv:
+    """Written as TRL's documentation shows for GRPOTrainer(environment_factory=IncrementEnv)."""
+
+    def reset(self, **kwargs) -> str | None:
+        self.counter = 0
+        self.target = int(kwargs["answer"]) % 7
+        return f" (reach {self.target})\\n"
+
+    def get_reward(self) -> float:
+        return float(self.counter == self.target)
+
+    def increment(self, step: int) -> int:
+        """
+        Increment the internal counter.
+
+        Args:
+            step: Value to add to the counter.
+
+        Returns:
+            The updated counter value.
+        """
+        self.counter += step
+        return self.counter
+'''
+
+
+def test_a_trl_environment_class_runs_unchanged(sft_dir, tmp_path):
+    envs = tmp_path / "trl_envs.py"
+    envs.write_text(TRL_ENV)
+    out = tmp_path / "r.arrow"
+    r = run_cli("rollout", "--policy", str(sft_dir), "--env", f"{envs}:IncrementEnv", "--num-prompts", str(P),
+                "--n", str(N), "--max-turns", "3", "--out", str(out))
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    rows = _rows(out)
+    assert len(rows) == P * N
+    for row in rows:
+        target = int(row["answer"]) % 7
+        assert row["prompt"].endswith(f" (reach {target})\n")  # reset's text appended to the task's prompt
+        # the tiny model calls no tool: its first turn ends the episode, scored by get_reward() (counter 0)
+        assert row["turns"] == 1 and row["reward/env"] == float(target == 0)
+    assert read_manifest(out)["inputs"]["env"].startswith("sha256:")
+    assert rows[0]["messages"][0]["role"] == "user"
