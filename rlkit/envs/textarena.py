@@ -224,7 +224,7 @@ class TextArena:
     def step(self, action: str) -> Step:
         if self.env is None:
             raise EnvError(f"environment textarena {self.game}: step() before reset()")
-        with self.random:
+        with self.random, _quiet():  # some games print as they play: never onto stdout (the Arrow pipe)
             done, _ = self.env.step(action)
             if done:
                 rewards, _ = self.env.close()
@@ -232,7 +232,7 @@ class TextArena:
             else:
                 _, obs = self.env.get_observation()
         if done:
-            r = float(rewards.get(0, 0.0)) if isinstance(rewards, dict) else 0.0
+            r = _number(rewards.get(0) if isinstance(rewards, dict) else None)
             return Step(None, r if self.reward_mode == "shaped" else float(r >= 1.0), terminated=True)
         text = self._messages(obs)
         return Step(text if action.endswith("\n") or not text else "\n" + text, 0.0)
@@ -241,7 +241,7 @@ class TextArena:
         env, self.env = self.env, None
         if env is not None:
             try:
-                with self.random:
+                with self.random, _quiet():
                     env.close()
             except Exception:  # noqa: BLE001 (a game abandoned mid-way)
                 pass
@@ -254,18 +254,72 @@ class TextArena:
             return obs if obs.endswith("\n") else obs + "\n"
         lines = []
         for item in obs or ():
-            sender, message, kind = (*item, None)[:3] if isinstance(item, tuple | list) else (None, str(item), None)
-            if kind == ObservationType.PLAYER_ACTION or (sender == 0 and kind is None):
+            if not isinstance(item, tuple | list):
+                lines.append(str(item))
                 continue
-            lines.append(str(message))
+            if ObservationType.PLAYER_ACTION in item:  # the player's own action echoed back (some games garble the
+                continue                               # tuple's order: the type is looked for anywhere in it)
+            texts = [x for x in item if isinstance(x, str) and not isinstance(x, ObservationType)]
+            lines.append(texts[0] if texts else str(item[1] if len(item) > 1 else item[0]))
         text = "\n".join(lines)
         return text + "\n" if text else ("" if not first else "\n")
+
+
+def _number(value) -> float:
+    """A game's reward as a float (a few games put their reason text there when a move is invalid: 0.0)."""
+    import math
+
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return 0.0
+    return v if math.isfinite(v) else 0.0
+
+
+_MULTI = ("TwoPlayerState(", "FFAMultiPlayerState(", "TeamMultiPlayerState(", "MinimalMultiPlayerState(")
+_API = ("OpenRouterAgent(", "OpenRouterJury", "OpenAI(", "api_key")
+_NLTK = ("nltk.download(", "EnglishDictionary(", "nltk.corpus")
+
+
+def static_refusal(game_id: str) -> str | None:
+    """Why a game cannot be played here, read from its source without importing it (a game's import may start
+    downloads): it is for several players, calls a hosted model, needs NLTK data, or does not compile under this
+    Python. None: nothing against it (starting it is the final check)."""
+    from pathlib import Path
+
+    spec = _registry()[game_id]
+    if not isinstance(spec.entry_point, str):
+        return None
+    mod = spec.entry_point.partition(":")[0]
+    root = Path(library().__file__).parent  # the module's file, found without importing its package
+    head, _, rest = mod.partition(".")
+    path = root.joinpath(*rest.split(".")).with_suffix(".py") if head == "textarena" else None
+    if path is None or not path.is_file():
+        return None if path is None else f"its module {mod} is missing from textarena's installation"
+    src = path.read_text(errors="replace")
+    try:
+        compile(src, str(path), "exec")
+    except SyntaxError as e:
+        import sys
+
+        return (f"its code does not compile under Python {sys.version_info.major}.{sys.version_info.minor} "
+                f"(SyntaxError: {e.msg}, line {e.lineno})")
+    if any(m in src for m in _API):
+        return "it calls a hosted model and needs an API key (OPENROUTER_API_KEY); rlkit runs offline"
+    if any(m in src for m in _NLTK):
+        return "it needs NLTK data downloaded at start, which is not available offline"
+    if any(m in src for m in _MULTI) and "SinglePlayerState(" not in src:
+        return "it is a game for more than one player; rlkit plays single-player games"
+    return None
 
 
 def _typed_game_options(game_id: str, options: dict[str, str]) -> dict:
     """The game's constructor options, typed by its annotations (int, float, bool, str); unknown keys one line."""
     from rlkit.tasks import _typed_options
 
+    why = static_refusal(game_id)
+    if why is not None:
+        raise RlkitError(f"environment textarena: game {game_id.removesuffix('-raw')} cannot be played here: {why}")
     spec = _registry()[game_id]
     mod, _, cls = spec.entry_point.partition(":") if isinstance(spec.entry_point, str) else ("", "", "")
     if not cls:

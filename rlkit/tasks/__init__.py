@@ -174,7 +174,9 @@ def _guess(opts: dict[str, str]) -> Task:
 
 
 def _reasoning_gym(opts: dict[str, str]) -> Task:
-    from rlkit.tasks.reasoning_gym import ReasoningGym  # the optional extra rlkit[reasoning-gym], imported on use
+    from rlkit.tasks.reasoning_gym import (
+        ReasoningGym,  # the optional extra rlkit[reasoning-gym], imported on use
+    )
 
     return ReasoningGym.from_options(opts)
 

@@ -88,7 +88,7 @@ def _run_recipe(name: str, runs: Path, **knobs: str):
 
 def test_every_recipe_is_tested():
     assert set(RECIPES) == {"rlvr.sh", "rlhf.sh", "reward-hacking.sh", "math.sh", "config.sh", "code.sh",
-                            "guess.sh", "tools.sh"}, \
+                            "guess.sh", "tools.sh", "reasoning-gym.sh", "textarena.sh"}, \
         "a new recipe needs a test here"
     assert {p.name for p in (REPO / "recipes").glob("*.sh")} - set(RECIPES) == {"rlvr-follow.sh", "quickstart.sh"}
     assert 'bash "$quickstart"' in (REPO / "tests" / "installed" / "smoke.sh").read_text()
@@ -105,14 +105,17 @@ def test_every_recipe_runs_scaled_down(recipe, tmp_path):
              "code.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "300", "PROMPTS": "8", "N": "2", "EVAL_NUM": "12",
                          "SANDBOX_WORKERS": "2"},
              "guess.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "300", "PROMPTS": "8", "N": "4", "TURNS": "4"},
-             "tools.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "300", "PROMPTS": "8", "N": "2", "EVAL_NUM": "12"}}
+             "tools.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "300", "PROMPTS": "8", "N": "2", "EVAL_NUM": "12"},
+             "reasoning-gym.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "300", "PROMPTS": "8", "N": "2", "EVAL_NUM": "12"},
+             "textarena.sh": {"ROUNDS": "1", "SFT_GAMES": "100", "PROMPTS": "4", "N": "4", "FINAL": "6"}}
     # rlvr.sh: with an experiment tracker (the whole recipe one run: eval and update continue sft's)
     knobs["rlvr.sh"] = {"REPORT_TO": "tensorboard", "PROJECT": "recipe"}
     r = _run_recipe(recipe, runs, **knobs.get(recipe, {}))
     assert r.returncode == 0, f"{recipe}: {r.stderr.decode()[-2000:]}"
     # every RL recipe leaves one metrics file with held-out accuracy after every round, and its report
     metrics = {"rlvr.sh": "metrics.jsonl", "rlhf.sh": "rlhf-metrics.jsonl", "math.sh": "metrics.jsonl",
-               "config.sh": "metrics.jsonl", "code.sh": "metrics.jsonl", "tools.sh": "metrics.jsonl"}.get(recipe)
+               "config.sh": "metrics.jsonl", "code.sh": "metrics.jsonl", "tools.sh": "metrics.jsonl",
+               "reasoning-gym.sh": "metrics.jsonl"}.get(recipe)
     if metrics:
         rows = [json.loads(x) for x in (runs / metrics).read_text().splitlines()]
         rounds = int(knobs.get(recipe, {}).get("ROUNDS", 2))
@@ -125,6 +128,31 @@ def test_every_recipe_runs_scaled_down(recipe, tmp_path):
         ev = json.loads((runs / "eval-round-1.json").read_text())
         assert ev["n"] == sft["metrics"]["heldout_n"] and ev["samples"][0]["prompt"].startswith("Question: ")
         assert "after RL (1 rounds)" in r.stdout.decode()
+    if recipe == "reasoning-gym.sh":  # a reasoning-gym generator, scored strictly by its own scorer
+        from importlib.metadata import version
+
+        sft = json.loads((runs / "sft" / "rlkit.json").read_text())
+        assert sft["config"]["task"].startswith("reasoning-gym:dataset=basic_arithmetic,min_terms=2,max_terms=3")
+        assert sft["inputs"]["task"] == f"reasoning-gym=={version('reasoning-gym')}"
+        ev = json.loads((runs / "eval-round-1.json").read_text())
+        assert ev["n"] == 12 and ev["samples"][0]["prompt"].startswith("Question: Calculate ")
+        assert "after RL (1 rounds)" in r.stdout.decode()
+    if recipe == "textarena.sh":  # textarena's GuessTheNumber: SFT games played through the adapter, RL rounds
+        import pyarrow as pa
+
+        games = [json.loads(x) for x in (runs / "sft-games.jsonl").read_text().splitlines()]
+        assert len(games) == 100 and all(g["completion"].endswith("]\n") for g in games)
+        with pa.OSFile(str(runs / "rollouts-1.arrow")) as f:
+            t = pa.ipc.open_stream(f).read_all()
+        assert t.num_rows == 4 * 4 and set(t.column("end_reason").to_pylist()) <= {"terminated", "max_turns"}
+        assert set(t.column("reward/env").to_pylist()) <= {0.0, 1.0}
+        out = r.stdout.decode()
+        for who in ("sft", "final"):
+            ev = json.loads((runs / f"eval-{who}.json").read_text())
+            assert ev["n"] == 6 and 0 <= ev["accuracy"] <= 1
+            assert any(line.startswith("held-out (greedy)") and f"{ev['accuracy']:.1%}" in line for line in out.splitlines())
+        (line,) = [x for x in out.splitlines() if x.startswith("round 1 ")]
+        assert f"{sum(t.column('reward/env').to_pylist()) / t.num_rows:.1%}" in line
     if recipe == "code.sh":  # programs run against their tests in the sandbox at every stage that verifies
         rows = [json.loads(x) for x in (runs / "metrics.jsonl").read_text().splitlines()]
         sft = json.loads((runs / "sft" / "rlkit.json").read_text())

@@ -84,4 +84,14 @@ ev = json.load(open("math.json"))
 assert ev["n"] == ev["n_scored"] == 4 and ev["task"].startswith("math:"), ev
 assert all(s["prompt"].startswith("Question: ") for s in ev["samples"]), ev["samples"]
 PY
+step "an optional extra not installed: one line naming its install command, nothing written"
+for probe in "prompts --task reasoning-gym:dataset=gcd|rlkit[reasoning-gym]" \
+             "rollout --policy $sft --env textarena:game=GuessTheNumber-v0|rlkit[textarena]"; do
+  args=${probe%|*} extra=${probe#*|} rc=0
+  python3 -c "import reasoning_gym, textarena" 2>/dev/null && break  # installed here (the image's extras): nothing to show
+  rlkit $args --out extra.arrow 2> extra.err || rc=$?
+  [ $rc -eq 2 ] && [ ! -e extra.arrow ] && [ "$(wc -l < extra.err)" -eq 1 ] && grep -qF "pip install '$extra'" extra.err \
+    || { cat extra.err >&2; fail "rlkit $args without its extra (exit $rc)"; }
+done
+
 step "all passed"

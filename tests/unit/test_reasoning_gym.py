@@ -10,10 +10,11 @@ import sys
 import pyarrow as pa
 import pytest
 
-from conftest import run_cli
 from rlkit.errors import RlkitError
 from rlkit.tasks import get_task, verify
 from rlkit.tasks.reasoning_gym import decode_entry, encode_entry
+
+from conftest import run_cli
 
 ARITH = "reasoning-gym:dataset=basic_arithmetic,min_terms=2,max_terms=3,max_digits=1,operators=+|-"
 
