@@ -42,6 +42,7 @@ from rlkit.tasks.base import (  # noqa: F401 (the task vocabulary, named from he
     Example,
     Scores,
     Task,
+    as_bool,
     check_split,
     generation_length,
     is_heldout,
@@ -450,12 +451,6 @@ def _accepts(fn, keyword: str) -> bool:
 _CONVERT: dict[str, Callable[[str], object]] = {"int": int, "float": float, "str": str}
 
 
-def _as_bool(v: str) -> bool:
-    if v.lower() in ("1", "true", "yes", "on"):
-        return True
-    if v.lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{v!r} is not a boolean (true/false, 1/0, yes/no)")
 
 
 def _typed_options(factory, opts: Mapping[str, str], label: str) -> dict[str, object]:
@@ -477,7 +472,7 @@ def _typed_options(factory, opts: Mapping[str, str], label: str) -> dict[str, ob
         ann = params[k].annotation
         ann = getattr(ann, "__name__", ann) if not isinstance(ann, str) else ann.split("|")[0].strip()
         try:
-            out[k] = _as_bool(v) if ann == "bool" else _CONVERT.get(ann, str)(v)
+            out[k] = as_bool(v) if ann == "bool" else _CONVERT.get(ann, str)(v)
         except ValueError as e:
             raise RlkitError(f"task {label}: option {k}={v!r} is not a valid {ann} ({e})") from None
     return out

@@ -150,6 +150,15 @@ def shuffled_passes(rows: Sequence, rng, unique: bool) -> Iterator:
             return
 
 
+def as_bool(v: str) -> bool:
+    """An option's text as a boolean: 1/true/yes/on or 0/false/no/off; ValueError otherwise."""
+    if v.lower() in ("1", "true", "yes", "on"):
+        return True
+    if v.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{v!r} is not a boolean (true/false, 1/0, yes/no)")
+
+
 def check_split(split: str) -> None:
     if split not in SPLITS:
         raise RlkitError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")

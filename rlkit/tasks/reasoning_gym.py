@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlkit.errors import RlkitError
-from rlkit.tasks.base import PASSED, Example, Scores, check_split, is_heldout
+from rlkit.tasks.base import PASSED, Example, Scores, as_bool, check_split, is_heldout
 
 NAME = "reasoning-gym"
 INSTALL = "pip install 'rlkit[reasoning-gym]' (it builds pycosat from source: a C compiler is needed)"
@@ -134,10 +134,8 @@ def _convert(value: str, tp: Any, key: str, where: str) -> Any:
                 pass
         return value
     if tp is bool:
-        from rlkit.tasks import _as_bool
-
         try:
-            return _as_bool(value)
+            return as_bool(value)
         except ValueError as e:
             raise RlkitError(f"{where}: {key}={value!r}: {e}") from None
     if tp in (int, float, str):
@@ -176,10 +174,8 @@ def _seed(*parts: object) -> int:
 
 
 def _flag(opts: dict[str, str], key: str, where: str) -> bool:
-    from rlkit.tasks import _as_bool
-
     try:
-        return _as_bool(opts.pop(key, "0"))
+        return as_bool(opts.pop(key, "0"))
     except ValueError as e:
         raise RlkitError(f"{where}: {key}: {e}") from None
 
