@@ -104,6 +104,21 @@ def check_observation(obs: object, where: str, allow_none: bool = False) -> None
                        f"{MAX_OBSERVATION_CHARS:,} (--max-env-tokens then cuts what is appended)")
 
 
+def unescape(text: str) -> str:
+    """An option's text with its backslash escapes read (`stop=\\n` is a newline): options come from a command line."""
+    return text.encode().decode("unicode_escape")
+
+
+def option_attribute(name: str, options: dict):
+    """For an adapter whose spec options set `stop` and `max_new_tokens` (`textarena:...,stop=\\n`): the attribute
+    as those options give it, read without an instance (`EnvSpec.attribute`); None: the class's own."""
+    if name == "stop" and options.get("stop"):
+        return (unescape(str(options["stop"])),)
+    if name == "max_new_tokens" and options.get("max_new_tokens"):
+        return int(options["max_new_tokens"])
+    return None
+
+
 class TaskEnv:
     """A task as a one-step environment: the prompt is the observation, the task's verifier scores the one
     turn, and the episode ends."""

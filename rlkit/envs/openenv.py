@@ -35,9 +35,9 @@ import itertools
 import json
 from collections.abc import Iterator
 
-from rlkit.envs.base import EnvError, Step
+from rlkit.envs.base import EnvError, Step, option_attribute, unescape
 from rlkit.errors import RlkitError
-from rlkit.tasks.base import Example, check_split
+from rlkit.tasks.base import Example, check_split, library_version
 
 INSTALL = "pip install 'rlkit[openenv]'"
 MAX_MESSAGE_BYTES = 64 << 20
@@ -62,27 +62,10 @@ def _ws_url(url: str) -> str:
     raise RlkitError(f"environment openenv: url={url!r}: expected ws://HOST:PORT/ws (or the server's http:// URL)")
 
 
-def _unescape(s: str) -> str:
-    return s.encode().decode("unicode_escape")
-
-
-def option_attribute(name: str, options: dict):
-    """`stop` and `max_new_tokens` as the spec's options set them (EnvSpec.attribute); None: the class's."""
-    if name == "stop" and options.get("stop"):
-        return (_unescape(str(options["stop"])),)
-    if name == "max_new_tokens" and options.get("max_new_tokens"):
-        return int(options["max_new_tokens"])
-    return None
 
 
 def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
-
-    try:
-        return dist_version("websockets")
-    except PackageNotFoundError:
-        return "unknown"
+    return library_version("websockets")
 
 
 class OpenEnv:
@@ -111,7 +94,7 @@ class OpenEnv:
         if max_new_tokens:
             self.max_new_tokens = int(max_new_tokens)
         if stop:
-            self.stop = (_unescape(stop),)
+            self.stop = (unescape(stop),)
         _websockets()
         self.ws = None
         self.where = ""

@@ -35,9 +35,9 @@ import itertools
 import random
 from collections.abc import Iterator
 
-from rlkit.envs.base import EnvError, Step
+from rlkit.envs.base import EnvError, Step, option_attribute, unescape
 from rlkit.errors import RlkitError
-from rlkit.tasks.base import Example, check_split
+from rlkit.tasks.base import Example, check_split, library_version
 
 INSTALL = "pip install 'rlkit[textarena]'"
 REWARDS = ("win", "shaped")
@@ -57,17 +57,8 @@ def library():
 
 
 def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
+    return library_version("textarena")
 
-    try:
-        return dist_version("textarena")
-    except PackageNotFoundError:
-        return "unknown"
-
-
-def _unescape(s: str) -> str:
-    return s.encode().decode("unicode_escape")
 
 
 def _quiet():
@@ -81,15 +72,6 @@ def _quiet():
     stack.enter_context(contextlib.redirect_stderr(io.StringIO()))
     return stack
 
-
-def option_attribute(name: str, options: dict):
-    """`stop` and `max_new_tokens` as the spec's options set them (EnvSpec.attribute reads them without an
-    instance); None: the class's."""
-    if name == "stop" and options.get("stop"):
-        return (_unescape(str(options["stop"])),)
-    if name == "max_new_tokens" and options.get("max_new_tokens"):
-        return int(options["max_new_tokens"])
-    return None
 
 
 def _registry() -> dict:
@@ -156,11 +138,11 @@ class TextArena:
             raise RlkitError(f"environment textarena: reward={reward!r}: expected win or shaped")
         library()
         self.game, self.id = game, raw_id(game)
-        self.reward_mode, self.prompt = reward, _unescape(prompt) if prompt else ""
+        self.reward_mode, self.prompt = reward, unescape(prompt) if prompt else ""
         self.base_seed = int(seed)
         self.options = _typed_game_options(self.id, game_options)
         if stop:
-            self.stop = (_unescape(stop),)
+            self.stop = (unescape(stop),)
         if max_new_tokens:
             self.max_new_tokens = int(max_new_tokens)
         self.env = None

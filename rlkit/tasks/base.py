@@ -150,6 +150,17 @@ def shuffled_passes(rows: Sequence, rng, unique: bool) -> Iterator:
             return
 
 
+def library_version(distribution: str) -> str:
+    """The installed version of a distribution ('unknown' when it has none): what manifests record for the library
+    an adapter runs (reasoning-gym, textarena, websockets)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def as_bool(v: str) -> bool:
     """An option's text as a boolean: 1/true/yes/on or 0/false/no/off; ValueError otherwise."""
     if v.lower() in ("1", "true", "yes", "on"):

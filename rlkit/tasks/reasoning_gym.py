@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlkit.errors import RlkitError
-from rlkit.tasks.base import PASSED, Example, Scores, as_bool, check_split, is_heldout
+from rlkit.tasks.base import PASSED, Example, Scores, as_bool, check_split, is_heldout, library_version
 
 NAME = "reasoning-gym"
 INSTALL = "pip install 'rlkit[reasoning-gym]' (it builds pycosat from source: a C compiler is needed)"
@@ -71,13 +71,7 @@ def library():
 
 
 def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
-
-    try:
-        return dist_version("reasoning-gym")
-    except PackageNotFoundError:
-        return "unknown"
+    return library_version("reasoning-gym")
 
 
 def _names() -> list[str]:
@@ -191,7 +185,6 @@ class ReasoningGym:
     answer_tags: bool = False
     name: str = field(default=NAME, init=False)
     max_new_tokens: int = field(default=MAX_NEW_TOKENS, init=False)
-    library_version: str = field(default="", init=False, compare=False)
 
     @classmethod
     def from_options(cls, opts: dict[str, str]) -> ReasoningGym:
@@ -215,7 +208,6 @@ class ReasoningGym:
             raise RlkitError(f"{where}: heldout={frac:g}: expected 0 < heldout < 1")
         partial, tags = _flag(opts, "partial", where), _flag(opts, "answer_tags", where)
         t = cls(name, tuple(opts.items()), frac, partial, tags)
-        object.__setattr__(t, "library_version", version())
         t._dataset(0, 0)  # the config checked now, before any stage work: one line if the generator refuses it
         return t
 
@@ -232,7 +224,7 @@ class ReasoningGym:
     @property
     def fingerprint(self) -> str:
         """The library's version (manifests' inputs: a new version's generators may differ)."""
-        return f"reasoning-gym=={self.library_version or version()}"
+        return f"reasoning-gym=={version()}"
 
     def _dataset(self, seed: int, size: int = CHUNK):
         kw = _config(self.dataset, dict(self.config))
