@@ -78,6 +78,11 @@ class OpenEnv:
         """The client library's version the manifests record (EnvSpec.fingerprint)."""
         return f"openenv-client websockets=={version()}"
 
+    @classmethod
+    def check_options(cls, options: dict) -> None:
+        """Before any model loads: the options and the websockets package (no connection is made)."""
+        cls(**options)
+
     def __init__(self, url: str = "", action: str = "message", text: str = "", timeout: float = 30.0,
                  seed: int = 0, max_new_tokens: int = 0, stop: str = "", **action_fields: str) -> None:
         if not url:

@@ -4,8 +4,6 @@ strict and partial scoring, answer tags, lineage, and bad specs as one line."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pyarrow as pa
 import pytest
@@ -111,16 +109,6 @@ def test_bad_specs_are_one_line(spec, message):
     with pytest.raises(RlkitError, match=message) as e:
         get_task(spec)
     assert "\n" not in str(e.value)
-
-
-def test_without_the_extra_one_line_names_the_install_command(tmp_path):
-    code = ("import sys; sys.modules['reasoning_gym'] = None\n"
-            "from rlkit.cli import main; sys.exit(main(['prompts', '--task', 'reasoning-gym:dataset=gcd', '--out', sys.argv[1]]))")
-    out = tmp_path / "p.arrow"
-    r = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and not out.exists()
-    (line,) = r.stderr.strip().splitlines()
-    assert "task reasoning-gym needs the reasoning-gym package" in line and "pip install 'rlkit[reasoning-gym]'" in line
 
 
 def test_prompts_writes_the_rows_and_records_the_library(tmp_path):
