@@ -13,7 +13,7 @@
 # Knobs (environment), defaults in brackets:
 #   RUNS [runs/textarena]  SEED [0]  MODEL [tiny]  SFT_GAMES [3000]  GAME [GuessTheNumber-v0]  TURNS [6]
 #   PROMPT [Guess 1-20 as [N]:\n]  BISECT [0.4]  LINEAR [0.3] the SFT player's shares of middle and lowest guesses
-#   ROUNDS [4]  PROMPTS [64] games per round  N [8] per game  ALGO [grpo]  LR [3e-4]  EPOCHS [2]  MINIBATCH [128]
+#   ROUNDS [6]  PROMPTS [128] games per round  N [8] per game  ALGO [grpo]  LR [3e-4]  EPOCHS [2]  MINIBATCH [128]
 #   BETA [0.01]  KL [k3+]  TEMPERATURE [1.0]  FINAL [128] held-out games of the final policy (and of the SFT one)
 # A rerun skips every stage whose output is up to date with its inputs and settings.
 set -euo pipefail
@@ -27,8 +27,8 @@ TURNS=${TURNS:-6}
 PROMPT=${PROMPT-'Guess 1-20 as [N]:\n'}
 BISECT=${BISECT:-0.4}
 LINEAR=${LINEAR:-0.3}
-ROUNDS=${ROUNDS:-4}
-PROMPTS=${PROMPTS:-64}
+ROUNDS=${ROUNDS:-6}
+PROMPTS=${PROMPTS:-128}
 N=${N:-8}
 ALGO=${ALGO:-grpo}
 LR=${LR:-3e-4}
