@@ -131,3 +131,11 @@ def test_prompts_writes_the_rows_and_records_the_library(tmp_path):
     bad = tmp_path / "bad.arrow"
     r = run_cli("prompts", "--task", "reasoning-gym:dataset=nope", "--out", str(bad))
     assert r.returncode == 2 and not bad.exists() and len(r.stderr.decode().strip().splitlines()) == 1
+
+
+def test_sft_on_a_generator_without_gold_answers_is_one_line(tmp_path):
+    out = tmp_path / "sft"
+    r = run_cli("sft", "--task", "reasoning-gym:dataset=rush_hour", "--num-examples", "10", "--out", str(out))
+    (line,) = r.stderr.decode().strip().splitlines()
+    assert r.returncode == 2 and not out.exists()
+    assert "generator rush_hour has no single gold answer" in line and "no SFT targets" in line
