@@ -9,7 +9,9 @@
 # The embedded tiny model's context (256 characters) does not hold the game's rules, so the prompt is a short one
 # (PROMPT); with a real model leave PROMPT empty for the game's own opening message.
 # The closing table shows, per round, the games' success rate and their mean number of turns, then the SFT and the
-# final policy's greedy games on held-out seeds.
+# final policy's greedy games on held-out seeds. At the defaults on 2 CPU cores (about 6 minutes): SEED 0 from
+# 43.9% of sampled games won (the SFT policy) to 54.0% in round 6, held-out greedy games 55.5% -> 67.2%; SEED 1
+# from 48.7% to 54.6% (56.8% in round 5), held-out 70.3% -> 78.9%.
 # Knobs (environment), defaults in brackets:
 #   RUNS [runs/textarena]  SEED [0]  MODEL [tiny]  SFT_GAMES [3000]  GAME [GuessTheNumber-v0]  TURNS [6]
 #   PROMPT [Guess 1-20 as [N]:\n]  BISECT [0.4]  LINEAR [0.3] the SFT player's shares of middle and lowest guesses
