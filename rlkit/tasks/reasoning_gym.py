@@ -269,15 +269,27 @@ class ReasoningGym:
     def prompt(self, question: str) -> str:
         return (TAGS_INSTRUCTION if self.answer_tags else "") + PROMPT.format(question=question)
 
+    def _entry(self, answer: str) -> dict:
+        """The row's entry; an answer that is not one (a prompts file of plain answers) is one line."""
+        try:
+            entry = decode_entry(answer)
+        except (TypeError, ValueError):
+            entry = None
+        if not isinstance(entry, dict) or "question" not in entry:
+            raise RlkitError(f"task {NAME}: the row's answer {str(answer)[:60]!r} is not a reasoning-gym entry (the JSON "
+                             "of its question, answer and metadata that the task's own prompts carry); score such "
+                             "rows with the task they came from")
+        return entry
+
     def completion(self, ex: Example) -> str:
-        gold = decode_entry(ex.answer).get("answer")
+        gold = self._entry(ex.answer).get("answer")
         if gold is None:
             raise RlkitError(f"task {self.spec}: generator {self.dataset} has no single gold answer (its scorer "
                              "checks each solution), so it has no SFT targets; train on it with rollout/update only")
         return f" <answer>{gold}</answer>" if self.answer_tags else f" {gold}"
 
     def _score(self, response: str, answer: str) -> tuple[float, str]:
-        entry = decode_entry(answer)
+        entry = self._entry(answer)
         if self.answer_tags:
             from reasoning_gym.utils import extract_answer
 

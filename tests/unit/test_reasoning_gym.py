@@ -64,6 +64,11 @@ def test_strict_by_default_partial_when_asked():
     assert strict.reward("1-4", ans) == 0.0 and partial.reward("1-4", ans) == pytest.approx(2 / 3)
 
 
+def test_a_row_whose_answer_is_not_an_entry_is_one_line():
+    with pytest.raises(RlkitError, match="the row's answer '42' is not a reasoning-gym entry"):
+        get_task(ARITH).reward("42", "42")
+
+
 def test_answer_tags():
     t = get_task(ARITH + ",answer_tags=1")
     (e,) = t.examples("train", 1, seed=0)
