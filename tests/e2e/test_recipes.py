@@ -137,6 +137,11 @@ def test_every_recipe_runs_scaled_down(recipe, tmp_path):
         ev = json.loads((runs / "eval-round-1.json").read_text())
         assert ev["n"] == 12 and ev["samples"][0]["prompt"].startswith("Question: Calculate ")
         assert "after RL (1 rounds)" in r.stdout.decode()
+        # build-prefs takes the task too: pairs of the policy's own right and wrong answers (no integer answer to
+        # make near misses of)
+        b = run_cli("build-prefs", "--policy", str(runs / "round-1"), "--task", sft["config"]["task"],
+                    "--num-prompts", "32", "--n", "8", "--out", str(runs / "prefs.arrow"))
+        assert b.returncode == 0 and "by kind: sampled" in b.stderr.decode(), b.stderr.decode()[-2000:]
     if recipe == "textarena.sh":  # textarena's GuessTheNumber: SFT games played through the adapter, RL rounds
         import pyarrow as pa
 
