@@ -145,7 +145,8 @@ def _run(cfg: EvalConfig) -> dict:
         ids = None
         if source is not None:
             source = source.head(cfg.num)
-            prompts = data.render_prompts(tokenizer, source, for_sft=False)
+            prompts = data.render_prompts(tokenizer, source, for_sft=False,
+                                          tools=env.tool_schemas() if env is not None else None)
             t = source.table
             answers = t.column("answer").to_pylist() if "answer" in t.column_names else [None] * t.num_rows
             ids = t.column("prompt_id").to_pylist()

@@ -226,7 +226,8 @@ def _run_table(cfg: RolloutConfig, verifier: _Verifier, out: Path | None, fns) -
     engine = _start_engine(cfg, cfg.policy)
     tokenizer = engine.tokenizer
     device = _engine_device(engine, cfg)
-    chunks = _first_made(_file_chunks(source, tokenizer, span, cfg.chunk_prompts) if source
+    tools = verifier.env.tool_schemas() if verifier.env is not None else None  # a TRL class's, for chat prompts
+    chunks = _first_made(_file_chunks(source, tokenizer, span, cfg.chunk_prompts, tools) if source
                          else _task_chunks(task, tokenizer, cfg, span))
     if not scored:
         console.warn("some prompts have no gold answer: no verifier reward column is written")
@@ -270,7 +271,8 @@ def _run_follow(cfg: RolloutConfig, verifier: _Verifier, out: Path | None, fns=(
 
     stage = follow.Stage(start_engine=lambda path: _start_engine(cfg, path),
                          engine_device=lambda engine: _engine_device(engine, cfg), sample=sample,
-                         fields=lambda scored: verifier.fields(scored, fns), say=verifier.say)
+                         fields=lambda scored: verifier.fields(scored, fns), say=verifier.say,
+                         tools=verifier.env.tool_schemas() if verifier.env is not None else None)
     return follow.run(cfg, verifier.task, source, inputs, out, stage)
 
 
@@ -341,15 +343,15 @@ def _task_chunks(task, tokenizer, cfg: RolloutConfig, span: range):
                      data.encode_prompts(tokenizer, texts, False))
 
 
-def _file_chunks(source, tokenizer, span: range, chunk: int):
-    """Yield rows `span` of a prompts file as Prompts of `chunk` rows, each rendered (chat template) and
-    tokenized when it is asked for."""
+def _file_chunks(source, tokenizer, span: range, chunk: int, tools=None):
+    """Yield rows `span` of a prompts file as Prompts of `chunk` rows, each rendered (chat template, with the
+    environment's tool schemas when it has them) and tokenized when it is asked for."""
     from rlkit.io import data
 
     for c0 in range(span.start, span.stop, chunk):
         part = source.rows(c0, min(span.stop, c0 + chunk))
         t = part.table
-        texts = data.render_prompts(tokenizer, part, for_sft=False)
+        texts = data.render_prompts(tokenizer, part, for_sft=False, tools=tools)
         answers = t.column("answer").to_pylist() if "answer" in t.column_names else [None] * t.num_rows
         yield _prompts(c0, t.column("prompt_id").to_pylist(), answers, texts,
                      data.encode_prompts(tokenizer, texts, part.chat))

@@ -82,6 +82,13 @@ class EnvSpec:
 
         return replace(self, options={**self.options, "sandbox": kind})
 
+    def tool_schemas(self) -> list | None:
+        """The JSON schemas of the environment's tools, for chat-template prompts (`tools=`), when its class gives
+        them without an instance (a TRL environment class); None otherwise."""
+        fn = getattr(self.factory, "tool_schemas", None)
+        schemas = fn() if callable(fn) and not isinstance(self.factory, type) else None
+        return list(schemas) if schemas else None
+
     def attribute(self, name: str, default=None):
         """A class attribute of the environment (e.g. `stop`, `max_new_tokens`), read without an instance; an
         adapter whose options set it (`textarena:...,stop=\\n`) says so through its `option_attribute(name, options)`."""

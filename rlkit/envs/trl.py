@@ -24,14 +24,16 @@ a class (a `reset` and no `step`) and runs it through `TrlEnvironment`, which ma
   function reading `env.reward`                    `reward` attribute (a number), read when the episode ends;
                                                    neither: one line naming the class
 
-Limits: rlkit renders the prompt as the stage's prompts are (`--task`, `--prompts`, a chat template at read
-time); the tools' JSON schemas are not put into the prompt by rlkit (TRL passes them to the chat template), so the
-prompt must describe them: `describe()` gives one line per tool. Async tools are not supported (one line). The
-instance's other attributes (`done`) are the class's own business, as in TRL.
+The tools' JSON schemas (transformers' `get_json_schema` of each public method, as TRL builds them) go to the chat
+template as `tools=` wherever rlkit renders through it: chat-formatted `--prompts` (a `messages` column) and the
+tool messages appended after each call; a prompt that is plain text (`--task`, a `prompt` column) is used as it
+is, so it must describe the tools itself (`describe()` gives one line per tool). Async tools are refused (one
+line). The instance's other attributes (`done`) are the class's own business, as in TRL.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import math
@@ -74,7 +76,12 @@ class TrlEnvironment(Tools):
 
             raise EnvError(f"environment {label}: its constructor raised {one_line(e)}") from e
         self.label = label
+        self.cls = cls
         super().__init__(functions=tool_methods(self.inner, label))
+
+    def tool_schemas(self) -> tuple[dict, ...]:
+        """The tools' JSON schemas, for the chat template (the driver renders message observations with them)."""
+        return tool_schemas(self.cls)
 
     def reset(self, example):
         self.example = example
@@ -132,6 +139,29 @@ class TrlEnvironment(Tools):
         super().close()
 
 
+_SENTINEL = object()
+
+
+@functools.cache
+def tool_schemas(cls) -> tuple[dict, ...]:
+    """The JSON schemas of the class's tools, as TRL hands them to the chat template (`tools=`): transformers'
+    `get_json_schema` of each public method (type hints and a Google-style docstring), read off the class without
+    making an instance. A method it cannot describe gets its name and first docstring line, no parameters."""
+    from transformers.utils import get_json_schema
+
+    out = []
+    for name, fn in inspect.getmembers(cls, predicate=inspect.isfunction):
+        if name.startswith("_") or name in RESERVED:
+            continue
+        try:
+            out.append(get_json_schema(fn.__get__(_SENTINEL)))  # bound (as TRL's instance methods are): no `self`
+        except Exception:  # noqa: BLE001 (no docstring, an untyped argument: what transformers would refuse)
+            doc = (inspect.getdoc(fn) or "").strip().splitlines()
+            out.append({"type": "function", "function": {"name": name, "description": doc[0] if doc else "",
+                                                          "parameters": {"type": "object", "properties": {}}}})
+    return tuple(out)
+
+
 def factory(cls, label: str):
     """A callable making one `TrlEnvironment` of `cls` per trajectory, with the class's keyword options."""
 
@@ -147,4 +177,5 @@ def factory(cls, label: str):
     make.__wrapped__ = cls  # inspect.signature reads the class's constructor (options typed as for any class)
     make.stop = TrlEnvironment.stop  # what the driver reads off the class: a turn ends at a call's closing tag
     make.trl = True
+    make.tool_schemas = functools.partial(tool_schemas, cls)  # for chat-template prompts (stages' --prompts)
     return make

@@ -261,8 +261,9 @@ def load_source(source: str, kind: str, columns: Mapping[str, str | None]) -> So
     return Source(table, fp, source, chat=chat, columns=own)
 
 
-def render_prompts(tokenizer, source: Source, for_sft: bool) -> list[str]:
-    """Prompt strings, through the chat template when the source is chat-formatted."""
+def render_prompts(tokenizer, source: Source, for_sft: bool, tools=None) -> list[str]:
+    """Prompt strings, through the chat template when the source is chat-formatted (with `tools`, the JSON schemas
+    of an environment's tools, when given: the template's `tools=`)."""
     if not source.chat:
         return source.table.column("prompt").to_pylist()
     if not getattr(tokenizer, "chat_template", None):
@@ -274,7 +275,8 @@ def render_prompts(tokenizer, source: Source, for_sft: bool) -> list[str]:
     for msgs in source.table.column("messages").to_pylist():
         # the final assistant turn is the completion (SFT) or the reference answer (eval): never in the prompt
         turns = msgs[:-1] if msgs and (for_sft or msgs[-1].get("role") == "assistant") else msgs
-        out.append(tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False))
+        kw = {"tools": list(tools)} if tools else {}
+        out.append(tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False, **kw))
     return out
 
 

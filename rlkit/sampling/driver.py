@@ -254,7 +254,8 @@ def _start(t: _Traj, tokenizer, obs, context: int | None, name: str) -> None:
     else:
         msgs = [{"role": m["role"], "content": m["content"]} for m in obs]
         if getattr(tokenizer, "chat_template", None):
-            t.prompt_text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            t.prompt_text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False,
+                                                          **_tools(t.env))
             t.prompt_ids = list(tokenizer(t.prompt_text, add_special_tokens=False)["input_ids"])
         else:
             t.prompt_text = "".join(_plain(m) for m in msgs)
@@ -263,6 +264,19 @@ def _start(t: _Traj, tokenizer, obs, context: int | None, name: str) -> None:
     if context is not None and len(t.prompt_ids) >= context:
         raise RlkitError(f"environment {name}: reset()'s prompt for {t.label} is {len(t.prompt_ids)} tokens; the "
                          f"model's context is {context}, with no room left to generate")
+
+
+def tool_schemas(env) -> list | None:
+    """An environment's tool schemas for the chat template (its optional `tool_schemas()`: a TRL environment class's
+    tools), or None."""
+    fn = getattr(env, "tool_schemas", None)
+    schemas = fn() if callable(fn) else None
+    return list(schemas) if schemas else None
+
+
+def _tools(env) -> dict:
+    schemas = tool_schemas(env)
+    return {"tools": schemas} if schemas else {}
 
 
 def _plain(m: dict) -> str:
@@ -312,7 +326,7 @@ def _observe(t: _Traj, tokenizer, obs, s: Sampling, context: int | None) -> None
         if getattr(tokenizer, "chat_template", None):
             before = tokenizer.decode(t.prompt_ids + t.ids, skip_special_tokens=False)
             history = [*t.messages, *msgs]
-            full = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+            full = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False, **_tools(t.env))
             if not full.startswith(before):
                 _new_sample(t, tokenizer, full, msgs, s, context)
                 return

@@ -29,6 +29,7 @@ class Stage:
     sample: Callable[..., None]
     fields: Callable[[bool], list]  # scored -> the table's columns beyond the rollouts kind's
     say: Callable[[], None]  # the stage's closing lines (rewards, verdicts)
+    tools: list | None = None  # the environment's tool schemas for chat-template prompts (a TRL class's), or None
 
 
 def run(cfg, task, source, inputs: dict, out: Path | None, stage: Stage) -> Path | None:
@@ -83,7 +84,7 @@ def run(cfg, task, source, inputs: dict, out: Path | None, stage: Stage) -> Path
         t = source.table
         f_ids = t.column("prompt_id").to_pylist()
         f_answers = t.column("answer").to_pylist() if "answer" in t.column_names else [None] * t.num_rows
-        f_texts = data.render_prompts(tokenizer, source, for_sft=False)
+        f_texts = data.render_prompts(tokenizer, source, for_sft=False, tools=stage.tools)
         f_prompt_ids = data.encode_prompts(tokenizer, f_texts, source.chat)
         scored = all(a is not None for a in f_answers)
     else:

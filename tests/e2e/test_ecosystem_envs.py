@@ -4,6 +4,7 @@ WebSocket client), textarena's single-player games, and a class written for TRL'
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -250,3 +251,53 @@ def test_a_trl_environment_class_runs_unchanged(sft_dir, tmp_path):
         assert row["turns"] == 1 and row["reward/env"] == float(target == 0)
     assert read_manifest(out)["inputs"]["env"].startswith("sha256:")
     assert rows[0]["messages"][0]["role"] == "user"
+
+
+# a chat template that renders the tools' schemas (as Qwen's and Llama's do, in a preamble) and tool messages
+TOOLS_TEMPLATE = ("{% if tools %}<tools>{% for t in tools %}{{ t.function.name }}({% for p in t.function.parameters."
+                  "properties %}{{ p }}{% endfor %}) {% endfor %}</tools>\n{% endif %}"
+                  "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_a_trl_class_tools_reach_the_chat_template(sft_dir, tmp_path):
+    """With chat-formatted prompts, the class's tool schemas (transformers' get_json_schema, as TRL builds them) go to
+    the chat template, for the prompt and for every tool message after it, so the trajectory is never cut."""
+    import shutil
+
+    from rlkit.envs import get_env
+    from rlkit.io import checkpoints
+    from rlkit.sampling import driver
+    from rlkit.tasks import Example
+
+    policy = tmp_path / "chat"
+    shutil.copytree(sft_dir, policy)
+    tok = checkpoints.load_tokenizer(policy)
+    tok.chat_template = TOOLS_TEMPLATE
+    tok.save_pretrained(policy)
+    envs = tmp_path / "trl_envs.py"
+    envs.write_text(TRL_ENV)
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"<{a}+{b}>="}], "answer": str(a + b)})
+                            + "\n" for a, b in ((3, 4), (10, 2))))
+    out = tmp_path / "r.arrow"
+    r = run_cli("rollout", "--policy", str(policy), "--env", f"{envs}:IncrementEnv", "--prompts", str(data),
+                "--num-prompts", "2", "--n", "2", "--max-turns", "3", "--out", str(out))
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    rows = _rows(out)
+    assert rows[0]["prompt"].startswith("<tools>increment(step) </tools>\n<user><3+4>=\n<assistant>")
+    assert rows[0]["prompt"].endswith(f" (reach {7 % 7})\n")
+    # the tool message after a call renders with the same tools: the suffix, not a new sample
+    spec = get_env(f"{envs}:IncrementEnv")
+    t = driver._Traj("p0", 0)
+    t.env = spec.make()
+    obs = t.env.reset(Example("p0", "<3+4>=", "10", "train"))
+    driver._start(t, tok, [{"role": "user", "content": obs}], None, spec.name)
+    assert t.prompt_text.startswith("<tools>increment(step) </tools>\n")
+    s = driver.Sampling(max_turns=3)
+    call = '<tool_call>{"name": "increment", "arguments": {"step": 3}}</tool_call>'
+    driver._take_turn(t, tok, tok(call, add_special_tokens=False)["input_ids"], None, "stop", s, None)
+    step = t.env.step(call)
+    driver._observe(t, tok, step.observation, s, None)
+    assert not t.done and tok.decode(t.ids[len(tok(call, add_special_tokens=False)["input_ids"]):]) == \
+        "\n<tool>3\n<assistant>"

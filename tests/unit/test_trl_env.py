@@ -145,3 +145,20 @@ def test_misfits_are_one_line(envs):
         get_env(f"{envs}:AsyncTool")
     with pytest.raises(RlkitError, match="unknown option 'colour'"):
         get_env(f"{envs}:WordleLike:colour=red")
+
+
+def test_tool_schemas_are_transformers_get_json_schema_as_trl_builds_them(envs):
+    from transformers.utils import get_json_schema
+
+    spec = get_env(f"{envs}:IncrementEnv")
+    env = spec.make()
+    env.reset(Example("p0", "x", json.dumps({"target": 1}), "train"))
+    (schema,) = spec.tool_schemas()
+    assert schema == get_json_schema(env.inner.increment)  # the bound method, as TRL passes it
+    assert schema["function"]["name"] == "increment" and schema["function"]["parameters"]["properties"] == {
+        "step": {"type": "integer", "description": "Value to add to the counter."}}
+    assert list(env.tool_schemas()) == spec.tool_schemas()
+    # a method transformers cannot describe (no docstring): its name, no parameters; a plain class: no schemas
+    (plain,) = get_env(f"{envs}:NoReward").tool_schemas()
+    assert plain["function"]["name"] == "noop" and plain["function"]["description"] == "Nothing."
+    assert get_env("guess").tool_schemas() is None
