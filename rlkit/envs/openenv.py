@@ -102,7 +102,7 @@ class OpenEnv:
             self.stop = (unescape(stop),)
         _websockets()
         self.ws = None
-        self.where = ""
+        self.where = f"environment openenv {self.url}"
 
     # -- the examples: reset seeds -----------------------------------------------------------------------------------
     def iter_examples(self, split: str, seed: int, unique: bool = False) -> Iterator[Example]:
@@ -122,7 +122,6 @@ class OpenEnv:
         except (TypeError, ValueError):
             seed = self.base_seed + (int.from_bytes(hashlib.blake2b(str(example.prompt_id).encode(),
                                                                     digest_size=4).digest(), "big") >> 1)
-        self.where = f"environment openenv {self.url}"
         try:
             # entered as its context manager (websockets' supported form; the close is ours, in close())
             self.ws = connect(self.url, open_timeout=self.timeout, close_timeout=2,
@@ -138,8 +137,8 @@ class OpenEnv:
             raise EnvError("environment openenv: step() before reset()")
         data = self._call({"type": "step", "data": {**self.fixed, self.action_field: action}})
         reward = data.get("reward")
-        if reward is None:
-            reward = 0.0
+        if reward is None or isinstance(reward, bool):  # OpenEnv's rewards may be null or a bool
+            reward = float(bool(reward))
         if data.get("done"):
             return Step(None, reward, terminated=True)
         text = self._text(data)
