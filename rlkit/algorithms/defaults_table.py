@@ -4,7 +4,7 @@
 - `table()`: the markdown of docs/algorithms.md's "Defaults at a glance", which holds it between the
   two marker comments below (`tests/unit/test_algorithm_defaults.py` fails when the doc differs);
 - `phrase(field)`: the per-algorithm default in a flag's help, e.g. --beta's "0.01 for most; gspo 0;
-  dpo 0.1".
+  cispo 0; dpo 0.1".
 
 Imports no torch (`rlkit --help` builds the phrases). From a source checkout:
 
@@ -61,7 +61,7 @@ def _uses(e: Entry, field: str) -> bool:
 
 def phrase(field: str) -> str:
     """The registered default of `field` (an `AlgoDefaults` field, or kl_estimator) over the algorithms
-    that use it: the value most of them have, then the others by name ("0.01 for most; gspo 0; dpo 0.1")."""
+    that use it: the value most of them have, then the others by name ("0.01 for most; gspo 0; cispo 0; dpo 0.1")."""
     values = {name: _value(e, field) for name, e in REGISTRY.items() if _uses(e, field)}
     common = Counter(values.values()).most_common(1)[0][0]
     others = [f"{name} {v}" for name, v in values.items() if v != common]

@@ -1,10 +1,11 @@
-"""The group-advantage policy gradients: grpo, dr-grpo, rloo, reinforce-pp.
+"""The group-advantage policy gradients: grpo, dr-grpo, rloo, reinforce-pp, cispo.
 
 Same shape for all four: per-sequence advantages from the outcome rewards (an estimator from
 `rlkit.ops.advantages.ADVANTAGES`; with `--kl-in reward` the reward first pays beta x the sequence's KL to
 the reference), broadcast over the completion's tokens into the clipped surrogate, with the KL to the
 reference as a loss term by default. They differ in the estimator and in the default aggregation
-(Dr. GRPO: token sums over a constant, no length bias).
+(Dr. GRPO: token sums over a constant, no length bias); CISPO takes GRPO's advantages into its own per-token
+loss (`rlkit.ops.losses.cispo`: the clipped importance weight, detached, so no token loses its gradient).
 """
 
 from __future__ import annotations
@@ -67,3 +68,12 @@ class RLOO(GroupAdvantage):
 
 class ReinforcePP(GroupAdvantage):
     name = estimator = "reinforce-pp"
+
+
+class CISPO(GroupAdvantage):
+    """CISPO (MiniMax-M1): GRPO's advantages, the clipped and detached importance weight times the log-prob of every
+    token (`rlkit.ops.losses.cispo`); its defaults (no lower bound on the weight, no KL term) in the registry."""
+
+    name = "cispo"
+    estimator = "grpo"
+    policy_loss = "cispo"

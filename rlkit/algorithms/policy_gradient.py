@@ -1,8 +1,9 @@
 """What every rollout algorithm with a clipped importance ratio shares (the GRPO family, PPO, ...):
 pi_old (the engine's, or the trainer's own with truncated IS weights), the KL to the reference as a
 metric, a loss term or a reward penalty, the group counts and --drop-degenerate, the per-minibatch
-clipped policy loss, and the ratio, clip, entropy and mismatch metrics. A subclass supplies the
-advantages (`advantages`), may swap the importance ratio (`log_ratio`: e.g. one per sequence) and may
+policy loss, and the ratio, clip, entropy and mismatch metrics. A subclass supplies the advantages
+(`advantages`), may swap the importance ratio (`log_ratio`: e.g. one per sequence) and the per-token loss of it
+(`policy_loss`, a name in `rlkit.ops.losses.POLICY_LOSSES`: the clipped surrogate by default, CISPO), and may
 add loss terms for its own models (`extra_terms`, PPO's value loss).
 """
 
@@ -50,6 +51,7 @@ class PGPlan(Plan):
 class PolicyGradient(Algorithm):
     input = Rollouts
     log_ratio: ClassVar = staticmethod(token_log_ratio)  # (logp, old_logp, mask) -> the log importance ratio
+    policy_loss: ClassVar[str] = "clipped"  # its per-token loss of that ratio: a name in rlkit.ops.losses.POLICY_LOSSES
     shown = ("kl_per_token", "kl_per_seq", "entropy", "clip_fraction", "dual_clip_fraction", "ratio_min",
              "ratio_mean", "ratio_max", "logprob_mismatch", "logprob_mismatch_max", "tis_weight_mean",
              "tis_capped_fraction", "is_ess", "mean_response_tokens", "degenerate_group_fraction")
@@ -148,7 +150,8 @@ class PolicyGradient(Algorithm):
         tl = policy_token_loss(logp, plan.old_logp[idx, :C], adv, m, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                dual_clip=cfg.dual_clip, tis=None if plan.tis is None else plan.tis[idx, :C],
                                ref_logp=b.ref_logp[idx, :C] if in_loss else None, kl_estimator=cfg.kl_estimator,
-                               kl_coef=plan.kl_coef if in_loss else 0.0, log_ratio=self.log_ratio)
+                               kl_coef=plan.kl_coef if in_loss else 0.0, log_ratio=self.log_ratio,
+                               policy_loss=self.policy_loss)
         loss = AGGREGATIONS[cfg.loss_agg](tl.loss, m, ctx.length_norm) * share
         extra, extra_sums = self.extra_terms(trainer, plan, mb, seqs, m)
         total = loss

@@ -39,6 +39,10 @@ REGISTRY: dict[str, Entry] = {
     # GSPO's paper: a sequence ratio's clip range is ~1000x narrower than a token ratio's, and no KL term
     "gspo": Entry("rlkit.algorithms.gspo:GSPO", "GRPO's advantages, sequence-level ratio and clip (Zheng et al. 2025)",
                   AlgoDefaults(beta=0.0, loss_agg="seq-mean-token-mean", clip_low=3e-4, clip_high=4e-4)),
+    # MiniMax-M1: no lower bound on the IS weight (1 - 1 = 0), only the upper one tuned (the paper gives no value:
+    # verl's 0.28), and an objective without a KL term
+    "cispo": Entry("rlkit.algorithms.grpo:CISPO", "GRPO's advantages, the clipped IS weight detached: every token keeps "
+                   "its gradient (MiniMax-M1)", AlgoDefaults(beta=0.0, clip_low=1.0, clip_high=0.28)),
     "ppo": Entry("rlkit.algorithms.ppo:PPO", "a learned critic, GAE, the KL in the reward (InstructGPT)",
                  AlgoDefaults(kl_in="reward")),
     # beta is DPO's temperature

@@ -1,9 +1,10 @@
 """Policy losses: the clipped surrogate per token, kept apart from its aggregation (verl's
 `agg_loss` pattern). Aggregation modes come from `AGGREGATIONS` by name.
 
-`policy_token_loss` is the one per-token loss every clipped-ratio algorithm trains on
-(`rlkit.algorithms.policy_gradient`); its importance ratio is a plug-in (`token_log_ratio` by default; an
-algorithm module may pass its own, e.g. one per sequence). Every function here selects padded positions away
+`policy_token_loss` is the one per-token loss every ratio-based algorithm trains on
+(`rlkit.algorithms.policy_gradient`); two parts of it are plug-ins: the importance ratio (`token_log_ratio` by
+default; an algorithm module may pass its own, e.g. one per sequence) and the policy loss of that ratio, by name
+from `POLICY_LOSSES` (the clipped surrogate, CISPO). Every function here selects padded positions away
 before any exponential: masks are applied with `torch.where`, never by multiplying (an inf at a padded position
 times 0 is NaN).
 """
@@ -53,6 +54,39 @@ def surrogate(log_ratio: Tensor, adv: Tensor, clip_low: float = 0.2, clip_high: 
     return loss, clipped > unclipped, ratio, dual
 
 
+def cispo(log_ratio: Tensor, adv: Tensor, clip_low: float = 1.0, clip_high: float = 0.28,
+          dual_clip: float | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # noqa: ARG001
+    """CISPO's per-token loss (MiniMax-M1, Chen et al. 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently
+    with Lightning Attention"): the importance weight is clipped and detached, and every token keeps the gradient
+    of its own log-prob, however far its ratio moved (the clipped surrogate zeroes the gradient of a token clipped
+    on its advantage's side).
+
+    log_ratio (B, T) = log pi_theta - log pi_old, with the gradient of log pi_theta; adv (B,) or (B, T)
+    -> (loss (B, T), clipped (B, T) bool: the weight was clipped, ratio (B, T), no dual clip (all False)).
+    loss = -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * (1 + log r): its gradient is the paper's
+    -sg(r_hat) * A * grad log pi_theta (log r and log pi_theta differ by the constant log pi_old; the 1 is a
+    constant too), and its value is the clipped surrogate's -A * r to first order near r = 1 (-A on-policy), so
+    the logged loss reads as the other algorithms' does. `dual_clip` does not apply (the weight is bounded by
+    clip_high already). Example: A = 1, r = 2 with clip_high 0.28 gives the weight 1.28 and
+    d loss / d log pi_theta = -1.28.
+    """
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(1)
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    weight = ratio.clamp(1 - clip_low, 1 + clip_high).detach()
+    loss = -weight * adv * (1 + log_ratio)
+    clipped = (ratio > 1 + clip_high) | (ratio < 1 - clip_low)
+    return loss, clipped, ratio, torch.zeros_like(clipped)
+
+
+# The per-token policy losses an algorithm names (`PolicyGradient.policy_loss`; verl's `register_policy_loss`):
+# (log_ratio (B, T), adv (B,) or (B, T), clip_low, clip_high, dual_clip) -> (loss, clipped, ratio, dual_clipped).
+POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]] = {
+    "clipped": surrogate,  # PPO's clipped surrogate, clip-higher and dual clip (the GRPO family, PPO, GSPO)
+    "cispo": cispo,  # the clipped importance weight, detached (MiniMax-M1)
+}
+
+
 def truncated_is_weights(old_logp: Tensor, engine_logp: Tensor, cap: float) -> Tensor:
     """Truncated importance-sampling weight per token, min(pi_old / pi_engine, cap), correcting for the
     rollout engine's log-probs differing from the trainer's (TIS, Yao et al. 2025; verl's `tis_imp_ratio_cap`).
@@ -92,11 +126,12 @@ class TokenLoss(NamedTuple):
 def policy_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float,
                       clip_high: float, dual_clip: float | None = None, tis: Tensor | None = None,
                       ref_logp: Tensor | None = None, kl_estimator: str = "k3+", kl_coef: float = 0.0,
-                      log_ratio: Callable[[Tensor, Tensor, Tensor], Tensor] = token_log_ratio) -> TokenLoss:
-    """The per-token RL policy loss: the clipped surrogate (dual-clipped with `dual_clip`) of the
-    importance ratio `log_ratio(logp, old_logp, mask)` (default per token), weighted by the truncated IS
-    weights `tis` when given, plus `kl_coef` x the `kl_estimator` KL to `ref_logp` when the KL sits in
-    the loss (`kl_coef` > 0).
+                      log_ratio: Callable[[Tensor, Tensor, Tensor], Tensor] = token_log_ratio,
+                      policy_loss: str = "clipped") -> TokenLoss:
+    """The per-token RL policy loss: the `policy_loss` of `POLICY_LOSSES` (default the clipped surrogate,
+    dual-clipped with `dual_clip`) of the importance ratio `log_ratio(logp, old_logp, mask)` (default per token),
+    weighted by the truncated IS weights `tis` when given, plus `kl_coef` x the `kl_estimator` KL to `ref_logp`
+    when the KL sits in the loss (`kl_coef` > 0).
 
     logp (B, T) with grad; old_logp, ref_logp, tis (B, T); adv (B,) or (B, T); mask (B, T) bool.
     Off the mask every input is replaced by 0 before anything is exponentiated, so padded positions
@@ -106,7 +141,7 @@ def policy_token_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor,
     zero = torch.zeros_like(logp)
     lp = torch.where(m, logp, zero)
     old = torch.where(m, old_logp.to(logp.dtype), zero)
-    pg, clipped, ratio, dual = surrogate(log_ratio(lp, old, m), adv, clip_low, clip_high, dual_clip)
+    pg, clipped, ratio, dual = POLICY_LOSSES[policy_loss](log_ratio(lp, old, m), adv, clip_low, clip_high, dual_clip)
     if tis is not None:
         pg = pg * torch.where(m, tis.to(pg.dtype), zero)
     if kl_coef > 0:

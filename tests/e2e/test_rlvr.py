@@ -255,6 +255,27 @@ def test_gspo_runs_with_its_own_defaults(sft_dir, tmp_path):
     assert any(not torch.equal(moved[k], sft[k]) for k in sft)
 
 
+def test_cispo_runs_with_its_own_defaults_and_keeps_the_clipped_tokens_gradient(sft_dir, tmp_path):
+    """`--algo cispo` end to end: no reference needed (beta 0), its clip range recorded, and it trains; a high
+    learning rate moves ratios past 1 + clip_high in the second epoch, whose tokens CISPO counts as clipped and
+    still trains on."""
+    from safetensors.torch import load_file
+
+    roll = _rollouts(sft_dir, tmp_path / "r.arrow", num=8)
+    r = run_cli("update", "--policy", str(sft_dir), "--in", str(roll), "--out", str(tmp_path / "u"), "--algo", "cispo",
+                "--length-penalty", "0.1", "--minibatch-size", "16", "--lr", "1e-2", "--metrics", str(tmp_path / "m.jsonl"))
+    assert r.returncode == 0, r.stderr
+    rl = json.loads((tmp_path / "u" / "rlkit.json").read_text())["config"]["rl"]
+    assert (rl["algo"], rl["beta"], rl["clip_low"], rl["clip_high"], rl["loss_agg"]) == ("cispo", 0.0, 1.0, 0.28,
+                                                                                          "token-mean")
+    m = json.loads((tmp_path / "m.jsonl").read_text())
+    assert m["optimizer_steps"] == 4 and m["advantage_abs_mean"] > 0 and 0 < m["clip_fraction"] <= 1
+    assert m["dual_clip_fraction"] == 0
+    moved = load_file(str(tmp_path / "u" / "model.safetensors"))
+    sft = load_file(str(sft_dir / "model.safetensors"))
+    assert any(not torch.equal(moved[k], sft[k]) for k in sft)
+
+
 def test_engine_choice_and_recomputed_pi_old(sft_dir, tmp_path):
     from rlkit.algorithms.config import RLConfig
     from rlkit.algorithms.inputs import build_batch

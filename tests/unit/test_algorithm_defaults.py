@@ -96,7 +96,7 @@ def test_the_help_quotes_the_registry():
     text = " ".join(out.replace("│", " ").split())
     for field in ("beta", "kl_in", "loss_agg", "clip_low", "clip_high"):
         assert f"Default: per --algo ({defaults_table.phrase(field)})" in text, field
-    assert defaults_table.phrase("beta") == "0.01 for most; gspo 0; dpo 0.1"  # what the docs say of --beta
+    assert defaults_table.phrase("beta") == "0.01 for most; gspo 0; cispo 0; dpo 0.1"  # what the docs say of --beta
     assert defaults_table.phrase("kl_in") == "loss for most; ppo reward"  # dpo has none: left out
 
 
