@@ -91,6 +91,10 @@ class UpdateConfig:
     reward: tuple[str, ...] = option((), panel="Algorithm", help="Reward component weight NAME=W (repeatable), e.g. verifier=1 rm:helpful=0.7; default: sum of all components.")
     # reward -= length_penalty * completion tokens
     length_penalty: float = option(0.0, min=0.0, panel="Algorithm", help="Subtract this times the completion length in tokens from the reward (a 'length_penalty' component).")
+    # DAPO's soft overlong punishment (rlkit.ops.shaping) and overlong filtering
+    overlong_buffer: int = option(0, min=0, panel="Algorithm", help="DAPO's soft overlong punishment: completions longer than the rollout's --max-new-tokens minus this many tokens get a penalty growing linearly to --overlong-penalty at the limit (an 'overlong' reward component); single-turn rollouts; 0: off.")
+    overlong_penalty: float = option(1.0, min=0.0, panel="Algorithm", help="--overlong-buffer: the penalty at the length limit (DAPO: 1).")
+    mask_truncated: bool = option(False, panel="Algorithm", help="Leave completions cut at the length limit (finish_reason length) out of the loss (DAPO's overlong filtering); their rewards still count in their groups' baselines.")
     metrics: Path | None = option(None, Metrics)
     tracking: TrackingConfig = nested(TRACKING)  # --report-to, --run-name, --project, --tensorboard
     # for the drift figure; default: the reference score-ref used
@@ -170,7 +174,7 @@ def run(cfg: UpdateConfig) -> Path:
 
 def _run(cfg: UpdateConfig) -> Path:
     from rlkit import console, devices
-    from rlkit.algorithms.inputs import Limits
+    from rlkit.algorithms.inputs import Limits, shaping
     from rlkit.io import atomic, checkpoints, claims, fingerprints, manifests, metrics_log, streams, tracking
     from rlkit.training import lora
     from rlkit.training.trainer import Trainer
@@ -232,7 +236,7 @@ def _run(cfg: UpdateConfig) -> Path:
     inp.check_upstream(upstream, tokenizer, cfg.policy)
     loaded = inp.load(table, upstream=upstream, tokenizer=tokenizer, rl=cfg.rl, dtype=t.train_options.dtype, weights=weights,
                       length_penalty=cfg.length_penalty, policy_fingerprint=inputs["policy"], label=reader.label,
-                      limits=limits, budget=t.train_options.micro_batch_tokens)
+                      limits=limits, budget=t.train_options.micro_batch_tokens, **shaping(cfg))
     t.load(cfg.policy)
     devices.announce("update", t.device, t.train_options.dtype)  # once the input is known good: work starts
     step = checkpoints.policy_step(cfg.policy) + 1
@@ -274,3 +278,4 @@ command = stage_options.command(UpdateConfig, """One update of the policy by the
 
 On a GPU the policy loads once the input has ended (in a pipe: once rollout has exited and freed the
 GPU's memory); on the CPU it loads while the input streams in.""")
+

@@ -290,18 +290,34 @@ def sampled_tokens(table, masks: list[list[int] | None] | None = None) -> list[i
     return [len(c) if m is None else sum(m) for c, m in zip(comps, masks, strict=True)]
 
 
-def _reward_columns(table, length_penalty: float, masks: list[list[int] | None] | None = None
-                    ) -> dict[str, list[float]]:
+class Overlong(NamedTuple):
+    """DAPO's soft overlong punishment (`rlkit.ops.shaping.overlong_penalty`): `buffer` tokens below the rollout's
+    --max-new-tokens `max_len`, falling to -`penalty`."""
+
+    max_len: int
+    buffer: int
+    penalty: float
+
+
+def _reward_columns(table, length_penalty: float, masks: list[list[int] | None] | None = None,
+                    overlong: Overlong | None = None) -> dict[str, list[float]]:
     cols = {n.split("/", 1)[1]: table.column(n).to_pylist() for n in table.column_names if n.startswith("reward/")}
     if length_penalty:  # the tokens the policy sampled: an environment's tool output costs it nothing
         cols["length_penalty"] = [-length_penalty * n for n in sampled_tokens(table, masks)]
+    if overlong is not None:
+        from rlkit.ops.shaping import overlong_penalty
+
+        cols["overlong"] = overlong_penalty(sampled_tokens(table), *overlong)
     return cols
 
 
 def build_batch(table, pad_id: int, weights: dict[str, float] | None = None,
-                length_penalty: float = 0.0, label: str = "the input") -> tuple[RLBatch, dict[str, float]]:
+                length_penalty: float = 0.0, label: str = "the input", overlong: Overlong | None = None,
+                mask_truncated: bool = False) -> tuple[RLBatch, dict[str, float]]:
     """Tensors from a rollouts/scored Arrow table. `length_penalty` > 0 adds the component
-    `length_penalty` = -length_penalty * sampled completion tokens (weight 1) to the reward.
+    `length_penalty` = -length_penalty * sampled completion tokens (weight 1) to the reward; `overlong` adds DAPO's
+    soft overlong punishment as the component `overlong` (weight 1); `mask_truncated` leaves the rows cut at the
+    length limit (finish_reason "length") out of the loss (their rewards still count in their groups' baselines).
 
     A `loss_mask` column (multi-turn rows, `loss_masks`) is ANDed into the batch's `mask` here, and only here:
     everything downstream trains on and counts the tokens the policy sampled."""
@@ -326,8 +342,16 @@ def build_batch(table, pad_id: int, weights: dict[str, float] | None = None,
         ref = _padded(table.column("ref_logprobs").to_pylist(), C)
     if length_penalty:
         weights = None if weights is None else {**weights, "length_penalty": 1.0}
-    rewards, used = combine_rewards(_reward_columns(table, length_penalty, masks), weights)
+    if overlong is not None:
+        weights = None if weights is None else {**weights, "overlong": 1.0}
+    rewards, used = combine_rewards(_reward_columns(table, length_penalty, masks, overlong), weights)
     groups = torch.tensor(table.column("group_id").to_pylist(), dtype=torch.long)
+    if mask_truncated:
+        cut = torch.tensor([f == "length" for f in table.column("finish_reason").to_pylist()], dtype=torch.bool)
+        if bool(cut.all()):
+            raise RlkitError(f"{label}: every row was cut at the length limit (finish_reason length), so "
+                             "--mask-truncated leaves nothing to train on; raise rollout's --max-new-tokens")
+        mask = mask & ~cut.unsqueeze(1)
     return RLBatch(ids, attn, targets, mask, start, _padded(old, C), ref, rewards, groups, span), used
 
 
@@ -467,7 +491,8 @@ class Rollouts:
 
     def load(self, table, *, upstream: Manifest, tokenizer, rl: RLConfig, dtype: str, weights: dict[str, float] | None,
              length_penalty: float, policy_fingerprint: str | None = None, lags: Tensor | None = None,
-             label: str = "the input", limits: Limits | None = None, budget: int | None = None) -> Loaded:
+             label: str = "the input", limits: Limits | None = None, budget: int | None = None,
+             overlong: tuple[int, float] | None = None, mask_truncated: bool = False) -> Loaded:
         """`policy_fingerprint`: warn when the rows were sampled from another checkpoint (one update; under
         --follow every row is, by its lag). `lags` (N,): the rows' policy lags under --follow. `limits`: the
         policy's vocabulary and context, which every row must fit (`check_rows`) before the model runs;
@@ -487,7 +512,12 @@ class Rollouts:
             console.warn("these rollouts were sampled from another checkpoint than --policy (off-policy); "
                          "the pi_theta/pi_old ratio corrects for it, within the clip range")
         temperature = upstream.temperature
-        batch, used = build_batch(table, tokenizer.pad_token_id, weights, length_penalty, label)
+        shape = None
+        if overlong is not None:  # (buffer, penalty) against the rollout's single-turn --max-new-tokens
+            shape = Overlong(_overlong_limit(upstream.sampling, overlong[0], label), *overlong)
+        if mask_truncated and "finish_reason" not in table.column_names:
+            raise RlkitError(f"{label} has no finish_reason column, so --mask-truncated cannot tell the truncated rows")
+        batch, used = build_batch(table, tokenizer.pad_token_id, weights, length_penalty, label, shape, mask_truncated)
         if not self.said_reward:
             console.info("update: reward = " + " + ".join(f"{w:g}*{k}" for k, w in used.items())
                          + (" (the sum of the components present; weigh them with --reward NAME=W)"
@@ -505,7 +535,7 @@ class Rollouts:
                    f"--dtype {dtype} computes other log-probs than the fp32 engine")
             console.info(f"update: {why}: recomputing pi_old with the trainer (--old-logprobs engine to trust the engine's)")
             self.said_recompute = True
-        comps = _reward_columns(table, length_penalty, loss_masks(table, label) if length_penalty else None)
+        comps = _reward_columns(table, length_penalty, loss_masks(table, label) if length_penalty else None, shape)
         rew = batch.rewards
         metrics = {
             "reward_mean": float(rew.mean()),
@@ -515,6 +545,9 @@ class Rollouts:
                if "verifier" in comps else {}),
             **verdict_fractions(table),
         }
+        if mask_truncated:
+            cut = sum(f == "length" for f in table.column("finish_reason").to_pylist())
+            metrics["truncated_masked_fraction"] = cut / table.num_rows
         if batch.span is not None:  # multi-turn rows: how much of the completions the environment wrote
             metrics["environment_token_fraction"] = 1 - float(batch.mask.sum()) / max(1, int(batch.span.sum()))
         traj = trajectories.figures(table)  # multi-turn rows: turns and tool calls a trajectory (rlkit report)
@@ -522,6 +555,26 @@ class Rollouts:
         train = {"temperature": temperature, "recompute": recompute, "lags": lags,
                  "length_norm": _length_norm(upstream.sampling, batch)}  # Dr. GRPO's
         return Loaded(batch, train, metrics, used)
+
+
+def shaping(cfg) -> dict:
+    """`Rollouts.load`'s length shaping (DAPO's overlong punishment and filtering) from update's options
+    (`overlong_buffer`, `overlong_penalty`, `mask_truncated`)."""
+    return {"overlong": (cfg.overlong_buffer, cfg.overlong_penalty) if cfg.overlong_buffer else None,
+            "mask_truncated": cfg.mask_truncated}
+
+
+def _overlong_limit(sampling, buffer: int, label: str) -> int:
+    """The length the overlong punishment counts to: the rollout's --max-new-tokens, single-turn only."""
+    if sampling.get("env"):
+        raise RlkitError(f"{label} holds multi-turn trajectories; --overlong-buffer shapes single-turn completions "
+                         "against the rollout's --max-new-tokens")
+    most = sampling.get("max_new_tokens")
+    if not most:
+        raise RlkitError(f"{label} does not record the rollout's --max-new-tokens, which --overlong-buffer counts to")
+    if buffer >= most:
+        raise RlkitError(f"--overlong-buffer {buffer} must be below the rollout's --max-new-tokens {most}")
+    return int(most)
 
 
 def _length_norm(sampling, batch: RLBatch) -> float:

@@ -41,7 +41,7 @@ def run_follow(cfg, inp, pending, weights: dict[str, float] | None, rt) -> Path:
 
     dev = rt.device
     from rlkit.algorithms.config import DEFAULT_FOLLOW_TIS_CAP
-    from rlkit.algorithms.inputs import Limits
+    from rlkit.algorithms.inputs import Limits, shaping
     from rlkit.errors import RlkitError
     from rlkit.io import (
         checkpoints,
@@ -123,7 +123,7 @@ def run_follow(cfg, inp, pending, weights: dict[str, float] | None, rt) -> Path:
                 dropped += drop
                 loaded = inp.load(table, upstream=upstream, tokenizer=tokenizer, rl=cfg.rl, dtype=t.train_options.dtype,
                                   weights=weights, length_penalty=cfg.length_penalty, lags=lags, label=reader.label,
-                                  limits=limits, budget=t.train_options.micro_batch_tokens)
+                                  limits=limits, budget=t.train_options.micro_batch_tokens, **shaping(cfg))
                 # decoupled PPO: a recomputed pi_old is the proximal policy, weighed by proximal / behaviour, capped
                 rl = replace(cfg.rl, tis_cap=(cap or None) if loaded.train["recompute"] else None)
                 m = t.train(loaded.batch, cfg=rl, progress=lambda n, s=step: console.progress(f"update step {s + 1}", n),

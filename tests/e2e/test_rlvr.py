@@ -276,6 +276,31 @@ def test_cispo_runs_with_its_own_defaults_and_keeps_the_clipped_tokens_gradient(
     assert any(not torch.equal(moved[k], sft[k]) for k in sft)
 
 
+def test_overlong_punishment_and_masking_truncated_completions(sft_dir, tmp_path):
+    """DAPO's overlong shaping on real rollouts cut at 3 tokens: the `overlong` component is the soft punishment of
+    each row's length, and --mask-truncated trains on the rows that ended (a figure of how many were left out)."""
+    from rlkit.ops.shaping import overlong_penalty
+
+    roll = _rollouts(sft_dir, tmp_path / "r.arrow", num=8, extra=("--max-new-tokens", "3"))
+    rows = _table_rows(roll)
+    cut = sum(r["finish_reason"] == "length" for r in rows)
+    assert 0 < cut < len(rows)  # some answers need more than 3 tokens, some end sooner
+    r = run_cli("update", "--policy", str(sft_dir), "--in", str(roll), "--out", str(tmp_path / "u"), "--beta", "0",
+                "--overlong-buffer", "2", "--overlong-penalty", "0.5", "--mask-truncated",
+                "--metrics", str(tmp_path / "m.jsonl"))
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    m = json.loads((tmp_path / "m.jsonl").read_text())
+    want = overlong_penalty([len(x["completion_ids"]) for x in rows], 3, 2, 0.5)
+    assert m["reward/overlong"] == pytest.approx(sum(want) / len(want)) and min(want) == -0.5
+    assert m["truncated_masked_fraction"] == pytest.approx(cut / len(rows))
+    assert "overlong" in json.loads((tmp_path / "u" / "rlkit.json").read_text())["reward_weights"]
+    # a buffer that is not below the rollout's length limit: one line, nothing written
+    r = run_cli("update", "--policy", str(sft_dir), "--in", str(roll), "--out", str(tmp_path / "bad"), "--beta", "0",
+                "--overlong-buffer", "3")
+    assert r.returncode == 2 and not (tmp_path / "bad").exists()
+    assert "--overlong-buffer 3 must be below the rollout's --max-new-tokens 3" in r.stderr.decode()
+
+
 def test_engine_choice_and_recomputed_pi_old(sft_dir, tmp_path):
     from rlkit.algorithms.config import RLConfig
     from rlkit.algorithms.inputs import build_batch
