@@ -38,8 +38,8 @@ import inspect
 import json
 import math
 
-from rlkit.envs.base import EnvError, Step
-from rlkit.envs.tools import Tools, parse_call
+from rlkit.envs.base import EnvError
+from rlkit.envs.tools import Tools
 from rlkit.errors import RlkitError
 
 RESERVED = ("reset", "get_reward")
@@ -109,17 +109,8 @@ class TrlEnvironment(Tools):
                            "reset returns a str (appended to the prompt) or None")
         return example.prompt + out
 
-    def step(self, action: str) -> Step:
-        call = parse_call(action)
-        if call is None:  # no tool call: the episode's end, scored by the instance
-            return Step(None, self._reward(), terminated=True)
-        self.tool_calls += 1
-        ok, text = self.call(call)
-        if not ok:
-            self.tool_errors += 1
-        return Step([{"role": "tool", "content": text}], 0.0)
-
-    def _reward(self) -> float:
+    def score(self, answer: str, example) -> float:  # noqa: ARG002 (Tools.step: a turn without a tool call)
+        """The episode's end: the reward the instance gives itself (TRL reads it off the instance afterwards)."""
         from rlkit.tasks.user_code import as_number
 
         get = getattr(self.inner, "get_reward", None)
@@ -134,9 +125,6 @@ class TrlEnvironment(Tools):
         if v is None or not math.isfinite(v):
             raise EnvError(f"environment {self.label}: {what} is {value!r:.60}; expected a finite number")
         return v
-
-    def close(self) -> None:
-        super().close()
 
 
 _SENTINEL = object()
