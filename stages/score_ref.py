@@ -15,11 +15,14 @@ The reference must share the policy's tokenizer (the rollouts record its fingerp
 prompt + completion, re-tokenized with their own tokenizer (which may differ from the policy's), and
 add one `reward/rm:NAME` component each beside `verifier`. User reward functions
 (`--reward-fn NAME=FILE.py:FUNC`, repeatable, `rlkit.tasks.reward_fns`) add `reward/NAME` the same way,
-batch by batch; their signatures are checked before the models load. With none of --ref, --rm and
---reward-fn, the reference is the one the sampling policy was trained against: `update` records it in
+batch by batch; their signatures are checked before the models load. `--teacher DIR` (on-policy distillation)
+adds `teacher_logprobs`, a teacher's log-prob of every completion token, by the same forward-only scorer as the
+reference (packed, micro-batched, at the rollout's temperature, bf16 on a GPU with --dtype auto); the teacher
+must have the policy's tokenizer exactly (same vocabulary and special tokens: the log-probs of the same token ids
+are compared), else one line. With none of --ref, --rm, --reward-fn and --teacher, the reference is the one the sampling policy was trained against: `update` records it in
 every checkpoint it writes (`reference` in `rlkit.json`, path and fingerprint), so the card's
 `rlkit rollout --policy ckpt/ --n 8 | rlkit score-ref` works from the first RL round on. With --rm or
---reward-fn alone the output stays a 'rollouts' table (enough for `update --beta 0`).
+--reward-fn or --teacher alone the output stays a 'rollouts' table (enough for `update --beta 0`).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class ScoreRefConfig:
     ref: Path | None = option(None, "--ref", panel="Model", help="Frozen reference directory (made by `rlkit freeze-ref`). Without --ref, --rm and --reward-fn: the reference the sampling policy was trained against (recorded by `update` in its checkpoint).")
     # NAME=DIR reward models, each adds a `reward/rm:NAME` column
     rm: tuple[str, ...] = option((), "--rm", panel="Model", help="Reward model NAME=DIR (repeatable; or DIR, named after it): adds reward/rm:NAME.")
+    teacher: Path | None = option(None, "--teacher", panel="Model", help="Teacher checkpoint for on-policy distillation (any causal LM directory with the policy's tokenizer, e.g. a stronger RL checkpoint): adds teacher_logprobs, its log-prob of every completion token, which `update --algo distill` (or --teacher-coef) trains on.")
     reward_fn: tuple[str, ...] = option((), RewardFn)  # NAME=FILE.py:FUNC user reward functions, each adds `reward/NAME`
     reward_timeout: float = option(60.0, RewardTimeout)  # seconds one --reward-fn call may run (0: no limit)
     sandbox: str | None = option(None, SandboxKind)  # bwrap: --reward-fn functions run in sandboxed workers
@@ -157,8 +161,8 @@ def recorded_reference(upstream: Manifest) -> tuple[Path, Path]:
 
     policy = upstream.path(upstream.sampling_section, "policy")
     given = upstream.sampling.get("policy")
-    nothing = ("nothing to score with: pass --ref REF (reference log-probs), --rm NAME=DIR and/or "
-               "--reward-fn NAME=FILE.py:FUNC")
+    nothing = ("nothing to score with: pass --ref REF (reference log-probs), --rm NAME=DIR, "
+               "--reward-fn NAME=FILE.py:FUNC and/or --teacher DIR")
     if not policy or not Path(policy).is_dir():
         raise RlkitError(nothing + " (the input does not name a policy whose reference could be used)")
     entry = (checkpoints.load_manifest(Path(policy)) or {}).get("reference")
@@ -197,6 +201,7 @@ class Models:
     def __init__(self, cfg: ScoreRefConfig, dev, rms: dict[str, Path]) -> None:
         self.cfg, self.dev, self.rms = cfg, dev, rms
         self.model = self.limits = None  # the reference and what its rows must fit (`Limits`)
+        self.teacher = self.teacher_limits = None  # --teacher's model and what its rows must fit
         self.scorers: dict = {}  # component name -> (reward model, its tokenizer)
         self.loaded = False
 
@@ -212,11 +217,16 @@ class Models:
         if cfg.plan:  # on a GPU: the models and one forward batch must fit what the GPU has free (rlkit.planner)
             from rlkit import planner
 
-            planner.preflight_scoring(cfg.ref, list(self.rms.values()), cfg.dtype, cfg.batch_tokens, cfg.packing,
-                                      self.dev)
+            lms = [d for d in (cfg.ref, cfg.teacher) if d is not None]  # a teacher is planned as a second LM
+            planner.preflight_scoring(lms[0] if lms else None, [*lms[1:], *self.rms.values()], cfg.dtype,
+                                      cfg.batch_tokens, cfg.packing, self.dev)
         if cfg.ref is not None:
             self.model, _, _ = checkpoints.load_reference(cfg.ref, self.dev, cfg.trust_remote_code, cfg.dtype)
             self.limits = Limits.of(self.model, f"reference {cfg.ref}")
+        if cfg.teacher is not None:
+            self.teacher = checkpoints.load_teacher(cfg.teacher, self.dev, cfg.trust_remote_code,
+                                                    "fp32" if cfg.dtype == "stored" else cfg.dtype)
+            self.teacher_limits = Limits.of(self.teacher, f"teacher {cfg.teacher}")
         rm_dtype = "fp32" if cfg.dtype == "stored" else cfg.dtype  # a reward model is stored fp32 (train-rm)
         self.scorers = {name: load_reward_model(d, cfg.trust_remote_code, device=self.dev, dtype=rm_dtype)
                         for name, d in self.rms.items()}
@@ -248,7 +258,7 @@ def run(cfg: ScoreRefConfig) -> Path | None:
 
     devices.parse(cfg.device)
     inputs = {"--ref": cfg.ref, "--rm": [r.partition("=")[2] or r for r in cfg.rm], "--in": cfg.inp,
-              "--reward-fn": cfg.reward_fn}
+              "--reward-fn": cfg.reward_fn, "--teacher": cfg.teacher}
     with claims.claim_out(cfg.out, "table", inputs), checkpoints.verifying(cfg.verify):
         return _run(cfg)
 
@@ -278,7 +288,7 @@ def _run_loaded(cfg: ScoreRefConfig, rms: dict[str, Path], fns) -> Path | None:
             raise RlkitError("--shard cuts an input file between groups: pass --in FILE (a piped-in shard of "
                              "`rollout --shard` needs no --shard here)")
     recorded = None
-    if cfg.ref is None and not rms and not fns:  # the reference the sampling policy was trained against
+    if cfg.ref is None and not rms and not fns and cfg.teacher is None:  # the reference the policy was trained against
         pending = streams.open_table(cfg.inp, ["rollouts", "scored", "prefs"])
         recorded = recorded_reference(pending.result().record)
         cfg = replace(cfg, ref=recorded[0])
@@ -286,12 +296,17 @@ def _run_loaded(cfg: ScoreRefConfig, rms: dict[str, Path], fns) -> Path | None:
         raise RlkitError(f"--dtype {cfg.dtype!r} is not one of auto, stored, fp32, bf16")
     out = streams.resolve_out(cfg.out)
     claims.check_out(out, "table")
-    dev = devices.resolve(cfg.device) if cfg.ref is not None or rms else None  # reward functions run on the host
+    # reward functions run on the host
+    dev = devices.resolve(cfg.device) if cfg.ref is not None or rms or cfg.teacher is not None else None
     ref_m: dict = {}
     if cfg.ref is not None:
         ref_m = checkpoints.verify_reference(cfg.ref)  # reads the files (hashes), puts nothing on the device
     for d in rms.values():
         checkpoints.check_model_dir(d, "reward model")
+    teacher_tok = None
+    if cfg.teacher is not None:  # checked (weights' hashes, tokenizer) before anything loads
+        checkpoints.check_model_dir(cfg.teacher, "teacher")
+        teacher_tok = checkpoints.load_tokenizer(cfg.teacher, cfg.trust_remote_code)
     if dev is not None:
         cfg = replace(cfg, dtype=score_dtype(dev, cfg.dtype))  # what auto became, as the manifest records it
     if recorded is not None:
@@ -306,12 +321,16 @@ def _run_loaded(cfg: ScoreRefConfig, rms: dict[str, Path], fns) -> Path | None:
     models = Models(cfg, dev, rms)  # loaded when the first batch comes
     reader = pending.result()
     inputs = {"in": reader.fingerprint, **({"ref": fingerprints.fingerprint(cfg.ref)} if cfg.ref else {}),
+              **({"teacher": fingerprints.fingerprint(cfg.teacher)} if cfg.teacher else {}),
               **{name: fingerprints.fingerprint(d) for name, d in rms.items()}, **reward_fns.fingerprints(fns)}
     if manifests.skip_if_current(out, "score-ref", cfg, inputs):
         return out
     if reader.kind == "prefs":
         if cfg.shard:
             raise RlkitError("--shard cuts rollouts tables; score a prefs table whole")
+        if cfg.teacher is not None:
+            raise RlkitError("--teacher scores the completions of a rollouts table (on-policy distillation), not a "
+                             "prefs table")
         return _score_prefs(cfg, reader, models, tokenizer, out, inputs, reference)
     upstream = reader.record
     want = upstream.tokenizer
@@ -320,6 +339,13 @@ def _run_loaded(cfg: ScoreRefConfig, rms: dict[str, Path], fns) -> Path | None:
             f"reference {cfg.ref} has a different tokenizer from the policy that sampled these rollouts "
             f"({checkpoints.tokenizer_fingerprint(tokenizer)} vs {want}); freeze the reference from the same SFT checkpoint"
         )
+    if teacher_tok is not None and want and want != checkpoints.tokenizer_fingerprint(teacher_tok):
+        raise RlkitError(
+            f"teacher {cfg.teacher} has a different tokenizer from the policy that sampled these rollouts "
+            f"({checkpoints.tokenizer_fingerprint(teacher_tok)} vs {want}); on-policy distillation compares log-probs "
+            "of the same token ids, so the teacher's vocabulary and special tokens must be the policy's exactly")
+    if cfg.teacher is not None and "teacher_logprobs" in reader.schema.names:
+        raise RlkitError(f"{reader.label} already has teacher log-probs; score it with one teacher")
     clash = [n for n in [*rms, *(f.name for f in fns)] if f"reward/{n}" in reader.schema.names]
     if clash:
         raise RlkitError(f"the input already has reward component {clash[0]!r}; name this "
@@ -337,14 +363,18 @@ def _run_loaded(cfg: ScoreRefConfig, rms: dict[str, Path], fns) -> Path | None:
         batches = table.slice(span.start, len(span)).to_batches(max_chunksize=4096)
         shard = shards.manifest_entry(cfg.shard, span, table.num_rows, manifests.jsonable(cfg), inputs)
     out_kind = "scored" if cfg.ref is not None or reader.kind == "scored" else "rollouts"
-    # reward components, verdicts and a multi-turn trajectory's columns (loss_mask, turns, ...) pass through as they are
-    extra = [f for f in reader.schema
-             if f.name.startswith(("reward/", "verdict/")) or f.name in schemas.MULTI_TURN_NAMES]
+    # reward components, verdicts, a multi-turn trajectory's columns (loss_mask, turns, ...) and per-token ones
+    # (teacher_logprobs, token_rewards) pass through as they are
+    extra = [f for f in reader.schema if f.name.startswith(("reward/", "verdict/"))
+             or f.name in schemas.MULTI_TURN_NAMES or f.name in schemas.TOKEN_NAMES]
+    if cfg.teacher is not None:
+        extra.append(next(f for f in schemas.TOKEN_FIELDS if f.name == "teacher_logprobs"))
     extra += [pa.field(f"reward/{n}", pa.float64()) for n in [*rms, *(f.name for f in fns)]]
     manifest = manifests.make_manifest(out_kind, "score-ref", cfg, inputs, tokenizer=want,
                                        rollout=dict(upstream.sampling) or None, temperature=temperature,
                                        engine=upstream.engine, reward_models={n: str(d) for n, d in rms.items()},
                                        reward_fns={f.name: f.label for f in fns},
+                                       **({"teacher": str(cfg.teacher)} if cfg.teacher is not None else {}),
                                        **(reference or {k: upstream.get(k) for k in ("reference", "reference_digest")}),
                                        carried_paths=manifests.carried_paths(upstream.raw), **shard,
                                        **(devices.manifest_entry(dev) if dev is not None else {}))
@@ -356,14 +386,15 @@ def _run_loaded(cfg: ScoreRefConfig, rms: dict[str, Path], fns) -> Path | None:
         batches = reader.batches(idle=streams.downstream_closed)
     try:
         rows = _score_stream(cfg, batches, w_args=(out_kind, out, manifest, extra), models=models,
-                             tokenizer=tokenizer, temperature=temperature, lp_type=lp_type, reader=reader,
+                             tokenizer=tokenizer or teacher_tok, temperature=temperature, lp_type=lp_type, reader=reader,
                              empty_ok=bool(shard) or following, fns=fns, row0=span.start if cfg.shard else 0,
                              started=(lambda: devices.announce("score-ref", dev, cfg.dtype)) if dev is not None else None)
     except BrokenPipeError:
         if not following:
             raise
         raise DownstreamClosed("score-ref") from None
-    by = " and ".join([*([str(cfg.ref)] if cfg.ref else []), *(f"{n} ({d})" for n, d in rms.items()),
+    by = " and ".join([*([str(cfg.ref)] if cfg.ref else []), *([f"teacher {cfg.teacher}"] if cfg.teacher else []),
+                       *(f"{n} ({d})" for n, d in rms.items()),
                        *(f"{f.name} ({f.label})" for f in fns)])
     console.info(f"score-ref: {rows} rows scored by {by}"
                  + (f" (shard {cfg.shard}: rows {span.start}-{span.stop} of {table.num_rows})" if cfg.shard else ""))
@@ -390,8 +421,9 @@ def _score_stream(cfg: ScoreRefConfig, batches, w_args, models: Models, tokenize
     with streams.write_table(*w_args) as w, console.progress("score-ref", None, unit="rows") as bar:
         for batch in batches:
             model, scorers, limits = models.load().model, models.scorers, models.limits
-            if limits is not None:
-                check_rows(batch, limits, reader.label, row0=row0, budget=cfg.batch_tokens)
+            for lim in (limits, models.teacher_limits):
+                if lim is not None:
+                    check_rows(batch, lim, reader.label, row0=row0, budget=cfg.batch_tokens)
             row0 += batch.num_rows
             if started is not None:
                 started()
@@ -400,6 +432,9 @@ def _score_stream(cfg: ScoreRefConfig, batches, w_args, models: Models, tokenize
             if model is not None:
                 ref_lp = score_batch(model, batch, tokenizer.pad_token_id, temperature, cfg.batch_tokens, cfg.packing)
                 cols["ref_logprobs"] = pa.array(ref_lp, lp_type)
+            if models.teacher is not None:  # at the rollout's temperature, like pi_old and pi_ref
+                t_lp = score_batch(models.teacher, batch, tokenizer.pad_token_id, temperature, cfg.batch_tokens, cfg.packing)
+                cols["teacher_logprobs"] = pa.array(t_lp, lp_type)
             prompts, comps = batch.column("prompt").to_pylist(), batch.column("completion").to_pylist()
             for name, (rm, rm_tok) in scorers.items():
                 cols[f"reward/{name}"] = pa.array(score_texts(rm, rm_tok, prompts, comps, cfg.batch_tokens, packed=cfg.packing), pa.float64())

@@ -78,6 +78,7 @@ RL = Group(
     target_kl=option(None, panel="KL", help="ppo: adapt the KL coefficient towards this KL (Ziegler et al.), starting at --beta. Unit: nats per sequence, i.e. the --kl-estimator's per-token KL of pi_old vs pi_ref summed over each response and averaged over the batch (TRL's convention; the kl_per_seq metric)."),
     old_logprobs=option(RLConfig.old_logprobs, type=Literal["engine", "recompute", "auto"], panel="Algorithm", help="pi_old for the ratio: engine (as logged at rollout), recompute (the trainer's own forward pass before the first step) or auto (recompute unless the hf engine sampled and --dtype is fp32)."),
     tis_cap=option(None, panel="Algorithm", help="Truncated importance sampling: weight each token's loss by min(pi_recomputed / pi_engine, CAP), e.g. 2.0."),
+    teacher_coef=option(None, type=float, panel="Algorithm", help=f"On-policy distillation: add -C * (log pi_old - log pi_teacher) to every sampled token's advantage (ppo: to its per-token reward), the reverse KL to the teacher whose log-probs `score-ref --teacher DIR` added; with a group --algo the task reward still counts. A teacher_kl metric is logged whenever the input has them. Default: per --algo ({algo_default('teacher_coef')})."),
 )
 
 

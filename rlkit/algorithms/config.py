@@ -56,6 +56,8 @@ class RLConfig:
     kl_horizon: int = 10_000
     old_logprobs: str = "auto"  # engine | recompute | auto (recompute unless the HF engine sampled)
     tis_cap: float | None = None  # truncated importance sampling cap C (needs recomputed pi_old)
+    # on-policy distillation: -teacher_coef * (log pi_old - log pi_teacher) added to each sampled token's advantage
+    teacher_coef: float | None = None
 
     def check(self) -> None:
         """Refuse bad settings with the flag's name (the algorithm's defaults filled in first)."""
@@ -92,7 +94,8 @@ class RLConfig:
             raise RlkitError(f"--tis-cap {self.tis_cap} must be > 0 (e.g. 2.0)")
         if self.tis_cap is not None and self.old_logprobs == "engine":
             raise RlkitError("--tis-cap weighs by pi_recomputed / pi_engine, so it needs --old-logprobs recompute")
-        for flag, v in (("--beta", self.beta), ("--clip-low", self.clip_low), ("--clip-high", self.clip_high)):
+        for flag, v in (("--beta", self.beta), ("--clip-low", self.clip_low), ("--clip-high", self.clip_high),
+                        ("--teacher-coef", self.teacher_coef)):
             if v < 0:
                 raise RlkitError(f"{flag} {v:g}: expected a number >= 0")
         if self.lr <= 0:

@@ -27,7 +27,7 @@ BEGIN = "<!-- BEGIN defaults table: generated from rlkit/algorithms by `python -
 END = "<!-- END defaults table -->"
 # the fields an algorithm that trains on preference pairs has no use for (no ratio, no per-token loss,
 # no separate KL term): shown as "-" and left out of the help's phrases
-_RATIO_FIELDS = ("kl_in", "kl_estimator", "loss_agg", "clip_low", "clip_high")
+_RATIO_FIELDS = ("kl_in", "kl_estimator", "loss_agg", "clip_low", "clip_high", "teacher_coef")
 
 
 def doc_path() -> Path:
@@ -74,16 +74,21 @@ def table() -> str:
     cfg = RLConfig()
     offline = [name for name, e in REGISTRY.items() if e.reads != "rollouts"]
     rl = f"all but {', '.join(offline)}" if offline else "all"
-    out = ["| `--algo` | trains on | `--beta` | `--kl-in` | `--kl-estimator` | `--loss-agg` | `--clip-low` / `--clip-high` |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
+    out = ["| `--algo` | trains on | `--beta` | `--kl-in` | `--kl-estimator` | `--loss-agg` | `--clip-low` / `--clip-high` "
+           "| `--teacher-coef` |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, e in REGISTRY.items():
         cell = {f: _value(e, f) if _uses(e, f) else "-" for f in ("beta", *_RATIO_FIELDS)}
         trains_on = f"scored {e.reads}" if e.reads != "rollouts" or e.defaults.beta > 0 else "rollouts"
+        if e.defaults.teacher_coef > 0:
+            trains_on += " + teacher"
         clips = f"{cell['clip_low']} / {cell['clip_high']}" if _uses(e, "clip_low") else "-"
         out.append(f"| {name}{' (default)' if name == cfg.algo else ''} | {trains_on} | {cell['beta']} | {cell['kl_in']} "
-                   f"| {cell['kl_estimator']} | {cell['loss_agg']} | {clips} |")
+                   f"| {cell['kl_estimator']} | {cell['loss_agg']} | {clips} | {cell['teacher_coef']} |")
     out += ["",
             "*scored*: piped through `score-ref`, which adds the reference's log-probs (`--beta 0` needs no reference);",
+            "*+ teacher*: `score-ref --teacher DIR` adds the teacher's log-probs (any policy-gradient `--algo` reads them",
+            "with `--teacher-coef` > 0);",
             "-: does not apply. With `--kl-in` given, `--kl-estimator` defaults to "
             + ", ".join(f"{k} in the {where}" for where, k in DEFAULT_KL_ESTIMATOR.items()) + ".",
             "",

@@ -38,6 +38,9 @@ class RLBatch(NamedTuple):
     rewards: Tensor  # (N,) combined reward
     groups: Tensor  # (N,) group ids
     span: Tensor | None = None  # (N, C) bool, True on every completion token (environment ones too); None: `mask`
+    teacher_logp: Tensor | None = None  # (N, C) a teacher's log-probs of the completion tokens (score-ref --teacher)
+    # (N, C) per-token rewards (a `token_rewards` column) times their --reward weight; their row sums are in `rewards`
+    token_rewards: Tensor | None = None
 
     @property
     def completion_mask(self) -> Tensor:
@@ -300,8 +303,11 @@ class Overlong(NamedTuple):
 
 
 def _reward_columns(table, length_penalty: float, masks: list[list[int] | None] | None = None,
-                    overlong: Overlong | None = None) -> dict[str, list[float]]:
+                    overlong: Overlong | None = None,
+                    token_rewards: list[list[float]] | None = None) -> dict[str, list[float]]:
     cols = {n.split("/", 1)[1]: table.column(n).to_pylist() for n in table.column_names if n.startswith("reward/")}
+    if token_rewards is not None:  # a `token_rewards` column: its row sums are one more component
+        cols["token_rewards"] = [float(sum(v)) for v in token_rewards]
     if length_penalty:  # the tokens the policy sampled: an environment's tool output costs it nothing
         cols["length_penalty"] = [-length_penalty * n for n in sampled_tokens(table, masks)]
     if overlong is not None:
@@ -340,11 +346,14 @@ def build_batch(table, pad_id: int, weights: dict[str, float] | None = None,
     ref = None
     if "ref_logprobs" in table.column_names:
         ref = _padded(table.column("ref_logprobs").to_pylist(), C)
+    teacher, tok_rewards = (_per_token(table, name, comps, label) for name in ("teacher_logprobs", "token_rewards"))
     if length_penalty:
         weights = None if weights is None else {**weights, "length_penalty": 1.0}
     if overlong is not None:
         weights = None if weights is None else {**weights, "overlong": 1.0}
-    rewards, used = combine_rewards(_reward_columns(table, length_penalty, masks, overlong), weights)
+    rewards, used = combine_rewards(_reward_columns(table, length_penalty, masks, overlong, tok_rewards), weights)
+    tok = None if tok_rewards is None or not used.get("token_rewards") else \
+        _padded(tok_rewards, C) * used["token_rewards"]
     groups = torch.tensor(table.column("group_id").to_pylist(), dtype=torch.long)
     if mask_truncated:
         cut = torch.tensor([f == "length" for f in table.column("finish_reason").to_pylist()], dtype=torch.bool)
@@ -352,7 +361,26 @@ def build_batch(table, pad_id: int, weights: dict[str, float] | None = None,
             raise RlkitError(f"{label}: every row was cut at the length limit (finish_reason length), so "
                              "--mask-truncated leaves nothing to train on; raise rollout's --max-new-tokens")
         mask = mask & ~cut.unsqueeze(1)
-    return RLBatch(ids, attn, targets, mask, start, _padded(old, C), ref, rewards, groups, span), used
+    return RLBatch(ids, attn, targets, mask, start, _padded(old, C), ref, rewards, groups, span,
+                   None if teacher is None else _padded(teacher, C), tok), used
+
+
+def _per_token(table, name: str, comps: list[list[int]], label: str) -> list[list[float]] | None:
+    """A per-token column (`rlkit.io.schemas.TOKEN_FIELDS`): one finite value a completion token, every row; None
+    when the table has no such column. One line naming the first row that breaks it."""
+    import math
+
+    if name not in table.column_names:
+        return None
+    rows = table.column(name).to_pylist()
+    for i, (c, v) in enumerate(zip(comps, rows, strict=True)):
+        if v is None or len(v) != len(c):
+            got = "none" if v is None else f"{len(v)}"
+            raise RlkitError(f"{label}: {_row_name(table, i)} has {got} {name} entries but {len(c)} completion "
+                             f"tokens; {name} holds one value a completion token")
+        if not all(math.isfinite(x) for x in v):
+            raise RlkitError(f"{label}: {_row_name(table, i)} has a non-finite value in {name}")
+    return rows
 
 
 def refuse_multi_turn(table, label: str = "the input") -> None:
@@ -463,6 +491,8 @@ def batch_inputs(batch: RLBatch, old_logp: Tensor, recompute: bool, tis: Tensor 
             "the recomputed pi_old": old_logp if recompute else None}
 
 
+NO_TEACHER = ("{flag} needs a teacher's log-probs, but the input has none: pipe the rollouts through "
+              "`rlkit score-ref --teacher DIR` first")
 NO_REF = ("--beta > 0 needs reference log-probs, but the input has none: pipe the rollouts through "
           "`rlkit score-ref --ref REF` first (or pass --beta 0)")
 
@@ -500,6 +530,9 @@ class Rollouts:
         from rlkit import console
         from rlkit.io import trajectories
 
+        if rl.teacher_coef and "teacher_logprobs" not in table.column_names:
+            raise RlkitError(NO_TEACHER.format(flag="--algo distill" if rl.algo == "distill"
+                                               else f"--teacher-coef {rl.teacher_coef:g}"))
         for col in ("prompt_ids", "completion_ids", "old_logprobs"):
             if table.column(col).null_count:
                 raise RlkitError(f"{label}: column '{col}' has missing values; rollouts need token ids and log-probs")
@@ -535,7 +568,9 @@ class Rollouts:
                    f"--dtype {dtype} computes other log-probs than the fp32 engine")
             console.info(f"update: {why}: recomputing pi_old with the trainer (--old-logprobs engine to trust the engine's)")
             self.said_recompute = True
-        comps = _reward_columns(table, length_penalty, loss_masks(table, label) if length_penalty else None, shape)
+        comps = _reward_columns(table, length_penalty, loss_masks(table, label) if length_penalty else None, shape,
+                                table.column("token_rewards").to_pylist() if "token_rewards" in table.column_names
+                                else None)
         rew = batch.rewards
         metrics = {
             "reward_mean": float(rew.mean()),

@@ -4,7 +4,10 @@ metric, a loss term or a reward penalty, the group counts and --drop-degenerate,
 policy loss, and the ratio, clip, entropy and mismatch metrics. A subclass supplies the advantages
 (`advantages`), may swap the importance ratio (`log_ratio`: e.g. one per sequence) and the per-token loss of it
 (`policy_loss`, a name in `rlkit.ops.losses.POLICY_LOSSES`: the clipped surrogate by default, CISPO), and may
-add loss terms for its own models (`extra_terms`, PPO's value loss).
+add loss terms for its own models (`extra_terms`, PPO's value loss). Per-token signals reach it through the batch
+(`RLBatch.teacher_logp`, `RLBatch.token_rewards`): with --teacher-coef > 0 the teacher's per-token advantage
+(on-policy distillation) is added to the subclass's, and `teacher_kl` is logged whenever the input has a teacher's
+log-probs.
 """
 
 from __future__ import annotations
@@ -18,9 +21,9 @@ from torch import Tensor
 
 from rlkit.algorithms.base import Algorithm, Context, Minibatch, Plan, StepOut
 from rlkit.algorithms.config import RLConfig
-from rlkit.algorithms.inputs import RLBatch, Rollouts, batch_inputs, mismatch_metrics, recompute_logprobs
+from rlkit.algorithms.inputs import NO_TEACHER, RLBatch, Rollouts, batch_inputs, mismatch_metrics, recompute_logprobs
 from rlkit.errors import RlkitError
-from rlkit.ops.advantages import GroupCounts, degenerate_groups
+from rlkit.ops.advantages import GroupCounts, degenerate_groups, teacher_advantage, teacher_kl
 from rlkit.ops.kl import kl_per_token
 from rlkit.ops.logprobs import completion_logprobs
 from rlkit.ops.losses import (
@@ -54,8 +57,11 @@ class PolicyGradient(Algorithm):
     policy_loss: ClassVar[str] = "clipped"  # its per-token loss of that ratio: a name in rlkit.ops.losses.POLICY_LOSSES
     shown = ("kl_per_token", "kl_per_seq", "entropy", "clip_fraction", "dual_clip_fraction", "ratio_min",
              "ratio_mean", "ratio_max", "logprob_mismatch", "logprob_mismatch_max", "tis_weight_mean",
-             "tis_capped_fraction", "is_ess", "mean_response_tokens", "degenerate_group_fraction")
+             "tis_capped_fraction", "is_ess", "mean_response_tokens", "degenerate_group_fraction", "teacher_kl")
     extra_sums: ClassVar[tuple[str, ...]] = ()  # names of the counts `extra_terms` returns
+    # --teacher-coef: False, the teacher's per-token advantage (`rlkit.ops.advantages.teacher_advantage`) is added
+    # to what `advantages` returns; True, the subclass puts it into its per-token rewards itself (PPO, before GAE)
+    teacher_in_rewards: ClassVar[bool] = False
 
     @classmethod
     def check(cls, cfg: RLConfig) -> None:
@@ -111,7 +117,16 @@ class PolicyGradient(Algorithm):
             metrics["kl_per_token"] = float(kl_tok.sum() / mask.sum().clamp(min=1))
             metrics["kl_per_seq"] = float(kl_tok.sum(1).mean())
         kl_coef = self.kl_coef(cfg)
+        if batch.teacher_logp is not None:  # on every update whose input has a teacher's log-probs
+            metrics["teacher_kl"] = teacher_kl(old_logp, batch.teacher_logp, mask)
+        if cfg.teacher_coef > 0 and batch.teacher_logp is None:
+            raise RlkitError(NO_TEACHER.format(flag=f"--algo {self.name}" if self.name == "distill"
+                                               else f"--teacher-coef {cfg.teacher_coef:g}"))
         adv, extra = self.advantages(trainer, batch, old_logp, kl_tok, kl_coef, cfg, metrics, host)
+        if cfg.teacher_coef > 0 and not self.teacher_in_rewards:  # the teacher's per-token term beside the reward's
+            t_adv = teacher_advantage(old_logp, batch.teacher_logp, mask, cfg.teacher_coef)
+            adv = t_adv + (adv.unsqueeze(1) if adv.dim() == 1 else adv)
+            metrics["teacher_advantage_abs_mean"] = float(t_adv.abs().sum() / mask.sum().clamp(min=1))
         counts = degenerate_groups(host.rewards, host.groups)
         rows = torch.arange(len(adv))  # on the host: the trainer shuffles them there
         if cfg.drop_degenerate:

@@ -6,7 +6,8 @@ model on the first update and stored in the checkpoint's `critic/` folder with i
 so the next `update` resumes it; the trainer steps it with the policy (one backward, one loss scale).
 Per-token rewards are -kl_coef * KL(pi_old || pi_ref) on every completion token plus the sequence's
 reward at its last token (`--kl-in reward`, the default for ppo; `--kl-in loss` puts the KL in the
-loss instead); advantages come from GAE over the critic's values, whitened over the batch; the value
+loss instead), plus a `token_rewards` column's values at their own tokens (their sum is taken out of the last
+token's share) and, with --teacher-coef, the teacher's per-token term -C * (log pi_old - log pi_teacher); advantages come from GAE over the critic's values, whitened over the batch; the value
 loss is PPO's clipped one, a token mean. `--target-kl` adapts the KL coefficient between updates
 (Ziegler et al. 2019); its state travels in `critic/kl_controller.json`.
 
@@ -34,6 +35,7 @@ from rlkit.algorithms.inputs import RLBatch
 from rlkit.algorithms.policy_gradient import PGPlan, PolicyGradient
 from rlkit.errors import RlkitError
 from rlkit.io.manifests import MODEL_MANIFEST
+from rlkit.ops.advantages import teacher_advantage
 from rlkit.ops.gae import (
     AdaptiveKLController,
     clipped_value_loss,
@@ -70,6 +72,7 @@ class PPO(PolicyGradient):
     shown = (*PolicyGradient.shown, "kl_coef", "kl_coef_next", "value_loss", "value_clip_fraction",
              "explained_variance")
     extra_sums = ("value_clipped",)
+    teacher_in_rewards = True  # --teacher-coef: the teacher's term is a per-token reward GAE propagates
 
     def __init__(self, cfg: RLConfig) -> None:
         super().__init__(cfg)
@@ -110,7 +113,14 @@ class PPO(PolicyGradient):
         mask = batch.mask
         kl = kl_tok if kl_tok is not None else torch.zeros_like(old_logp)
         in_reward = cfg.kl_in == "reward" and kl_coef > 0
-        token_rewards = kl_penalised_token_rewards(batch.rewards, kl, mask, kl_coef if in_reward else 0.0)
+        score = batch.rewards
+        if batch.token_rewards is not None:  # at their sampled tokens (an environment token's stays in the last one's share)
+            score = score - torch.where(mask, batch.token_rewards, 0).sum(1)
+        token_rewards = kl_penalised_token_rewards(score, kl, mask, kl_coef if in_reward else 0.0)
+        if batch.token_rewards is not None:
+            token_rewards = token_rewards + torch.where(mask, batch.token_rewards, 0)
+        if cfg.teacher_coef > 0:  # on-policy distillation's per-token reward, through GAE with the rest
+            token_rewards = token_rewards + teacher_advantage(old_logp, batch.teacher_logp, mask, cfg.teacher_coef)
         old_values = _values(trainer, self._critic().model, batch, cfg.minibatch_size, host)
         adv, returns = gae(token_rewards, old_values, mask, cfg.gamma, cfg.lam)
         adv = masked_whiten(adv, mask)

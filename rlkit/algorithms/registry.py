@@ -21,6 +21,7 @@ class AlgoDefaults:
     loss_agg: str = "token-mean"  # a name in rlkit.ops.losses.AGGREGATIONS
     clip_low: float = 0.2
     clip_high: float = 0.28
+    teacher_coef: float = 0.0  # on-policy distillation's weight on the teacher's per-token advantage
 
 
 class Entry(NamedTuple):
@@ -43,6 +44,10 @@ REGISTRY: dict[str, Entry] = {
     # verl's 0.28), and an objective without a KL term
     "cispo": Entry("rlkit.algorithms.grpo:CISPO", "GRPO's advantages, the clipped IS weight detached: every token keeps "
                    "its gradient (MiniMax-M1)", AlgoDefaults(beta=0.0, clip_low=1.0, clip_high=0.28)),
+    # the teacher's per-token signal alone; no reference needed (the teacher is the leash)
+    "distill": Entry("rlkit.algorithms.distill:Distill", "on-policy distillation: the reverse KL to a teacher, "
+                     "token by token, on the policy's own samples (score-ref --teacher)",
+                     AlgoDefaults(beta=0.0, teacher_coef=1.0)),
     "ppo": Entry("rlkit.algorithms.ppo:PPO", "a learned critic, GAE, the KL in the reward (InstructGPT)",
                  AlgoDefaults(kl_in="reward")),
     # beta is DPO's temperature

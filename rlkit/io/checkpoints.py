@@ -313,6 +313,22 @@ def load_reference(d: Path, device: str = "cpu", trust_remote_code: bool = False
     return model, load_tokenizer(d, trust_remote_code), m
 
 
+def load_teacher(d: Path, device=None, trust_remote_code: bool = False, dtype: str = "fp32"):
+    """A teacher for on-policy distillation (`score-ref --teacher`): any causal LM checkpoint (an rlkit policy
+    is hash-checked against its rlkit.json unless --no-verify; a LoRA one merged into its verified base), frozen:
+    requires_grad=False, eval mode, on `device` in `dtype` (fp32, bf16, fp16)."""
+    from rlkit.devices import TORCH_DTYPES
+
+    model, _ = load_policy(d, "fp32", trust_remote_code, merged=True)
+    if dtype != "fp32":
+        import torch
+
+        model.to(getattr(torch, TORCH_DTYPES[dtype]))
+    model.eval()
+    model.requires_grad_(False)
+    return model.to(device) if device is not None else model
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """Identity of a tokenizer's id mapping: same vocabulary and special tokens -> same string."""
     vocab = sorted(tokenizer.get_vocab().items())

@@ -107,6 +107,19 @@ MULTI_TURN_FIELDS = (
 MULTI_TURN_NAMES = frozenset(f.name for f in MULTI_TURN_FIELDS)
 
 
+# Per-token signals beside the completion tokens, written only when present, one entry a completion token:
+# `teacher_logprobs`, a teacher's log-prob of each token (`score-ref --teacher`, on-policy distillation);
+# `token_rewards`, a reward on each token (a process reward, a per-turn reward at its turn's last token), which
+# `update` counts as the reward component `token_rewards` (its sum) and PPO places at its tokens.
+TOKEN_FIELDS = (
+    _f("teacher_logprobs", _LOGPROBS, True),
+    _f("token_rewards", _LOGPROBS, True),
+)
+
+
+TOKEN_NAMES = frozenset(f.name for f in TOKEN_FIELDS)
+
+
 # reward/<component>: each reward component's value; verdict/<component>: why a verifier gave it (the code
 # task's `passed`, `wrong_answer`, `timeout`, ...), carried beside it to score-ref's table and update's metrics
 _REWARDS = (("reward/", pa.float64()), ("verdict/", pa.string()))
@@ -132,10 +145,10 @@ KINDS: dict[str, TableKind] = {
                       _f("ref_chosen_logp", pa.float64(), True), _f("ref_rejected_logp", pa.float64(), True)),
         ),
         TableKind("rollouts", 1, _ROLLOUT_FIELDS, "rlkit rollout", optional=_ROLLOUT_OPTIONAL, prefixes=_REWARDS,
-                  accepted=MULTI_TURN_FIELDS),
+                  accepted=(*MULTI_TURN_FIELDS, *TOKEN_FIELDS)),
         TableKind(
             "scored", 1, (*_ROLLOUT_FIELDS, _f("ref_logprobs", _LOGPROBS)), "rlkit score-ref",
-            optional=_ROLLOUT_OPTIONAL, prefixes=_REWARDS, accepted=MULTI_TURN_FIELDS,
+            optional=_ROLLOUT_OPTIONAL, prefixes=_REWARDS, accepted=(*MULTI_TURN_FIELDS, *TOKEN_FIELDS),
         ),
     )
 }

@@ -84,6 +84,24 @@ def reinforce_pp(rewards: Tensor, groups: Tensor, lengths: Tensor | None = None,
     return ((r - mean) / (var.sqrt() + eps)).float()
 
 
+def teacher_advantage(old_logp: Tensor, teacher_logp: Tensor, mask: Tensor, coef: float) -> Tensor:
+    """On-policy distillation's per-token advantage (Agarwal et al. 2024, GKD; Thinking Machines' on-policy
+    distillation, tinker's `kl_penalty_coef`, discount 0): -coef * (log pi_old - log pi_teacher) on each sampled
+    token, so the policy gradient descends the reverse KL(pi || pi_teacher) on the policy's own samples; each
+    token is judged alone (no return over later tokens). 0 off the mask.
+    (N, C), (N, C), (N, C) bool -> (N, C). Example: coef 1, log pi_old -2, log pi_teacher -0.5 gives +1.5."""
+    gap = torch.where(mask.bool(), old_logp.float() - teacher_logp.float(), 0.0)
+    return -coef * gap
+
+
+def teacher_kl(old_logp: Tensor, teacher_logp: Tensor, mask: Tensor) -> float:
+    """The reverse KL to the teacher per sampled token, k1 on the policy's own samples:
+    mean of log pi_old - log pi_teacher over the mask. (N, C), (N, C), (N, C) bool -> float (0.0 for no tokens)."""
+    m = mask.bool()
+    n = int(m.sum())
+    return float(torch.where(m, old_logp.double() - teacher_logp.double(), 0.0).sum() / n) if n else 0.0
+
+
 ADVANTAGES: dict[str, Callable[..., Tensor]] = {
     "grpo": grpo, "dr-grpo": dr_grpo, "rloo": rloo, "reinforce-pp": reinforce_pp,
 }

@@ -370,3 +370,68 @@ def test_rollout_shows_the_total_reward_update_trains_on_and_each_component(sft_
             "reward/probe 1; update trains on this sum, or on the components weighed by its --reward)") in err
     m = manifests.read_manifest(out)
     assert m["config"]["max_new_tokens"] == 16 == json.loads((sft_dir / "rlkit.json").read_text())["config"]["max_new_tokens"]
+
+
+def test_on_policy_distillation_from_a_teacher(sft_dir, ref_dir, tmp_path):
+    """`score-ref --teacher` scores every sampled token with the teacher's own forward pass: with the sampling
+    policy as its teacher the log-probs are pi_old's and `--algo distill` has nothing to learn (teacher_kl 0);
+    with another teacher one distill update moves the student's log-probs of those tokens towards the teacher's.
+    A teacher with another tokenizer, and distill on a table without a teacher, are one line each."""
+    import shutil
+
+    from stages.score_ref import score_tokens
+
+    roll = _rollouts(sft_dir, tmp_path / "r.arrow", num=8)
+    same = tmp_path / "same.arrow"
+    stage("score-ref", "--teacher", str(sft_dir), "--in", str(roll), "--out", str(same))
+    rows = _table_rows(same)
+    assert manifests.read_manifest(same)["kind"] == "rollouts"  # no reference asked for
+    for r in rows:
+        assert r["teacher_logprobs"] == pytest.approx(r["old_logprobs"], abs=1e-4)
+    r = run_cli("update", "--policy", str(sft_dir), "--in", str(same), "--out", str(tmp_path / "u0"), "--algo",
+                "distill", "--metrics", str(tmp_path / "m0.jsonl"))
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    m = json.loads((tmp_path / "m0.jsonl").read_text())
+    assert abs(m["teacher_kl"]) < 1e-4 and m["teacher_advantage_abs_mean"] < 1e-4
+    # a teacher that differs: the sft checkpoint after one high-lr update (a length penalty gives it a signal)
+    teacher = tmp_path / "teacher"
+    stage("update", "--policy", str(sft_dir), "--in", str(roll), "--out", str(teacher), "--beta", "0", "--lr", "1e-2",
+          "--length-penalty", "0.1")
+    scored = tmp_path / "t.arrow"
+    stage("score-ref", "--teacher", str(teacher), "--in", str(roll), "--out", str(scored))
+    r = run_cli("update", "--policy", str(sft_dir), "--in", str(scored), "--out", str(tmp_path / "u"), "--algo",
+                "distill", "--lr", "2e-4", "--minibatch-size", "8", "--metrics", str(tmp_path / "m.jsonl"))
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    m = json.loads((tmp_path / "m.jsonl").read_text())
+    assert m["teacher_kl"] > 1e-3 and m["teacher_advantage_abs_mean"] > 1e-3
+    rows = _table_rows(scored)
+    tok = checkpoints.load_tokenizer(sft_dir)
+    prompts, comps = [r["prompt_ids"] for r in rows], [r["completion_ids"] for r in rows]
+    student, _ = checkpoints.load_policy(tmp_path / "u")
+    new = score_tokens(student.eval(), prompts, comps, tok.pad_token_id, 1.0, 4096)
+
+    def gap(lps):
+        d = [abs(a - b) for r, lp in zip(rows, lps, strict=True) for a, b in zip(lp, r["teacher_logprobs"], strict=True)]
+        return sum(d) / len(d)
+
+    assert gap(new) < 0.9 * gap([r["old_logprobs"] for r in rows])
+    # the teacher's column is carried through a later score-ref (the reference's), and a second teacher is refused
+    both = tmp_path / "both.arrow"
+    stage("score-ref", "--ref", str(ref_dir), "--in", str(scored), "--out", str(both))
+    assert [r["teacher_logprobs"] for r in _table_rows(both)] == [r["teacher_logprobs"] for r in rows]
+    line = one_error_line(run_cli_inproc("score-ref", "--teacher", str(teacher), "--in", str(scored), "--out",
+                                         str(tmp_path / "twice.arrow")))
+    assert "already has teacher log-probs" in line and not (tmp_path / "twice.arrow").exists()
+    # refusals: distill without a teacher's log-probs; a teacher with another tokenizer
+    line = one_error_line(run_cli_inproc("update", "--policy", str(sft_dir), "--in", str(roll), "--out",
+                                         str(tmp_path / "no"), "--algo", "distill"))
+    assert "--algo distill needs a teacher's log-probs" in line and "score-ref --teacher" in line
+    assert not (tmp_path / "no").exists()
+    other = tmp_path / "other"
+    shutil.copytree(sft_dir, other)
+    otok = checkpoints.load_tokenizer(other)
+    otok.add_special_tokens({"additional_special_tokens": ["<extra>"]})
+    otok.save_pretrained(other)
+    line = one_error_line(run_cli_inproc("score-ref", "--teacher", str(other), "--in", str(roll), "--out",
+                                         str(tmp_path / "o.arrow")))
+    assert "teacher" in line and "different tokenizer" in line and not (tmp_path / "o.arrow").exists()
