@@ -236,6 +236,7 @@ FLOAT_BOUNDS: dict[str, Bounds] = {
     "--tis-cap": Bounds(0, 1e4, "an importance-weight cap", low_open=True),
     "--length-penalty": Bounds(0, 100, "a penalty per token"),
     "--overlong-penalty": Bounds(0, 100, "a penalty at the length limit"),
+    "--min-reward": Bounds(-1e6, 1e6, "a total reward"),
     "--max-drift": Bounds(0, 1e3, "a relative weight distance"),
     "--lora-alpha": Bounds(0, 1e5, "a LoRA alpha", low_open=True),
     "--lora-dropout": Bounds(0, 1, "a dropout probability", high_open=True),
