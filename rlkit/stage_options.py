@@ -237,6 +237,7 @@ FLOAT_BOUNDS: dict[str, Bounds] = {
     "--length-penalty": Bounds(0, 100, "a penalty per token"),
     "--overlong-penalty": Bounds(0, 100, "a penalty at the length limit"),
     "--teacher-coef": Bounds(0, 100, "a weight on the teacher's per-token advantage"),
+    "--min-reward": Bounds(-1e6, 1e6, "a total reward"),
     "--max-drift": Bounds(0, 1e3, "a relative weight distance"),
     "--lora-alpha": Bounds(0, 1e5, "a LoRA alpha", low_open=True),
     "--lora-dropout": Bounds(0, 1, "a dropout probability", high_open=True),

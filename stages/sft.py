@@ -10,6 +10,14 @@ evaluation when a task is known, through the sampling driver on the hf engine wr
 (its figures go into the checkpoint's manifest, written with the weights; `rlkit eval --engine vllm --policy OUT`
 evaluates the written checkpoint on vLLM). Under torchrun it trains data-parallel (FSDP2, `rlkit.training.distributed`):
 each rank takes rows rank::N of every batch; rank 0 writes the gathered checkpoint.
+
+Rejection sampling (DeepSeek-R1's stage 3, RAFT): with `--data` a rollouts or scored table and `--min-reward R`
+and/or `--best-of`, it trains on the completions whose total reward reaches R (`--best-of`: one a prompt group,
+the best), on the token ids the policy sampled, not re-tokenised, and off a multi-turn row's environment tokens
+(`rlkit.training.rejection`; a kept row longer than --max-length is refused, not truncated). The table's tokenizer
+must be --model's; the held-out evaluation is the rollout's task unless --task is given (none for an
+environment's own prompts); rollout samples a task's train split, so no held-out example is trained on. The
+checkpoint records the table's fingerprint as its `data` input and the filter in its metrics.
 """
 
 from __future__ import annotations
@@ -59,6 +67,10 @@ class SftConfig:
     data: str | None = option(None, panel="Data", help="Training data of prompt/completion (or chat messages) pairs: .arrow/.parquet/.jsonl or datasets spec NAME[:CONFIG][@SPLIT]. A math dataset goes to the task instead: --task math:data=FILE.")
     prompt_column: str = option("prompt", panel="Data", help="Column of --data holding the prompt.")
     completion_column: str = option("completion", panel="Data", help="Column of --data holding the completion.")
+    # rejection-sampling SFT on a rollouts/scored --data (rlkit.training.rejection)
+    min_reward: float | None = option(None, panel="Data", help="With --data a rollouts or scored table (rlkit rollout / score-ref): train on the completions whose total reward (the reward/* columns summed, or weighed by --reward) is at least this, on their sampled token ids (DeepSeek-R1's rejection-sampling SFT). The held-out evaluation is then the rollout's task unless --task is given.")
+    best_of: bool = option(False, "--best-of", panel="Data", help="With --data a rollouts or scored table: keep at most one completion a prompt group, its highest-reward one (ties: the lowest sample_idx), among those reaching --min-reward when given; alone, every group's best whatever its reward (RAFT's best-of-n).")
+    reward: tuple[str, ...] = option((), panel="Data", help="With --min-reward/--best-of: reward component weight NAME=W (repeatable), e.g. verifier=1 rm:helpful=0.7; default: the sum of all components.")
     num_examples: int = option(24_000, min=1, panel="Data", help="Train examples drawn from the task (without --data).")
     epochs: int = option(1, min=1, panel="Optimization", help="Passes over the training data.")
     lr: float = option(1e-3, panel="Optimization", help="Peak learning rate (AdamW).")
@@ -66,7 +78,7 @@ class SftConfig:
     # sft's own, like adam_betas below; AdamW's other settings are rlkit's (rlkit.training.Optim)
     weight_decay: float = option(0.01, panel="Optimization", help="AdamW weight decay (not on norms and biases).")
     batch_tokens: int = option(512, min=16, panel="Optimization", help="Token budget per optimizer step, counted padded: rows x the longest row's prompt + completion tokens (all ranks together under torchrun). Unlike --micro-batch-tokens, which counts real tokens per forward pass; TRL's per_device_train_batch_size x gradient_accumulation_steps counts rows instead.")
-    max_len: int = option(256, "--max-length", min=2, panel="Data", help="Longest training sequence; longer ones are truncated.")
+    max_len: int = option(256, "--max-length", min=2, panel="Data", help="Longest training sequence; longer ones are truncated (a rollouts table's kept rows are refused instead: they are trained on whole).")
     eval_num: int = option(300, min=1, panel="Data", help="Held-out prompts for the final greedy evaluation.")
     sandbox: str | None = option(None, SandboxKind)  # where the code task's held-out programs run (default bwrap)
     sandbox_workers: int | None = option(None, SandboxWorkers)
@@ -116,6 +128,33 @@ def _check_budget(cfg: SftConfig, ids: list[list[int]]) -> None:
                              "lower --max-length")
 
 
+def _open_rollouts(cfg: SftConfig):
+    """(table, reader) of a rollouts or scored --data, read whole, for rejection sampling; None for other data.
+    Refused in one line: --min-reward/--best-of/--reward without such a table, such a table without them."""
+    from rlkit.errors import RlkitError
+    from rlkit.io import manifests, streams
+
+    filtering = cfg.min_reward is not None or cfg.best_of
+    what = "--min-reward/--best-of filter a rollouts or scored table (made by rlkit rollout / score-ref) given as --data"
+    if cfg.data is None:
+        if filtering or cfg.reward:
+            raise RlkitError(f"{what}; no --data was given")
+        return None
+    kind = None
+    if cfg.data == "-":  # a pipe from rollout: its kind is known once it is opened
+        kind = "rollouts" if filtering else None
+    elif Path(cfg.data).is_file():
+        kind = (manifests.read_manifest(cfg.data) or {}).get("kind")
+    if kind not in ("rollouts", "scored"):
+        if filtering or cfg.reward:
+            raise RlkitError(f"{what}; --data {cfg.data} is " + (f"a '{kind}' table" if kind else "not one"))
+        return None
+    if not filtering:
+        raise RlkitError(f"--data {cfg.data} is a '{kind}' table: sft trains on its completions through a reward "
+                         "filter, --min-reward R and/or --best-of (rejection-sampling SFT)")
+    return streams.read_table(cfg.data, ["rollouts", "scored"])
+
+
 def run(cfg: SftConfig) -> Path:
     """Claims --out (see `claims.claim_out`: never over an input, one writer) and runs the stage."""
     from rlkit import devices
@@ -140,6 +179,22 @@ def _run(cfg: SftConfig, tracker) -> Path:
     from rlkit.tasks import generation_length, get_task, task_inputs, task_sandbox
     from rlkit.tasks.evaluate import greedy_eval
 
+    rollouts = _open_rollouts(cfg)  # rejection sampling (rlkit.training.rejection); None: text data or a task
+    kept = None
+    if rollouts is not None:
+        from rlkit.algorithms.inputs import parse_weights
+        from rlkit.training import rejection
+
+        table, reader = rollouts
+        kept = rejection.reject(table, min_reward=cfg.min_reward, best_of=cfg.best_of,
+                                weights=parse_weights(cfg.reward), label=str(cfg.data))
+        if cfg.task is None:  # the held-out evaluation: the task the rollout sampled (its train split)
+            sampled = reader.record.sampling.get("task")
+            if isinstance(sampled, str) and sampled and not sampled.startswith("env:"):
+                cfg = replace(cfg, task=sampled)
+            elif sampled:
+                console.info(f"sft: no held-out evaluation: the rollouts' prompts came from {sampled}; pass --task "
+                             "to evaluate on a task")
     if cfg.task is None and cfg.data is None:
         cfg = replace(cfg, task="arithmetic")
     task = get_task(cfg.task) if cfg.task else None
@@ -165,7 +220,9 @@ def _run(cfg: SftConfig, tracker) -> Path:
         checkpoints.check_model_dir(Path(cfg.model), "base model")
         inputs["model"] = fingerprints.fingerprint(cfg.model)
     source = None
-    if cfg.data:
+    if rollouts is not None:
+        inputs["data"] = rollouts[1].fingerprint
+    elif cfg.data:
         source = data.load_source(cfg.data, "sft", {"prompt": cfg.prompt_column, "completion": cfg.completion_column})
         inputs["data"] = source.fingerprint
     if manifests.skip_if_current(cfg.out, "sft", cfg, inputs):
@@ -195,17 +252,26 @@ def _run(cfg: SftConfig, tracker) -> Path:
     from rlkit.training.engine import Engine
     from rlkit.training.supervised import CrossEntropy, fit
 
-    if source is not None:
-        prompts = data.render_prompts(tokenizer, source, for_sft=True)
-        completions = source.table.column("completion").to_pylist()
-        chat = source.chat
+    if rollouts is not None:  # the sampled token ids as they are, with a multi-turn row's loss_mask
+        from rlkit.algorithms.inputs import Limits
+
+        rejection.check_tokenizer(rollouts[1].record, tokenizer, cfg.model, str(cfg.data))
+        ids, plens, masks = rejection.training_rows(rollouts[0], kept, cfg.max_len,
+                                                    Limits.of(model, f"--model {cfg.model}"), str(cfg.data))
+        truncated = 0
     else:
-        examples = task.examples("train", cfg.num_examples, cfg.seed)
-        prompts = [e.prompt for e in examples]
-        completions = [task.completion(e) for e in examples]
-        chat = False
-    prompt_ids = data.encode_prompts(tokenizer, prompts, chat)
-    ids, plens, truncated = data.encode_sft(tokenizer, prompt_ids, completions, cfg.max_len)
+        if source is not None:
+            prompts = data.render_prompts(tokenizer, source, for_sft=True)
+            completions = source.table.column("completion").to_pylist()
+            chat = source.chat
+        else:
+            examples = task.examples("train", cfg.num_examples, cfg.seed)
+            prompts = [e.prompt for e in examples]
+            completions = [task.completion(e) for e in examples]
+            chat = False
+        prompt_ids = data.encode_prompts(tokenizer, prompts, chat)
+        ids, plens, truncated = data.encode_sft(tokenizer, prompt_ids, completions, cfg.max_len)
+        masks = None
     if not ids:
         raise RlkitError("no training examples left after tokenization (every prompt reaches --max-length)")
     if truncated:
@@ -229,7 +295,7 @@ def _run(cfg: SftConfig, tracker) -> Path:
     devices.announce("sft", dev, train.dtype)  # once the data and the model (LoRA, device) are good: work starts
     tracker.start(resume.tracking_of(cfg.tracking, snap), "sft", cfg)  # a resumed run: its tracker run too
     devices.reset_peak_memory(dev)
-    fitted = fit(engine, objective.plan(ids, plens), epochs,
+    fitted = fit(engine, objective.plan(ids, plens, masks), epochs,
                  _lr_lambda(total, max(1, int(cfg.warmup * total)), cfg.min_lr_ratio),
                  name="sft", snaps=snaps, snap=snap, tracker=tracker, logging_steps=cfg.logging_steps,
                  show=lambda f: {"loss": f.ema, "tok/s": int(f.tokens / max(f.seconds, 1e-9))})
@@ -239,6 +305,8 @@ def _run(cfg: SftConfig, tracker) -> Path:
     metrics = {"train_loss": ema, "steps": total, "examples": len(ids), "tokens": tokens,
                "train_seconds": round(train_s, 2), "tokens_per_s": round(tokens / train_s, 1),
                "padding_fraction": fitted.padding_fraction}
+    if kept is not None:  # the filter: min_reward, best_of, rows and groups read and kept, mean rewards
+        metrics.update(kept.metrics)
     if prec.scaler is not None:
         metrics.update(loss_scale=prec.scaler.get_scale(), skipped_steps=prec.skipped)
     metrics.update(devices.peak_memory(dev))
@@ -254,7 +322,8 @@ def _run(cfg: SftConfig, tracker) -> Path:
     if distributed.stand_down(dp, metrics):
         return cfg.out
     manifest = manifests.make_manifest("model", "sft", cfg, inputs, step=0, metrics=metrics, **devices.manifest_entry(dev),
-                                       **tracker.manifest_entry())
+                                       **tracker.manifest_entry(),
+                                       **({"reward_weights": kept.weights} if kept is not None else {}))
     row = {"stage": "sft", "out": str(cfg.out), "step": 0, **metrics}
     # the row first, taken back out if the checkpoint is not written: never one without the other
     with metrics_log.appending(row, cfg.metrics), atomic.atomic_dir(cfg.out) as tmp:
@@ -263,7 +332,8 @@ def _run(cfg: SftConfig, tracker) -> Path:
     tracker.log(row)
     acc = metrics.get("heldout_accuracy")
     console.info(
-        f"sft: {total} steps, {tokens} tokens in {train_s:.1f}s ({metrics['tokens_per_s']:.0f} tok/s), "
+        "sft: " + (f"{len(ids)} of {kept.metrics['rows_read']} completions kept, " if kept is not None else "")
+        + f"{total} steps, {tokens} tokens in {train_s:.1f}s ({metrics['tokens_per_s']:.0f} tok/s), "
         f"final loss {ema:.4f}" + (f", held-out accuracy {acc:.1%} (n={metrics['heldout_n']})" if acc is not None else "")
         + f" -> {cfg.out}"
     )

@@ -119,27 +119,6 @@ class UpdateConfig:
     force: bool = option(False, Force)
 
 
-def parse_weights(specs: tuple[str, ...]) -> dict[str, float] | None:
-    import math
-
-    from rlkit.errors import RlkitError
-
-    if not specs:
-        return None
-    out = {}
-    for s in specs:
-        name, eq, w = s.partition("=")
-        try:
-            out[name.strip()] = float(w)
-        except ValueError:
-            eq = ""
-        if eq and not math.isfinite(out[name.strip()]):
-            raise RlkitError(f"--reward {s!r}: the weight must be a finite number")
-        if not eq or not name.strip():
-            raise RlkitError(f"--reward {s!r}: expected NAME=WEIGHT, e.g. verifier=1.0")
-    return out
-
-
 def distributed_launch() -> bool:
     import os
 
@@ -175,7 +154,7 @@ def run(cfg: UpdateConfig) -> Path:
 
 def _run(cfg: UpdateConfig) -> Path:
     from rlkit import console, devices
-    from rlkit.algorithms.inputs import Limits, shaping
+    from rlkit.algorithms.inputs import Limits, parse_weights, shaping
     from rlkit.io import atomic, checkpoints, claims, fingerprints, manifests, metrics_log, streams, tracking
     from rlkit.training import lora
     from rlkit.training.trainer import Trainer

@@ -199,8 +199,30 @@ def _padded(rows: list[list[float]], C: int) -> Tensor:
     return out
 
 
-def combine_rewards(columns: dict[str, list[float]], weights: dict[str, float] | None) -> tuple[Tensor, dict[str, float]]:
-    """Weighted sum of reward components (default: each present component with weight 1)."""
+def parse_weights(specs: tuple[str, ...]) -> dict[str, float] | None:
+    """--reward NAME=W ... -> {NAME: W}; None when none is given (every component with weight 1)."""
+    import math
+
+    if not specs:
+        return None
+    out = {}
+    for s in specs:
+        name, eq, w = s.partition("=")
+        try:
+            out[name.strip()] = float(w)
+        except ValueError:
+            eq = ""
+        if eq and not math.isfinite(out[name.strip()]):
+            raise RlkitError(f"--reward {s!r}: the weight must be a finite number")
+        if not eq or not name.strip():
+            raise RlkitError(f"--reward {s!r}: expected NAME=WEIGHT, e.g. verifier=1.0")
+    return out
+
+
+def combine_rewards(columns: dict[str, list[float]], weights: dict[str, float] | None,
+                    dtype: torch.dtype = torch.float32) -> tuple[Tensor, dict[str, float]]:
+    """Weighted sum of reward components (default: each present component with weight 1), summed in float64 and
+    returned as `dtype` (sft's --min-reward compares float64 totals: 0.7 in float32 is below 0.7)."""
     if not columns:
         raise RlkitError("the input has no reward/<component> columns; sample with a task that has a verifier")
     w = dict(weights) if weights else {name: 1.0 for name in columns}
@@ -216,7 +238,7 @@ def combine_rewards(columns: dict[str, list[float]], weights: dict[str, float] |
         if cause:  # an inf reward makes every advantage of its group NaN
             raise RlkitError(cause)
         total += weight * vals
-    return total.float(), w
+    return total.to(dtype), w
 
 
 def verdict_fractions(table) -> dict[str, float]:

@@ -3,7 +3,8 @@ loop both run: a fixed plan of batches, one optimizer step per batch, an LR sche
 tracker rows, resume snapshots.
 
 - `CrossEntropy` (sft): -log pi(completion token) averaged over the batch's completion tokens (prompt
-  tokens are context, not targets). Only completion positions reach the output head.
+  tokens are context, not targets; so are the completion tokens a per-token mask leaves out, a multi-turn
+  rollout's environment tokens). Only completion positions reach the output head.
 - `BradleyTerry` (train-rm): -log sigmoid(s_chosen - s_rejected - margin) averaged over the batch's pairs,
   both sides of each pair in one forward pass.
 
@@ -24,27 +25,56 @@ from rlkit.training.engine import Engine, Minibatch, Objective, Plan, StepOut
 
 
 class CrossEntropy(Objective):
-    """SFT's loss over token sequences `tokens` whose first `prompt_lens[i]` tokens are the prompt."""
+    """SFT's loss over token sequences `tokens` whose first `prompt_lens[i]` tokens are the prompt, optionally with
+    per-token completion masks (`plan`'s `masks`): the tokens a mask leaves out are read by the model (context) but
+    are not targets, like the prompt."""
 
-    def plan(self, tokens: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> Plan:
+    def plan(self, tokens: Sequence[Sequence[int]], prompt_lens: Sequence[int],
+             masks: Sequence[Sequence[int] | None] | None = None) -> Plan:
+        """`masks[i]`: one 0/1 per completion token of row i (len(tokens[i]) - prompt_lens[i] of them), 1 where the
+        token is a target (a multi-turn rollout's `loss_mask`: sampled by the policy), 0 where it is context only
+        (appended by an environment); a None row, or `masks` None: every completion token is a target. The loss
+        averages over the targets of the whole optimizer step."""
         lengths = torch.tensor([len(t) for t in tokens])
         targets = lengths - torch.tensor(list(prompt_lens))
-        return Plan(batch=(tokens, prompt_lens), rows=torch.arange(len(tokens)), lengths=lengths,
+        if masks is not None:
+            if len(masks) != len(tokens):
+                raise ValueError(f"CrossEntropy.plan: {len(masks)} masks for {len(tokens)} sequences")
+            for i, m in enumerate(masks):
+                if m is not None and len(m) != int(targets[i]):
+                    raise ValueError(f"CrossEntropy.plan: sequence {i} has {int(targets[i])} completion tokens but a "
+                                     f"mask of {len(m)}")
+            targets = torch.tensor([int(n) if m is None else int(sum(m)) for n, m in zip(targets, masks, strict=True)])
+        return Plan(batch=(tokens, prompt_lens, masks), rows=torch.arange(len(tokens)), lengths=lengths,
                     weights={"loss": lambda r: targets[r].sum()})
 
     def step(self, engine: Engine, plan: Plan, mb: Minibatch) -> StepOut:
-        tokens, plens = plan.batch
+        tokens, plens, masks = plan.batch
         rows = mb.rows.tolist()
         seqs = engine.layout([tokens[i] for i in rows], [plens[i] for i in rows])
         from rlkit.ops.logprobs import completion_logprobs
 
         with engine.prec.autocast():
-            lp, _ = completion_logprobs(engine.model, seqs)
+            lp, _ = completion_logprobs(engine.model, seqs)  # (r, C), 0 past each completion
         share = mb.shares["loss"]
-        loss = -lp.sum() / max(1, len(seqs.targets)) * share
+        if masks is None:
+            loss = -lp.sum() / max(1, len(seqs.targets)) * share
+        else:
+            keep = _completion_mask([masks[i] for i in rows], [len(tokens[i]) - plens[i] for i in rows],
+                                    seqs.completion)
+            n = int(keep.sum())  # on the host, before the move: no device sync
+            loss = -torch.where(keep.to(lp.device), lp, 0.0).sum() / max(1, n) * share
         model = engine.model if mb.first else None
         return StepOut(loss, {"loss": loss}, tokens=seqs.tokens if share else 0,
                        inputs=lambda: {"the starting weights": model})
+
+
+def _completion_mask(masks: Sequence[Sequence[int] | None], lengths: Sequence[int], C: int) -> torch.Tensor:
+    """(r, C) bool: True on the completion tokens that are targets (a None mask: all `lengths[i]` of row i)."""
+    out = torch.zeros((len(lengths), C), dtype=torch.bool)
+    for i, (m, n) in enumerate(zip(masks, lengths, strict=True)):
+        out[i, :n] = True if m is None else torch.tensor(list(m), dtype=torch.bool)
+    return out
 
 
 class BradleyTerry(Objective):

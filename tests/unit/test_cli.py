@@ -46,6 +46,19 @@ def test_sft_flags_map_into_the_config(monkeypatch, tmp_path):
     assert cfg.model == "tiny" and cfg.task is None and cfg.data is None
 
 
+def test_sft_rejection_sampling_flags_map_into_the_config(monkeypatch, tmp_path):
+    from rlkit.stages import sft
+
+    seen = _capture(monkeypatch, sft)
+    r = runner.invoke(app, ["sft", "--out", str(tmp_path / "o"), "--data", "r.arrow", "--min-reward", "-0.5",
+                            "--best-of", "--reward", "verifier=1", "--reward", "rm=0.5"])
+    assert r.exit_code == 0, r.output
+    (cfg,) = seen
+    assert (cfg.data, cfg.min_reward, cfg.best_of, cfg.reward) == ("r.arrow", -0.5, True, ("verifier=1", "rm=0.5"))
+    assert runner.invoke(app, ["sft", "--out", str(tmp_path / "o")]).exit_code == 0
+    assert (seen[-1].min_reward, seen[-1].best_of, seen[-1].reward) == (None, False, ())
+
+
 def test_freeze_ref_and_eval_flags(monkeypatch, tmp_path):
     from rlkit.stages import eval as eval_stage
     from rlkit.stages import freeze_ref
