@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from rlkit import engines, stage_options
 from rlkit.options import (
@@ -79,6 +79,9 @@ class RolloutConfig:
     answer_column: str = option("answer", AnswerColumn)
     num_prompts: int | None = option(None, min=1, panel="Data", help="Prompts to sample for (task default 64; a file: all rows).")
     n: int = option(8, "--n", min=1, panel="Data", help="Completions per prompt (the group size).")
+    # DAPO's dynamic sampling: keep sampling new prompts until this many groups have unequal rewards
+    min_informative_groups: int | None = option(None, min=1, panel="Data", help="DAPO's dynamic sampling: write only groups whose rewards are not all equal (the others carry no signal for group-normalised algorithms), sampling new prompts after --num-prompts (--follow: --batch-prompts) until this many are written; at most --max-refill-rounds more rounds of that many prompts, then the batch is filled up with uninformative groups. Needs --n >= 2 and rewards at rollout (the task's verifier, --env, --reward-fn).")
+    max_refill_rounds: int = option(4, min=0, panel="Data", help="--min-informative-groups: extra generation rounds (each as many prompts as the first) at most (verl's max_num_gen_batches - 1).")
     temperature: float = option(1.0, panel="Sampling", help="Sampling temperature (> 0).")
     top_p: float = option(1.0, panel="Sampling", help="Nucleus sampling threshold.")
     max_new_tokens: int | None = option(None, min=1, panel="Sampling", help="Longest completion, in tokens (TRL's max_completion_length, verl's response_length). Default: the task's own generation length (arithmetic 16; math 96, 256 with data=; code 40, 512 with data=; a user task's max_new_tokens, else 16); the manifest records the value in force. A completion cut there has finish_reason `length` (verdict `truncated` where the task gives verdicts), and a warning says so when more than half are.")
@@ -195,12 +198,13 @@ def _run_table(cfg: RolloutConfig, verifier: _Verifier, out: Path | None, fns) -
 
     from rlkit import console, devices
     from rlkit.errors import RlkitError
-    from rlkit.io import checkpoints, data, fingerprints, manifests, shards, streams
+    from rlkit.io import checkpoints, data, fingerprints, manifests, schemas, shards, streams
     from rlkit.tasks import reward_fns, task_inputs
 
     task = verifier.task
     if cfg.batch_prompts is not None or cfg.max_steps is not None:
         raise RlkitError("--batch-prompts and --max-steps are --follow options (without it: --num-prompts)")
+    refill = _refill(cfg, cfg.num_prompts or (None if cfg.prompts else 64))
     inputs = {"policy": fingerprints.fingerprint(cfg.policy), **task_inputs(task), **reward_fns.fingerprints(fns),
               **verifier.env_inputs()}
     # prompts stream: a chunk of --chunk-prompts is drawn (or sliced), rendered and tokenized only when it
@@ -208,14 +212,20 @@ def _run_table(cfg: RolloutConfig, verifier: _Verifier, out: Path | None, fns) -
     if cfg.prompts:
         source = data.load_source(cfg.prompts, "prompts", {"prompt": cfg.prompt_column, "answer": cfg.answer_column})
         inputs["prompts"] = source.fingerprint
-        source = source.head(cfg.num_prompts)
+        source = source.head(None if refill else cfg.num_prompts)
         t = source.table
         total = t.num_rows
         scored = "answer" in t.column_names and t.column("answer").null_count == 0
+        if refill is not None:  # rounds of --num-prompts rows, as far as the file goes
+            first = min(total, cfg.num_prompts or total)
+            total = min(total, first * (1 + cfg.max_refill_rounds))
+            refill = refill._replace(limit=total, first=first)
     else:
         source = None
         cfg = replace(cfg, num_prompts=cfg.num_prompts or 64)
         total = _task_total(task, cfg) if cfg.shard else cfg.num_prompts
+        if refill is not None:
+            total = refill.limit
         scored = True  # a task's examples always carry a gold answer (UserTask checks the user's)
     span = range(total)
     if cfg.shard:
@@ -232,6 +242,9 @@ def _run_table(cfg: RolloutConfig, verifier: _Verifier, out: Path | None, fns) -
     if not scored:
         console.warn("some prompts have no gold answer: no verifier reward column is written")
     extra = verifier.fields(scored, fns)
+    if refill is not None:
+        _check_refill(cfg, extra)
+        extra = [*extra, *schemas.REFILL_FIELDS]
     fp, step = inputs["policy"], checkpoints.policy_step(cfg.policy)
     manifest = manifests.make_manifest("rollouts", "rollout", cfg, inputs,
                                        tokenizer=checkpoints.tokenizer_fingerprint(tokenizer), engine=engine.name,
@@ -239,10 +252,11 @@ def _run_table(cfg: RolloutConfig, verifier: _Verifier, out: Path | None, fns) -
                                        **devices.manifest_entry(device),
                                        **shards.manifest_entry(cfg.shard, span, total, manifests.jsonable(cfg), inputs))
     with streams.write_table("rollouts", out, manifest, extra) as w, \
-            console.progress("rollout", len(span) * cfg.n) as bar:
+            console.progress("rollout", len(span) * cfg.n if refill is None else None) as bar:
         # chunks keep their global position and seed whatever the shard, so shards concatenate into the
         # table one job gives
-        _sample(cfg, engine, tokenizer, verifier, w, bar, chunks, cfg.seed, 0, fp, step, scored, fns)
+        _sample(cfg, engine, tokenizer, verifier, w, bar, chunks, cfg.seed, 0, fp, step, scored, fns,
+                None if refill is None else refill.start())
         engine.close()  # before the stream ends: downstream's end of input means the engine's GPU memory is free
     verifier.say()
     return out
@@ -266,13 +280,26 @@ def _run_follow(cfg: RolloutConfig, verifier: _Verifier, out: Path | None, fns=(
         source = data.load_source(cfg.prompts, "prompts", {"prompt": cfg.prompt_column, "answer": cfg.answer_column})
         inputs["prompts"] = source.fingerprint
 
+    refill = _refill(cfg, cfg.batch_prompts or 64)
+
     def sample(engine, tokenizer, w, bar, chunks, seed, group0, fp, step, scored):
-        _sample(cfg, engine, tokenizer, verifier, w, bar, chunks, seed, group0, fp, step, scored, fns)
+        _sample(cfg, engine, tokenizer, verifier, w, bar, chunks, seed, group0, fp, step, scored, fns,
+                None if refill is None else refill.start())
+
+    def fields(scored: bool) -> list:
+        from rlkit.io import schemas
+
+        extra = verifier.fields(scored, fns)
+        if refill is not None:
+            _check_refill(cfg, extra)
+            extra = [*extra, *schemas.REFILL_FIELDS]
+        return extra
 
     stage = follow.Stage(start_engine=lambda path: _start_engine(cfg, path),
                          engine_device=lambda engine: _engine_device(engine, cfg), sample=sample,
-                         fields=lambda scored: verifier.fields(scored, fns), say=verifier.say,
-                         tools=verifier.env.tool_schemas() if verifier.env is not None else None)
+                         fields=fields, say=verifier.say,
+                         tools=verifier.env.tool_schemas() if verifier.env is not None else None,
+                         prompts_a_batch=None if refill is None else refill.limit)
     return follow.run(cfg, verifier.task, source, inputs, out, stage)
 
 
@@ -381,6 +408,7 @@ class _Verifier:
     rows: int = 0
     cut: int = 0
     sums: dict = field(default_factory=dict)  # reward/<name> -> sum over rows; "reward" -> the total's
+    refills: list = field(default_factory=list)  # --min-informative-groups: each batch's `_Refill`
 
     @property
     def verdicts(self) -> bool:
@@ -449,18 +477,29 @@ class _Verifier:
             console.info(f"rollout: {self.task.name} verdicts of {total} responses: "
                          + ", ".join(f"{k} {v} ({v / total:.1%})" for k, v in sorted(self.counts.items(),
                                                                                         key=lambda kv: -kv[1])))
+        if self.refills:
+            drawn, kept = sum(r.drawn for r in self.refills), sum(r.kept for r in self.refills)
+            want, first = sum(r.want for r in self.refills), sum(r.first for r in self.refills)
+            line = (f"rollout: dynamic sampling: {kept} informative groups of {want} wanted, from {drawn} prompts "
+                    f"sampled ({max(0, drawn - first)} beyond the first round's {first}; {kept / max(1, drawn):.0%} "
+                    "of the groups sampled were informative)")
+            if kept < want:
+                console.warn(line + f"; --max-refill-rounds reached: {want - kept} uninformative groups fill the batch")
+            else:
+                console.info(line)
         cut = truncation_warning("rollout", self.cut, self.rows, self.max_new_tokens, self.task)
         if cut:
             console.warn(cut)
 
 
 def _sample(cfg: RolloutConfig, engine: Engine, tokenizer, verifier: _Verifier, w, bar, chunks, seed: int, group0: int,
-            fp: str, step: int, scored: bool, fns=()) -> None:
+            fp: str, step: int, scored: bool, fns=(), refill: _Refill | None = None) -> None:
     """Sample each `rlkit.sampling.Prompts` of `chunks` through the sampling driver and write its rows to `w`. A
     chunk starting at prompt c0 is seeded `seed * 1_000_003 + c0`; prompt p becomes group `group0 + p`. Without
     --env each row is one completion; with it, one trajectory (`rlkit.sampling.run_episodes`). `verifier` scores
     each chunk's rows at once (the final turn's text of a trajectory; with their verdicts where the task gives
-    them); `fns` (--reward-fn) add their reward columns, computed on each chunk's rows."""
+    them); `fns` (--reward-fn) add their reward columns, computed on each chunk's rows. `refill`
+    (--min-informative-groups): only its informative groups are written, and sampling stops once it has enough."""
     from rlkit import sampling
 
     n = cfg.n
@@ -513,8 +552,128 @@ def _sample(cfg: RolloutConfig, engine: Engine, tokenizer, verifier: _Verifier, 
         if verifier.env is not None:
             cols.update({k: c[k] for k in ("loss_mask", "turns", "turn_rewards", "terminated", "truncated",
                                            "end_reason", "tool_calls", "messages")})
+        if refill is not None:
+            cols = refill.take(cols)
+            if cols is None:
+                bar.advance(0)
+                continue
         w.write(cols)
-        bar.advance(len(rows), **verifier.record(cols))
+        bar.advance(len(cols["group_id"]), **verifier.record(cols))
+        if refill is not None and refill.done:
+            break
+    if refill is not None:
+        rest = refill.fill()
+        if rest is not None:
+            w.write(rest)
+            bar.advance(len(rest["group_id"]), **verifier.record(rest))
+        verifier.refills.append(refill)
+
+
+class RefillPlan(NamedTuple):
+    want: int  # informative groups a batch
+    limit: int  # prompts a batch may sample at most
+    first: int  # prompts of its first round
+
+    def start(self) -> _Refill:
+        return _Refill(self.want, self.limit, self.first)
+
+
+def _refill(cfg: RolloutConfig, first: int | None) -> RefillPlan | None:
+    """--min-informative-groups K, checked: K groups out of at most (1 + --max-refill-rounds) x `first` prompts
+    (--num-prompts, or --batch-prompts under --follow); None without it."""
+    from rlkit.errors import RlkitError
+
+    k = cfg.min_informative_groups
+    if k is None:
+        return None
+    if cfg.n < 2:
+        raise RlkitError(f"--min-informative-groups needs groups of --n >= 2 samples to compare (got --n {cfg.n})")
+    if cfg.shard:
+        raise RlkitError("--min-informative-groups samples until enough groups have unequal rewards, so how many "
+                         "prompts a job takes is not known in advance: it cannot be cut into --shard jobs")
+    if first is not None and k > first:
+        what = "--batch-prompts" if cfg.follow is not None else "--num-prompts"
+        raise RlkitError(f"--min-informative-groups {k} is more than {what} {first}: the batch is at most that many "
+                         "groups")
+    return RefillPlan(k, (first or k) * (1 + cfg.max_refill_rounds), first or k)
+
+
+def _check_refill(cfg: RolloutConfig, fields: list) -> None:
+    """Refilling compares each group's rewards, so the rollout must give some (a verifier, --env, --reward-fn)."""
+    from rlkit.errors import RlkitError
+
+    if not any(f.name.startswith("reward/") for f in fields):
+        raise RlkitError("--min-informative-groups compares each group's rewards, but this rollout gives none "
+                         "(prompts without gold answers and no --env or --reward-fn); reward models come later, at "
+                         "score-ref, where refilling cannot resample")
+
+
+@dataclass
+class _Refill:
+    """DAPO's dynamic sampling over one batch (Yu et al. 2025, "DAPO"; verl's `filter_groups`): a group whose
+    rewards (the components summed, as `update` takes them without --reward) are all equal gives every
+    group-normalised advantage 0, so only groups with unequal rewards are written, `want` of them, while at most
+    `limit` prompts are sampled. The uninformative groups are kept aside (up to `want`) to fill the batch up when
+    the limit comes first, so it always holds `want` groups (`update --follow` takes whole batches). Every written
+    row carries `prompts_drawn` (`rlkit.io.schemas.REFILL_FIELDS`)."""
+
+    want: int
+    limit: int
+    first: int  # prompts of the first round (--num-prompts, --batch-prompts)
+    kept: int = 0  # informative groups written
+    drawn: int = 0  # prompts sampled
+    since: int = 0  # prompts sampled since the last group written
+    spare: list = field(default_factory=list)  # uninformative groups: their columns
+
+    @property
+    def done(self) -> bool:
+        return self.kept >= self.want or self.drawn >= self.limit
+
+    def take(self, cols: dict) -> dict | None:
+        """A chunk's columns -> those of its informative groups still wanted, each group's rows together (None: none)."""
+        from rlkit.algorithms.inputs import combine_rewards
+
+        comps = {k.split("/", 1)[1]: v for k, v in cols.items() if k.startswith("reward/")}
+        total = combine_rewards(comps, None)[0].tolist()
+        order: dict[int, list[int]] = {}
+        for i, g in enumerate(cols["group_id"]):
+            order.setdefault(g, []).append(i)
+        out: list[dict] = []
+        for rows in order.values():
+            if self.drawn >= self.limit:
+                break
+            self.drawn += 1
+            self.since += 1
+            group = {k: [v[i] for i in rows] for k, v in cols.items()}
+            if len({total[i] for i in rows}) > 1 and self.kept < self.want:
+                group["prompts_drawn"] = [self.since] * len(rows)
+                self.since = 0
+                self.kept += 1
+                out.append(group)
+            elif len(self.spare) < self.want:
+                self.spare.append(group)
+        if out and self.kept >= self.want:  # the chunk's prompts sampled after the last group count with it
+            out[-1]["prompts_drawn"] = [out[-1]["prompts_drawn"][0] + self.since] * len(out[-1]["group_id"])
+            self.since = 0
+        return _joined(out)
+
+    def fill(self) -> dict | None:
+        """At the limit with fewer than `want` informative groups: the batch filled up with uninformative ones (the
+        first carries the prompts drawn since the last written group). None when nothing is missing."""
+        missing = self.want - self.kept
+        if missing <= 0 or not self.spare:
+            return None
+        groups = self.spare[:missing]
+        for j, g in enumerate(groups):
+            g["prompts_drawn"] = [self.since if j == 0 else 0] * len(g["group_id"])
+        self.since = 0
+        return _joined(groups)
+
+
+def _joined(groups: list[dict]) -> dict | None:
+    if not groups:
+        return None
+    return {k: [x for g in groups for x in g[k]] for k in groups[0]}
 
 
 def _sampling(cfg: RolloutConfig):

@@ -363,10 +363,10 @@ def _run_loaded(cfg: ScoreRefConfig, rms: dict[str, Path], fns) -> Path | None:
         batches = table.slice(span.start, len(span)).to_batches(max_chunksize=4096)
         shard = shards.manifest_entry(cfg.shard, span, table.num_rows, manifests.jsonable(cfg), inputs)
     out_kind = "scored" if cfg.ref is not None or reader.kind == "scored" else "rollouts"
-    # reward components, verdicts, a multi-turn trajectory's columns (loss_mask, turns, ...) and per-token ones
-    # (teacher_logprobs, token_rewards) pass through as they are
+    # reward components, verdicts, a multi-turn trajectory's columns (loss_mask, turns, ...), per-token ones
+    # (teacher_logprobs, token_rewards) and prompts_drawn pass through as they are
     extra = [f for f in reader.schema if f.name.startswith(("reward/", "verdict/"))
-             or f.name in schemas.MULTI_TURN_NAMES or f.name in schemas.TOKEN_NAMES]
+             or f.name in schemas.CARRIED_NAMES]
     if cfg.teacher is not None:
         extra.append(next(f for f in schemas.TOKEN_FIELDS if f.name == "teacher_logprobs"))
     extra += [pa.field(f"reward/{n}", pa.float64()) for n in [*rms, *(f.name for f in fns)]]

@@ -524,7 +524,8 @@ class Rollouts:
     and reward-function scores), whole prompt groups."""
 
     kinds = ("rollouts", "scored")
-    shown = ("reward_mean", "reward_std", "verifier_accuracy")
+    shown = ("reward_mean", "reward_std", "verifier_accuracy", "prompts_sampled", "extra_prompts",
+             "informative_group_fraction")
 
     def __init__(self) -> None:
         self.said_reward = self.said_recompute = False
@@ -602,6 +603,8 @@ class Rollouts:
                if "verifier" in comps else {}),
             **verdict_fractions(table),
         }
+        if "prompts_drawn" in table.column_names:  # rollout --min-informative-groups: what its refill cost
+            metrics.update(refill_metrics(table, rew))
         if mask_truncated:
             cut = sum(f == "length" for f in table.column("finish_reason").to_pylist())
             metrics["truncated_masked_fraction"] = cut / table.num_rows
@@ -612,6 +615,21 @@ class Rollouts:
         train = {"temperature": temperature, "recompute": recompute, "lags": lags,
                  "length_norm": _length_norm(upstream.sampling, batch)}  # Dr. GRPO's
         return Loaded(batch, train, metrics, used)
+
+
+def refill_metrics(table, rewards: Tensor) -> dict[str, Any]:
+    """A batch of `rollout --min-informative-groups` (DAPO's dynamic sampling): the prompts sampled for its groups
+    (each group's `prompts_drawn`, summed), how many beyond the groups kept (`extra_prompts`), and the share of its
+    groups whose rewards (the combined reward trained on) are not all equal."""
+    from rlkit.ops.advantages import degenerate_groups
+
+    drawn: dict[int, int] = {}
+    for g, d in zip(table.column("group_id").to_pylist(), table.column("prompts_drawn").to_pylist(), strict=True):
+        drawn.setdefault(g, int(d or 0))
+    counts = degenerate_groups(rewards, torch.tensor(table.column("group_id").to_pylist()))
+    sampled = sum(drawn.values())
+    return {"prompts_sampled": sampled, "extra_prompts": sampled - len(drawn),
+            "informative_group_fraction": (counts.groups - counts.degenerate) / max(1, counts.groups)}
 
 
 def shaping(cfg) -> dict:

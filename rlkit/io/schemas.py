@@ -120,6 +120,16 @@ TOKEN_FIELDS = (
 TOKEN_NAMES = frozenset(f.name for f in TOKEN_FIELDS)
 
 
+# `rollout --min-informative-groups` (DAPO's dynamic sampling): on every row of a group written, the prompts drawn
+# for it: itself and the uninformative ones dropped since the group written before it (the last group also counts
+# those sampled after the last informative one), so their sum over a batch's groups is the prompts it sampled.
+REFILL_FIELDS = (_f("prompts_drawn", pa.int32(), True),)
+
+
+# the columns score-ref carries through as they are, beside reward/* and verdict/*
+CARRIED_NAMES = MULTI_TURN_NAMES | TOKEN_NAMES | frozenset(f.name for f in REFILL_FIELDS)
+
+
 # reward/<component>: each reward component's value; verdict/<component>: why a verifier gave it (the code
 # task's `passed`, `wrong_answer`, `timeout`, ...), carried beside it to score-ref's table and update's metrics
 _REWARDS = (("reward/", pa.float64()), ("verdict/", pa.string()))
@@ -145,10 +155,10 @@ KINDS: dict[str, TableKind] = {
                       _f("ref_chosen_logp", pa.float64(), True), _f("ref_rejected_logp", pa.float64(), True)),
         ),
         TableKind("rollouts", 1, _ROLLOUT_FIELDS, "rlkit rollout", optional=_ROLLOUT_OPTIONAL, prefixes=_REWARDS,
-                  accepted=(*MULTI_TURN_FIELDS, *TOKEN_FIELDS)),
+                  accepted=(*MULTI_TURN_FIELDS, *TOKEN_FIELDS, *REFILL_FIELDS)),
         TableKind(
             "scored", 1, (*_ROLLOUT_FIELDS, _f("ref_logprobs", _LOGPROBS)), "rlkit score-ref",
-            optional=_ROLLOUT_OPTIONAL, prefixes=_REWARDS, accepted=(*MULTI_TURN_FIELDS, *TOKEN_FIELDS),
+            optional=_ROLLOUT_OPTIONAL, prefixes=_REWARDS, accepted=(*MULTI_TURN_FIELDS, *TOKEN_FIELDS, *REFILL_FIELDS),
         ),
     )
 }

@@ -30,6 +30,9 @@ class Stage:
     fields: Callable[[bool], list]  # scored -> the table's columns beyond the rollouts kind's
     say: Callable[[], None]  # the stage's closing lines (rewards, verdicts)
     tools: list | None = None  # the environment's tool schemas for chat-template prompts (a TRL class's), or None
+    # prompts a batch may sample (`rollout --min-informative-groups`: --batch-prompts x (1 + --max-refill-rounds),
+    # the first --batch-prompts of them those of a batch without it); None: --batch-prompts
+    prompts_a_batch: int | None = None
 
 
 def run(cfg, task, source, inputs: dict, out: Path | None, stage: Stage) -> Path | None:
@@ -46,6 +49,7 @@ def run(cfg, task, source, inputs: dict, out: Path | None, stage: Stage) -> Path
         raise RlkitError(f"--max-lag {cfg.max_lag} must be >= 0 (0: synchronous)")
     P = cfg.batch_prompts or 64
     cfg = replace(cfg, batch_prompts=P)
+    Q = stage.prompts_a_batch or P  # the prompts batch b may draw; its groups are b * Q + i
     root = cfg.follow
     follow.check_root(root)
     base_step = checkpoints.policy_step(cfg.policy)
@@ -128,17 +132,17 @@ def run(cfg, task, source, inputs: dict, out: Path | None, stage: Stage) -> Path
                     wakes[-1] += time.monotonic() - t1
                 seed = cfg.seed + b + 1  # batch b samples as `rollout --seed SEED+b+1 --num-prompts P` would
                 if source is None:
-                    ex = task.examples("train", P, seed)
+                    ex = task.examples("train", Q, seed)
                     ids, answers = [e.prompt_id for e in ex], [e.answer for e in ex]
                     texts = [e.prompt for e in ex]
                     prompt_ids = data.encode_prompts(tokenizer, texts, False)
                 else:
-                    rows = [(b * P + i) % len(f_ids) for i in range(P)]
+                    rows = [(b * P + i) % len(f_ids) for i in range(Q)]
                     ids, answers = [f_ids[r] for r in rows], [f_answers[r] for r in rows]
                     texts, prompt_ids = [f_texts[r] for r in rows], [f_prompt_ids[r] for r in rows]
-                with console.progress(f"rollout batch {b}", P * cfg.n) as bar:
-                    chunks = _list_chunks(range(P), cfg.chunk_prompts, ids, answers, texts, prompt_ids)
-                    stage.sample(engine, tokenizer, w, bar, chunks, seed, b * P, fp, step, scored)
+                with console.progress(f"rollout batch {b}", P * cfg.n if Q == P else None) as bar:
+                    chunks = _list_chunks(range(Q), cfg.chunk_prompts, ids, answers, texts, prompt_ids)
+                    stage.sample(engine, tokenizer, w, bar, chunks, seed, b * Q, fp, step, scored)
                 b += 1
                 if sleeps and (cfg.max_steps is None or b < cfg.max_steps):
                     asleep = engine.sleep()  # the batch is written: its GPU memory is update's until the next step

@@ -93,13 +93,15 @@ def run_follow(cfg, inp, pending, weights: dict[str, float] | None, rt) -> Path:
         check_reference(cfg.ref, reader.record, reader.kind, reader.label)
         inp.check_upstream(upstream, tokenizer, cfg.policy)
         rollout_cfg = upstream.sampling
-        P = cfg.batch_prompts or rollout_cfg.get("batch_prompts")
+        # a batch of `rollout --follow` is --batch-prompts groups, or --min-informative-groups with its refill
+        upstream_p = rollout_cfg.get("min_informative_groups") or rollout_cfg.get("batch_prompts")
+        P = cfg.batch_prompts or upstream_p
         if P is None:
             raise RlkitError(f"update --follow needs --batch-prompts P (prompts per step): {reader.label} is not a "
                              "stream from `rlkit rollout --follow`, whose manifest records its --batch-prompts "
                              "(pass --batch-prompts, or pipe in a `rollout --follow` stream)")
-        if rollout_cfg.get("follow") and rollout_cfg.get("batch_prompts") not in (None, P):
-            raise RlkitError(f"--batch-prompts {P} differs from the upstream rollout's {rollout_cfg['batch_prompts']}; "
+        if rollout_cfg.get("follow") and upstream_p not in (None, P):
+            raise RlkitError(f"--batch-prompts {P} differs from the upstream rollout's groups a batch ({upstream_p}); "
                              "the two would wait on each other forever (leave it out here)")
         n = rollout_cfg.get("n") if rollout_cfg.get("follow") else None
         cap = cfg.rl.tis_cap if cfg.rl.tis_cap is not None else DEFAULT_FOLLOW_TIS_CAP
