@@ -48,9 +48,12 @@ def test_the_table_says_what_resolve_trains_with():
     for name, row in rows.items():
         cls = algorithms.get(name)  # its module: the registered name and input kind are the class's
         rl = resolve(RLConfig(algo=name))
-        _, trains_on, beta, kl_in, estimator, agg, clips = row
+        _, trains_on, beta, kl_in, estimator, agg, clips, teacher = row
         assert float(beta) == rl.beta, name
-        assert trains_on.split()[-1] in cls.input.kinds, name
+        assert trains_on.split(" + ")[0].split()[-1] in cls.input.kinds, name
+        assert ("+ teacher" in trains_on) == (rl.teacher_coef > 0), name
+        if teacher != "-":
+            assert float(teacher) == rl.teacher_coef, name
         if kl_in != "-":
             assert (kl_in, estimator, agg) == (rl.kl_in, rl.kl_estimator, rl.loss_agg), name
             assert [float(c) for c in clips.split(" / ")] == [rl.clip_low, rl.clip_high], name
@@ -96,7 +99,7 @@ def test_the_help_quotes_the_registry():
     text = " ".join(out.replace("│", " ").split())
     for field in ("beta", "kl_in", "loss_agg", "clip_low", "clip_high"):
         assert f"Default: per --algo ({defaults_table.phrase(field)})" in text, field
-    assert defaults_table.phrase("beta") == "0.01 for most; gspo 0; cispo 0; dpo 0.1"  # what the docs say of --beta
+    assert defaults_table.phrase("beta") == "0.01 for most; gspo 0; cispo 0; distill 0; dpo 0.1"  # what the docs say
     assert defaults_table.phrase("kl_in") == "loss for most; ppo reward"  # dpo has none: left out
 
 

@@ -194,7 +194,10 @@ def _rl_batch(model, tok):
     lp = recompute_logprobs(model, batch, 1.0, 8)
     old = (lp - 0.3 * (2 * torch.rand(mask.shape, generator=g) - 1)) * mask
     ref = (old + 0.2 * torch.randn(mask.shape, generator=g)) * mask
-    return batch._replace(old_logp=old, ref_logp=ref)
+    # a teacher's log-probs (on-policy distillation) and per-token rewards (read by ppo; --teacher-coef by all)
+    teacher = (old + 0.5 * torch.randn(mask.shape, generator=g)) * mask
+    token_rewards = 0.1 * torch.randn(mask.shape, generator=g) * mask
+    return batch._replace(old_logp=old, ref_logp=ref, teacher_logp=teacher, token_rewards=token_rewards)
 
 
 def _pref_batch(tok):
@@ -268,7 +271,10 @@ def test_micro_batches_and_packing_leave_the_gradients_of_every_policy_gradient_
     batch = _rl_batch(model, tok)
     settings = _settings(int(batch.attn.sum(1).max()))
     for agg in AGGREGATIONS:
-        cfg = RLConfig(algo=algo, loss_agg=agg, beta=0.05, minibatch_size=8, epochs=1, lr=1e-3, grad_clip=1e9)
+        # the teacher's per-token term beside the group advantages (grpo) and in ppo's per-token rewards too
+        coef = 0.5 if algo in ("grpo", "ppo") else None
+        cfg = RLConfig(algo=algo, loss_agg=agg, beta=0.05, minibatch_size=8, epochs=1, lr=1e-3, grad_clip=1e9,
+                       teacher_coef=coef)
         want = _update(policy, cfg, batch, TrainOptions())
         assert max(float(g.abs().max()) for g in want[1].values()) > 1e-4  # a real gradient
         if algo == "ppo":
