@@ -113,12 +113,8 @@ class PPO(PolicyGradient):
         mask = batch.mask
         kl = kl_tok if kl_tok is not None else torch.zeros_like(old_logp)
         in_reward = cfg.kl_in == "reward" and kl_coef > 0
-        score = batch.rewards
-        if batch.token_rewards is not None:  # at their sampled tokens (an environment token's stays in the last one's share)
-            score = score - torch.where(mask, batch.token_rewards, 0).sum(1)
-        token_rewards = kl_penalised_token_rewards(score, kl, mask, kl_coef if in_reward else 0.0)
-        if batch.token_rewards is not None:
-            token_rewards = token_rewards + torch.where(mask, batch.token_rewards, 0)
+        token_rewards = kl_penalised_token_rewards(batch.rewards, kl, mask, kl_coef if in_reward else 0.0,
+                                                   batch.token_rewards)  # a token_rewards column at its tokens
         if cfg.teacher_coef > 0:  # on-policy distillation's per-token reward, through GAE with the rest
             token_rewards = token_rewards + teacher_advantage(old_logp, batch.teacher_logp, mask, cfg.teacher_coef)
         old_values = _values(trainer, self._critic().model, batch, cfg.minibatch_size, host)

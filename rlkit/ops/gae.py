@@ -16,14 +16,22 @@ import torch
 from torch import Tensor
 
 
-def kl_penalised_token_rewards(score: Tensor, kl: Tensor, mask: Tensor, beta: float) -> Tensor:
+def kl_penalised_token_rewards(score: Tensor, kl: Tensor, mask: Tensor, beta: float,
+                               token_rewards: Tensor | None = None) -> Tensor:
     """The InstructGPT per-token reward: -beta * kl on every completion token, plus the sequence's
     reward-model score at its last valid token. (B,), (B, T), (B, T) -> (B, T), zero off the mask.
 
+    `token_rewards` (B, T), when given, are part of `score` (their row sums are in it): each value on the mask is
+    placed at its own token and taken out of the last token's share, so a row's rewards still sum to its score
+    (values off the mask, on an environment's tokens, stay in the last token's share).
     A row with no valid token gets nothing (its score is dropped).
     """
     m = mask.bool()
     rewards = torch.where(m, -beta * kl, torch.zeros_like(kl))
+    if token_rewards is not None:
+        placed = torch.where(m, token_rewards.to(rewards.dtype), 0)
+        rewards = rewards + placed
+        score = score - placed.sum(1)
     T = m.shape[1]
     pos = torch.arange(T, device=m.device).expand_as(m)
     last = torch.where(m, pos, torch.full_like(pos, -1)).max(1).values  # (B,), -1 for an empty row

@@ -137,6 +137,39 @@ def test_ppo_with_its_critic_and_dpo_under_torchrun_match_one_process(sft_dir, r
     assert m2["heldout_reward_accuracy"] == m1["heldout_reward_accuracy"]
 
 
+def test_cispo_distill_and_rejection_sampling_sft_under_torchrun_match_one_process(sft_dir, tmp_path):
+    """The algorithms of the field's current recipes, each 2 processes against 1 on the same table: CISPO's detached
+    weight, distillation's per-token teacher advantage (a teacher's log-probs as data), and sft on the rows of a
+    rollouts table that reach --min-reward (sampled token ids, no re-tokenising)."""
+    roll, teacher, scored = tmp_path / "r.arrow", tmp_path / "teacher", tmp_path / "t.arrow"
+    stage("rollout", "--policy", str(sft_dir), "--num-prompts", "16", "--n", "4", "--out", str(roll))
+    stage("update", "--policy", str(sft_dir), "--in", str(roll), "--out", str(teacher), "--beta", "0", "--lr", "1e-2",
+          "--length-penalty", "0.1")
+    stage("score-ref", "--teacher", str(teacher), "--in", str(roll), "--out", str(scored))
+    w0 = load_file(str(sft_dir / "model.safetensors"))
+    for name, flags in (("cispo", ["--algo", "cispo", "--length-penalty", "0.05"]), ("distill", ["--algo", "distill"])):
+        flags = [*flags, "--lr", "1e-3", "--minibatch-size", "32", "--in", str(scored)]
+        one, two = tmp_path / f"{name}1", tmp_path / f"{name}2"
+        assert run_cli("update", "--policy", str(sft_dir), "--out", str(one), *flags).returncode == 0, name
+        r = torchrun("update", "--policy", str(sft_dir), "--out", str(two), *flags)
+        assert r.returncode == 0, r.stderr.decode()[-3000:]
+        a, b = load_file(str(one / "model.safetensors")), load_file(str(two / "model.safetensors"))
+        assert _max_diff(a, b) < 0.02 * _max_diff(a, w0), name
+        m1, m2 = (json.loads((d / "rlkit.json").read_text())["metrics"] for d in (one, two))
+        assert m2["world_size"] == 2 and m2["clip_fraction"] == pytest.approx(m1["clip_fraction"], abs=1e-6), name
+        if name == "distill":
+            assert m1["teacher_kl"] > 1e-3 and m2["teacher_kl"] == pytest.approx(m1["teacher_kl"], rel=1e-5)
+    args = ["sft", "--model", str(sft_dir), "--data", str(roll), "--best-of", "--lr", "1e-4", "--eval-num", "10"]
+    s1, s2 = tmp_path / "rs1", tmp_path / "rs2"
+    assert run_cli(*args, "--out", str(s1)).returncode == 0
+    r = torchrun(*args, "--out", str(s2))
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    a, b = load_file(str(s1 / "model.safetensors")), load_file(str(s2 / "model.safetensors"))
+    assert _max_diff(a, b) < 0.02 * _max_diff(a, w0)
+    m1, m2 = (json.loads((d / "rlkit.json").read_text())["metrics"] for d in (s1, s2))
+    assert m2["rows_kept"] == m1["rows_kept"] == 16 and m2["tokens"] == m1["tokens"]
+
+
 def test_sft_and_train_rm_under_torchrun_match_one_process(sft_dir, tmp_path):
     s1, s2 = tmp_path / "sft1", tmp_path / "sft2"
     args = ["sft", "--num-examples", "400", "--eval-num", "20"]
