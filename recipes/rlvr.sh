@@ -8,6 +8,8 @@
 #   ALGO [grpo]  LR [5e-5]  EPOCHS [2]  MINIBATCH [128]  BETA [0.01]  KL [k3+] (in the loss; see docs/algorithms.md)  TEMPERATURE [1.0]
 #   DROP_DEGENERATE [0] leave out groups whose rewards are all equal (no signal, ~20% less work)
 #   DUAL_CLIP [3] cap on the loss of negative-advantage tokens (-C*A; 0: off)
+#   MIN_INFORMATIVE [] DAPO's dynamic sampling: groups with unequal rewards a round (rollout --min-informative-groups),
+#     sampling past PROMPTS until there are that many  MAX_REFILL [4] extra rounds of PROMPTS at most
 #   SANDBOX [] where the code task's programs run: bwrap (its default) or none (unsafe)  SANDBOX_WORKERS [CPU count]
 #   REPORT_TO [] experiment trackers, e.g. wandb or tensorboard,mlflow (--report-to; the whole recipe is one run)  PROJECT [rlkit]
 # A rerun skips every stage whose output is up to date with its inputs and settings.
@@ -34,6 +36,8 @@ DROP_DEGENERATE=${DROP_DEGENERATE:-0}
 DUAL_CLIP=${DUAL_CLIP:-3}
 drop_flag=()
 [ "$DROP_DEGENERATE" = 1 ] && drop_flag=(--drop-degenerate)
+refill=()
+[ -n "${MIN_INFORMATIVE:-}" ] && refill=(--min-informative-groups "$MIN_INFORMATIVE" --max-refill-rounds "${MAX_REFILL:-4}")
 sandbox=()
 [ -n "${SANDBOX:-}" ] && sandbox+=(--sandbox "$SANDBOX")
 [ -n "${SANDBOX_WORKERS:-}" ] && sandbox+=(--sandbox-workers "$SANDBOX_WORKERS")
@@ -61,7 +65,7 @@ timed freeze-ref rlkit freeze-ref --policy "$RUNS/sft" --out "$RUNS/ref" --dtype
 timed eval-sft rlkit eval --policy "$RUNS/sft" --task "$TASK" --num-prompts "$EVAL_NUM" --max-new-tokens "$MAX_NEW_TOKENS" --label sft --json \
   --metrics "$RUNS/metrics.jsonl" "${sandbox[@]}" "${track[@]}" > "$RUNS/eval-sft.json"
 
-knobs="task=$TASK prompts=$PROMPTS n=$N max_new=$MAX_NEW_TOKENS algo=$ALGO lr=$LR epochs=$EPOCHS mb=$MINIBATCH beta=$BETA kl=$KL temp=$TEMPERATURE drop=$DROP_DEGENERATE dual=$DUAL_CLIP seed=$SEED"
+knobs="task=$TASK prompts=$PROMPTS n=$N max_new=$MAX_NEW_TOKENS algo=$ALGO lr=$LR epochs=$EPOCHS mb=$MINIBATCH beta=$BETA kl=$KL temp=$TEMPERATURE drop=$DROP_DEGENERATE dual=$DUAL_CLIP seed=$SEED${MIN_INFORMATIVE:+ refill=$MIN_INFORMATIVE/${MAX_REFILL:-4}}"
 policy="$RUNS/sft"
 rl_start=$(now)
 for i in $(seq 1 "$ROUNDS"); do
@@ -72,7 +76,7 @@ for i in $(seq 1 "$ROUNDS"); do
     rm -f "$out.knobs"
     t0=$(now)
     timed "round-$i:rollout" rlkit rollout --policy "$policy" --task "$TASK" --num-prompts "$PROMPTS" --n "$N" \
-        --max-new-tokens "$MAX_NEW_TOKENS" --temperature "$TEMPERATURE" --seed "$((SEED * 1000 + i))" "${sandbox[@]}" \
+        --max-new-tokens "$MAX_NEW_TOKENS" --temperature "$TEMPERATURE" --seed "$((SEED * 1000 + i))" "${sandbox[@]}" "${refill[@]}" \
       | timed "round-$i:score-ref" rlkit score-ref --ref "$RUNS/ref" \
       | timed "round-$i:update" rlkit update --policy "$policy" --out "$out" --algo "$ALGO" --lr "$LR" \
           --epochs "$EPOCHS" --minibatch-size "$MINIBATCH" --beta "$BETA" --kl-estimator "$KL" --dual-clip "$DUAL_CLIP" \

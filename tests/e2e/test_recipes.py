@@ -88,7 +88,7 @@ def _run_recipe(name: str, runs: Path, **knobs: str):
 
 def test_every_recipe_is_tested():
     assert set(RECIPES) == {"rlvr.sh", "rlhf.sh", "reward-hacking.sh", "math.sh", "config.sh", "code.sh",
-                            "guess.sh", "tools.sh", "reasoning-gym.sh", "textarena.sh"}, \
+                            "guess.sh", "tools.sh", "reasoning-gym.sh", "textarena.sh", "distill.sh"}, \
         "a new recipe needs a test here"
     assert {p.name for p in (REPO / "recipes").glob("*.sh")} - set(RECIPES) == {"rlvr-follow.sh", "quickstart.sh"}
     assert 'bash "$quickstart"' in (REPO / "tests" / "installed" / "smoke.sh").read_text()
@@ -107,7 +107,9 @@ def test_every_recipe_runs_scaled_down(recipe, tmp_path):
              "guess.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "300", "PROMPTS": "8", "N": "4", "TURNS": "4"},
              "tools.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "300", "PROMPTS": "8", "N": "2", "EVAL_NUM": "12"},
              "reasoning-gym.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "300", "PROMPTS": "8", "N": "2", "EVAL_NUM": "12"},
-             "textarena.sh": {"ROUNDS": "1", "SFT_GAMES": "100", "PROMPTS": "4", "N": "4", "FINAL": "6"}}
+             "textarena.sh": {"ROUNDS": "1", "SFT_GAMES": "100", "PROMPTS": "4", "N": "4", "FINAL": "6"},
+             "distill.sh": {"ROUNDS": "1", "TEACHER_ROUNDS": "1", "SFT_EXAMPLES": "300", "TEACHER_PROMPTS": "8",
+                            "TEACHER_N": "4", "PROMPTS": "8", "N": "2", "EVAL_NUM": "12", "SAMPLED_N": "2"}}
     # rlvr.sh: with an experiment tracker (the whole recipe one run: eval and update continue sft's)
     knobs["rlvr.sh"] = {"REPORT_TO": "tensorboard", "PROJECT": "recipe"}
     r = _run_recipe(recipe, runs, **knobs.get(recipe, {}))
@@ -142,6 +144,17 @@ def test_every_recipe_runs_scaled_down(recipe, tmp_path):
         b = run_cli("build-prefs", "--policy", str(runs / "round-1"), "--task", sft["config"]["task"],
                     "--num-prompts", "32", "--n", "8", "--out", str(runs / "prefs.arrow"))
         assert b.returncode == 0 and "by kind: sampled" in b.stderr.decode(), b.stderr.decode()[-2000:]
+    if recipe == "distill.sh":  # the student distilled from rlvr.sh's round-1 policy, scored by the teacher token by token
+        import pyarrow as pa
+
+        out = r.stdout.decode()
+        assert "distilled, round 1" in out and "RL from the verifier, round 1" in out
+        m = [json.loads(x) for x in (runs / "metrics.jsonl").read_text().splitlines() if '"update"' in x]
+        assert len(m) == 1 and m[0]["teacher_kl"] != 0 and m[0]["sequences"] == 16
+        cfg = json.loads((runs / "round-1" / "rlkit.json").read_text())["config"]["rl"]
+        assert (cfg["algo"], cfg["teacher_coef"], cfg["beta"]) == ("distill", 1.0, 0.0)
+        with pa.OSFile(str(runs / "sampled-round-1.arrow")) as f:
+            assert pa.ipc.open_stream(f).read_all().num_rows == 12 * 2
     if recipe == "textarena.sh":  # textarena's GuessTheNumber: SFT games played through the adapter, RL rounds
         import pyarrow as pa
 
