@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 class Distill(PolicyGradient):
     name = "distill"
+    uses_reward = False  # the reward is logged, not trained on
     shown = (*PolicyGradient.shown, "teacher_advantage_abs_mean")
 
     @classmethod

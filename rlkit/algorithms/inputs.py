@@ -575,9 +575,14 @@ class Rollouts:
             raise RlkitError(f"{label} has no finish_reason column, so --mask-truncated cannot tell the truncated rows")
         batch, used = build_batch(table, tokenizer.pad_token_id, weights, length_penalty, label, shape, mask_truncated)
         if not self.said_reward:
-            console.info("update: reward = " + " + ".join(f"{w:g}*{k}" for k, w in used.items())
-                         + (" (the sum of the components present; weigh them with --reward NAME=W)"
-                            if weights is None else ""))
+            from rlkit.algorithms import registry
+
+            said = "update: reward = " + " + ".join(f"{w:g}*{k}" for k, w in used.items())
+            if not getattr(registry.get(rl.algo), "uses_reward", True):
+                said += f" (logged; --algo {rl.algo} does not train on it)"
+            elif weights is None:
+                said += " (the sum of the components present; weigh them with --reward NAME=W)"
+            console.info(said)
             self.said_reward = True
         from rlkit import engines
 
