@@ -38,6 +38,19 @@ def accuracy(policy: Path, prompts: int) -> float:
     return json.loads(out)["accuracy"]
 
 
+def sampled_accuracy(policy: Path, heldout: Path, n: int, tmp: Path) -> float:
+    """Held-out accuracy sampled at temperature 1, n samples a prompt: the mean verifier reward of a rollout of the
+    held-out prompts (n x more answers than the greedy figure, so a smaller standard error)."""
+    import pyarrow as pa
+
+    out = tmp / "sampled.arrow"
+    rlkit("rollout", "--policy", str(policy), "--task", "arithmetic", "--prompts", str(heldout), "--n", str(n),
+          "--max-new-tokens", "16", "--seed", "0", "--out", str(out), "--force")
+    with pa.OSFile(str(out)) as f:
+        v = pa.ipc.open_stream(f).read_all().column("reward/verifier").to_pylist()
+    return sum(v) / len(v)
+
+
 def main() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -61,23 +74,28 @@ def main() -> None:
         rlkit("rollout", "--policy", str(a.policy), "--task", "arithmetic", "--num-prompts", a.num_prompts, "--n", a.n,
               "--max-new-tokens", "16", "--seed", str(a.seed), "--out", str(table))
         rows = []
-        before = accuracy(a.policy, a.eval_prompts)
+        heldout = Path(tmp) / "heldout.arrow"
+        rlkit("prompts", "--task", "arithmetic", "--split", "heldout", "--num-prompts", str(a.eval_prompts),
+              "--out", str(heldout))
+        before = accuracy(a.policy, a.eval_prompts), sampled_accuracy(a.policy, heldout, 8, Path(tmp))
         for label, extra in (("min-reward 1", ()), ("min-reward 1 --best-of", ("--best-of",))):
             out = Path(tmp) / label.replace(" ", "_")
             rlkit("sft", "--model", str(a.policy), "--data", str(table), "--min-reward", "1", *extra, "--lr", a.lr,
                   "--epochs", a.epochs, "--seed", str(a.seed), "--eval-num", "10", "--out", str(out), "-q")
             m = json.loads((out / "rlkit.json").read_text())["metrics"]
-            rows.append((label, m, accuracy(out, a.eval_prompts)))
+            rows.append((label, m, (accuracy(out, a.eval_prompts), sampled_accuracy(out, heldout, 8, Path(tmp)))))
         secs = time.perf_counter() - t0
     m0 = rows[0][1]
     print(f"policy {a.policy}, seed {a.seed}: rollout {a.num_prompts} prompts x {a.n} (max 16 new tokens), "
           f"pass rate {m0['reward_mean_read']:.1%} ({m0['rows_kept']} of {m0['rows_read']} correct, "
           f"{m0['groups_kept']} of {m0['groups_read']} prompts with one)")
-    print(f"sft --lr {a.lr} --epochs {a.epochs}; held-out greedy accuracy, arithmetic, n={a.eval_prompts}:")
-    print(f"  {'before':<26} {before:6.1%}")
+    print(f"sft --lr {a.lr} --epochs {a.epochs}; held-out accuracy, arithmetic, {a.eval_prompts} prompts: greedy, "
+          "and sampled (T=1, 8 a prompt)")
+    print(f"  {'before':<26} {before[0]:6.1%}  {before[1]:6.1%}")
     for label, m, acc in rows:
-        print(f"  {'after --' + label:<26} {acc:6.1%}  ({acc - before:+.1%}; {m['rows_kept']} rows kept, "
-              f"{m['steps']} steps, final loss {m['train_loss']:.3f})")
+        print(f"  {'after --' + label:<26} {acc[0]:6.1%}  {acc[1]:6.1%}  ({acc[0] - before[0]:+.1%} / "
+              f"{acc[1] - before[1]:+.1%}; {m['rows_kept']} rows kept, {m['steps']} steps, final loss "
+              f"{m['train_loss']:.3f})")
     print(f"{secs:.0f} s in all, {os.cpu_count()} CPUs")
 
 
