@@ -211,12 +211,14 @@ def test_a_table_without_loss_mask_trains_as_one_with_an_all_ones_or_null_loss_m
 
 
 def test_single_turn_tables_keep_their_columns():
-    """The multi-turn columns are not written unless a writer passes them: a single-turn table's schema (and so
-    its bytes) is what it was; rollouts and scored tables accept them, type-checked when present."""
+    """The multi-turn columns (and the per-token and refill ones) are not written unless a writer passes them: a
+    single-turn table's schema (and so its bytes) is what it was; rollouts and scored tables accept them,
+    type-checked when present."""
+    optional = [*schemas.MULTI_TURN_FIELDS, *schemas.TOKEN_FIELDS, *schemas.REFILL_FIELDS]
     for k in ("rollouts", "scored"):
         names = schemas.kind(k).schema().names
-        assert not schemas.MULTI_TURN_NAMES & set(names), names
-        assert [f.name for f in schemas.kind(k).accepted] == [f.name for f in schemas.MULTI_TURN_FIELDS]
+        assert not schemas.CARRIED_NAMES & set(names), names
+        assert [f.name for f in schemas.kind(k).accepted] == [f.name for f in optional]
     base = schemas.kind("rollouts").schema()
     schemas.validate_schema(base.append(pa.field("loss_mask", pa.list_(pa.int64()))), ["rollouts"], "t")
     schemas.validate_schema(base.append(pa.field("loss_mask", pa.null())), ["rollouts"], "t")
