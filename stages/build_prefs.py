@@ -160,10 +160,9 @@ def _judge(cfg: BuildPrefsConfig):
         raise RlkitError("--judge labels pairs of the policy's own samples: pass --policy DIR, without --from or --bias")
     if cfg.rubric is None:
         raise RlkitError("--judge needs --rubric FILE, a pairwise rubric (kind = \"pairwise\", template, choices)")
+    from rlkit import devices
     from rlkit.io import fingerprints
     from rlkit.tasks.judge import Judge, load_rubric, refuse_self_judging
-
-    from rlkit import devices
 
     j = Judge(cfg.judge, load_rubric(cfg.rubric, ("pairwise",)), devices.resolve(cfg.device),
               trust_remote_code=cfg.trust_remote_code)
