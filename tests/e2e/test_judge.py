@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 
 import pyarrow as pa
 import pytest
@@ -14,7 +13,7 @@ import torch
 
 from rlkit.io import checkpoints, fingerprints, manifests, streams
 
-from conftest import one_error_line, run_cli_inproc, stage
+from conftest import make_pairwise_judge, one_error_line, run_cli_inproc, stage
 
 pytestmark = pytest.mark.slow
 
@@ -95,29 +94,13 @@ def test_direct_scores_yes_probability_and_score_rubrics(sft_dir, judge_dir, rub
         assert says in line and not bad.exists(), (spec, line)
 
 
-def _pairwise_judge(out, rubric, label) -> None:
-    """A judge trained by `rlkit sft --data` on 1,500 pairwise judgments of arithmetic prompts with made-up answers
-    of 1-3 digits, labelled by `label(a, b)` ("A" or "B")."""
-    from rlkit.tasks import get_task
-
-    rng = random.Random(0)
-    data = out.with_suffix(".jsonl")
-    with data.open("w") as f:
-        for e in get_task("arithmetic").examples("train", 1500, 0):
-            la, lb = rng.sample([1, 2, 3], 2)
-            a, b = (str(rng.randint(0 if k == 1 else 10 ** (k - 1), 10 ** k - 1)) for k in (la, lb))
-            f.write(json.dumps({"prompt": rubric.render(prompt=e.prompt, response_a=a, response_b=b),
-                                "completion": label(a, b)}) + "\n")
-    stage("sft", "--data", str(data), "--epochs", "2", "--out", str(out))
-
-
 def test_build_prefs_labelled_by_a_judge_in_both_orders(sft_dir, rubrics, tmp_path):
     """A judge whose preference is the shorter answer (a rubric it learned): its labels hold in both orders."""
     from rlkit.tasks.judge import Judge, load_rubric
 
     rubric = load_rubric(rubrics["pairwise"])
     shorter = tmp_path / "shorter"
-    _pairwise_judge(shorter, rubric, lambda a, b: "A" if len(a) < len(b) else "B")
+    make_pairwise_judge(shorter, rubric, lambda a, b: "A" if len(a) < len(b) else "B")
     out = tmp_path / "p.arrow"
     r = run_cli_inproc("build-prefs", "--policy", str(sft_dir), "--judge", str(shorter), "--rubric",
                        str(rubrics["pairwise"]), "--num-prompts", "32", "--n", "4", "--out", str(out))
@@ -153,7 +136,7 @@ def test_a_judge_that_always_prefers_the_first_response_gives_only_ties(sft_dir,
 
     rubric = load_rubric(rubrics["pairwise"])
     biased = tmp_path / "biased"
-    _pairwise_judge(biased, rubric, lambda a, b: "A")
+    make_pairwise_judge(biased, rubric, lambda a, b: "A")
     judge = Judge(biased, rubric)
     texts = [rubric.render(prompt="<3+4>=", response_a=x, response_b=y) for x, y in (("7", "8"), ("8", "7"))]
     p, _ = judge.first_choice(texts)

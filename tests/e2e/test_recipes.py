@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, rlkit_path, run_cli
+from conftest import REPO, make_pairwise_judge, rlkit_path, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -108,12 +108,18 @@ def test_every_recipe_runs_scaled_down(recipe, tmp_path):
              "tools.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "300", "PROMPTS": "8", "N": "2", "EVAL_NUM": "12"},
              "reasoning-gym.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "300", "PROMPTS": "8", "N": "2", "EVAL_NUM": "12"},
              "textarena.sh": {"ROUNDS": "1", "SFT_GAMES": "100", "PROMPTS": "4", "N": "4", "FINAL": "6"},
-             "rlaif.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "300", "JUDGE_EXAMPLES": "300", "EVAL_NUM": "12",
-                          "PREF_PROMPTS": "48", "PROMPTS": "8", "N": "2"},
+             "rlaif.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "300", "EVAL_NUM": "12", "PREF_PROMPTS": "48", "PROMPTS": "8",
+                          "N": "2"},
              "distill.sh": {"ROUNDS": "1", "TEACHER_ROUNDS": "1", "SFT_EXAMPLES": "300", "TEACHER_PROMPTS": "8",
                             "TEACHER_N": "4", "PROMPTS": "8", "N": "2", "EVAL_NUM": "12", "SAMPLED_N": "2"}}
     # rlvr.sh: with an experiment tracker (the whole recipe one run: eval and update continue sft's)
     knobs["rlvr.sh"] = {"REPORT_TO": "tensorboard", "PROJECT": "recipe"}
+    if recipe == "rlaif.sh":  # a judge trained at this size would tie on every pair: one with a learned preference
+        from rlkit.tasks.judge import load_rubric
+
+        rubric = load_rubric(REPO / "recipes" / "rubrics" / "arithmetic-pairwise.toml")
+        judge = make_pairwise_judge(tmp_path / "judge", rubric, lambda a, b: "A" if len(a) < len(b) else "B")
+        knobs["rlaif.sh"]["JUDGE"] = str(judge)
     r = _run_recipe(recipe, runs, **knobs.get(recipe, {}))
     assert r.returncode == 0, f"{recipe}: {r.stderr.decode()[-2000:]}"
     # every RL recipe leaves one metrics file with held-out accuracy after every round, and its report
