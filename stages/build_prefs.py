@@ -8,6 +8,13 @@ polished verbose prose) and balances length, so the reward model must learn the 
 them (`rlkit/tasks/prefs.py`). `--bias length` builds the deliberately flawed set in which the longer answer
 always wins, for the reward-hacking experiment. A stable --eval-fraction of prompts is marked
 `split = heldout` for the reward model's pair accuracy.
+
+With `--judge DIR --rubric FILE` (RLAIF) the labels are an LLM judge's instead (`rlkit.tasks.judge`): each prompt's
+distinct samples are paired in turn and the judge, asked which of the two better meets a pairwise rubric in both
+orders, labels a pair when the two orders agree; a pair on which they disagree (position bias, or no preference)
+is a tie, left out and counted. The manifest's `judge` entry records the judge's fingerprint, the rubric's
+sha256, the pairs judged, tied and kept, and how often the judge agrees with the task's verifier where the
+verifier tells the two responses apart.
 """
 
 from __future__ import annotations
@@ -61,6 +68,8 @@ class BuildPrefsConfig:
     eval_fraction: float = option(0.1, panel="Data", help="Fraction of prompts marked split=heldout (stable per prompt).")
     # None | "length"
     bias: str | None = option(None, panel="Data", help="'length': the deliberately flawed set where the longer answer always wins.")
+    judge: Path | None = option(None, "--judge", panel="Model", help="LLM judge checkpoint (RLAIF): pair two of each prompt's distinct sampled responses and label them by the judge's preference under --rubric, asked in both orders (a pair on which the orders disagree is a tie: left out and counted); the verifier labels nothing, its agreement with the judge is recorded.")
+    rubric: Path | None = option(None, "--rubric", panel="Model", help="--judge's pairwise rubric: a TOML file with kind = \"pairwise\", template and choices (docs/tasks-rewards.md).")
     source: str | None = option(None, "--from", panel="Data", help="Import a preference set instead (.arrow/.parquet/.jsonl or datasets spec).")
     prompt_column: str = option("prompt", PromptColumn)
     chosen_column: str = option("chosen", panel="Data", help="Column of --from holding the preferred response.")
@@ -82,7 +91,8 @@ def run(cfg: BuildPrefsConfig) -> Path | None:
     from rlkit.io import checkpoints, claims
 
     devices.parse(cfg.device)
-    with claims.claim_out(cfg.out, "table", {"--policy": cfg.policy, "--from": cfg.source, "--task": cfg.task}), \
+    with claims.claim_out(cfg.out, "table", {"--policy": cfg.policy, "--from": cfg.source, "--task": cfg.task,
+                                             "--judge": cfg.judge, "--rubric": cfg.rubric}), \
             checkpoints.verifying(cfg.verify):
         return _run(cfg)
 
@@ -100,6 +110,7 @@ def _run(cfg: BuildPrefsConfig) -> Path | None:
         raise RlkitError("--from imports a preference set as it is: leave out --policy and --bias")
     if cfg.source is None and cfg.policy is None and cfg.bias != "length":
         raise RlkitError("pass --policy DIR (sample and verify) or --from FILE (import a preference set)")
+    judge = _judge(cfg)
     out = streams.resolve_out(cfg.out)
     claims.check_out(out, "table")
     if cfg.source is None and cfg.bias != "length":
@@ -108,13 +119,18 @@ def _run(cfg: BuildPrefsConfig) -> Path | None:
         engines.check(cfg.engine, _engine_options(cfg))  # a known name; a named engine takes these options
         if not 0 < cfg.top_p <= 1:
             raise RlkitError(f"--top-p {cfg.top_p:g}: expected a number in (0, 1]")
-    rows, inputs, cfg, engine = _imported(cfg) if cfg.source else _sampled(cfg)
+    rows, inputs, cfg, engine, judged = _imported(cfg) if cfg.source else _sampled(cfg, judge)
     if manifests.skip_if_current(out, "build-prefs", cfg, inputs):
         return out
+    if not rows["prompt"] and judged:
+        raise RlkitError(f"the judge labelled no pair: all {judged['pairs_judged']} pairs were ties (its answer changed "
+                         "with the order the two responses were shown in, or it had no preference); check the judge "
+                         "and its rubric, or sample more prompts (--num-prompts)")
     if not rows["prompt"]:
         raise RlkitError("no preference pairs came out; sample more prompts (--num-prompts) or check the input")
     held = rows["split"].count("heldout")
-    manifest = manifests.make_manifest("prefs", "build-prefs", cfg, inputs, **({"engine": engine} if engine else {}))
+    manifest = manifests.make_manifest("prefs", "build-prefs", cfg, inputs, **({"engine": engine} if engine else {}),
+                                       **({"judge": judged} if judged else {}))
     with streams.write_table("prefs", out, manifest) as w:
         w.write(rows)
     kinds: dict[str, int] = {}
@@ -122,10 +138,67 @@ def _run(cfg: BuildPrefsConfig) -> Path | None:
         kinds[k or "imported"] = kinds.get(k or "imported", 0) + 1
     console.info(f"build-prefs: {len(rows['prompt'])} pairs ({held} held out) "
                  f"by kind: {', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))}" + (f" -> {out}" if out else ""))
+    if judged:
+        agree = judged["verifier_agreement"]
+        console.info(f"build-prefs: the judge labelled {judged['pairs_kept']} of {judged['pairs_judged']} pairs "
+                     f"({judged['ties']} ties: its two orders disagreed); it agrees with the verifier on "
+                     + (f"{agree:.1%} of the {judged['verifier_decided']} pairs the verifier tells apart"
+                        if agree is not None else "no pair (the verifier tells none apart)"))
     return out
 
 
-def _sampled(cfg: BuildPrefsConfig):
+def _judge(cfg: BuildPrefsConfig):
+    """--judge and --rubric, checked before any sampling: a pairwise rubric, the judge hash-checked (always) and
+    not the policy itself, its choices single tokens of its tokenizer."""
+    from rlkit.errors import RlkitError
+
+    if cfg.judge is None:
+        if cfg.rubric is not None:
+            raise RlkitError("--rubric is --judge's: pass --judge DIR too")
+        return None
+    if cfg.source is not None or cfg.bias or cfg.policy is None:
+        raise RlkitError("--judge labels pairs of the policy's own samples: pass --policy DIR, without --from or --bias")
+    if cfg.rubric is None:
+        raise RlkitError("--judge needs --rubric FILE, a pairwise rubric (kind = \"pairwise\", template, choices)")
+    from rlkit import devices
+    from rlkit.io import fingerprints
+    from rlkit.tasks.judge import Judge, load_rubric, refuse_self_judging
+
+    j = Judge(cfg.judge, load_rubric(cfg.rubric, ("pairwise",)), devices.resolve(cfg.device),
+              trust_remote_code=cfg.trust_remote_code)
+    refuse_self_judging(j, {fingerprints.fingerprint(cfg.policy)}, f"--policy {cfg.policy}")
+    return j
+
+
+def _judged_pairs(judge, ex, samples: list[list[str]], rewards: list[list[float]], batch_tokens: int):
+    """Each prompt's distinct responses paired in sample order ((1st, 2nd), (3rd, 4th), ...) and labelled by the
+    judge (`Judge.compare`, both orders). -> ([(example index, chosen, rejected)], the manifest's figures)."""
+    cand = []  # (example index, first, second, their verifier rewards)
+    for k, (texts, rs) in enumerate(zip(samples, rewards, strict=True)):
+        seen: dict[str, float] = {}
+        for t, r in zip(texts, rs, strict=True):
+            if t.strip() and t not in seen:
+                seen[t] = r
+        distinct = list(seen.items())
+        cand += [(k, *distinct[i], *distinct[i + 1]) for i in range(0, len(distinct) - 1, 2)]
+    prefs = judge.compare([ex[k].prompt for k, *_ in cand], [c[1] for c in cand], [c[3] for c in cand],
+                          batch_tokens) if cand else []
+    kept, agree, decided = [], 0, 0
+    for (k, a, ra, b, rb), p in zip(cand, prefs, strict=True):
+        if p is None:
+            continue
+        (chosen, rc), (rejected, rr) = ((a, ra), (b, rb)) if p == 0 else ((b, rb), (a, ra))
+        kept.append((k, chosen, rejected))
+        if rc != rr:
+            decided += 1
+            agree += rc > rr
+    figures = {**judge.manifest_entry(), "pairs_judged": len(cand), "ties": len(cand) - len(kept),
+               "pairs_kept": len(kept), "verifier_decided": decided,
+               "verifier_agreement": agree / decided if decided else None}
+    return kept, figures
+
+
+def _sampled(cfg: BuildPrefsConfig, judge=None):
     import random
 
     from rlkit import console, engines, sampling, startup
@@ -148,6 +221,8 @@ def _sampled(cfg: BuildPrefsConfig):
     if cfg.policy is not None:
         checkpoints.check_model_dir(cfg.policy, "policy")
         inputs["policy"] = fingerprints.fingerprint(cfg.policy)
+    if judge is not None:
+        inputs["judge"] = f"{judge.fingerprint} {judge.rubric.sha256}"
     ex = task.examples("train", cfg.num_prompts, cfg.seed, unique=True)
     rows: dict[str, list] = {k: [] for k in ("prompt_id", "prompt", "chosen", "rejected", "split", "answer", "negative")}
     chosen = None
@@ -182,6 +257,16 @@ def _sampled(cfg: BuildPrefsConfig):
     starts = [0]
     for s in samples:
         starts.append(starts[-1] + len(s))
+    if judge is not None:  # RLAIF: the judge labels the pairs (loaded once the policy's engine has closed)
+        rewards = [flat[starts[k]:starts[k + 1]] for k in range(len(ex))]
+        kept, figures = _judged_pairs(judge, ex, samples, rewards, cfg.batch_tokens)
+        for k, c, r in kept:
+            e = ex[k]
+            for col, v in (("prompt_id", e.prompt_id), ("prompt", e.prompt), ("chosen", c), ("rejected", r),
+                           ("split", prefs.split_of(e.prompt_id, cfg.eval_fraction)), ("answer", e.answer),
+                           ("negative", "judged")):
+                rows[col].append(v)
+        return rows, inputs, cfg, chosen, figures
     for k, (e, s) in enumerate(zip(ex, samples, strict=True)):
         rng = random.Random(f"{cfg.seed}|{e.prompt_id}")
         pairs = (prefs.length_biased_pairs(e.answer, rng) if cfg.bias == "length"
@@ -194,7 +279,7 @@ def _sampled(cfg: BuildPrefsConfig):
             rows["split"].append(prefs.split_of(e.prompt_id, cfg.eval_fraction))
             rows["answer"].append(e.answer)
             rows["negative"].append(p.negative)
-    return rows, inputs, cfg, chosen
+    return rows, inputs, cfg, chosen, None
 
 
 def _engine_options(cfg: BuildPrefsConfig):
@@ -225,7 +310,7 @@ def _imported(cfg: BuildPrefsConfig):
             "split": [s or prefs.split_of(p, cfg.eval_fraction) for s, p in zip(given, cols["prompt_id"], strict=True)],
             "answer": t.column("answer").to_pylist() if "answer" in t.column_names else [None] * t.num_rows,
             "negative": [None] * t.num_rows}
-    return rows, {"from": src.fingerprint}, cfg, None
+    return rows, {"from": src.fingerprint}, cfg, None, None
 
 
 command = stage_options.command(

@@ -57,6 +57,8 @@ class ScoreRefConfig:
     ref: Path | None = option(None, "--ref", panel="Model", help="Frozen reference directory (made by `rlkit freeze-ref`). Without --ref, --rm and --reward-fn: the reference the sampling policy was trained against (recorded by `update` in its checkpoint).")
     # NAME=DIR reward models, each adds a `reward/rm:NAME` column
     rm: tuple[str, ...] = option((), "--rm", panel="Model", help="Reward model NAME=DIR (repeatable; or DIR, named after it): adds reward/rm:NAME.")
+    # NAME=DIR[:rubric=FILE] LLM judges, each adds `reward/NAME` and `verdict/NAME`
+    judge: tuple[str, ...] = option((), "--judge", panel="Model", help="LLM judge NAME=DIR[:rubric=FILE][,engine=hf|vllm] (repeatable; rubric default DIR/rubric.toml): adds reward/NAME, the judge's verdict on each (prompt, response) under a yes-no rubric (P(yes), one forward pass) or a score rubric (its greedy answer parsed; generated on the engine named, hf by default), and verdict/NAME. The judge is hash-checked; the policy itself is refused.")
     teacher: Path | None = option(None, "--teacher", panel="Model", help="Teacher checkpoint for on-policy distillation (any causal LM directory with the policy's tokenizer, e.g. a stronger RL checkpoint): adds teacher_logprobs, its log-prob of every completion token, which `update --algo distill` (or --teacher-coef) trains on.")
     reward_fn: tuple[str, ...] = option((), RewardFn)  # NAME=FILE.py:FUNC user reward functions, each adds `reward/NAME`
     reward_timeout: float = option(60.0, RewardTimeout)  # seconds one --reward-fn call may run (0: no limit)
@@ -178,6 +180,17 @@ def recorded_reference(upstream: Manifest) -> tuple[Path, Path]:
     return ref, Path(given if isinstance(given, str) else policy)
 
 
+def _judges(cfg: ScoreRefConfig, rms: dict, fns, dev) -> dict:
+    """--judge's judges, checked before any model loads: each rubric (a yes-no or score one), the judge's weights
+    (hash-checked, as a reference is) and its rubric's choices against its tokenizer."""
+    from rlkit.tasks.judge import Judge, load_rubric
+
+    specs = parse_judges(cfg.judge, {*rms, *(f.name for f in fns)})
+    dtype = "fp32" if cfg.dtype in ("stored", "auto") else cfg.dtype  # a judge checkpoint is stored fp32
+    return {name: Judge(d, load_rubric(r, ("yes-no", "score"), f"--judge {name}: rubric"), dev, dtype,
+                        cfg.trust_remote_code, f"judge {name}", engine) for name, (d, r, engine) in specs.items()}
+
+
 def score_dtype(device, dtype: str = "auto", bf16: bool | None = None) -> str:
     """--dtype -> what the models run in: auto is bf16 on a GPU with bf16 kernels (`bf16`: whether it has them,
     asked of torch when None), else `stored` on a GPU, fp32 on the CPU (as it always was); any other value stays."""
@@ -203,6 +216,7 @@ class Models:
         self.model = self.limits = None  # the reference and what its rows must fit (`Limits`)
         self.teacher = self.teacher_limits = None  # --teacher's model and what its rows must fit
         self.scorers: dict = {}  # component name -> (reward model, its tokenizer)
+        self.judges: dict = {}  # component name -> rlkit.tasks.judge.Judge (checked at start-up, loaded here)
         self.loaded = False
 
     def load(self) -> Models:
@@ -217,7 +231,8 @@ class Models:
         if cfg.plan:  # on a GPU: the models and one forward batch must fit what the GPU has free (rlkit.planner)
             from rlkit import planner
 
-            lms = [d for d in (cfg.ref, cfg.teacher) if d is not None]  # a teacher is planned as a second LM
+            # a teacher and judges are planned as further LMs
+            lms = [d for d in (cfg.ref, cfg.teacher, *(j.path for j in self.judges.values())) if d is not None]
             planner.preflight_scoring(lms[0] if lms else None, [*lms[1:], *self.rms.values()], cfg.dtype,
                                       cfg.batch_tokens, cfg.packing, self.dev)
         if cfg.ref is not None:
@@ -230,6 +245,8 @@ class Models:
         rm_dtype = "fp32" if cfg.dtype == "stored" else cfg.dtype  # a reward model is stored fp32 (train-rm)
         self.scorers = {name: load_reward_model(d, cfg.trust_remote_code, device=self.dev, dtype=rm_dtype)
                         for name, d in self.rms.items()}
+        for j in self.judges.values():
+            j.load()
         self.loaded = True
         return self
 
@@ -251,6 +268,33 @@ def parse_rms(specs: tuple[str, ...]) -> dict[str, Path]:
     return out
 
 
+def parse_judges(specs: tuple[str, ...], taken) -> dict[str, tuple[Path, Path, str]]:
+    """`--judge NAME=DIR[:rubric=FILE][,engine=hf|vllm]` -> {component name: (judge dir, rubric file, engine)}; the
+    rubric defaults to DIR/rubric.toml, the engine (a score rubric's generation) to hf."""
+    from rlkit.errors import RlkitError
+
+    out: dict[str, tuple[Path, Path, str]] = {}
+    for spec in specs:
+        name, eq, rest = spec.partition("=")
+        d, _, opts = rest.partition(":")
+        name = name.strip()
+        if not eq or not name or not d:
+            raise RlkitError(f"--judge {spec!r}: expected NAME=DIR or NAME=DIR:rubric=FILE")
+        rubric, engine = Path(d) / "rubric.toml", "hf"
+        for opt in filter(None, opts.split(",")):
+            k, eq, v = opt.partition("=")
+            if k.strip() not in ("rubric", "engine") or not eq or not v:
+                raise RlkitError(f"--judge {spec!r}: unknown option {opt!r}; expected rubric=FILE or engine=hf|vllm")
+            if k.strip() == "rubric":
+                rubric = Path(v)
+            else:
+                engine = v.strip()
+        if name in out or name in taken or name in ("verifier", "env"):
+            raise RlkitError(f"--judge names {name!r}, which another reward component has; give each its own NAME")
+        out[name] = (Path(d), rubric, engine)
+    return out
+
+
 def run(cfg: ScoreRefConfig) -> Path | None:
     """Claims --out (see `claims.claim_out`: never over an input, one writer) and runs the stage."""
     from rlkit import devices
@@ -258,7 +302,8 @@ def run(cfg: ScoreRefConfig) -> Path | None:
 
     devices.parse(cfg.device)
     inputs = {"--ref": cfg.ref, "--rm": [r.partition("=")[2] or r for r in cfg.rm], "--in": cfg.inp,
-              "--reward-fn": cfg.reward_fn, "--teacher": cfg.teacher}
+              "--reward-fn": cfg.reward_fn, "--teacher": cfg.teacher,
+              "--judge": [j.partition("=")[2].partition(":")[0] for j in cfg.judge]}
     with claims.claim_out(cfg.out, "table", inputs), checkpoints.verifying(cfg.verify):
         return _run(cfg)
 
@@ -288,7 +333,7 @@ def _run_loaded(cfg: ScoreRefConfig, rms: dict[str, Path], fns) -> Path | None:
             raise RlkitError("--shard cuts an input file between groups: pass --in FILE (a piped-in shard of "
                              "`rollout --shard` needs no --shard here)")
     recorded = None
-    if cfg.ref is None and not rms and not fns and cfg.teacher is None:  # the reference the policy was trained against
+    if cfg.ref is None and not rms and not fns and cfg.teacher is None and not cfg.judge:  # the policy's reference
         pending = streams.open_table(cfg.inp, ["rollouts", "scored", "prefs"])
         recorded = recorded_reference(pending.result().record)
         cfg = replace(cfg, ref=recorded[0])
@@ -297,7 +342,7 @@ def _run_loaded(cfg: ScoreRefConfig, rms: dict[str, Path], fns) -> Path | None:
     out = streams.resolve_out(cfg.out)
     claims.check_out(out, "table")
     # reward functions run on the host
-    dev = devices.resolve(cfg.device) if cfg.ref is not None or rms or cfg.teacher is not None else None
+    dev = devices.resolve(cfg.device) if cfg.ref is not None or rms or cfg.teacher is not None or cfg.judge else None
     ref_m: dict = {}
     if cfg.ref is not None:
         ref_m = checkpoints.verify_reference(cfg.ref)  # reads the files (hashes), puts nothing on the device
@@ -309,6 +354,7 @@ def _run_loaded(cfg: ScoreRefConfig, rms: dict[str, Path], fns) -> Path | None:
         teacher_tok = checkpoints.load_tokenizer(cfg.teacher, cfg.trust_remote_code)
     if dev is not None:
         cfg = replace(cfg, dtype=score_dtype(dev, cfg.dtype))  # what auto became, as the manifest records it
+    judges = _judges(cfg, rms, fns, dev)  # rubrics read, judges hash-checked, choices tokenized: before any load
     if recorded is not None:
         console.info(f"score-ref: reference {recorded[0]} (recorded by {recorded[1]})")
     else:  # the input opens and streams into memory on a thread while torch imports and the models load
@@ -319,18 +365,20 @@ def _run_loaded(cfg: ScoreRefConfig, rms: dict[str, Path], fns) -> Path | None:
         tokenizer = checkpoints.load_tokenizer(cfg.ref, cfg.trust_remote_code)
         reference = {"reference": Path(cfg.ref), "reference_digest": ref_m.get("weights_digest")}
     models = Models(cfg, dev, rms)  # loaded when the first batch comes
+    models.judges = judges
     reader = pending.result()
     inputs = {"in": reader.fingerprint, **({"ref": fingerprints.fingerprint(cfg.ref)} if cfg.ref else {}),
               **({"teacher": fingerprints.fingerprint(cfg.teacher)} if cfg.teacher else {}),
+              **{f"judge:{n}": f"{j.fingerprint} {j.rubric.sha256}" for n, j in judges.items()},
               **{name: fingerprints.fingerprint(d) for name, d in rms.items()}, **reward_fns.fingerprints(fns)}
     if manifests.skip_if_current(out, "score-ref", cfg, inputs):
         return out
     if reader.kind == "prefs":
         if cfg.shard:
             raise RlkitError("--shard cuts rollouts tables; score a prefs table whole")
-        if cfg.teacher is not None:
-            raise RlkitError("--teacher scores the completions of a rollouts table (on-policy distillation), not a "
-                             "prefs table")
+        if cfg.teacher is not None or judges:
+            raise RlkitError("--teacher and --judge score the completions of a rollouts table, not a prefs table "
+                             "(build-prefs --judge labels pairs)")
         return _score_prefs(cfg, reader, models, tokenizer, out, inputs, reference)
     upstream = reader.record
     want = upstream.tokenizer
@@ -344,9 +392,18 @@ def _run_loaded(cfg: ScoreRefConfig, rms: dict[str, Path], fns) -> Path | None:
             f"teacher {cfg.teacher} has a different tokenizer from the policy that sampled these rollouts "
             f"({checkpoints.tokenizer_fingerprint(teacher_tok)} vs {want}); on-policy distillation compares log-probs "
             "of the same token ids, so the teacher's vocabulary and special tokens must be the policy's exactly")
+    if judges:  # the policy as its own judge, refused before any model loads (and batch by batch, as rows come)
+        from rlkit.tasks.judge import refuse_self_judging
+
+        sampler = upstream.sampling.get("policy")
+        policies = {upstream.inputs.get("policy"),
+                    *([fingerprints.fingerprint(Path(sampler))] if isinstance(sampler, str) and Path(sampler).is_dir()
+                      else [])}
+        for j in judges.values():
+            refuse_self_judging(j, policies, "the policy that sampled these rollouts")
     if cfg.teacher is not None and "teacher_logprobs" in reader.schema.names:
         raise RlkitError(f"{reader.label} already has teacher log-probs; score it with one teacher")
-    clash = [n for n in [*rms, *(f.name for f in fns)] if f"reward/{n}" in reader.schema.names]
+    clash = [n for n in [*rms, *(f.name for f in fns), *judges] if f"reward/{n}" in reader.schema.names]
     if clash:
         raise RlkitError(f"the input already has reward component {clash[0]!r}; name this "
                          f"{'reward model' if clash[0] in rms else '--reward-fn'} differently")
@@ -369,12 +426,15 @@ def _run_loaded(cfg: ScoreRefConfig, rms: dict[str, Path], fns) -> Path | None:
              or f.name in schemas.CARRIED_NAMES]
     if cfg.teacher is not None:
         extra.append(next(f for f in schemas.TOKEN_FIELDS if f.name == "teacher_logprobs"))
-    extra += [pa.field(f"reward/{n}", pa.float64()) for n in [*rms, *(f.name for f in fns)]]
+    extra += [pa.field(f"reward/{n}", pa.float64()) for n in [*rms, *(f.name for f in fns), *judges]]
+    extra += [pa.field(f"verdict/{n}", pa.string()) for n in judges]
     manifest = manifests.make_manifest(out_kind, "score-ref", cfg, inputs, tokenizer=want,
                                        rollout=dict(upstream.sampling) or None, temperature=temperature,
                                        engine=upstream.engine, reward_models={n: str(d) for n, d in rms.items()},
                                        reward_fns={f.name: f.label for f in fns},
                                        **({"teacher": str(cfg.teacher)} if cfg.teacher is not None else {}),
+                                       **({"judges": {n: j.manifest_entry() for n, j in judges.items()}}
+                                          if judges else {}),
                                        **(reference or {k: upstream.get(k) for k in ("reference", "reference_digest")}),
                                        carried_paths=manifests.carried_paths(upstream.raw), **shard,
                                        **(devices.manifest_entry(dev) if dev is not None else {}))
@@ -393,7 +453,11 @@ def _run_loaded(cfg: ScoreRefConfig, rms: dict[str, Path], fns) -> Path | None:
         if not following:
             raise
         raise DownstreamClosed("score-ref") from None
+    finally:
+        for j in judges.values():  # a judge's generation engine (vllm), when one was started
+            j.close()
     by = " and ".join([*([str(cfg.ref)] if cfg.ref else []), *([f"teacher {cfg.teacher}"] if cfg.teacher else []),
+                       *(f"judge {n} ({j.path})" for n, j in judges.items()),
                        *(f"{n} ({d})" for n, d in rms.items()),
                        *(f"{f.name} ({f.label})" for f in fns)])
     console.info(f"score-ref: {rows} rows scored by {by}"
@@ -438,6 +502,15 @@ def _score_stream(cfg: ScoreRefConfig, batches, w_args, models: Models, tokenize
             prompts, comps = batch.column("prompt").to_pylist(), batch.column("completion").to_pylist()
             for name, (rm, rm_tok) in scorers.items():
                 cols[f"reward/{name}"] = pa.array(score_texts(rm, rm_tok, prompts, comps, cfg.batch_tokens, packed=cfg.packing), pa.float64())
+            if models.judges:
+                from rlkit.tasks.judge import refuse_self_judging
+
+                policies = set(batch.column("policy_fingerprint").to_pylist())
+                for name, j in models.judges.items():
+                    refuse_self_judging(j, policies, "the policy that sampled these rollouts")
+                    rewards, verdicts, _ = j.score(prompts, comps, cfg.batch_tokens)
+                    cols[f"reward/{name}"] = pa.array(rewards, pa.float64())
+                    cols[f"verdict/{name}"] = pa.array(verdicts, pa.string())
             if fns:
                 rows = reward_fns.columns_of(batch, fns)
                 for f in fns:

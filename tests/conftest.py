@@ -323,3 +323,24 @@ def pytest_collection_modifyitems(config, items):  # noqa: ARG001
                 _FIRST.index(it.path.name) if it.path.name in _FIRST else len(_FIRST))
 
     items.sort(key=rank)
+
+
+def make_pairwise_judge(out: Path, rubric, label) -> Path:
+    """A judge (`rlkit.tasks.judge`) trained in seconds by `rlkit sft --data` on 1,500 judgments under `rubric` (a
+    pairwise `Rubric`) of arithmetic prompts with made-up answers of 1-3 digits, labelled by `label(a, b)` ("A" or
+    "B"): e.g. the shorter answer (a content preference that holds in both orders) or always "A" (position bias)."""
+    import json
+    import random
+
+    from rlkit.tasks import get_task
+
+    rng = random.Random(0)
+    data = out.with_suffix(".jsonl")
+    with data.open("w") as f:
+        for e in get_task("arithmetic").examples("train", 1500, 0):
+            la, lb = rng.sample([1, 2, 3], 2)
+            a, b = (str(rng.randint(0 if k == 1 else 10 ** (k - 1), 10 ** k - 1)) for k in (la, lb))
+            f.write(json.dumps({"prompt": rubric.render(prompt=e.prompt, response_a=a, response_b=b),
+                                "completion": label(a, b)}) + "\n")
+    stage("sft", "--data", str(data), "--epochs", "2", "--out", str(out))
+    return out

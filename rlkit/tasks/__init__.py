@@ -182,9 +182,15 @@ def _reasoning_gym(opts: dict[str, str]) -> Task:
     return ReasoningGym.from_options(opts)
 
 
+def _judge(opts: dict[str, str]) -> Task:
+    from rlkit.tasks.judge import JudgeTask  # a judge's training data: judgments of another task's problems
+
+    return JudgeTask.from_options(opts)
+
+
 TASKS: dict[str, Callable[[dict[str, str]], Task]] = {"arithmetic": Arithmetic.from_options, "math": _math,
                                                       "code": _code, "calc": _calc, "guess": _guess,
-                                                      "reasoning-gym": _reasoning_gym}
+                                                      "reasoning-gym": _reasoning_gym, "judge": _judge}
 ENTRY_POINT_GROUP = "rlkit.tasks"
 _USER_FORMS = "or a class in your code: path/to/file.py:CLASS or package.module:CLASS"
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, rlkit_path, run_cli
+from conftest import REPO, make_pairwise_judge, rlkit_path, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -88,7 +88,7 @@ def _run_recipe(name: str, runs: Path, **knobs: str):
 
 def test_every_recipe_is_tested():
     assert set(RECIPES) == {"rlvr.sh", "rlhf.sh", "reward-hacking.sh", "math.sh", "config.sh", "code.sh",
-                            "guess.sh", "tools.sh", "reasoning-gym.sh", "textarena.sh", "distill.sh"}, \
+                            "guess.sh", "tools.sh", "reasoning-gym.sh", "textarena.sh", "distill.sh", "rlaif.sh"}, \
         "a new recipe needs a test here"
     assert {p.name for p in (REPO / "recipes").glob("*.sh")} - set(RECIPES) == {"rlvr-follow.sh", "quickstart.sh"}
     assert 'bash "$quickstart"' in (REPO / "tests" / "installed" / "smoke.sh").read_text()
@@ -108,16 +108,24 @@ def test_every_recipe_runs_scaled_down(recipe, tmp_path):
              "tools.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "300", "PROMPTS": "8", "N": "2", "EVAL_NUM": "12"},
              "reasoning-gym.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "300", "PROMPTS": "8", "N": "2", "EVAL_NUM": "12"},
              "textarena.sh": {"ROUNDS": "1", "SFT_GAMES": "100", "PROMPTS": "4", "N": "4", "FINAL": "6"},
+             "rlaif.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "300", "EVAL_NUM": "12", "PREF_PROMPTS": "48", "PROMPTS": "8",
+                          "N": "2"},
              "distill.sh": {"ROUNDS": "1", "TEACHER_ROUNDS": "1", "SFT_EXAMPLES": "300", "TEACHER_PROMPTS": "8",
                             "TEACHER_N": "4", "PROMPTS": "8", "N": "2", "EVAL_NUM": "12", "SAMPLED_N": "2"}}
     # rlvr.sh: with an experiment tracker (the whole recipe one run: eval and update continue sft's)
     knobs["rlvr.sh"] = {"REPORT_TO": "tensorboard", "PROJECT": "recipe"}
+    if recipe == "rlaif.sh":  # a judge trained at this size would tie on every pair: one with a learned preference
+        from rlkit.tasks.judge import load_rubric
+
+        rubric = load_rubric(REPO / "recipes" / "rubrics" / "arithmetic-pairwise.toml")
+        judge = make_pairwise_judge(tmp_path / "judge", rubric, lambda a, b: "A" if len(a) < len(b) else "B")
+        knobs["rlaif.sh"]["JUDGE"] = str(judge)
     r = _run_recipe(recipe, runs, **knobs.get(recipe, {}))
     assert r.returncode == 0, f"{recipe}: {r.stderr.decode()[-2000:]}"
     # every RL recipe leaves one metrics file with held-out accuracy after every round, and its report
     metrics = {"rlvr.sh": "metrics.jsonl", "rlhf.sh": "rlhf-metrics.jsonl", "math.sh": "metrics.jsonl",
                "config.sh": "metrics.jsonl", "code.sh": "metrics.jsonl", "tools.sh": "metrics.jsonl",
-               "reasoning-gym.sh": "metrics.jsonl"}.get(recipe)
+               "reasoning-gym.sh": "metrics.jsonl", "rlaif.sh": "metrics.jsonl"}.get(recipe)
     if metrics:
         rows = [json.loads(x) for x in (runs / metrics).read_text().splitlines()]
         rounds = int(knobs.get(recipe, {}).get("ROUNDS", 2))
@@ -144,6 +152,15 @@ def test_every_recipe_runs_scaled_down(recipe, tmp_path):
         b = run_cli("build-prefs", "--policy", str(runs / "round-1"), "--task", sft["config"]["task"],
                     "--num-prompts", "32", "--n", "8", "--out", str(runs / "prefs.arrow"))
         assert b.returncode == 0 and "by kind: sampled" in b.stderr.decode(), b.stderr.decode()[-2000:]
+    if recipe == "rlaif.sh":  # the judge's labels, its direct score and the verifier side by side every round
+        import pyarrow as pa
+
+        with pa.OSFile(str(runs / "prefs.arrow")) as f:
+            judged = json.loads(pa.ipc.open_stream(f).schema.metadata[b"rlkit"])["judge"]
+        assert judged["fingerprint"].startswith("sha256:") and judged["pairs_judged"] >= judged["pairs_kept"] > 0
+        u = [json.loads(x) for x in (runs / "metrics.jsonl").read_text().splitlines() if '"update"' in x]
+        assert len(u) == 1 and {"reward/rm:rm", "reward/judge", "verifier_accuracy"} <= set(u[0])
+        assert "the judge's agreement with the verifier on held-out problems" in r.stdout.decode()
     if recipe == "distill.sh":  # the student distilled from rlvr.sh's round-1 policy, scored by the teacher token by token
         import pyarrow as pa
 

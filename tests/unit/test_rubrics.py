@@ -1,0 +1,99 @@
+"""LLM judges' pure parts (`rlkit.tasks.judge`): rubric files and their one-line refusals, the verdict math (the
+pair softmax, both orders of a pairwise question, a score parsed from an answer) and the judge task's examples."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlkit.errors import RlkitError
+from rlkit.tasks import get_task
+from rlkit.tasks.judge import first_choice_prob, load_rubric, prefer
+
+YES_NO = 'kind = "yes-no"\ntemplate = "{prompt}{response} ok? "\nchoices = ["Y", "N"]\n'
+PAIRWISE = 'kind = "pairwise"\ntemplate = "{prompt} A:{response_a} B:{response_b} right? "\nchoices = ["A", "B"]\n'
+SCORE = 'kind = "score"\ntemplate = "Q: {prompt}\\nA: {response}\\nScore 1-10: "\npattern = "(\\\\d+)"\nlow = 1\nhigh = 10\n'
+
+
+def _rubric(tmp_path, text, name="r.toml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_rubrics_load_render_and_hash(tmp_path):
+    r = load_rubric(_rubric(tmp_path, YES_NO))
+    assert (r.kind, r.choices) == ("yes-no", ("Y", "N")) and r.sha256.startswith("sha256:")
+    assert r.render(prompt="<1+2>=", response="3") == "<1+2>=3 ok? "
+    p = load_rubric(_rubric(tmp_path, PAIRWISE, "p.toml"))
+    assert p.render(prompt="q", response_a="1", response_b="2") == "q A:1 B:2 right? "
+    s = load_rubric(_rubric(tmp_path, SCORE, "s.toml"))
+    assert s.parse_score("Score: 10.") == (1.0, "parsed") and s.parse_score("7") == (pytest.approx(2 / 3), "parsed")
+    assert s.parse_score("no idea") == (0.0, "unparseable") and s.parse_score("42") == (0.0, "out_of_range")
+    assert load_rubric(_rubric(tmp_path, YES_NO + "# a comment\n", "c.toml")).sha256 != r.sha256
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("kind = 'yes-no'\ntemplate = '{prompt}'\nchoices = ['Y', 'N']\n", "missing {response}"),
+    ("kind = 'yes-no'\ntemplate = '{prompt}{response}{other}'\nchoices = ['Y', 'N']\n", "not {other}"),
+    ("kind = 'maybe'\ntemplate = 'x'\n", "kind 'maybe' is not one of yes-no, pairwise, score"),
+    ("kind = 'yes-no'\ntemplate = '{prompt}{response}'\nchoices = ['Y', 'Y']\n", "two distinct non-empty strings"),
+    ("kind = 'yes-no'\ntemplate = '{prompt}{response}'\nchoices = ['Y']\n", "two distinct non-empty strings"),
+    ("kind = 'score'\ntemplate = '{prompt}{response}'\npattern = 'Score'\n", "whose first group is the score"),
+    ("kind = 'score'\ntemplate = '{prompt}{response}'\npattern = '(\\d)'\nlow = 5\nhigh = 1\n", "low < high"),
+    ("kind = 'yes-no'\ntemplate = '{prompt}{response}'\nchoices = ['Y', 'N']\ncolour = 1\n", "unknown key 'colour'"),
+    ("kind = 'yes-no\n", "not a valid TOML rubric"),
+    ("kind = 'yes-no'\ntemplate = '{prompt}{response'\nchoices = ['Y', 'N']\n", "does not parse"),
+])
+def test_a_bad_rubric_is_one_line(tmp_path, text, says):
+    with pytest.raises(RlkitError, match=None) as e:
+        load_rubric(_rubric(tmp_path, text))
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_missing_rubric_or_one_of_another_kind(tmp_path):
+    with pytest.raises(RlkitError, match="no such rubric file"):
+        load_rubric(tmp_path / "absent.toml")
+    with pytest.raises(RlkitError, match="is a yes-no rubric; this takes pairwise"):
+        load_rubric(_rubric(tmp_path, YES_NO), ("pairwise",))
+
+
+def test_the_pair_softmax_by_hand():
+    la, lb = torch.tensor([2.0, -1.0, 0.0]), torch.tensor([0.0, 1.0, 0.0])
+    want = [math.exp(a) / (math.exp(a) + math.exp(b)) for a, b in zip(la.tolist(), lb.tolist(), strict=True)]
+    assert first_choice_prob(la, lb).tolist() == pytest.approx(want)
+
+
+def test_both_orders_cancel_position_bias():
+    assert prefer(0.9, 0.2) == 0 and prefer(0.3, 0.8) == 1
+    assert prefer(0.9, 0.9) is None  # always the first shown: a tie, whichever response it is
+    assert prefer(0.1, 0.1) is None and prefer(0.5, 0.5) is None
+
+
+def test_the_judge_task_makes_judgments_of_arithmetic(tmp_path):
+    yn, pw = _rubric(tmp_path, YES_NO, "yn.toml"), _rubric(tmp_path, PAIRWISE, "pw.toml")
+    task = get_task(f"judge:task=arithmetic,rubric={pw}|{yn}")
+    ex = task.examples("train", 200, 0)
+    base = {e.prompt: int(e.answer) for e in get_task("arithmetic").examples("train", 200, 0)}
+    kinds = {"A": 0, "B": 0, "Y": 0, "N": 0}
+    for i, e in enumerate(ex):
+        kinds[e.answer] += 1
+        problem = e.prompt.split(" ")[0] if i % 2 == 0 else e.prompt[: e.prompt.index("=") + 1]
+        gold = base[problem]
+        if i % 2 == 0:  # pairwise: the named response is the gold one
+            a, b = e.prompt.split(" A:")[1].split(" right?")[0].split(" B:")
+            assert int(a if e.answer == "A" else b) == gold and int(b if e.answer == "A" else a) != gold
+        else:  # yes-no: Y exactly when the proposed answer is the gold one
+            proposed = int(e.prompt[len(problem):].split(" ok?")[0])
+            assert (e.answer == "Y") == (proposed == gold)
+        assert task.reward(task.completion(e), e.answer) == 1.0
+    assert all(v > 20 for v in kinds.values())  # both rubrics, both verdicts
+    held = task.examples("heldout", 50, 0)
+    assert not {e.prompt for e in held} & {e.prompt for e in ex}
+    assert task.reward("N", "Y") == 0.0 and get_task(task.spec).spec == task.spec
+    with pytest.raises(RlkitError, match="needs rubric=FILE"):
+        get_task("judge:task=arithmetic")
+    with pytest.raises(RlkitError, match="takes yes-no or pairwise"):
+        get_task(f"judge:rubric={_rubric(tmp_path, SCORE, 's.toml')}")
