@@ -185,7 +185,7 @@ def _reasoning_gym(opts: dict[str, str]) -> Task:
 def _judge(opts: dict[str, str]) -> Task:
     from rlkit.tasks.judge import JudgeTask  # a judge's training data: judgments of another task's problems
 
-    return JudgeTask.from_options(opts)
+    return JudgeTask.from_options(opts, get_task)
 
 
 TASKS: dict[str, Callable[[dict[str, str]], Task]] = {"arithmetic": Arithmetic.from_options, "math": _math,

@@ -334,9 +334,9 @@ class JudgeTask:
     max_new_tokens: int = field(default=4, init=False)
 
     @classmethod
-    def from_options(cls, opts: dict[str, str]) -> JudgeTask:
-        from rlkit.tasks import get_task
-
+    def from_options(cls, opts: dict[str, str], get_task) -> JudgeTask:
+        """`get_task`: `rlkit.tasks.get_task`, which resolves task=NAME (passed in: this module imports no
+        registry)."""
         unknown = sorted(set(opts) - {"task", "rubric"})
         if unknown:
             raise RlkitError(f"unknown option {unknown[0]!r} for task judge; expected task=NAME, rubric=FILE[|FILE]")

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rlkit.errors import RlkitError
-from rlkit.tasks import VERBOSE
+from rlkit.tasks.base import VERBOSE
 
 
 @dataclass(frozen=True)
