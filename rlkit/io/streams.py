@@ -127,15 +127,15 @@ class TableWriter:
         self.rows = 0
         self._tmp: Path | None = None
         _load_pyarrow_converters()
-        if out is None:
-            self._sink: BinaryIO = stdout_sink()
-        else:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = _tmp_sibling(out, "tmp")
-            with signals_deferred():  # the file and self._tmp come into being together
-                self._sink = open(tmp, "wb")  # noqa: SIM115 (closed in close/abort)
-                self._tmp = tmp
-        try:
+        try:  # a signal held while the file is created is delivered as the hold ends: still inside this try
+            if out is None:
+                self._sink: BinaryIO = stdout_sink()
+            else:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                tmp = _tmp_sibling(out, "tmp")
+                with signals_deferred():  # the file and self._tmp come into being together
+                    self._sink = open(tmp, "wb")  # noqa: SIM115 (closed in close/abort)
+                    self._tmp = tmp
             self._writer = pa.ipc.new_stream(self._sink, self.schema)
         except BaseException:
             self.abort()
@@ -179,7 +179,7 @@ class TableWriter:
                 pass
             finally:
                 self._tmp.unlink(missing_ok=True)  # after close() renamed it, this is a no-op
-        else:
+        elif getattr(self, "_sink", None) is not None:
             try:
                 self._sink.flush()
             except OSError:
@@ -189,12 +189,14 @@ class TableWriter:
 @contextmanager
 def write_table(kind_name: str, out: Path | None, manifest: Mapping[str, Any],
                 extra: Sequence[pa.Field] = ()) -> Iterator[TableWriter]:
-    w = TableWriter(kind_name, out, manifest, extra)
-    try:
+    w = None
+    try:  # the writer made inside the try: an interrupt the moment it exists still removes its file
+        w = TableWriter(kind_name, out, manifest, extra)
         yield w
         w.close()
     except BaseException:
-        w.abort()
+        if w is not None:
+            w.abort()
         raise
 
 
