@@ -314,11 +314,13 @@ def test_ctrl_c_inside_pyarrows_first_conversion_is_raised_after_it():
     import sys
 
     code = (
-        "import os, signal, pyarrow as pa\n"
+        "import signal, threading, pyarrow as pa\n"
         "from rlkit.io import streams\n"
         "real = pa.array\n"
         "def first(*a, **k):\n"
-        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        # to this thread: a signal sent to the process may go to another of its threads (pyarrow's), which on a
+        # loaded machine runs its handler only after this short program has ended ('lost', wrongly)
+        "    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)\n"
         "    return real(*a, **k)\n"
         "streams.pa.array = first\n"
         "try:\n"
