@@ -80,7 +80,7 @@ def read(path: Path) -> dict:
     except UnicodeDecodeError as e:
         raise ValueError(f"not UTF-8 text (byte {e.start}): expected a TOML or YAML file") from None
     try:
-        data = _load_toml(text) if suffix == ".toml" else _load_yaml(text)
+        data = load_toml(text) if suffix == ".toml" else _load_yaml(text)
     except RecursionError:
         raise ValueError("nested too deeply: expected a table of option names and values") from None
     if not isinstance(data, dict):
@@ -98,7 +98,9 @@ MAX_BYTES = 2**20
 MAX_NODES = 10_000  # values, YAML aliases expanded (a "billion laughs" file expands without bound)
 
 
-def _load_toml(text: str) -> dict:
+def load_toml(text: str) -> dict:
+    """TOML text -> a dict (tomllib; tomli on Python 3.10); ValueError with the parser's message, or when it holds
+    more values than an option file (or a rubric) ever needs."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10: the same parser, as a package

@@ -88,7 +88,7 @@ def load_rubric(path: str | Path, kinds: Sequence[str] = RUBRIC_KINDS, flag: str
     """A rubric file, checked: one line naming what is wrong (a missing or unreadable file, invalid TOML, an unknown
     key or kind, a template without its placeholders or with others, choices that are not two distinct strings,
     a score rubric without a pattern with one group, low >= high), or a kind this use does not take (`kinds`)."""
-    import tomllib
+    from rlkit.config_file import load_toml
 
     p = Path(path)
     where = f"{flag} {p}"
@@ -97,8 +97,8 @@ def load_rubric(path: str | Path, kinds: Sequence[str] = RUBRIC_KINDS, flag: str
                          "docs/tasks-rewards.md)")
     raw = p.read_bytes()
     try:
-        d = tomllib.loads(raw.decode("utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        d = load_toml(raw.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
         raise RlkitError(f"{where}: not a valid TOML rubric ({str(e).splitlines()[0]})") from None
     unknown = sorted(set(d) - _KEYS)
     if unknown:
