@@ -19,10 +19,12 @@ batch by batch; their signatures are checked before the models load. `--teacher 
 adds `teacher_logprobs`, a teacher's log-prob of every completion token, by the same forward-only scorer as the
 reference (packed, micro-batched, at the rollout's temperature, bf16 on a GPU with --dtype auto); the teacher
 must have the policy's tokenizer exactly (same vocabulary and special tokens: the log-probs of the same token ids
-are compared), else one line. With none of --ref, --rm, --reward-fn and --teacher, the reference is the one the sampling policy was trained against: `update` records it in
+are compared), else one line. `--judge NAME=DIR[:rubric=FILE]` adds an LLM judge's verdict on each (prompt,
+response) under a yes-no or score rubric as `reward/NAME` and `verdict/NAME` (`rlkit.tasks.judge`: hash-checked,
+never the policy itself). With none of --ref, --rm, --reward-fn, --teacher and --judge, the reference is the one the sampling policy was trained against: `update` records it in
 every checkpoint it writes (`reference` in `rlkit.json`, path and fingerprint), so the card's
 `rlkit rollout --policy ckpt/ --n 8 | rlkit score-ref` works from the first RL round on. With --rm or
---reward-fn or --teacher alone the output stays a 'rollouts' table (enough for `update --beta 0`).
+--reward-fn, --teacher or --judge alone the output stays a 'rollouts' table (enough for `update --beta 0`).
 """
 
 from __future__ import annotations
@@ -405,8 +407,8 @@ def _run_loaded(cfg: ScoreRefConfig, rms: dict[str, Path], fns) -> Path | None:
         raise RlkitError(f"{reader.label} already has teacher log-probs; score it with one teacher")
     clash = [n for n in [*rms, *(f.name for f in fns), *judges] if f"reward/{n}" in reader.schema.names]
     if clash:
-        raise RlkitError(f"the input already has reward component {clash[0]!r}; name this "
-                         f"{'reward model' if clash[0] in rms else '--reward-fn'} differently")
+        what = "reward model" if clash[0] in rms else "--judge" if clash[0] in judges else "--reward-fn"
+        raise RlkitError(f"the input already has reward component {clash[0]!r}; name this {what} differently")
     if reader.kind == "scored" and cfg.ref is not None:
         raise RlkitError("the input already has reference log-probs; pass only --rm to add reward-model scores")
     temperature = upstream.temperature
