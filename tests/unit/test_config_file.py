@@ -239,3 +239,23 @@ def test_a_config_written_back_leaves_the_runs_outputs_out(tmp_path, capfd):
     capfd.readouterr()
     assert _main(["update", "--config", str(tmp_path / "run.toml")]) == 2
     assert "Missing option '--out'" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize(("cmd", "values", "given"), [
+    ("update", {"algo": "distill", "teacher_coef": 0.5, "overlong_buffer": 4, "overlong_penalty": 0.5,
+                "mask_truncated": True}, {"algo": "distill", "teacher_coef": "0.5", "overlong_buffer": "4",
+                                          "overlong_penalty": "0.5", "mask_truncated": True}),
+    ("rollout", {"min_informative_groups": 8, "max_refill_rounds": 2},
+     {"min_informative_groups": "8", "max_refill_rounds": "2"}),
+    ("sft", {"min_reward": 1.0, "best_of": True, "reward": ["verifier=1"]},
+     {"min_reward": "1.0", "best_of": True, "reward": ["verifier=1"]}),
+    ("score-ref", {"teacher": "runs/teacher", "judge": ["j=runs/judge:rubric=r.toml"]},
+     {"teacher": "runs/teacher", "judge": ["j=runs/judge:rubric=r.toml"]}),
+    ("build-prefs", {"judge": "runs/judge", "rubric": "r.toml"}, {"judge": "runs/judge", "rubric": "r.toml"}),
+])
+def test_the_algorithms_and_judges_options_round_trip_through_a_config_file(cmd, values, given):
+    """Each option of distillation, CISPO's and DAPO's shaping, dynamic sampling, rejection-sampling SFT and the
+    judges: written as a config file, read back the same, and given to the command as its flag would be."""
+    back = tomllib.loads(config_file.options_toml(cmd, values, "ckpt"))[cmd]
+    assert back == values
+    assert _defaults(cmd, back) == given
