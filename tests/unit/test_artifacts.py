@@ -315,6 +315,8 @@ def test_ctrl_c_inside_pyarrows_first_conversion_is_raised_after_it():
 
     code = (
         "import signal, threading, pyarrow as pa\n"
+        # Ctrl-C's default handler: a child of a process that ignores SIGINT (a test runner's worker) starts ignoring it
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "from rlkit.io import streams\n"
         "real = pa.array\n"
         "def first(*a, **k):\n"

@@ -20,8 +20,12 @@ def test_an_interrupt_as_the_file_is_created_leaves_nothing(tmp_path, monkeypatc
         return f
 
     monkeypatch.setattr(streams, "open", opening, raising=False)
-    out = tmp_path / "t.arrow"
-    with pytest.raises(KeyboardInterrupt), \
-            streams.write_table("prompts", out, {"kind": "prompts"}) as w:
-        w.write({"prompt_id": ["a"], "prompt": ["x"]})
+    # Ctrl-C's default handler, whatever this process inherited (a test runner's worker may ignore SIGINT)
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        out = tmp_path / "t.arrow"
+        with pytest.raises(KeyboardInterrupt), streams.write_table("prompts", out, {"kind": "prompts"}) as w:
+            w.write({"prompt_id": ["a"], "prompt": ["x"]})
+    finally:
+        signal.signal(signal.SIGINT, old)
     assert os.listdir(tmp_path) == []
