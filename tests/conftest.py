@@ -344,3 +344,16 @@ def make_pairwise_judge(out: Path, rubric, label) -> Path:
                                 "completion": label(a, b)}) + "\n")
     stage("sft", "--data", str(data), "--epochs", "2", "--out", str(out))
     return out
+
+
+PAIRWISE_RUBRIC = Path(__file__).resolve().parents[1] / "recipes" / "rubrics" / "arithmetic-pairwise.toml"
+
+
+@pytest.fixture(scope="session")
+def shorter_judge(tmp_path_factory) -> Path:
+    """A judge that learned, under recipes/rubrics/arithmetic-pairwise.toml, to prefer the shorter answer: a content
+    preference, the same in both orders (shared by the judge tests and the RLAIF recipe's)."""
+    from rlkit.tasks.judge import load_rubric
+
+    out = tmp_path_factory.mktemp("judges") / "shorter"
+    return make_pairwise_judge(out, load_rubric(PAIRWISE_RUBRIC), lambda a, b: "A" if len(a) < len(b) else "B")

