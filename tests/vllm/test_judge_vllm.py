@@ -8,7 +8,7 @@ import pytest
 
 from rlkit.io import streams
 
-from conftest import stage
+from conftest import run_cli, stage
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.xdist_group("vllm")]
 
@@ -25,8 +25,11 @@ def test_a_score_rubric_on_vllm_scores_what_hf_scores(vllm_ok, sft_dir, tmp_path
     rows = {}
     for engine in ("hf", "vllm"):
         out = tmp_path / f"{engine}.arrow"
-        stage("score-ref", "--judge", f"s={judge}:rubric={tmp_path / 'score.toml'},engine={engine}", "--in", str(roll),
-              "--out", str(out))
+        # in a process of its own, as every vLLM test runs it: vLLM installs signal handlers in the process it
+        # starts in, which would outlive it in this test worker
+        r = run_cli("score-ref", "--judge", f"s={judge}:rubric={tmp_path / 'score.toml'},engine={engine}", "--in",
+                    str(roll), "--out", str(out))
+        assert r.returncode == 0, r.stderr.decode()[-2000:]
         t, _ = streams.read_table(out, ["rollouts"])
         rows[engine] = t.to_pylist()
     got = [(r["reward/s"], r["verdict/s"]) for r in rows["vllm"]]
