@@ -222,6 +222,7 @@ FLOAT_BOUNDS: dict[str, Bounds] = {
     "--gpu-memory": Bounds(1, 1e5, "a number of GiB"),
     "--reward-timeout": Bounds(0, 86_400, "a number of seconds"),
     "--env-timeout": Bounds(0, 86_400, "a number of seconds"),
+    "--worker-timeout": Bounds(0, 7 * 86_400, "a number of seconds", low_open=True),
     "--dist-timeout": Bounds(0, MAX_DIST_TIMEOUT, "a number of minutes", low_open=True),
     "--eval-fraction": Bounds(0, 1, "a fraction of the prompts"),
     "--margin": Bounds(0, 100, "a reward margin"),

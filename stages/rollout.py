@@ -103,12 +103,16 @@ class RolloutConfig:
     vllm_lora: Literal["adapter", "merge"] = option("adapter", VllmLora)
     # "i/N": this job's share of the prompts (whole chunks), see rlkit.io.shards
     shard: str | None = option(None, panel="Engine", help="I/N: sample only this job's share of the prompts (0 <= I < N); `rlkit cat` joins the N shards into the table one job gives.")
+    # prompts a generation chunk: its seed follows its first prompt, so the same chunks give the same samples
+    chunk_prompts: int = option(64, min=1, panel="Engine", help="Prompts per generation chunk; a chunk's sampling seed follows its first prompt, so the samples depend on it, and a --shard is whole chunks (under --follow: of each batch's prompts).")
     # --follow DIR: stream batches of `batch_prompts` prompts forever, switching to DIR's newest step
     # between batches (see rlkit.io.follow and `update --follow`)
     follow: Path | None = option(None, "--follow", panel="Follow", help="Persistent: stream batches of --batch-prompts prompts without end, each sampled by the newest complete step-NNNNNN/ in this directory (written by `update --follow`), loaded into the live engine between batches. See docs/follow.md.")
     batch_prompts: int | None = option(None, min=1, panel="Follow", help="--follow: prompts per batch (default 64); batch b samples the prompts of `--seed SEED+b+1` (a --prompts file: its rows in turn).")
     max_lag: int = option(1, min=0, panel="Follow", help="--follow: batch b waits until the newest step is at least (start step) + b - K, so rows are at most K steps older than the policy they train; 0 is synchronous (the per-round pipeline's result).")
     max_steps: int | None = option(None, min=1, panel="Follow", help="--follow: stop after the batch that trains step (--policy's step) + N.")
+    # --follow: batch files in a spool directory an `update --follow --in SPOOL` consumes (rlkit.io.spool)
+    spool: Path | None = option(None, "--spool", panel="Follow", help="--follow: write each batch as its own complete Arrow file into this spool directory (with --shard I/M: this worker's share of every batch), for `update --follow --in SPOOL` fed by many workers, instead of one stream to stdout or --out. See docs/scale-out.md.")
     reward_fn: tuple[str, ...] = option((), RewardFn)  # NAME=FILE.py:FUNC user reward functions, each adds reward/NAME
     reward_timeout: float = option(60.0, RewardTimeout)  # seconds one --reward-fn call may run (0: no limit)
     sandbox: str | None = option(None, SandboxKind)  # code task: bwrap unless none; --reward-fn: only when given
@@ -120,7 +124,6 @@ class RolloutConfig:
     plan: bool = option(True, NoPlan, invert=True)  # --no-plan: no memory check before vLLM starts on a GPU
     verify: bool = option(True, NoVerify, invert=True)  # --no-verify: no hash check of the policy (never for a reference)
     force: bool = option(False, Force)
-    chunk_prompts: int = 64  # prompts per generation chunk (a shard is whole chunks); no flag
 
 
 def run(cfg: RolloutConfig) -> Path | None:
@@ -130,6 +133,17 @@ def run(cfg: RolloutConfig) -> Path | None:
     _check_device(cfg.device)  # a bad --device is one line before anything is claimed or written
     inputs = {"--policy": cfg.policy, "--prompts": cfg.prompts, "--task": cfg.task, "--reward-fn": cfg.reward_fn,
               "--follow": cfg.follow, "--colocate": cfg.colocate}
+    if cfg.spool is not None:
+        from rlkit.errors import RlkitError
+        from rlkit.io import spool
+
+        if cfg.follow is None:
+            raise RlkitError("--spool writes the batches of a --follow run; pass --follow DIR too")
+        if cfg.out is not None:
+            raise RlkitError("--spool DIR and --out are two outputs for one stream: pass one of them")
+        if cfg.spool.resolve() == cfg.follow.resolve():
+            raise RlkitError(f"--spool {cfg.spool} is the --follow directory; the spool is a directory of its own")
+        spool.check_root(cfg.spool, "--spool")
     with claims.claim_out(cfg.out, "table", inputs), checkpoints.verifying(cfg.verify):
         return _run(cfg)
 
@@ -263,16 +277,16 @@ def _run_table(cfg: RolloutConfig, verifier: _Verifier, out: Path | None, fns) -
 
 
 def _run_follow(cfg: RolloutConfig, verifier: _Verifier, out: Path | None, fns=()) -> Path | None:
-    """`rollout --follow DIR`: the follow service (`rlkit.sampling.follow`) streams batches of --batch-prompts
+    """`rollout --follow DIR`: the follow service (`rlkit.follow.rollout`) streams batches of --batch-prompts
     prompts, each sampled here (`_sample`: completions, or trajectories with --env) by DIR's newest step."""
     from rlkit.errors import RlkitError
+    from rlkit.follow import rollout as follow
     from rlkit.io import data, fingerprints
-    from rlkit.sampling import follow
     from rlkit.tasks import reward_fns, task_inputs
 
-    if cfg.shard or cfg.num_prompts is not None:
-        raise RlkitError("--follow streams batches of --batch-prompts prompts without end; --num-prompts and --shard "
-                         "are for one finite table")
+    if cfg.num_prompts is not None:
+        raise RlkitError("--follow streams batches of --batch-prompts prompts without end; --num-prompts is for one "
+                         "finite table")
     inputs = {"policy": fingerprints.fingerprint(cfg.policy), **task_inputs(verifier.task),
               **reward_fns.fingerprints(fns), **verifier.env_inputs()}
     source = None
@@ -299,7 +313,8 @@ def _run_follow(cfg: RolloutConfig, verifier: _Verifier, out: Path | None, fns=(
                          engine_device=lambda engine: _engine_device(engine, cfg), sample=sample,
                          fields=fields, say=verifier.say,
                          tools=verifier.env.tool_schemas() if verifier.env is not None else None,
-                         prompts_a_batch=None if refill is None else refill.limit)
+                         prompts_a_batch=None if refill is None else refill.limit,
+                         groups_a_batch=None if refill is None else refill.want)
     return follow.run(cfg, verifier.task, source, inputs, out, stage)
 
 

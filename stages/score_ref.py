@@ -68,6 +68,8 @@ class ScoreRefConfig:
     sandbox_workers: int | None = option(None, SandboxWorkers)
     inp: str | None = option(None, InTable)
     out: Path | None = option(None, OutTable)
+    # a `rollout --follow` stream's batches as files in a spool directory (rlkit.io.spool)
+    spool: Path | None = option(None, "--spool", panel="Follow", help="On a `rollout --follow` stream: write each of its batches, scored, as its own complete Arrow file into this spool directory, for `update --follow --in SPOOL` fed by many workers (each worker a `rollout --follow --shard I/M | score-ref --spool SPOOL` pipe), instead of one stream to stdout or --out. See docs/scale-out.md.")
     device: str = option("auto", Device)  # the reference's and the reward models' (rlkit.devices)
     dtype: Literal["auto", "stored", "fp32", "bf16"] = option("auto", panel="Precision & memory", help="Dtype the reference and reward models run in: auto (bf16 on a GPU with bf16 kernels, fp32 on the CPU), stored (the reference's frozen dtype; reward models fp32), fp32 or bf16. The manifest records what auto became.")
     batch_tokens: int = option(16384, min=16, panel="Optimization", help="Token budget per forward batch.")
@@ -306,6 +308,13 @@ def run(cfg: ScoreRefConfig) -> Path | None:
     inputs = {"--ref": cfg.ref, "--rm": [r.partition("=")[2] or r for r in cfg.rm], "--in": cfg.inp,
               "--reward-fn": cfg.reward_fn, "--teacher": cfg.teacher,
               "--judge": [j.partition("=")[2].partition(":")[0] for j in cfg.judge]}
+    if cfg.spool is not None:
+        from rlkit.errors import RlkitError
+        from rlkit.io import spool
+
+        if cfg.out is not None:
+            raise RlkitError("--spool DIR and --out are two outputs for one stream: pass one of them")
+        spool.check_root(cfg.spool, "--spool")
     with claims.claim_out(cfg.out, "table", inputs), checkpoints.verifying(cfg.verify):
         return _run(cfg)
 
@@ -442,12 +451,27 @@ def _run_loaded(cfg: ScoreRefConfig, rms: dict[str, Path], fns) -> Path | None:
                                        **(devices.manifest_entry(dev) if dev is not None else {}))
     lp_type = schemas.kind("scored").schema().field("ref_logprobs").type
     following = bool(upstream.sampling.get("follow"))
+    writer = streams.write_table(out_kind, out, manifest, extra)
+    if cfg.spool is not None:
+        from rlkit.io import spool
+
+        if not following or out_kind != "scored":
+            raise RlkitError(f"--spool writes the batches of a `rollout --follow` stream; {reader.label} is not one")
+        geometry = spool.Geometry.of(upstream.get("follow"), reader.label)
+        writer = spool.writing(cfg.spool, out_kind, manifest, extra, geometry)
     if following and not cfg.shard:
         # an unbounded `rollout --follow` stream: batch by batch as it comes, and the end of the run is
-        # the downstream stage ending (`update --follow --max-steps`), noticed even while no input comes
-        batches = reader.batches(idle=streams.downstream_closed)
+        # the downstream stage ending (`update --follow --max-steps`; with --spool, the update consuming the spool
+        # ending cleanly), noticed even while no input comes
+        idle = streams.downstream_closed
+        if cfg.spool is not None:
+            from rlkit.follow.rollout import consumer_gone
+
+            follow_dir = Path((upstream.get("follow") or {}).get("dir", ""))
+            idle = lambda: consumer_gone(cfg.spool, follow_dir)  # noqa: E731
+        batches = reader.batches(idle=idle)
     try:
-        rows = _score_stream(cfg, batches, w_args=(out_kind, out, manifest, extra), models=models,
+        rows = _score_stream(cfg, batches, writer=writer, models=models,
                              tokenizer=tokenizer or teacher_tok, temperature=temperature, lp_type=lp_type, reader=reader,
                              empty_ok=bool(shard) or following, fns=fns, row0=span.start if cfg.shard else 0,
                              started=(lambda: devices.announce("score-ref", dev, cfg.dtype)) if dev is not None else None)
@@ -458,6 +482,8 @@ def _run_loaded(cfg: ScoreRefConfig, rms: dict[str, Path], fns) -> Path | None:
     finally:
         for j in judges.values():  # a judge's generation engine (vllm), when one was started
             j.close()
+    if cfg.spool is not None:  # the stream ended complete: its rollout reached --max-steps
+        spool.mark_worker_end(cfg.spool, geometry.index, geometry.count)
     by = " and ".join([*([str(cfg.ref)] if cfg.ref else []), *([f"teacher {cfg.teacher}"] if cfg.teacher else []),
                        *(f"judge {n} ({j.path})" for n, j in judges.items()),
                        *(f"{n} ({d})" for n, d in rms.items()),
@@ -467,7 +493,7 @@ def _run_loaded(cfg: ScoreRefConfig, rms: dict[str, Path], fns) -> Path | None:
     return out
 
 
-def _score_stream(cfg: ScoreRefConfig, batches, w_args, models: Models, tokenizer, temperature, lp_type, reader,
+def _score_stream(cfg: ScoreRefConfig, batches, writer, models: Models, tokenizer, temperature, lp_type, reader,
                   empty_ok: bool, fns=(), started=None, row0: int = 0) -> int:
     """Score `batches` one by one, writing each as soon as it is scored; -> rows written. An empty input
     is an error unless `empty_ok` (a shard may be empty; a follow run that was already finished is).
@@ -480,11 +506,10 @@ def _score_stream(cfg: ScoreRefConfig, batches, w_args, models: Models, tokenize
     from rlkit import console
     from rlkit.algorithms.inputs import check_rows
     from rlkit.errors import RlkitError
-    from rlkit.io import streams
     from rlkit.tasks import reward_fns
     from rlkit.tasks.reward_model import score_texts
 
-    with streams.write_table(*w_args) as w, console.progress("score-ref", None, unit="rows") as bar:
+    with writer as w, console.progress("score-ref", None, unit="rows") as bar:
         for batch in batches:
             model, scorers, limits = models.load().model, models.scorers, models.limits
             for lim in (limits, models.teacher_limits):

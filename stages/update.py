@@ -15,7 +15,7 @@ forward KL's gradient) or a reward penalty (k1 by default); `rlkit.ops.kl` says 
 where. This module is the I/O around it: flags, input, checkpoint, metrics (the screen, the manifest,
 --metrics FILE and --tensorboard DIR; among them `drift`, the policy's relative weight distance from
 the reference, `rlkit.training.drift`, with a warning above --max-drift), once, or under `--follow` by the loop
-in `rlkit.training.follow_loop`; both check, record and show through `rlkit.training.update_record`. Under torchrun the
+in `rlkit.follow.update`; both check, record and show through `rlkit.algorithms.record`. Under torchrun the
 update is data-parallel (FSDP2, `rlkit.training.distributed`): same result as one process, rank 0 writes.
 """
 
@@ -28,6 +28,8 @@ from typing import Literal
 from rlkit import algorithms, stage_options
 from rlkit.algorithms.config import DEFAULT_DUAL_CLIP, RLConfig
 from rlkit.algorithms.defaults_table import phrase as algo_default
+from rlkit.algorithms.record import check_reference, drift, reference_entry, reward_weights, show
+from rlkit.follow.update import check_follow, run_follow, spool_input
 from rlkit.io.tracking import TrackingConfig
 from rlkit.options import (
     TRACKING,
@@ -44,8 +46,6 @@ from rlkit.options import (
 )
 from rlkit.stage_options import Group, nested, option
 from rlkit.training import TrainOptions
-from rlkit.training.follow_loop import check_follow, run_follow
-from rlkit.training.update_record import check_reference, drift, reference_entry, reward_weights, show
 
 DEFAULT_MAX_DRIFT = 0.05  # relative weight-space distance from the reference; see rlkit.training.drift
 AlgoName = Literal[tuple(algorithms.names())]  # every registered --algo, shown and checked by click
@@ -110,6 +110,9 @@ class UpdateConfig:
     max_steps: int | None = option(None, min=1, panel="Follow", help="--follow: end the run cleanly once --out holds this many steps after --policy's.")
     # prune all but the newest K steps (never fewer than the lag bound needs)
     keep: int | None = option(None, min=1, panel="Follow", help="--follow: prune all but the newest K steps (at least --max-lag + 2 are kept: rollout may be loading them).")
+    # --follow --in SPOOL: many workers' batch files (rlkit.io.spool)
+    worker_timeout: float = option(600.0, panel="Follow", help="--follow --in SPOOL: seconds to wait for a worker's file of the batch a step trains; then the worker is named and the step trains on the other workers' files (none at all: an error).")
+    keep_batches: bool = option(False, "--keep-batches", panel="Follow", help="--follow --in SPOOL: keep each trained batch file in SPOOL/done/ instead of deleting it.")
     max_lag: int = option(DEFAULT_MAX_LAG, min=0, panel="Follow", help="--follow: drop (and count) rows sampled more than this many steps before the policy they would train; lagged rows get pi_old recomputed (the proximal policy) and a truncated importance weight (--tis-cap, default 2 here).")
     device: str = option("auto", Device)
     train: TrainOptions = nested(TRAIN)  # --dtype, --gradient-checkpointing, --micro-batch-*, --packing, --lora-*
@@ -117,12 +120,6 @@ class UpdateConfig:
     trust_remote_code: bool = option(False, TrustRemoteCode)
     verify: bool = option(True, NoVerify, invert=True)  # --no-verify: no hash check of the policy (never for a reference)
     force: bool = option(False, Force)
-
-
-def distributed_launch() -> bool:
-    import os
-
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def resolve(cfg: UpdateConfig) -> UpdateConfig:
@@ -163,7 +160,7 @@ def _run(cfg: UpdateConfig) -> Path:
     checkpoints.check_model_dir(cfg.policy, "policy")
     algo = algorithms.get(cfg.rl.algo)
     if cfg.follow:
-        check_follow(cfg, algo, distributed=distributed_launch())
+        check_follow(cfg, algo)
     else:
         claims.check_out(cfg.out, "model")
     # Open the input on a background thread and import torch and load the policy meanwhile: in a pipe
@@ -183,7 +180,8 @@ def _run(cfg: UpdateConfig) -> Path:
     inp = algo.input()
     rt = rt.joined()  # torchrun's process group, when started by torchrun
     dp = rt.dp
-    pending = streams.open_table(cfg.inp, list(inp.kinds)) if dp is None or dp.main else None
+    spool_in = cfg.follow and spool_input(cfg.inp) is not None  # a spool: read by rlkit.follow.source
+    pending = streams.open_table(cfg.inp, list(inp.kinds)) if (dp is None or dp.main) and not spool_in else None
     if cfg.follow:
         return run_follow(cfg, inp, pending, weights, rt)
     from rlkit.training import distributed

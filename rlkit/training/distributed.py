@@ -363,11 +363,12 @@ _WAITS: dict[str, int] = {}
 POLL_S = 0.2
 
 
-def wait_for_main(dp: DataParallel, what: str) -> None:
+def wait_for_main(dp: DataParallel, what: str, timeout_s: float | None = None) -> None:
     """Rank 0 says it got here (a key in the process group's store); the other ranks poll for that key
     instead of waiting in a collective, so rank 0's work alone (reading a piped input whose upstream is
-    still sampling, writing and hashing a checkpoint) is bounded by no timeout. Every rank calls it the
-    same number of times per `what`, as for a collective."""
+    still sampling, writing and hashing a checkpoint) is bounded by no timeout, or by `timeout_s` seconds
+    (`update --follow` waiting for its next batch: --dist-timeout), after which the rank fails with one line.
+    Every rank calls it the same number of times per `what`, as for a collective."""
     import time
 
     import torch.distributed as dist
@@ -378,7 +379,11 @@ def wait_for_main(dp: DataParallel, what: str) -> None:
     if dp.main:
         store.set(key, "1")
         return
+    t0 = time.monotonic()
     while not store.check([key]):
+        if timeout_s is not None and time.monotonic() - t0 > timeout_s:
+            raise RlkitError(f"rank 0 read no input for {timeout_s / 60:g} minutes (--dist-timeout): its upstream "
+                             "sends no batch, or rank 0 is stuck")
         time.sleep(POLL_S)
 
 

@@ -131,7 +131,7 @@ def test_lock_refuses_a_second_writer_and_dies_with_its_holder(tmp_path):
 
 
 def test_batcher_cuts_whole_groups_and_drops_lagged_rows():
-    from rlkit.training.follow_batches import Batcher
+    from rlkit.follow.batches import Batcher
 
     def batch(groups, step):
         rows = [(g, step) for g in groups for _ in range(2)]

@@ -50,7 +50,7 @@ from rlkit.io import checkpoints, streams
 from rlkit.stages.rollout import RolloutConfig
 from rlkit.stages.rollout import run as rollout
 from rlkit.training import LoraOptions, TrainOptions
-from rlkit.training.follow_loop import free_grads
+from rlkit.training.trainer import free_grads
 from rlkit.training.runtime import Runtime
 from rlkit.training.trainer import Trainer
 from rlkit import devices

@@ -160,8 +160,7 @@ def test_a_follow_step_leaves_no_gradients_behind(sft_dir, tmp_path):
     from rlkit.io import checkpoints, streams
     from rlkit.stages.rollout import RolloutConfig
     from rlkit.stages.rollout import run as rollout
-    from rlkit.training.follow_loop import free_grads
-    from rlkit.training.trainer import Trainer
+    from rlkit.training.trainer import Trainer, free_grads
 
     table = rollout(RolloutConfig(policy=sft_dir, engine="hf", num_prompts=2, n=4, out=tmp_path / "r.arrow"))
     t_, _ = streams.read_table(table, ["rollouts"])

@@ -33,6 +33,8 @@ class Stage:
     # prompts a batch may sample (`rollout --min-informative-groups`: --batch-prompts x (1 + --max-refill-rounds),
     # the first --batch-prompts of them those of a batch without it); None: --batch-prompts
     prompts_a_batch: int | None = None
+    # groups every batch writes (`--min-informative-groups`); None: its prompts (this worker's --shard of them)
+    groups_a_batch: int | None = None
 
 
 def run(cfg, task, source, inputs: dict, out: Path | None, stage: Stage) -> Path | None:
@@ -43,13 +45,22 @@ def run(cfg, task, source, inputs: dict, out: Path | None, stage: Stage) -> Path
 
     from rlkit import console, devices, engines
     from rlkit.errors import DownstreamClosed, RlkitError
-    from rlkit.io import checkpoints, data, fingerprints, follow, manifests, streams
+    from rlkit.io import checkpoints, data, fingerprints, follow, manifests, shards, spool, streams
 
     if cfg.max_lag < 0:
         raise RlkitError(f"--max-lag {cfg.max_lag} must be >= 0 (0: synchronous)")
     P = cfg.batch_prompts or 64
     cfg = replace(cfg, batch_prompts=P)
     Q = stage.prompts_a_batch or P  # the prompts batch b may draw; its groups are b * Q + i
+    # --shard I/M: this worker samples its share of every batch's prompts (whole chunks, each with its own seed, so
+    # the M workers' rows together are one worker's)
+    shard = shards.parse(cfg.shard) if cfg.shard else shards.Shard(0, 1)
+    span = shards.prompt_span(shard, Q, cfg.chunk_prompts)
+    if not len(span):
+        raise RlkitError(f"--shard {cfg.shard}: cut into chunks of --chunk-prompts {cfg.chunk_prompts}, the "
+                         f"--batch-prompts {P} prompts of a batch leave this worker none (use fewer workers, more "
+                         "--batch-prompts or fewer --chunk-prompts)")
+    groups = stage.groups_a_batch or len(span)
     root = cfg.follow
     follow.check_root(root)
     base_step = checkpoints.policy_step(cfg.policy)
@@ -101,18 +112,28 @@ def run(cfg, task, source, inputs: dict, out: Path | None, stage: Stage) -> Path
                                        engine=engine.name if engine is not None else engines.FALLBACK,
                                        sampling_dtype=getattr(engine, "dtype", "fp32"),
                                        **devices.manifest_entry(device),
-                                       follow={"dir": str(root), "start_step": step, "base_step": base_step})
+                                       follow={"dir": str(root), "start_step": step, "base_step": base_step,
+                                               "prompts_a_batch": Q, "rows_a_batch": groups * cfg.n,
+                                               "shard": {"index": shard.index, "count": shard.count}})
     fp = fingerprints.fingerprint(start)
     reloads: list[float] = []
     wakes: list[float] = []
     asleep = False
     try:
-        with streams.write_table("rollouts", out, manifest, extra) as w:
+        if cfg.spool is not None:
+            writer = spool.writing(cfg.spool, "rollouts", manifest, extra, spool.Geometry.of(manifest["follow"], "rollout"))
+        else:
+            writer = streams.write_table("rollouts", out, manifest, extra)
+        with writer as w:
             while cfg.max_steps is None or b < cfg.max_steps:
+                if cfg.spool is not None and spool.exists(cfg.spool, b, shard.index, shard.count):
+                    console.info(f"rollout: batch {b} of shard {shard.index}/{shard.count} is in the spool already")
+                    b += 1  # a restarted worker: what it wrote before it was killed is kept, not sampled again
+                    continue
                 need = base_step + b - cfg.max_lag
                 s = follow.newest(root)
                 if step < need and (s is None or s.step < need):
-                    s = follow.wait_for(root, need, stop=streams.downstream_closed)
+                    s = follow.wait_for(root, need, stop=lambda: consumer_gone(cfg.spool, root))
                     if s is None:
                         raise DownstreamClosed("rollout")
                 reload = s is not None and s.step > step
@@ -140,8 +161,8 @@ def run(cfg, task, source, inputs: dict, out: Path | None, stage: Stage) -> Path
                     rows = [(b * P + i) % len(f_ids) for i in range(Q)]
                     ids, answers = [f_ids[r] for r in rows], [f_answers[r] for r in rows]
                     texts, prompt_ids = [f_texts[r] for r in rows], [f_prompt_ids[r] for r in rows]
-                with console.progress(f"rollout batch {b}", P * cfg.n if Q == P else None) as bar:
-                    chunks = _list_chunks(range(Q), cfg.chunk_prompts, ids, answers, texts, prompt_ids)
+                with console.progress(f"rollout batch {b}", len(span) * cfg.n if Q == P else None) as bar:
+                    chunks = _list_chunks(span, cfg.chunk_prompts, ids, answers, texts, prompt_ids)
                     stage.sample(engine, tokenizer, w, bar, chunks, seed, b * Q, fp, step, scored)
                 b += 1
                 if sleeps and (cfg.max_steps is None or b < cfg.max_steps):
@@ -150,9 +171,13 @@ def run(cfg, task, source, inputs: dict, out: Path | None, stage: Stage) -> Path
                         console.info("rollout: --max-lag 0: the engine sleeps between batches (its GPU memory is free "
                                      "while update trains)")
             console.info(f"rollout: --max-steps {cfg.max_steps} reached; the stream ends")
+        if cfg.spool is not None:
+            spool.mark_worker_end(cfg.spool, shard.index, shard.count)
     except (BrokenPipeError, DownstreamClosed):
-        streams.drop_stdout_sink()
-        console.info(f"rollout: the downstream stage ended; stopping after {b} batches")
+        if cfg.spool is None:
+            streams.drop_stdout_sink()
+        console.info(f"rollout: the {'update' if cfg.spool is not None else 'downstream stage'} ended; stopping after "
+                     f"{b} batches")
     finally:
         if reloads:
             reloads.sort()
@@ -166,6 +191,20 @@ def run(cfg, task, source, inputs: dict, out: Path | None, stage: Stage) -> Path
         if engine is not None:
             engine.close()
     return out
+
+
+def consumer_gone(spool_dir: Path | None, root: Path) -> bool:
+    """While a batch waits for its step: the stage reading this stream ended (stdout's reader is gone), or, writing
+    a spool, the update consuming it ended cleanly with the newest step published (`rlkit.io.spool.update_ended`)."""
+    from rlkit.io import follow, spool, streams
+
+    if spool_dir is None:
+        return streams.downstream_closed()
+    last = spool.update_ended(spool_dir)
+    if last is None:
+        return False
+    s = follow.newest(root)
+    return s is not None and s.step <= last
 
 
 def same_tokenizer(got: str, want: str, where: Path, policy: Path) -> None:

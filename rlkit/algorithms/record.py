@@ -1,5 +1,5 @@
 """What an `update` checks, records and shows around its training, the same for one update and for each step
-of `update --follow` (`rlkit.training.follow_loop`): the frozen reference the input was scored against
+of `update --follow` (`rlkit.follow.update`): the frozen reference the input was scored against
 (`check_reference`) and the one the checkpoint records (`reference_entry`), the policy's drift from it (`drift`,
 `rlkit.training.drift`), the reward weights (`reward_weights`), and the metrics table on stderr (`show`).
 

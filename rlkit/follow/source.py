@@ -1,0 +1,324 @@
+"""Where `update --follow` gets each step's batch: a stream (stdin or --in FILE, cut by `rlkit.follow.batches`) or a
+spool directory that many rollout workers write batch files into (`rlkit.io.spool`), and, under torchrun, how
+every rank gets the batch rank 0 read (`Shared`).
+
+A source gives `header()` (the input's kind, manifest, label and fingerprint, known before the first step) and
+`next(step)`: the `Batch` that trains step + 1, or None when the input has ended. `trained(batch)` is called once
+that step is published (a spool's files are then deleted or kept); `close(step)` when the run ends cleanly. Arrow
+and the filesystem only, torch for the lag vector.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlkit.errors import RlkitError
+
+
+@dataclass
+class Header:
+    kind: str
+    manifest: dict | None
+    label: str
+    fingerprint: str
+
+    @property
+    def record(self):
+        from rlkit.io.manifests import Manifest
+
+        return Manifest.parse(self.manifest)
+
+
+@dataclass
+class Batch:
+    table: Any  # pa.Table: the rows one step trains on
+    lags: Any  # (rows,) long tensor: step - the row's policy_step
+    dropped: int  # rows dropped since the last batch (lag above --max-lag)
+    files: list = field(default_factory=list)  # a spool's claimed `rlkit.io.spool.BatchFile`s (rank 0's)
+    note: str = ""  # what the step should say about its input (a worker that went quiet)
+
+
+class StreamSource:
+    """One stream of rollout record batches (a `streams.TableReader`), cut into P whole groups a step."""
+
+    def __init__(self, reader) -> None:
+        self.reader = reader
+        self.batcher = None
+
+    def header(self) -> Header:
+        r = self.reader
+        return Header(r.kind, r.manifest, r.label, r.fingerprint)
+
+    def start(self, step: int, P: int, n: int | None, max_lag: int) -> None:
+        from rlkit.follow.batches import Batcher
+
+        self.batcher = Batcher(self.reader, P, n, max_lag)
+
+    def next(self, step: int) -> Batch | None:
+        got = self.batcher.next(step)
+        return None if got is None else Batch(*got)
+
+    def ended(self) -> str:
+        left = self.batcher.leftover if self.batcher is not None else 0
+        return f" ({left} rows of an unfinished batch left untrained)" if left else ""
+
+    def trained(self, batch: Batch) -> None:
+        pass
+
+    def close(self, step: int) -> None:
+        pass
+
+
+# the settings every worker of one run shares (its --shard and where it writes may differ)
+SAME_ROLLOUT = ("task", "batch_prompts", "n", "seed", "chunk_prompts", "temperature", "top_p", "max_new_tokens",
+                "min_informative_groups", "env", "prompts")
+
+
+class SpoolSource:
+    """Batch files of M workers in a spool directory. Step `base + b + 1` trains batch b: the files of batch b of
+    every worker, in worker order (together the batch one worker sampling every prompt writes), each claimed by a
+    rename into claimed/ before it is read. A worker that writes nothing for `timeout` seconds while its file is
+    awaited is named, and the step trains on the other workers' files; a batch no worker wrote in that time is an
+    error. Files of batches already past (a late worker's) are dropped and counted."""
+
+    def __init__(self, root: Path, base_step: int, timeout: float, keep: bool, poll: float | None = None) -> None:
+        from rlkit.io import spool
+
+        self.root, self.base, self.timeout, self.keep = root, base_step, timeout, keep
+        self.poll = poll or spool.POLL_SECONDS
+        self.workers: int | None = None
+        self.first = None  # (BatchFile, reader) of the file the header came from
+        self.max_lag = 0
+        self.same: dict | None = None
+
+    def recover(self, step: int) -> tuple[int, int]:
+        """With the spool's lock held, after a killed update: its claimed files of batches already trained (or
+        dropped) are disposed of, the others put back. -> (disposed, put back)."""
+        from rlkit.io import spool
+
+        gone = back = 0
+        for f in spool.claimed(self.root):
+            if f.batch < step - self.base:
+                spool.dispose(self.root, f, self.keep)
+                gone += 1
+            else:
+                spool.unclaim(self.root, f)
+                back += 1
+        (self.root / spool.UPDATE_END).unlink(missing_ok=True)
+        return gone, back
+
+    def header(self) -> Header:
+        """The manifest of the first batch file to appear (waited for, up to the worker timeout)."""
+        from rlkit.io import spool, streams
+
+        t0 = time.monotonic()
+        while True:
+            files = spool.scan(self.root)
+            if files:
+                f = files[0]
+                try:
+                    r = streams.open_table(str(f.path), ["rollouts", "scored"]).result()
+                except FileNotFoundError:
+                    continue
+                except RlkitError as e:
+                    if not f.path.exists():  # claimed meanwhile: never, under the lock; or pruned by a late drop
+                        continue
+                    raise RlkitError(f"spool {self.root}: {e}") from None
+                self.same = {k: (r.record.sampling or {}).get(k) for k in SAME_ROLLOUT}
+                return Header(r.kind, r.manifest, f"spool {self.root}", f"spool:{self.root.resolve()}")
+            if time.monotonic() - t0 > self.timeout:
+                raise RlkitError(f"no worker wrote a batch into the spool {self.root} in {self.timeout:g} s "
+                                 "(--worker-timeout): are the workers running `rollout --follow ... --spool` (or "
+                                 "`| score-ref --spool`) on this directory?")
+            time.sleep(self.poll)
+
+    def start(self, step: int, P: int, n: int | None, max_lag: int) -> None:
+        self.max_lag = max_lag
+
+    def _read(self, f, step: int):
+        """The claimed file's table, checked: its kind and its run's settings those of the first file."""
+        from rlkit.io import streams
+
+        r = streams.open_table(str(f.path), ["rollouts", "scored"]).result()
+        got = {k: (r.record.sampling or {}).get(k) for k in SAME_ROLLOUT}
+        diff = [k for k in SAME_ROLLOUT if got[k] != self.same[k]]
+        if diff:
+            k = diff[0]
+            raise RlkitError(f"spool {self.root}: {f.path.name} was sampled with {k} {got[k]!r}, the spool's first "
+                             f"batch with {self.same[k]!r}: every worker of one run takes the same settings")
+        t = r.read_all(require_rows=False)
+        if f.step > step:
+            raise RlkitError(f"spool {self.root}: {f.path.name} was sampled by step {f.step}, newer than this update's "
+                             f"step {step}: its worker follows another directory than --out")
+        return t.replace_schema_metadata(None)
+
+    def next(self, step: int) -> Batch | None:
+        import numpy as np
+        import pyarrow as pa
+        import torch
+
+        from rlkit.io import spool
+
+        b = step - self.base
+        t0 = time.monotonic()
+        dropped = 0
+        while True:
+            files = spool.scan(self.root)
+            counts = {f.workers for f in files} | ({self.workers} if self.workers else set())
+            if len(counts) > 1:
+                raise RlkitError(f"spool {self.root} holds batches of {min(counts)} and of {max(counts)} workers; every "
+                                 "worker of one run takes --shard I/M with the same M")
+            if counts:
+                self.workers = counts.pop()
+            for f in files:
+                if f.batch < b:  # a late file of a batch trained without it
+                    c = spool.claim(f)
+                    if c is not None:
+                        dropped += self._read(c, step).num_rows
+                        spool.dispose(self.root, c, self.keep)
+            now = [f for f in files if f.batch == b]
+            have = {f.worker for f in now}
+            M = self.workers
+            ended = {i for i, m in spool.ended_workers(self.root) if m == M}
+            waiting = [i for i in range(M or 0) if i not in have and i not in ended]
+            note = ""
+            if M and not waiting:
+                if not now:
+                    return None  # every worker ended its stream
+            elif time.monotonic() - t0 > self.timeout:
+                quiet = ", ".join(f"{i}/{M}" for i in waiting) if M else "all"
+                if not now:
+                    raise RlkitError(f"no worker wrote batch {b} into the spool {self.root} in {self.timeout:g} s "
+                                     f"(--worker-timeout): worker(s) {quiet} went quiet")
+                note = (f"worker(s) {quiet} wrote no batch {b} in {self.timeout:g} s (--worker-timeout): step "
+                        f"{step + 1} trains on the other workers' {len(now)} file(s)")
+            else:
+                time.sleep(self.poll)
+                continue
+            tables, lags, taken = [], [], []
+            for f in sorted(now):
+                c = spool.claim(f)
+                if c is None:
+                    raise RlkitError(f"spool {self.root}: {f.path.name} was taken by another process; one update "
+                                     "consumes a spool")
+                t = self._read(c, step)
+                lag = step - c.step
+                if lag > self.max_lag:
+                    dropped += t.num_rows
+                    spool.dispose(self.root, c, self.keep)
+                    continue
+                taken.append(c)
+                tables.append(t)
+                lags.append(np.full(t.num_rows, lag, dtype=np.int64))
+            if not tables:
+                raise RlkitError(f"spool {self.root}: every row of batch {b} is more than --max-lag {self.max_lag} "
+                                 "steps older than this step (the workers' --max-lag must not exceed update's)")
+            table = pa.concat_tables(tables)
+            return Batch(table, torch.from_numpy(np.concatenate(lags)), dropped, taken, note)
+
+    def ended(self) -> str:
+        return " (every worker ended its stream)"
+
+    def trained(self, batch: Batch) -> None:
+        from rlkit.io import spool
+
+        for f in batch.files:
+            spool.dispose(self.root, f, self.keep)
+
+    def close(self, step: int) -> None:
+        from rlkit.io import spool
+
+        spool.mark_update_end(self.root, step)
+
+
+class Shared:
+    """A source under torchrun: rank 0 reads it (`inner`; None on the other ranks) and broadcasts each header and
+    batch as JSON and Arrow IPC bytes, a read error too (every rank then fails with rank 0's line). The other
+    ranks wait for rank 0 in the launcher's store, up to --dist-timeout minutes (`timeout_s`)."""
+
+    def __init__(self, inner, dp, timeout_s: float | None) -> None:
+        self.inner, self.dp, self.timeout_s = inner, dp, timeout_s
+
+    def _share(self, what: str, make):
+        return share(self.dp, what, make, self.timeout_s)
+
+    def header(self) -> Header:
+        def make():
+            h = self.inner.header()
+            return {"kind": h.kind, "manifest": h.manifest, "label": h.label, "fingerprint": h.fingerprint}, None
+
+        head, _ = self._share("follow-header", make)
+        return Header(head["kind"], head["manifest"], head["label"], head["fingerprint"])
+
+    def start(self, step: int, P: int, n: int | None, max_lag: int) -> None:
+        if self.inner is not None:
+            self.inner.start(step, P, n, max_lag)
+
+    def next(self, step: int) -> Batch | None:
+        import torch
+
+        got: list = []
+
+        def make():
+            b = self.inner.next(step)
+            got.append(b)
+            if b is None:
+                return {"end": True, "ended": self.inner.ended()}, None
+            return {"lags": b.lags.tolist(), "dropped": b.dropped, "note": b.note}, b.table
+
+        head, table = self._share("follow-batch", make)
+        self._ended = head.get("ended", "")
+        if head.get("end"):
+            return None
+        if self.dp.main:
+            return got[0]
+        return Batch(table, torch.tensor(head["lags"], dtype=torch.long), head["dropped"], [], head["note"])
+
+    def ended(self) -> str:
+        return getattr(self, "_ended", "")
+
+    def trained(self, batch: Batch) -> None:
+        if self.inner is not None:
+            self.inner.trained(batch)
+
+    def close(self, step: int) -> None:
+        if self.inner is not None:
+            self.inner.close(step)
+
+
+def share(dp, what: str, make, timeout_s: float | None = None):
+    """Rank 0's `make()` -> (JSON-able dict, pa.Table or None) on every rank: broadcast as JSON and Arrow IPC bytes
+    (no pickle), a `RlkitError` it raised too, so that every rank fails with rank 0's line and exit code. The other
+    ranks wait for rank 0 in the launcher's store (`distributed.wait_for_main`), up to `timeout_s` seconds."""
+    import io
+    import json
+
+    import pyarrow as pa
+
+    from rlkit.training import distributed
+
+    head, body, err = {}, b"", None
+    if dp.main:
+        try:
+            head, table = make()
+            if table is not None:
+                sink = io.BytesIO()
+                with pa.ipc.new_stream(sink, table.schema) as w:
+                    w.write_table(table)
+                body = sink.getvalue()
+        except RlkitError as e:
+            err = e
+            head = {"error": str(e), "exit_code": e.exit_code}
+    distributed.wait_for_main(dp, what, timeout_s=timeout_s)
+    head = json.loads(distributed.broadcast_bytes(json.dumps(head).encode(), dp))
+    if "error" in head:
+        if err is not None:
+            raise err
+        same = RlkitError(head["error"])
+        same.exit_code = int(head["exit_code"])
+        raise same
+    data = distributed.broadcast_bytes(body, dp)
+    return head, (pa.ipc.open_stream(data).read_all() if data else None)
