@@ -42,14 +42,16 @@ class Batch:
 
 
 class StreamSource:
-    """One stream of rollout record batches (a `streams.TableReader`), cut into P whole groups a step."""
+    """One stream of rollout record batches (`pending`: the `streams.open_table` future of its reader), cut into P
+    whole groups a step."""
 
-    def __init__(self, reader) -> None:
-        self.reader = reader
+    def __init__(self, pending) -> None:
+        self.pending = pending
+        self.reader = None
         self.batcher = None
 
     def header(self) -> Header:
-        r = self.reader
+        r = self.reader = self.pending.result()
         return Header(r.kind, r.manifest, r.label, r.fingerprint)
 
     def start(self, step: int, P: int, n: int | None, max_lag: int) -> None:
@@ -127,6 +129,7 @@ class SpoolSource:
                     if not f.path.exists():  # claimed meanwhile: never, under the lock; or pruned by a late drop
                         continue
                     raise RlkitError(f"spool {self.root}: {e}") from None
+                self.kind = r.kind
                 self.same = {k: (r.record.sampling or {}).get(k) for k in SAME_ROLLOUT}
                 return Header(r.kind, r.manifest, f"spool {self.root}", f"spool:{self.root.resolve()}")
             if time.monotonic() - t0 > self.timeout:
@@ -143,6 +146,9 @@ class SpoolSource:
         from rlkit.io import streams
 
         r = streams.open_table(str(f.path), ["rollouts", "scored"]).result()
+        if r.kind != self.kind:
+            raise RlkitError(f"spool {self.root}: {f.path.name} is a {r.kind} table, the spool's first batch a {self.kind} "
+                             "one: every worker of one run ends its pipe the same way (all with score-ref, or none)")
         got = {k: (r.record.sampling or {}).get(k) for k in SAME_ROLLOUT}
         diff = [k for k in SAME_ROLLOUT if got[k] != self.same[k]]
         if diff:

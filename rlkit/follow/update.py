@@ -132,9 +132,6 @@ def _follow(cfg, inp, pending, weights, rt, start: Path, sp: Path | None, base_f
     step = checkpoints.policy_step(start)
     if start != cfg.policy:
         console.info(f"update: resuming {root} from {start.name} (step {step}; {step - base_step} steps after --policy)")
-    if cfg.max_steps is not None and step - base_step >= cfg.max_steps:
-        console.info(f"update: {root} already has --max-steps {cfg.max_steps} steps after --policy; nothing to do")
-        return root
     inner = None
     if main:
         if sp is not None:
@@ -144,7 +141,12 @@ def _follow(cfg, inp, pending, weights, rt, start: Path, sp: Path | None, base_f
                 console.info(f"update: the spool {sp} held {gone + back} batch file(s) a killed update had claimed: "
                              f"{gone} already trained (disposed of), {back} put back")
         else:
-            inner = StreamSource(pending.result())
+            inner = StreamSource(pending)
+    if cfg.max_steps is not None and step - base_step >= cfg.max_steps:
+        console.info(f"update: {root} already has --max-steps {cfg.max_steps} steps after --policy; nothing to do")
+        if inner is not None:
+            inner.close(step)
+        return root
     from rlkit.training import DEFAULT_DIST_TIMEOUT
 
     # ranks > 0 wait for each batch rank 0 reads up to --dist-timeout, as long as a collective would

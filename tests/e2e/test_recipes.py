@@ -71,9 +71,10 @@ def test_sft_from_a_data_file_with_mapped_columns(tmp_path):
     assert json.loads((out / "rlkit.json").read_text())["metrics"]["examples"] == 50
 
 
-# rlvr-follow.sh: see the rlvr.sh case; quickstart.sh runs from the installed wheel (tests/installed/smoke.sh,
-# tests/e2e/test_installed_wheel.py), as a new user first runs it
-RECIPES = sorted(p.name for p in (REPO / "recipes").glob("*.sh") if p.name not in ("rlvr-follow.sh", "quickstart.sh"))
+# rlvr-follow.sh: see the rlvr.sh case; rlvr-fleet.sh: its own test, with its Slurm form; quickstart.sh runs from the
+# installed wheel (tests/installed/smoke.sh, tests/e2e/test_installed_wheel.py), as a new user first runs it
+OWN_TESTS = ("rlvr-follow.sh", "rlvr-fleet.sh", "quickstart.sh")
+RECIPES = sorted(p.name for p in (REPO / "recipes").glob("*.sh") if p.name not in OWN_TESTS)
 
 
 def _run_recipe(name: str, runs: Path, **knobs: str):
@@ -90,7 +91,8 @@ def test_every_recipe_is_tested():
     assert set(RECIPES) == {"rlvr.sh", "rlhf.sh", "reward-hacking.sh", "math.sh", "config.sh", "code.sh",
                             "guess.sh", "tools.sh", "reasoning-gym.sh", "textarena.sh", "distill.sh", "rlaif.sh"}, \
         "a new recipe needs a test here"
-    assert {p.name for p in (REPO / "recipes").glob("*.sh")} - set(RECIPES) == {"rlvr-follow.sh", "quickstart.sh"}
+    assert {p.name for p in (REPO / "recipes").glob("*.sh")} - set(RECIPES) == set(OWN_TESTS)
+    assert {p.name for p in (REPO / "recipes" / "slurm").iterdir()} == {"rlvr-fleet.sbatch"}, "a Slurm form needs a test"
     assert 'bash "$quickstart"' in (REPO / "tests" / "installed" / "smoke.sh").read_text()
 
 
@@ -281,6 +283,76 @@ def _follow_recipe_beside_rlvr(runs: Path) -> None:
     rows = [json.loads(x) for x in (runs / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in rows if m["stage"] == "update" and "lag_max" in m][-2:] == [1, 2]
     assert [m["step"] for m in rows if m["stage"] == "eval"][-1] == 2
+
+
+def test_fleet_recipe_and_its_slurm_form(tmp_path):
+    """recipes/rlvr-fleet.sh: 2 rollout workers in the background feed one update on 2 processes (torchrun, gloo)
+    through a spool; step b+1 trains batch b of both workers, in worker order, and the trained files are deleted.
+    Then recipes/slurm/rlvr-fleet.sbatch: its dry run prints the three sbatch lines, and a submission (a stand-in
+    sbatch that records its arguments) chains their dependencies."""
+    import shlex
+    import subprocess
+
+    runs = tmp_path / "runs"
+    r = _run_recipe("rlvr-fleet.sh", runs, SFT_EXAMPLES="1500", PROMPTS="8", N="4", WORKERS="2", NPROC="2")
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    out = r.stdout.decode()
+    assert "after RL (2 steps)" in out and "fleet: 2 workers, update on 2 processes, lag bound 1" in out
+    assert os.readlink(runs / "ckpts" / "latest") == "step-000002"
+    for step in (1, 2):
+        follow = json.loads((runs / "ckpts" / f"step-{step:06d}" / "rlkit.json").read_text())["follow"]
+        assert [b.split("-s")[0] for b in follow["batches"]] == [f"b{step - 1:06d}-w00of02", f"b{step - 1:06d}-w01of02"]
+    spool = runs / "spool"
+    assert not list(spool.rglob("*.arrow")) and (spool / "update.end").read_text().strip() == "2"
+    assert {p.name for p in spool.glob("*.end")} == {"w00of02.end", "w01of02.end", "update.end"}
+    rows = [json.loads(x) for x in (runs / "metrics.jsonl").read_text().splitlines()]
+    upd = [m for m in rows if m["stage"] == "update"]
+    assert [(m["step"], m["world_size"], m["sequences"]) for m in upd] == [(1, 2, 32), (2, 2, 32)]
+    assert [m["step"] for m in rows if m["stage"] == "eval"] == [0, 1, 2]
+    assert (runs / "report.png").read_bytes()[:4] == b"\x89PNG"
+
+    # the Slurm form, with a stand-in sbatch first on PATH (it records its arguments and prints a job id)
+    sbatch = REPO / "recipes" / "slurm" / "rlvr-fleet.sbatch"
+    assert subprocess.run(["bash", "-n", str(sbatch)]).returncode == 0
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text('#!/bin/bash\necho "$*" >> "$SBATCH_LOG"; echo $((999 + $(wc -l < "$SBATCH_LOG")))\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    log = tmp_path / "sbatch.log"
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SBATCH_LOG": str(log),
+           "RUNS": str(tmp_path / "cluster"), "POLICY": str(runs / "sft"), "REF": str(runs / "ref"), "WORKERS": "2",
+           "GPUS": "4", "PROMPTS": "8"}
+    dry = subprocess.run(["bash", str(sbatch)], capture_output=True, env={**env, "DRY_RUN": "1"}, timeout=60)
+    assert dry.returncode == 0, dry.stderr.decode()
+    assert not log.exists() and not (tmp_path / "cluster").exists()  # nothing submitted, nothing made
+    lines = dry.stdout.decode().splitlines()
+    assert len(lines) == 3 and all(x.startswith("sbatch --parsable ") for x in lines)
+    assert subprocess.run(["bash", "-n"], input=dry.stdout).returncode == 0
+    workers, update, stop = (shlex.split(x) for x in lines)
+    assert "--array=0-1" in workers and "--dependency=after:WORKERS_JOB_ID" in update
+    wrap = workers[workers.index("--wrap") + 1]
+    assert shlex.split(wrap)[:4] == ["bash", "-o", "pipefail", "-c"]
+    # the worker's pipe, as array task 1 runs it (rlkit a stand-in that prints its arguments)
+    (bin_dir / "rlkit").write_text('#!/bin/bash\necho "$*" >&2; cat > /dev/null\n')
+    (bin_dir / "rlkit").chmod(0o755)
+    w = subprocess.run(["sh", "-c", wrap], capture_output=True, env={**env, "SLURM_ARRAY_TASK_ID": "1"}, timeout=60)
+    score, rollout = sorted(w.stderr.decode().splitlines(), reverse=True)  # the two print side by side
+    cl = tmp_path / "cluster"
+    assert "--shard 1/2 " in rollout + " " and "--chunk-prompts 4 " in rollout and "--engine vllm" in rollout
+    assert score == f"score-ref --ref {runs / 'ref'} --device cuda --spool {cl / 'spool'}"
+    upd_wrap = update[update.index("--wrap") + 1]
+    assert upd_wrap.startswith("srun torchrun --nnodes 1 --nproc-per-node 4 --rdzv-backend c10d")
+    assert f"-m rlkit update --follow --in {cl / 'spool'} " in upd_wrap and f"--out {cl / 'ckpts'} " in upd_wrap
+    assert subprocess.run(["sh", "-n", "-c", upd_wrap]).returncode == 0
+    assert stop[-2:] == ["--wrap", "scancel WORKERS_JOB_ID"] and "--dependency=afternotok:UPDATE_JOB_ID" in stop
+
+    sub = subprocess.run(["bash", str(sbatch)], capture_output=True, env=env, timeout=60)
+    assert sub.returncode == 0, sub.stderr.decode()
+    calls = log.read_text().splitlines()  # one line a submission: its arguments
+    assert len(calls) == 3 and (cl / "spool").is_dir() and (cl / "logs").is_dir()
+    assert "--array=0-1 " in calls[0] and "--dependency=after:1000 " in calls[1]
+    assert "--dependency=afternotok:1001 " in calls[2] and calls[2].endswith("--wrap scancel 1000")
+    assert "workers 1000 (array 0-1), update 1001" in sub.stderr.decode()
 
 
 def test_a_local_hugging_face_model_with_chat_data(tmp_path):
