@@ -282,9 +282,10 @@ class SpoolWriter:
             part, columns = columns.slice(0, take), columns.slice(take)
             groups = part.column("group_id").to_numpy() // self.g.prompts
             if (groups != b).any():
-                raise RlkitError(f"spool: batch {b} of {worker_name(self.g.index, self.g.count)} ended after {n} of its "
-                                 f"{self.g.rows} rows (a row of batch {int(groups[groups != b][0])} came): the stream "
-                                 "is not the one its manifest describes")
+                bad = int((groups != b).argmax())
+                raise RlkitError(f"spool: batch {b} of {worker_name(self.g.index, self.g.count)} ended after {n + bad} of "
+                                 f"its {self.g.rows} rows (a row of batch {int(groups[bad])} came): the stream is not "
+                                 "the one its manifest describes")
             if w is not None:
                 w.write(part)
             self.rows += take
