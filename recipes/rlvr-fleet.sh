@@ -9,12 +9,18 @@
 # batch b of every worker in worker order, so the weights are those of one worker sampling with
 # --chunk-prompts PROMPTS/WORKERS (under torchrun: up to float summation order). With BETA=0 a worker is
 # `rollout --spool SPOOL` alone (no reference to score). The workers' logs: $RUNS/logs/worker-I.log.
-# Knobs (environment), defaults in brackets: every knob of recipes/rlvr-follow.sh but EVAL_LIVE
-# (RUNS [runs/rlvr-fleet], ROUNDS [3] is the number of steps, PROMPTS [512], N [8], LAG [1], ENGINE [auto], ...),
+# Knobs (environment), defaults in brackets, as in recipes/rlvr-follow.sh:
+#   RUNS [runs/rlvr-fleet]  SEED [0]  TASK [arithmetic]  SFT_EXAMPLES [24000]  EVAL_NUM [300]
+#   ROUNDS [3] steps  PROMPTS [512] prompts a step  N [8] samples a prompt  MAX_NEW_TOKENS [16]  TEMPERATURE [1.0]
+#   ALGO [grpo]  LR [5e-5]  EPOCHS [2]  MINIBATCH [128]  BETA [0.01]  KL [k3+]  DROP_DEGENERATE [0]  DUAL_CLIP [3]
+#   LAG [1] the policy lag bound (the workers' and update's --max-lag)  ENGINE [auto] the workers' rollout engine
 #   plus WORKERS [2] rollout workers (PROMPTS >= WORKERS)
 #        NPROC [2] update processes under torchrun (1: a plain `rlkit update`)
 #        WORKER_TIMEOUT [600] seconds update waits for a worker's batch file before it trains on the others'
 #        PYTHON [python] the interpreter with rlkit and torch, which runs torchrun
+# Sized for a CPU. On a GPU machine every process sees every GPU: the update's ranks take cuda:0..NPROC-1 (NPROC at
+# most the GPUs) and every worker cuda:0, where vLLM takes a fixed share of the memory per worker (docs/gpu.md): use
+# ENGINE=hf there, or the Slurm form's layout, one GPU a worker (recipes/slurm/rlvr-fleet.sbatch).
 # A rerun with the same knobs resumes an unfinished run from DIR/latest (the workers skip the batches they
 # already wrote) and skips a finished one; other knobs start DIR and the spool afresh.
 set -euo pipefail

@@ -12,6 +12,7 @@ checks, records and shows what one `update` does. `stages/update.py` reads the f
 
 from __future__ import annotations
 
+import time
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
@@ -218,14 +219,17 @@ def _follow(cfg, inp, pending, weights, rt, start: Path, sp: Path | None, base_f
                     follow={"base": str(cfg.policy), "base_fingerprint": base_fp, "base_step": base_step, **batches},
                     **tracker.manifest_entry())
                 row = {"stage": "update", "out": str(root / follow.step_name(step)), **metrics}
+                t0 = time.monotonic()
                 with metrics_log.appending(row, cfg.metrics):  # taken back out if the step is not published
                     path = follow.publish(root, step, lambda tmp, m=manifest, g=gathered: _save_and_release(t, tmp, m, g))
+                published = time.monotonic() - t0, sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
                 source.trained(got)
                 pruned = follow.prune(root, keep) if keep is not None else []
                 tracker.log(row)
                 show(metrics, inp, t.algo)
-                console.info(f"update: wrote {path} (lag mean {metrics['lag_mean']:.2f}, max {metrics['lag_max']}; "
-                             f"{got.dropped} rows dropped)" + (f"; pruned steps {pruned}" if pruned else ""))
+                console.info(f"update: wrote {path} in {published[0]:.2f}s ({published[1] / 2**20:.1f} MiB; lag mean "
+                             f"{metrics['lag_mean']:.2f}, max {metrics['lag_max']}; {got.dropped} rows dropped)"
+                             + (f"; pruned steps {pruned}" if pruned else ""))
             distributed.barrier(dp)  # the other ranks wait (in the store, unbounded) while rank 0 publishes
         console.info(f"update: --max-steps {cfg.max_steps} reached (step {step}); stopping")
         if main:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -52,11 +51,22 @@ def _update_cmd(sft, root: Path, sp: Path, *, lag: int = 0, steps: int = STEPS, 
     return [*fast_rlkit_cmd(), *args]
 
 
-def _fleet(sft, tmp: Path, name: str, *, workers: int = 2, nproc: int = 1, extra=()) -> tuple[Path, str]:
-    """`workers` workers and one update (`nproc` processes) at --max-lag 0 for STEPS steps. -> (ckpts, update stderr)."""
+def _scoring_worker(sft, ref, root: Path, sp: Path, i: int, m: int) -> subprocess.Popen:
+    """Worker i of m as a pipe: `rollout --follow ROOT --shard i/m | score-ref --ref REF --spool SP`."""
+    cmd = " ".join(fast_rlkit_cmd())
+    script = (f"set -o pipefail\n{cmd} rollout --follow {root} --policy {sft} --shard {i}/{m} {' '.join(WORKER)} "
+              f"--chunk-prompts {C} --max-lag 0 --max-steps {STEPS} | {cmd} score-ref --ref {ref} --spool {sp}\n")
+    return subprocess.Popen(["bash", "-c", script], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True)
+
+
+def _fleet(sft, tmp: Path, name: str, *, workers: int = 2, nproc: int = 1, extra=(), ref=None) -> tuple[Path, str]:
+    """`workers` workers (with `ref`: each a pipe through score-ref) and one update (`nproc` processes) at --max-lag
+    0 for STEPS steps. -> (ckpts, update stderr)."""
     root, sp = tmp / f"{name}-ckpts", tmp / f"{name}-spool"
     sp.mkdir()
-    ws = [_worker(sft, root, sp, i, workers) for i in range(workers)]
+    ws = [_worker(sft, root, sp, i, workers) if ref is None else _scoring_worker(sft, ref, root, sp, i, workers)
+          for i in range(workers)]
     try:
         r = subprocess.run(_update_cmd(sft, root, sp, nproc=nproc, extra=extra), capture_output=True, text=True,
                            timeout=300, env=_env())
@@ -98,9 +108,10 @@ def _wait(pred, timeout: float = 120, what: str = "") -> None:
 
 
 @pytest.fixture(scope="module")
-def fleet(sft_dir, tmp_path_factory):
-    """Two workers and one update at --max-lag 0, the spool's files kept (--keep-batches)."""
-    return _fleet(sft_dir, tmp_path_factory.mktemp("fleet"), "two", extra=("--keep-batches",))
+def fleet(sft_dir, ref_dir, tmp_path_factory):
+    """Two workers (`rollout --follow --shard I/2 | score-ref --spool`) and one update at --max-lag 0, the spool's
+    files kept (--keep-batches). The update runs --beta 0: the reference's log-probs ride along, unused."""
+    return _fleet(sft_dir, tmp_path_factory.mktemp("fleet"), "two", extra=("--keep-batches",), ref=ref_dir)
 
 
 def test_two_workers_give_the_weights_one_worker_gives(fleet, sft_dir, tmp_path):
@@ -120,6 +131,11 @@ def test_two_workers_give_the_weights_one_worker_gives(fleet, sft_dir, tmp_path)
     assert spool.scan(sp) == [] and spool.claimed(sp) == []
     assert spool.ended_workers(sp) == {(0, 2), (1, 2)} and spool.update_ended(sp) == STEPS
     assert not [p for p in sp.iterdir() if p.name.startswith(".b")]  # no unfinished file left
+    from rlkit.io import streams
+
+    t, man = streams.read_table(sp / spool.DONE / _batches(root, 1)[1], ["scored"])  # scored by the worker's pipe
+    assert t.column("group_id").to_pylist() == [g for g in range(4, 8) for _ in range(N)]
+    assert set(t.column("policy_step").to_pylist()) == {0} and "ref_logprobs" in t.column_names
 
 
 def test_update_follow_under_torchrun_matches_one_process(fleet, sft_dir, tmp_path):

@@ -94,3 +94,34 @@ def test_update_and_sft_on_two_gpus_match_one(two_gpus, cuda_sft, gpu, tmp_path)
     if mixed:
         assert m["metrics"]["old_logprobs"] == "recompute" and m["metrics"]["recompute_rows"] == 48
     assert m["metrics"]["loss"] == m["metrics"]["loss"]  # finite
+
+
+def test_a_fleet_two_gpu_workers_and_a_two_gpu_update_match_one_worker_and_one_process(two_gpus, cuda_sft, tmp_path):
+    """docs/scale-out.md's fleet on GPUs: worker I on cuda:I (`rollout --follow --shard I/2 --spool`), the update
+    under torchrun on both (NCCL), at --max-lag 0; against one worker and a one-process `update --follow` on one
+    GPU: the same weights up to float summation order."""
+    import shutil
+
+    sft, cmd = cuda_sft.dir, " ".join([sys.executable, "-m", "rlkit"])
+    roll = f"{cmd} rollout --policy {sft} --engine hf --n 4 --batch-prompts 16 --chunk-prompts 8 --max-lag 0 --max-steps 2 --seed 100"
+    upd = (f"update --follow --policy {sft} --max-steps 2 --max-lag 0 --beta 0 --lr 1e-3 --minibatch-size 32 "
+           "--epochs 2 --seed 3 --length-penalty 0.05 --dtype fp32")
+    env = {**os.environ, "RLKIT_DEBUG": "0", **FP32}
+    one = tmp_path / "one"
+    r = subprocess.run(["bash", "-c", f"set -euo pipefail\n{roll} --follow {one} | {cmd} {upd} --out {one}"],
+                       capture_output=True, text=True, timeout=1200, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    two, sp = tmp_path / "two", tmp_path / "spool"
+    sp.mkdir()
+    ws = [subprocess.Popen(["bash", "-c", f"{roll} --follow {two} --shard {i}/2 --spool {sp}"], env={
+        **env, "CUDA_VISIBLE_DEVICES": str(i)}, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+    r2 = torchrun(*upd.split(), "--out", str(two), "--in", str(sp), env=FP32)
+    assert r2.returncode == 0, r2.stderr.decode()[-3000:]
+    for w in ws:
+        assert w.wait(timeout=600) == 0, w.stderr.read()[-3000:]
+    m = json.loads((two / "step-000002/rlkit.json").read_text())
+    on_cuda(m, gpus=2)
+    assert m["metrics"]["world_size"] == 2 and len(m["follow"]["batches"]) == 2
+    a, b = (load_file(str(d / "step-000002/model.safetensors")) for d in (one, two))
+    assert _max_diff(a, b) < 1e-4
+    shutil.rmtree(sp)
