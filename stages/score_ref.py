@@ -468,7 +468,8 @@ def _run_loaded(cfg: ScoreRefConfig, rms: dict[str, Path], fns) -> Path | None:
             from rlkit.follow.rollout import consumer_gone
 
             follow_dir = Path((upstream.get("follow") or {}).get("dir", ""))
-            idle = lambda: consumer_gone(cfg.spool, follow_dir)  # noqa: E731
+            before = spool.marker_id(cfg.spool)  # an earlier run's end of the update does not count
+            idle = lambda: consumer_gone(cfg.spool, follow_dir, before)  # noqa: E731
         batches = reader.batches(idle=idle)
     try:
         rows = _score_stream(cfg, batches, writer=writer, models=models,

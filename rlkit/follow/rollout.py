@@ -63,6 +63,7 @@ def run(cfg, task, source, inputs: dict, out: Path | None, stage: Stage) -> Path
     groups = stage.groups_a_batch or len(span)
     root = cfg.follow
     follow.check_root(root)
+    ended_before = spool.marker_id(cfg.spool) if cfg.spool is not None else None  # an earlier run's end
     base_step = checkpoints.policy_step(cfg.policy)
     base_tok = checkpoints.tokenizer_fingerprint(checkpoints.load_tokenizer(cfg.policy, cfg.trust_remote_code))
     newest = follow.newest(root)
@@ -133,7 +134,7 @@ def run(cfg, task, source, inputs: dict, out: Path | None, stage: Stage) -> Path
                 need = base_step + b - cfg.max_lag
                 s = follow.newest(root)
                 if step < need and (s is None or s.step < need):
-                    s = follow.wait_for(root, need, stop=lambda: consumer_gone(cfg.spool, root))
+                    s = follow.wait_for(root, need, stop=lambda: consumer_gone(cfg.spool, root, ended_before))
                     if s is None:
                         raise DownstreamClosed("rollout")
                 reload = s is not None and s.step > step
@@ -193,14 +194,15 @@ def run(cfg, task, source, inputs: dict, out: Path | None, stage: Stage) -> Path
     return out
 
 
-def consumer_gone(spool_dir: Path | None, root: Path) -> bool:
+def consumer_gone(spool_dir: Path | None, root: Path, before: tuple | None = None) -> bool:
     """While a batch waits for its step: the stage reading this stream ended (stdout's reader is gone), or, writing
-    a spool, the update consuming it ended cleanly with the newest step published (`rlkit.io.spool.update_ended`)."""
+    a spool, the update consuming it ended cleanly with the newest step published (`rlkit.io.spool.update_ended`;
+    `before`: the end marker there was when this worker started, an earlier run's, which does not count)."""
     from rlkit.io import follow, spool, streams
 
     if spool_dir is None:
         return streams.downstream_closed()
-    last = spool.update_ended(spool_dir)
+    last = spool.update_ended(spool_dir, before)
     if last is None:
         return False
     s = follow.newest(root)

@@ -181,12 +181,25 @@ def mark_update_end(root: Path, step: int) -> None:
     _write_marker(root / UPDATE_END, f"{step}\n")
 
 
-def update_ended(root: Path) -> int | None:
-    """The last step of an update that ended cleanly on this spool, or None while one runs (or none has)."""
+def update_ended(root: Path, before: tuple | None = None) -> int | None:
+    """The last step of an update that ended cleanly on this spool, or None while one runs (or none has). `before`:
+    the marker's `marker_id` when the caller started; that marker (an earlier run's) does not count."""
+    p = root / UPDATE_END
     try:
-        return int((root / UPDATE_END).read_text().strip())
+        if before is not None and marker_id(root) == before:
+            return None
+        return int(p.read_text().strip())
     except (FileNotFoundError, ValueError):
         return None
+
+
+def marker_id(root: Path) -> tuple | None:
+    """The identity of `update.end` as it is now (a new marker is a new file: written, then renamed into place)."""
+    try:
+        st = (root / UPDATE_END).stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns
 
 
 @contextmanager

@@ -107,3 +107,11 @@ def test_one_worker_a_shard_and_one_worker_count_a_spool(tmp_path):
         _touch(tmp_path, 0, 1, 2, 0)
         with spool.writing(tmp_path, "rollouts", {}, [], spool.Geometry(rows=N, prompts=1, index=0, count=3)):
             pass
+
+
+def test_an_earlier_runs_end_marker_does_not_stop_a_new_worker(tmp_path):
+    spool.mark_update_end(tmp_path, 3)  # a finished run's
+    before = spool.marker_id(tmp_path)
+    assert spool.update_ended(tmp_path) == 3 and spool.update_ended(tmp_path, before) is None
+    spool.mark_update_end(tmp_path, 5)  # the update this worker feeds ends: a new file
+    assert spool.update_ended(tmp_path, before) == 5
