@@ -263,3 +263,21 @@ def test_fleet_bad_input_one_line_each(sft_dir, tmp_path):
         assert want in one_error_line(r), (args, err)
         assert not (tmp_path / "c").exists() and not (tmp_path / "x.arrow").exists()
     assert list(sp.iterdir()) == [] and [p.name for p in foreign.iterdir()] == ["notes.txt"]
+
+
+def test_under_torchrun_the_other_ranks_wait_for_input_up_to_the_dist_timeout(sft_dir, tmp_path):
+    """An upstream that never sends a batch: rank 0 waits on its pipe, rank 1 gives up after --dist-timeout with one
+    line naming the wait, and the run ends non-zero (torchrun stops rank 0) with no step written."""
+    root = tmp_path / "ckpts"
+    cmd = [a for a in _update_cmd(sft_dir, root, Path("-"), nproc=2) if a not in ("--in", "-")]
+    rd, wr = os.pipe()  # stdin: a pipe whose writer, this test, never writes and stays open
+    t0 = time.monotonic()
+    try:
+        r = subprocess.run([*cmd, "--dist-timeout", "0.1"], stdin=rd, capture_output=True, text=True, timeout=280,
+                           env=_env())
+    finally:
+        os.close(rd)
+        os.close(wr)
+    assert r.returncode != 0 and time.monotonic() - t0 < 250
+    assert "rank 1: rank 0 read no input for 0.1 minutes (--dist-timeout)" in r.stderr, r.stderr[-3000:]
+    assert follow.newest(root) is None
