@@ -103,8 +103,8 @@ def main() -> None:
         per_param = []
         for name, policy in models.items():
             n = params(policy)
-            (d / name).mkdir(exist_ok=True)
-            res = {w: run_one(policy, d / name, w, a) for w in (1, 2)}
+            (d / f"run-{name}").mkdir(exist_ok=True)
+            res = {w: run_one(policy, d / f"run-{name}", w, a) for w in (1, 2)}
             one, two = load_file(str(res[1]["ck"] / f"step-{a.steps:06d}/model.safetensors")), load_file(
                 str(res[2]["ck"] / f"step-{a.steps:06d}/model.safetensors"))
             same = max(float((one[k] - two[k]).abs().max()) for k in one)
