@@ -249,6 +249,8 @@ class Shared:
         self.inner, self.dp, self.timeout_s = inner, dp, timeout_s
 
     def _share(self, what: str, make):
+        from rlkit.training.distributed import share
+
         return share(self.dp, what, make, self.timeout_s)
 
     def header(self) -> Header:
@@ -294,37 +296,3 @@ class Shared:
         if self.inner is not None:
             self.inner.close(step)
 
-
-def share(dp, what: str, make, timeout_s: float | None = None):
-    """Rank 0's `make()` -> (JSON-able dict, pa.Table or None) on every rank: broadcast as JSON and Arrow IPC bytes
-    (no pickle), a `RlkitError` it raised too, so that every rank fails with rank 0's line and exit code. The other
-    ranks wait for rank 0 in the launcher's store (`distributed.wait_for_main`), up to `timeout_s` seconds."""
-    import io
-    import json
-
-    import pyarrow as pa
-
-    from rlkit.training import distributed
-
-    head, body, err = {}, b"", None
-    if dp.main:
-        try:
-            head, table = make()
-            if table is not None:
-                sink = io.BytesIO()
-                with pa.ipc.new_stream(sink, table.schema) as w:
-                    w.write_table(table)
-                body = sink.getvalue()
-        except RlkitError as e:
-            err = e
-            head = {"error": str(e), "exit_code": e.exit_code}
-    distributed.wait_for_main(dp, what, timeout_s=timeout_s)
-    head = json.loads(distributed.broadcast_bytes(json.dumps(head).encode(), dp))
-    if "error" in head:
-        if err is not None:
-            raise err
-        same = RlkitError(head["error"])
-        same.exit_code = int(head["exit_code"])
-        raise same
-    data = distributed.broadcast_bytes(body, dp)
-    return head, (pa.ipc.open_stream(data).read_all() if data else None)

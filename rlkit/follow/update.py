@@ -85,8 +85,8 @@ def _share_start(cfg, root: Path, base_fp: str, dp) -> Path:
     step of --out, or --policy; every rank gets that path."""
     from rlkit import console
     from rlkit.errors import RlkitError
-    from rlkit.follow.source import share
     from rlkit.io import follow, manifests
+    from rlkit.training.distributed import share
 
     def make():
         stale = follow.clean_stale(root)

@@ -449,32 +449,45 @@ class SharedTable:
 def share_table(pending, dp: DataParallel) -> SharedTable:
     """Rank 0 reads the input (file or stdin) whole and broadcasts it as Arrow IPC bytes; a read error on
     rank 0 is broadcast too, so every rank stops with the same one-line error instead of hanging."""
+
+    def make():
+        reader = pending.result()
+        return ({"kind": reader.kind, "manifest": reader.manifest, "fingerprint": reader.fingerprint,
+                 "label": reader.label}, reader.read_all(require_rows=False))
+
+    # a piped input ends when its upstream does: no collective open until then
+    header, table = share(dp, "input", make)
+    return SharedTable(header["kind"], header["manifest"], header["fingerprint"], header["label"], table)
+
+
+def share(dp, what: str, make, timeout_s: float | None = None):
+    """Rank 0's `make()` -> (JSON-able dict, pa.Table or None) on every rank: broadcast as JSON and Arrow IPC bytes
+    (no pickle), a `RlkitError` it raised too, so that every rank fails with rank 0's line and exit code. The other
+    ranks wait for rank 0 in the launcher's store (`wait_for_main`), up to `timeout_s` seconds."""
     import io
     import json
 
     import pyarrow as pa
 
-    header, body, err = {}, b"", None
+    head, body, err = {}, b"", None
     if dp.main:
         try:
-            reader = pending.result()
-            table = reader.read_all(require_rows=False)
-            sink = io.BytesIO()
-            with pa.ipc.new_stream(sink, table.schema) as w:
-                w.write_table(table)
-            header = {"kind": reader.kind, "manifest": reader.manifest, "fingerprint": reader.fingerprint,
-                      "label": reader.label}
-            body = sink.getvalue()
+            head, table = make()
+            if table is not None:
+                sink = io.BytesIO()
+                with pa.ipc.new_stream(sink, table.schema) as w:
+                    w.write_table(table)
+                body = sink.getvalue()
         except RlkitError as e:
             err = e
-            header = {"error": str(e), "exit_code": e.exit_code}
-    wait_for_main(dp, "input")  # a piped input ends when its upstream does: no collective open until then
-    header = json.loads(broadcast_bytes(json.dumps(header).encode(), dp))
-    if "error" in header:
+            head = {"error": str(e), "exit_code": e.exit_code}
+    wait_for_main(dp, what, timeout_s=timeout_s)
+    head = json.loads(broadcast_bytes(json.dumps(head).encode(), dp))
+    if "error" in head:
         if err is not None:
             raise err
-        same = RlkitError(header["error"])
-        same.exit_code = int(header["exit_code"])  # a cut stream (3) is 3 on every rank
+        same = RlkitError(head["error"])
+        same.exit_code = int(head["exit_code"])
         raise same
-    table = pa.ipc.open_stream(broadcast_bytes(body, dp)).read_all()
-    return SharedTable(header["kind"], header["manifest"], header["fingerprint"], header["label"], table)
+    data = broadcast_bytes(body, dp)
+    return head, (pa.ipc.open_stream(data).read_all() if data else None)
