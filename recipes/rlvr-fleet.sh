@@ -16,7 +16,7 @@
 #   LAG [1] the policy lag bound (the workers' and update's --max-lag)  ENGINE [auto] the workers' rollout engine
 #   plus WORKERS [2] rollout workers (PROMPTS >= WORKERS)
 #        NPROC [2] update processes under torchrun (1: a plain `rlkit update`)
-#        WORKER_TIMEOUT [600] seconds update waits for a worker's batch file before it trains on the others'
+#        WORKER_TIMEOUT [600] seconds a worker may give no sign of life before update trains on the others' files
 #        PYTHON [python] the interpreter with rlkit and torch, which runs torchrun
 # Sized for a CPU. On a GPU machine every process sees every GPU: the update's ranks take cuda:0..NPROC-1 (NPROC at
 # most the GPUs) and every worker cuda:0, where vLLM takes a fixed share of the memory per worker (docs/gpu.md): use

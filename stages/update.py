@@ -111,7 +111,7 @@ class UpdateConfig:
     # prune all but the newest K steps (never fewer than the lag bound needs)
     keep: int | None = option(None, min=1, panel="Follow", help="--follow: prune all but the newest K steps (at least --max-lag + 2 are kept: rollout may be loading them).")
     # --follow --in SPOOL: many workers' batch files (rlkit.io.spool)
-    worker_timeout: float = option(600.0, panel="Follow", help="--follow --in SPOOL: seconds to wait for a worker's file of the batch a step trains; then the worker is named and the step trains on the other workers' files (none at all: an error).")
+    worker_timeout: float = option(600.0, panel="Follow", help="--follow --in SPOOL: seconds a worker's heartbeat (its lock file's mtime, moved every second while it runs) may stand still while the update waits for its file of the batch a step trains; then the worker is named and the step trains on the other workers' files (none at all: an error). A live worker is waited for however long its batch takes.")
     keep_batches: bool = option(False, "--keep-batches", panel="Follow", help="--follow --in SPOOL: keep each trained batch file in SPOOL/done/ instead of deleting it.")
     max_lag: int = option(DEFAULT_MAX_LAG, min=0, panel="Follow", help="--follow: drop (and count) rows sampled more than this many steps before the policy they would train; lagged rows get pi_old recomputed (the proximal policy) and a truncated importance weight (--tis-cap, default 2 here).")
     device: str = option("auto", Device)

@@ -82,9 +82,10 @@ SAME_ROLLOUT = ("task", "batch_prompts", "n", "seed", "chunk_prompts", "temperat
 class SpoolSource:
     """Batch files of M workers in a spool directory. Step `base + b + 1` trains batch b: the files of batch b of
     every worker, in worker order (together the batch one worker sampling every prompt writes), each claimed by a
-    rename into claimed/ before it is read. A worker that writes nothing for `timeout` seconds while its file is
-    awaited is named, and the step trains on the other workers' files; a batch no worker wrote in that time is an
-    error. Files of batches already past (a late worker's) are dropped and counted."""
+    rename into claimed/ before it is read. A worker whose file is awaited and whose heartbeat (`spool.heartbeat`)
+    has not moved for `timeout` seconds is gone: it is named, and the step trains on the other workers' files; a
+    batch no worker wrote is an error. A worker that is alive is waited for, however long its batch takes. Files of
+    batches already past (a late worker's) are dropped and counted."""
 
     def __init__(self, root: Path, base_step: int, timeout: float, keep: bool, poll: float | None = None) -> None:
         from rlkit.io import spool
@@ -116,9 +117,13 @@ class SpoolSource:
         """The manifest of the first batch file to appear (waited for, up to the worker timeout)."""
         from rlkit.io import spool, streams
 
-        t0 = time.monotonic()
+        seen = time.monotonic()
+        beats = spool.heartbeats(self.root)
         while True:
             files = spool.scan(self.root)
+            now = spool.heartbeats(self.root)
+            if now != beats:  # a worker started or beat: alive, its first batch on the way
+                beats, seen = now, time.monotonic()
             if files:
                 f = files[0]
                 try:
@@ -132,10 +137,10 @@ class SpoolSource:
                 self.kind = r.kind
                 self.same = {k: (r.record.sampling or {}).get(k) for k in SAME_ROLLOUT}
                 return Header(r.kind, r.manifest, f"spool {self.root}", f"spool:{self.root.resolve()}")
-            if time.monotonic() - t0 > self.timeout:
-                raise RlkitError(f"no worker wrote a batch into the spool {self.root} in {self.timeout:g} s "
-                                 "(--worker-timeout): are the workers running `rollout --follow ... --spool` (or "
-                                 "`| score-ref --spool`) on this directory?")
+            if time.monotonic() - seen > self.timeout:
+                raise RlkitError(f"no worker wrote a batch into the spool {self.root} or gave a sign of life in "
+                                 f"{self.timeout:g} s (--worker-timeout): are the workers running `rollout --follow "
+                                 "... --spool` (or `| score-ref --spool`) on this directory?")
             time.sleep(self.poll)
 
     def start(self, step: int, P: int, n: int | None, max_lag: int) -> None:
@@ -171,6 +176,7 @@ class SpoolSource:
         b = step - self.base
         t0 = time.monotonic()
         dropped = 0
+        beats: dict[int, tuple] = {}  # worker -> (its heartbeat, when this update last saw it move)
         while True:
             files = spool.scan(self.root)
             counts = {f.workers for f in files} | ({self.workers} if self.workers else set())
@@ -191,16 +197,22 @@ class SpoolSource:
             ended = {i for i, m in spool.ended_workers(self.root) if m == M}
             waiting = [i for i in range(M or 0) if i not in have and i not in ended]
             note = ""
+            clock = time.monotonic()
+            for i in waiting:
+                hb = spool.heartbeat(self.root, i, M)
+                if i not in beats or beats[i][0] != hb:
+                    beats[i] = (hb, clock if i in beats else t0)
+            gone = all(clock - beats[i][1] > self.timeout for i in waiting)
             if M and not waiting:
                 if not now:
                     return None  # every worker ended its stream
-            elif time.monotonic() - t0 > self.timeout:
+            elif gone and clock - t0 > self.timeout:
                 quiet = ", ".join(f"{i}/{M}" for i in waiting) if M else "all"
                 if not now:
-                    raise RlkitError(f"no worker wrote batch {b} into the spool {self.root} in {self.timeout:g} s "
-                                     f"(--worker-timeout): worker(s) {quiet} went quiet")
-                note = (f"worker(s) {quiet} wrote no batch {b} in {self.timeout:g} s (--worker-timeout): step "
-                        f"{step + 1} trains on the other workers' {len(now)} file(s)")
+                    raise RlkitError(f"no worker wrote batch {b} into the spool {self.root}, and worker(s) {quiet} gave "
+                                     f"no sign of life for {self.timeout:g} s (--worker-timeout)")
+                note = (f"worker(s) {quiet} wrote no batch {b} and gave no sign of life for {self.timeout:g} s "
+                        f"(--worker-timeout): step {step + 1} trains on the other workers' {len(now)} file(s)")
             else:
                 time.sleep(self.poll)
                 continue

@@ -349,9 +349,60 @@ def writing(root: Path, kind_name: str, manifest: dict, extra, geometry: Geometr
             console.info(f"spool: removed {len(gone)} unfinished batch file(s) a killed {me} left")
         (root / f"{me}.end").unlink(missing_ok=True)
         w = SpoolWriter(root, kind_name, manifest, extra, geometry)
+        beat = _Heartbeat(root / f".{me}.lock")
         try:
             yield w
             w.close()
         except BaseException:
             w.abort()
             raise
+        finally:
+            beat.stop()
+
+
+HEARTBEAT_SECONDS = 1.0
+
+
+class _Heartbeat:
+    """While a worker runs, its lock file's modification time moves every HEARTBEAT_SECONDS (a daemon thread), so the
+    update tells a worker that is alive but slow (a long batch, a wait for its step) from one that is gone, on any
+    machine that sees the spool (`heartbeat`)."""
+
+    def __init__(self, path: Path) -> None:
+        import threading
+
+        self.path, self.done = path, threading.Event()
+        threading.Thread(target=self._run, name="rlkit-spool-heartbeat", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass
+            if self.done.wait(HEARTBEAT_SECONDS):
+                return
+
+    def stop(self) -> None:
+        self.done.set()
+
+
+def heartbeats(root: Path) -> dict[str, int]:
+    """Every worker's heartbeat (`heartbeat`) by its lock file's name: which workers have started, and when they
+    last beat."""
+    out = {}
+    for e in os.scandir(root):
+        if re.match(r"^\.w\d{2,}of\d{2,}\.lock$", e.name):
+            try:
+                out[e.name] = e.stat().st_mtime_ns
+            except FileNotFoundError:
+                continue
+    return out
+
+
+def heartbeat(root: Path, index: int, count: int) -> int | None:
+    """Worker `index`/`count`'s last heartbeat as its lock file's mtime (ns), or None when it never started."""
+    try:
+        return (root / f".{worker_name(index, count)}.lock").stat().st_mtime_ns
+    except FileNotFoundError:
+        return None

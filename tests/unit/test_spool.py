@@ -115,3 +115,36 @@ def test_an_earlier_runs_end_marker_does_not_stop_a_new_worker(tmp_path):
     assert spool.update_ended(tmp_path) == 3 and spool.update_ended(tmp_path, before) is None
     spool.mark_update_end(tmp_path, 5)  # the update this worker feeds ends: a new file
     assert spool.update_ended(tmp_path, before) == 5
+
+
+def test_a_slow_worker_that_beats_is_waited_for_and_a_silent_one_is_not(tmp_path):
+    """--worker-timeout 2.5 s: worker 1 holds its lock (so its heartbeat moves every HEARTBEAT_SECONDS) and writes
+    batch 0 after 4 s: the update waits for it. Batch 1: worker 1's writer is closed (no heartbeat), so after the
+    timeout step 2 trains on worker 0's file alone, and names worker 1."""
+    import threading
+    import time
+
+    geo = [spool.Geometry(rows=N, prompts=2, index=i, count=2) for i in (0, 1)]
+    with spool.writing(tmp_path, "rollouts", {"kind": "rollouts"}, [], geo[0]) as w0:
+        w0.write(_rows([0], step=0))
+
+        def slow():
+            with spool.writing(tmp_path, "rollouts", {"kind": "rollouts"}, [], geo[1]) as w1:
+                time.sleep(4.0)
+                w1.write(_rows([1], step=0))
+
+        th = threading.Thread(target=slow)
+        th.start()
+        src = SpoolSource(tmp_path, base_step=0, timeout=2.5, keep=False, poll=0.02)
+        assert src.header().kind == "rollouts"
+        src.start(0, 2, N, max_lag=0)
+        t0 = time.monotonic()
+        got = src.next(0)
+        th.join()
+        assert time.monotonic() - t0 > 3.0 and got.note == ""
+        assert [f.worker for f in got.files] == [0, 1] and got.table.column("group_id").to_pylist() == [0, 0, 1, 1]
+        src.trained(got)
+        w0.write(_rows([2], step=1))
+        got = src.next(1)  # worker 1 is gone: its lock's mtime stands still
+        assert [f.worker for f in got.files] == [0]
+        assert got.note.startswith("worker(s) 1/2 wrote no batch 1 and gave no sign of life for 2.5 s")
