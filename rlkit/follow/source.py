@@ -93,7 +93,6 @@ class SpoolSource:
         self.root, self.base, self.timeout, self.keep = root, base_step, timeout, keep
         self.poll = poll or spool.POLL_SECONDS
         self.workers: int | None = None
-        self.first = None  # (BatchFile, reader) of the file the header came from
         self.max_lag = 0
         self.same: dict | None = None
 

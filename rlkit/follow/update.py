@@ -39,8 +39,6 @@ def check_follow(cfg, algo) -> None:
     for flag, v, low in (("--max-lag", cfg.max_lag, 0), ("--keep", cfg.keep, 1), ("--max-steps", cfg.max_steps, 1)):
         if v is not None and v < low:
             raise RlkitError(f"{flag} {v}: expected an integer >= {low}")
-    if not cfg.worker_timeout > 0:
-        raise RlkitError(f"--worker-timeout {cfg.worker_timeout:g}: expected seconds > 0")
     follow.check_root(cfg.out)
     if cfg.inp is not None and str(cfg.inp) != "-" and not Path(cfg.inp).exists():
         raise RlkitError(f"--in {cfg.inp} does not exist: expected a rollouts stream file or a spool directory of batch "

@@ -262,9 +262,11 @@ class SpoolWriter:
         self.root, self.kind_name, self.manifest, self.extra, self.g = root, kind_name, manifest, extra, geometry
         self.rows = 0  # rows written so far (as `TableWriter.rows`)
         self.cur = None  # (TableWriter or None while skipping, batch, rows so far)
-        self.written: list[Path] = []
         self.skipped: list[int] = []
-        self.schema = _SchemaOnly(self).schema  # the columns every batch file has (as `TableWriter.schema`)
+        from rlkit.io import streams
+
+        self.kind = streams.kind(kind_name)
+        self.schema = self.kind.schema(extra, manifest)  # the columns every batch file has (as `TableWriter`'s)
 
     def _open(self, batch, step: int) -> None:
         from rlkit import console
@@ -286,7 +288,7 @@ class SpoolWriter:
         if not isinstance(columns, pa.RecordBatch):
             from rlkit.io import streams
 
-            columns = streams.TableWriter._batch(_SchemaOnly(self), columns)
+            columns = streams.TableWriter._batch(self, columns)  # reads the schema and kind, as TableWriter's
         while columns.num_rows:
             if self.cur is None:
                 self._open(columns, int(columns.column("policy_step")[0].as_py()))
@@ -307,7 +309,6 @@ class SpoolWriter:
             if n == self.g.rows:
                 if w is not None:
                     w.close()
-                    self.written.append(w.out)
                 self.cur = None
 
     def close(self) -> None:
@@ -318,16 +319,6 @@ class SpoolWriter:
         if self.cur is not None and self.cur[0] is not None:
             self.cur[0].abort()
         self.cur = None
-
-
-class _SchemaOnly:
-    """What `TableWriter._batch` reads of its writer: the table's schema and kind."""
-
-    def __init__(self, w: SpoolWriter) -> None:
-        from rlkit.io import streams
-
-        self.kind = streams.kind(w.kind_name)
-        self.schema = self.kind.schema(w.extra, w.manifest)
 
 
 @contextmanager
