@@ -388,8 +388,9 @@ def build_batch(table, pad_id: int, weights: dict[str, float] | None = None,
 
 
 def _per_token(table, name: str, comps: list[list[int]], label: str) -> list[list[float]] | None:
-    """A per-token column (`rlkit.io.schemas.TOKEN_FIELDS`): one finite value a completion token, every row; None
-    when the table has no such column. One line naming the first row that breaks it."""
+    """A per-token column (`rlkit.io.schemas.TOKEN_FIELDS`): one finite value a completion token, every row, and
+    for `teacher_logprobs` none above 0 (a log-probability); None when the table has no such column. One line
+    naming the first row that breaks it."""
     import math
 
     if name not in table.column_names:
@@ -402,6 +403,9 @@ def _per_token(table, name: str, comps: list[list[int]], label: str) -> list[lis
                              f"tokens; {name} holds one value a completion token")
         if not all(math.isfinite(x) for x in v):
             raise RlkitError(f"{label}: {_row_name(table, i)} has a non-finite value in {name}")
+        if name == "teacher_logprobs" and (j := next((j for j, x in enumerate(v) if x > 0), None)) is not None:
+            raise RlkitError(f"{label}: {_row_name(table, i)} has {v[j]:g} at completion token {j} in {name}, above "
+                             "0, which no log-probability is; expected the teacher's log-probs (`score-ref --teacher`)")
     return rows
 
 

@@ -176,17 +176,29 @@ def _read_file(p: Path, suffix: str) -> pa.Table:
         import pyarrow.csv as pcsv
 
         try:
-            return pcsv.read_csv(p)
+            table = pcsv.read_csv(p)
         except (pa.ArrowException, OSError, ValueError) as e:
             why = _csv_problem(p) or f"cannot read it as CSV ({_first_line(e)}); expected {_EXPECTED['.csv']}"
             raise RlkitError(f"{p}: {why}") from e
+        # a field that is not UTF-8 makes its column binary (pyarrow's fallback), not an error: name its line
+        binary = [f.name for f in table.schema if pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type)]
+        if binary:
+            why = _not_text(p, _EXPECTED[".csv"]) or f"column {binary[0]!r} is not UTF-8 text"
+            raise RlkitError(f"{p}: {why}")
+        return table
     datasets = _quiet_datasets()
     try:
         with _silent_datasets():
-            return datasets.load_dataset("json", data_files=str(p), split="train").data.table
+            table = datasets.load_dataset("json", data_files=str(p), split="train").data.table
     except Exception as e:  # noqa: BLE001 (datasets wraps the parser's error in its own)
         why = _json_problem(p) or f"cannot read it as JSON lines ({_first_line(e)})"
         raise RlkitError(f"{p}: {why}") from e
+    try:  # the JSON reader takes a string's bytes as they are: one that is not UTF-8 is found here, not when read
+        table.validate(full=True)
+    except pa.ArrowException as e:
+        why = _json_problem(p) or f"cannot read it as JSON lines ({_first_line(e)})"
+        raise RlkitError(f"{p}: {why}") from e
+    return table
 
 
 def _read_any(source: str) -> tuple[pa.Table | None, str, bool]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -92,10 +92,28 @@ def truncation_warning(stage: str, cut: int, n: int, max_new_tokens: int, task=N
             f"model's context) before they ended, so their rewards score cut-off text{own}; raise --max-new-tokens")
 
 
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
 def is_heldout(text: str, fraction: float) -> bool:
     """Whether `text` (a prompt, a question) falls in the held-out `fraction` of a stable hash partition."""
-    h = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
-    return (h % 10_000) < fraction * 10_000
+    return (_hash(text) % 10_000) < fraction * 10_000
+
+
+def heldout_keys(keys: Iterable[str], fraction: float) -> set[str]:
+    """The held-out keys (prompts, questions) of a data file's `keys`: those `is_heldout` puts there. When that
+    leaves one side empty (a small file: 20 problems at heldout 0.1 may all hash into train) and `fraction` of the
+    distinct keys, rounded, is at least one and leaves one for train, it is those keys nearest the held-out side of
+    the partition instead (the lowest hashes), so a small file has both splits. A file the partition already
+    splits is split exactly as `is_heldout` says."""
+    distinct = set(keys)
+    held = {k for k in distinct if is_heldout(k, fraction)}
+    n = int(fraction * len(distinct) + 0.5)
+    if 0 < len(held) < len(distinct) or not 0 < n < len(distinct):
+        return held
+    ranked = sorted((_hash(k) % 10_000, _hash(k), k) for k in distinct)  # the partition's order: held ones first
+    return {k for _, _, k in ranked[:n]}
 
 
 class Task(Protocol):

@@ -14,7 +14,8 @@ Problems
   `question` names the statement column (default `question`), `tests` the tests column (default
   `input_output` when the data has it, else `tests`), `solution` a column of reference programs for SFT
   (default `solutions` when present: APPS's JSON list, the first one is used). A `starter_code` column,
-  when present, is shown under the statement.
+  when present, is shown under the statement. `heldout` (default 0.1) is the held-out share, a hash partition of
+  the statements (`rlkit.tasks.base.heldout_keys`: a small file gets problems on both sides).
 
 Tests (the gold answer of an example is its tests, as text; `parse_tests` reads every form below)
 - APPS / TACO / DeepCoder `input_output`: JSON `{"inputs": [...], "outputs": [...]}` of stdin/stdout pairs
@@ -51,7 +52,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlkit.errors import RlkitError
-from rlkit.tasks.base import Example, Scores, check_split, is_heldout, shuffled_passes
+from rlkit.tasks.base import Example, Scores, check_split, heldout_keys, is_heldout, shuffled_passes
 
 if TYPE_CHECKING:
     from rlkit.sandbox import Sandbox
@@ -398,9 +399,10 @@ class Code:
     def _splits(self) -> dict[str, list[_Problem]]:
         rows = self._loaded[0]
         key = lambda p: " ".join(p.prompt.split())  # noqa: E731
-        train = [p for p in rows if not is_heldout(key(p), self.heldout_fraction)]
+        held_keys = heldout_keys(map(key, rows), self.heldout_fraction)
+        train = [p for p in rows if key(p) not in held_keys]
         seen: set[str] = set()
-        held = [p for p in rows if is_heldout(key(p), self.heldout_fraction) and not (key(p) in seen or seen.add(key(p)))]
+        held = [p for p in rows if key(p) in held_keys and not (key(p) in seen or seen.add(key(p)))]
         return {"train": train, "heldout": held}
 
     @cached_property

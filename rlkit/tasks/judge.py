@@ -131,13 +131,18 @@ def load_rubric(path: str | Path, kinds: Sequence[str] = RUBRIC_KINDS, flag: str
         kw["choices"] = tuple(choices)
     else:
         pattern = d.get("pattern")
-        try:
-            ok = isinstance(pattern, str) and re.compile(pattern).groups >= 1
-        except re.error:
-            ok = False
-        if not ok:
+        example = "e.g. \"Score: (\\\\d+)\""
+        if not isinstance(pattern, str) or not pattern:
             raise RlkitError(f"{where}: a score rubric needs 'pattern', a regular expression whose first group is "
-                             "the score, e.g. \"Score: (\\\\d+)\"")
+                             f"the score, {example}")
+        shown = f"`{pattern}`" if pattern.isprintable() else repr(pattern)  # the expression itself, unescaped
+        try:
+            groups = re.compile(pattern).groups
+        except re.error as e:
+            raise RlkitError(f"{where}: 'pattern' {shown} is not a regular expression ({e}); {example}") from None
+        if groups < 1:
+            raise RlkitError(f"{where}: 'pattern' {shown} has no group; its first group (in parentheses) is the "
+                             f"score, {example}")
         low, high = d.get("low", 0), d.get("high", 10)
         if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (low, high)) or low >= high:
             raise RlkitError(f"{where}: 'low' and 'high' must be numbers with low < high (got {low!r}, {high!r})")

@@ -151,8 +151,10 @@ def _config(name: str, opts: dict[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in opts.items():
         if k in ("seed", "size"):
-            raise RlkitError(f"{where}: {k} is set by rlkit (the stage's --seed; examples come in endless chunks); "
-                             "leave it out")
+            by = ("the stage's --seed" if k == "seed" else
+                  f"how many examples a stage draws: its --num-prompts, sft's --num-examples; the generator makes "
+                  f"them in chunks of {CHUNK}")
+            raise RlkitError(f"{where}: {k} is set by rlkit ({by}); leave it out")
         if k not in fields:
             known = ", ".join(f for f in fields if f not in ("seed", "size"))
             raise RlkitError(f"unknown option {k!r} for {NAME} dataset {name}; its config takes {known or 'nothing'}"

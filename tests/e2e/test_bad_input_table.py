@@ -54,6 +54,9 @@ USAGE = [pytest.param([s, "--no-such-flag"], "No such option: --no-such-flag", i
     pytest.param(["update", "--policy", "{pol}", "--out", "{out}", "--lr", "nan"], "'--lr'", id="update-nan-lr"),
     pytest.param(["train-rm", "--model", "{pol}", "--out", "{out}"], "Missing option '--prefs'", id="train-rm-missing"),
     pytest.param(["no-such-stage"], "No such command", id="unknown-stage"),
+    pytest.param(["prompts", "--task", "reasoning-gym:dataset=basic_arithmetic,size=5", "--out", "{out}"],
+                 "size is set by rlkit (how many examples a stage draws: its --num-prompts, sft's --num-examples; the "
+                 "generator makes them in chunks of 500); leave it out", id="reasoning-gym-size"),
 ]
 
 CORRUPT_TABLE = "badtab.arrow is not an"
@@ -444,6 +447,10 @@ TABLE_ROWS = [
                  id="update-token-id-too-large"),
     pytest.param([*UPDATE[:4], "{w}/t-negid.arrow", *UPDATE[5:]], "column 'prompt_ids', holds token id -1",
                  id="update-negative-token-id"),
+    # a teacher log-prob above 0, refused as a non-finite one is
+    pytest.param([*UPDATE[:4], "{w}/t-teacher.arrow", *UPDATE[5:], "--algo", "distill"], "t-teacher.arrow: row 1 "
+                 "(prompt_id 'train-0-0', sample 1) has 0.5 at completion token 2 in teacher_logprobs, above 0, which no "
+                 "log-probability is", id="update-teacher-logprob-above-0"),
     pytest.param(["score-ref", "--ref", "{ref}", "--in", "{w}/r-badid.arrow", "--out", "{out}"],
                  "row 2 (prompt_id 'train-0-1', sample 0), column 'completion_ids', holds token id 5000, outside "
                  "reference {ref}'s vocabulary", id="score-ref-token-id-too-large"),
@@ -485,15 +492,17 @@ def _rewrite(src: Path, dst: Path, edit) -> None:
     t, _ = streams.read_table(src, list(schemas.KINDS))
     cols = {n: t.column(n).to_pylist() for n in t.column_names}
     edit(cols)
+    added = [f for f in schemas.TOKEN_FIELDS if f.name in cols and f.name not in t.column_names]  # a column `edit` adds
     with streams.write_table(manifests.read_manifest(src)["kind"], dst, manifests.read_manifest(src),
-                               [f for f in t.schema if f.name.startswith("reward/")]) as w:
+                               [f for f in t.schema if f.name.startswith("reward/")] + added) as w:
         w.write(pa.record_batch([pa.array(cols[f.name], f.type) for f in w.schema], schema=w.schema))
 
 
 @pytest.fixture(scope="module")
 def tables(work) -> Path:
     """Into `work`: t-*.arrow (from scored.arrow) and r-*.arrow (from roll.arrow): long (a 100,000-token completion
-    in row 1), empty (every completion), badid (id 5000 in row 2's completion), negid (-1 in row 3's prompt);
+    in row 1), empty (every completion), badid (id 5000 in row 2's completion), negid (-1 in row 3's prompt),
+    teacher (teacher_logprobs, row 1's third above 0);
     ref2/ (the policy frozen as it is, fp32: other weights than ref/'s bf16) and scored2.arrow (roll.arrow scored
     by it), refcopy/ (a copy of ref/); roll.arrow again as roll-sym.arrow, roll-hard.arrow, roll-copy.arrow and
     roll-cat.arrow (`cat` of it: the same rows, another manifest); plain-dir/."""
@@ -518,7 +527,11 @@ def tables(work) -> Path:
         def negid(c):
             c["prompt_ids"][3][1] = -1
 
-        for name, edit in (("long", long), ("empty", empty), ("badid", badid), ("negid", negid)):
+        def teacher(c):  # teacher log-probs: the sampler's own, one of row 1's above 0
+            c["teacher_logprobs"] = [list(x) for x in c["old_logprobs"]]
+            c["teacher_logprobs"][1][2] = 0.5
+
+        for name, edit in (("long", long), ("empty", empty), ("badid", badid), ("negid", negid), ("teacher", teacher)):
             _rewrite(w / f"{src}.arrow", w / f"{pre}-{name}.arrow", edit)
     freeze_ref.run(freeze_ref.FreezeRefConfig(policy=w / "pol", out=w / "ref2", link=True))
     score_ref.run(score_ref.ScoreRefConfig(ref=w / "ref2", inp=str(w / "roll.arrow"), out=w / "scored2.arrow"))
@@ -713,8 +726,9 @@ def test_micro_batch_rows(sprefs, argv, expect, capfd):
     _check(sprefs, argv, capfd, expect)
 
 
-# Damaged data files through every stage and task that reads one (rlkit.io.data): (the file, its bytes, the command
-# line with {f} for it, what the one error line says). The same reader serves --prompts, --data, --from and `data=`.
+# Damaged data files through every stage and task that reads one (rlkit.io.data), and a damaged rubric: (the file,
+# its bytes, the command line with {f} for it, what the one error line says). The same reader serves --prompts,
+# --data, --from and `data=`.
 _JUNK = bytes(range(256)) * 8
 DATA_FILES = [
     pytest.param("empty.jsonl", b"", ["eval", "--policy", "{pol}", "--task", "code:data={f}"],
@@ -742,6 +756,25 @@ DATA_FILES = [
     pytest.param("list.jsonl", b'{"prompt": "a", "chosen": "b", "rejected": "c"}\n[]\n',
                  ["build-prefs", "--from", "{f}", "--out", "{out}"], "list.jsonl: line 2 is a JSON list",
                  id="build-prefs-not-an-object"),
+    # a string that is not UTF-8 in a later line of a file that is otherwise text (pyarrow reads its bytes as they are)
+    pytest.param("str.jsonl", b'{"prompt": "<1+1>="}\n{"prompt": "<2+\xff\xfe>="}\n',
+                 ["rollout", "--policy", "{pol}", "--prompts", "{f}", "--out", "{out}"],
+                 "str.jsonl: line 2 is not UTF-8 text", id="rollout-prompts-string-not-utf8"),
+    pytest.param("str.jsonl", b'{"prompt": "<1+1>=", "completion": "2"}\n{"prompt": "<2+2>=", "completion": "\xff4"}\n',
+                 ["sft", "--data", "{f}", "--out", "{out}"], "str.jsonl: line 2 is not UTF-8 text",
+                 id="sft-data-string-not-utf8"),
+    pytest.param("str.jsonl", b'{"question": "a", "tests": "[]"}\n{"question": "b", "tests": "[]"}\n'
+                              b'{"question": "<\xff\xfe>", "tests": "[]"}\n',
+                 ["eval", "--policy", "{pol}", "--task", "code:data={f}"], "str.jsonl: line 3 is not UTF-8 text",
+                 id="eval-code-string-not-utf8"),
+    pytest.param("str.csv", b"prompt,answer\n<1+1>=,2\n<2+\xff\xfe>=,4\n",
+                 ["rollout", "--policy", "{pol}", "--prompts", "{f}", "--out", "{out}"],
+                 "str.csv: line 3 is not UTF-8 text", id="rollout-csv-field-not-utf8"),
+    # a judge's rubric file (rlkit.tasks.judge.load_rubric) whose score pattern does not compile
+    pytest.param("score.toml", b'kind = "score"\ntemplate = "{prompt}{response}"\npattern = "Score: (\\\\d+"\n',
+                 ["score-ref", "--judge", "j={ref}:rubric={f}", "--in", "{w}/roll.arrow", "--out", "{out}"],
+                 "score.toml: 'pattern' `Score: (\\d+` is not a regular expression (missing ), unterminated subpattern "
+                 "at position 7)", id="score-ref-rubric-pattern-does-not-compile"),
 ]
 
 

@@ -75,6 +75,45 @@ def test_the_shipped_sample_reads_as_apps_layout_prompts_with_solutions():
     assert t.completion(call).startswith("```python\ndef gcd(a, b):\n") and t.completion(call).endswith("\n```")
 
 
+def test_a_small_file_has_problems_on_both_sides_and_a_larger_one_the_hash_partition(tmp_path):
+    """The shipped 20 problems all hash into train at heldout=0.1: the held-out split is then the 2 (10%, rounded)
+    nearest the held-out side of the partition, the ones heldout=0.3 holds out first; a file the partition already
+    splits is split as `is_heldout` says, and one whose share rounds to no problem keeps them all in train."""
+    from rlkit.tasks import is_heldout
+
+    t = get_task("code:data=sample")
+    train = [e.prompt for e in t.examples("train", 100, 0, unique=True)]
+    held = [e.prompt for e in t.examples("heldout", 100, 0)]
+    assert len(held) == 2 and len(train) == 18 and not set(held) & set(train)
+    assert set(held) < {e.prompt for e in get_task("code:data=sample,heldout=0.3").examples("heldout", 100, 0)}
+    assert not any(is_heldout(" ".join(p.split()), 0.1) for p in train + held)  # what left the split empty
+    f = tmp_path / "many.jsonl"
+    f.write_text("".join(json.dumps({"question": f"Print {i}.", "tests": f'[{{"input": "", "output": "{i}"}}]'}) + "\n"
+                         for i in range(200)))
+    big = get_task(f"code:data={f}")
+    held = [e.prompt for e in big.examples("heldout", 1000, 0)]
+    want = [e.prompt for e in big.examples("train", 1000, 0, unique=True) + big.examples("heldout", 1000, 0)
+            if is_heldout(" ".join(e.prompt.split()), 0.1)]
+    assert 0 < len(held) < 200 and sorted(held) == sorted(want)
+    two = tmp_path / "two.jsonl"
+    two.write_text("".join(json.dumps({"question": q, "tests": '[{"input": "", "output": "1"}]'}) + "\n"
+                           for q in ("Print 1.", "Print one.")))
+    assert len(get_task(f"code:data={two}").examples("train", 10, 0, unique=True)) == 2
+    with pytest.raises(RlkitError, match=r"the heldout split is empty \(2 problems\)"):
+        get_task(f"code:data={two}").examples("heldout", 10, 0)
+
+
+def test_eval_on_the_shipped_sample_as_the_docs_show_it(sft_dir):
+    """`rlkit eval --task code:data=sample`: the held-out problems, each scored in the sandbox."""
+    from tests.conftest import run_cli_inproc
+
+    r = run_cli_inproc("eval", "--policy", str(sft_dir), "--task", "code:data=sample", "--max-new-tokens", "8",
+                       "--sandbox", "bwrap" if shutil.which("bwrap") else "none", "--json")
+    assert r.returncode == 0, r.stderr.decode()[-800:]
+    ev = json.loads(r.stdout)
+    assert ev["n"] == 2 and sum(ev["verdicts"].values()) == 2, ev
+
+
 def test_a_data_file_in_mbpp_layout_with_a_list_column(tmp_path):
     f = tmp_path / "mbpp.jsonl"
     rows = [{"text": "Add one.", "test_list": ["assert add_one(1) == 2"], "code": "def add_one(x):\n    return x + 1"},

@@ -105,6 +105,10 @@ DAMAGED = [
     ("binary.json", _BINARY, "line 2 is not UTF-8 text"),
     ("number.json", b"42\n", "it is one JSON number; expected JSON objects"),
     ("binary.csv", _BINARY, "line 2 is not UTF-8 text"),
+    # text but for one string's bytes on a later line: pyarrow reads them as they are (JSON lines) or as binary (CSV)
+    ("string.jsonl", b'{"prompt": "a"}\n{"prompt": "<2+\xff\xfe>="}\n', "line 2 is not UTF-8 text"),
+    ("string.csv", b"prompt,answer\na,1\n<2+\xff\xfe>=,4\n", "line 3 is not UTF-8 text"),
+    ("answer.csv", b"prompt,answer\na,1\nb,\xff\n", "line 3 is not UTF-8 text"),
     ("ragged.csv", b"prompt,answer\na,1\nb,2,3\n", "line 3 has 3 field(s), the header 2"),
     ("header.csv", b"prompt,answer\n", "the table has no rows"),
     ("binary.parquet", _BINARY, "is not a Parquet file"),

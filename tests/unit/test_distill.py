@@ -74,6 +74,8 @@ def test_per_token_columns_reach_the_batch():
     ("teacher_logprobs", [[-0.5], [-1.0]], "has 1 teacher_logprobs entries but 2 completion tokens"),
     ("token_rewards", [[0.5], None], "has none token_rewards entries"),
     ("teacher_logprobs", [[float("nan")], [-1.0, -2.0]], "non-finite value in teacher_logprobs"),
+    ("teacher_logprobs", [[-0.5], [-1.0, 0.25]], r"row 1 \(prompt_id 'a', sample 1\) has 0.25 at completion token 1 in "
+                                                 "teacher_logprobs, above 0, which no log-probability is"),
 ])
 def test_a_bad_per_token_column_is_one_line_naming_the_row(column, value, says):
     with pytest.raises(RlkitError, match=says):

@@ -103,7 +103,9 @@ def test_a_generator_without_a_gold_answer_samples_but_has_no_sft_target():
     ("reasoning-gym", "which generator\\? expected dataset=NAME"),
     ("reasoning-gym:dataset=basic_arithmetc", "unknown dataset 'basic_arithmetc' \\(did you mean basic_arithmetic"),
     ("reasoning-gym:dataset=basic_arithmetic,digits=2", "unknown option 'digits' .* its config takes min_terms"),
-    ("reasoning-gym:dataset=basic_arithmetic,seed=1", "seed is set by rlkit"),
+    ("reasoning-gym:dataset=basic_arithmetic,seed=1", "seed is set by rlkit \\(the stage's --seed\\)"),
+    ("reasoning-gym:dataset=basic_arithmetic,size=5", "size is set by rlkit \\(how many examples a stage draws: its "
+                                                      "--num-prompts, sft's --num-examples"),
     ("reasoning-gym:dataset=basic_arithmetic,min_terms=two", "min_terms='two': expected an int"),
     ("reasoning-gym:dataset=basic_arithmetic,format_style=fancy", "expected one of simple, natural"),
     ("reasoning-gym:dataset=basic_arithmetic,min_terms=5,max_terms=2", "the generator refused its config: "),

@@ -41,7 +41,11 @@ def test_rubrics_load_render_and_hash(tmp_path):
     ("kind = 'maybe'\ntemplate = 'x'\n", "kind 'maybe' is not one of yes-no, pairwise, score"),
     ("kind = 'yes-no'\ntemplate = '{prompt}{response}'\nchoices = ['Y', 'Y']\n", "two distinct non-empty strings"),
     ("kind = 'yes-no'\ntemplate = '{prompt}{response}'\nchoices = ['Y']\n", "two distinct non-empty strings"),
-    ("kind = 'score'\ntemplate = '{prompt}{response}'\npattern = 'Score'\n", "whose first group is the score"),
+    ("kind = 'score'\ntemplate = '{prompt}{response}'\npattern = 'Score'\n", "'pattern' `Score` has no group; its first "
+                                                                             "group (in parentheses) is the score"),
+    ("kind = 'score'\ntemplate = '{prompt}{response}'\npattern = '(\\d+'\n", "'pattern' `(\\d+` is not a regular "
+                                                                            "expression (missing ), unterminated "
+                                                                            "subpattern at position 0)"),
     ("kind = 'score'\ntemplate = '{prompt}{response}'\npattern = '(\\d)'\nlow = 5\nhigh = 1\n", "low < high"),
     ("kind = 'yes-no'\ntemplate = '{prompt}{response}'\nchoices = ['Y', 'N']\ncolour = 1\n", "unknown key 'colour'"),
     ("kind = 'yes-no\n", "not a valid TOML rubric"),
