@@ -137,7 +137,7 @@ for i in range(1, rounds + 1):
           f"{fig['mean_turns']:>12.2f}{fig['trajectories']:>7}{wall:>8}")
 for who, policy in (("sft", "sft"), ("final", f"round-{rounds}")):
     ev = json.load(open(f"{runs}/eval-{who}.json"))
-    print(f"{'held-out (greedy)':26}{policy:>10}{ev['accuracy']:>10.1%}{ev.get('mean_turns', float('nan')):>12.2f}"
+    print(f"{'held-out (greedy)':26}{policy:>10}{ev['mean_reward']:>10.1%}{ev.get('mean_turns', float('nan')):>12.2f}"
           f"{ev['n']:>7}{float(times['eval-' + who]):>8.1f}")
 print(f"success: games won (textarena's max_turns={turns}: {turns + 1} guesses); mean turns: per game, won or lost")
 PY

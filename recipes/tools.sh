@@ -99,7 +99,7 @@ before = json.load(open(f"{runs}/eval-sft.json"))
 after = json.load(open(f"{runs}/eval-round-{n_rounds}.json"))
 print(f"\n{'':24}{'held-out accuracy':>18}{'tool calls/answer':>19}")
 for label, r in (("SFT checkpoint", before), (f"after RL ({n_rounds} rounds)", after)):
-    print(f"{label:24}{r['accuracy']:>18.1%}{r['mean_tool_calls']:>19.2f}")
-print(f"gain: {100 * (after['accuracy'] - before['accuracy']):+.1f} points; RL phase wall time {rl_secs:.1f}s "
+    print(f"{label:24}{r['mean_reward']:>18.1%}{r['mean_tool_calls']:>19.2f}")  # calc's reward: 1 right, 0 wrong
+print(f"gain: {100 * (after['mean_reward'] - before['mean_reward']):+.1f} points; RL phase wall time {rl_secs:.1f}s "
       "(held-out evals not counted)\n")
 PY

@@ -94,6 +94,7 @@ SandboxWorkers = Annotated[
     int | None,
     typer.Option("--sandbox-workers", min=1, rich_help_panel="Data", help="Sandboxed programs (or reward-function workers) run at the same time; default: the CPU count. Results keep row order."),
 ]
+JudgeRubric = Annotated[Path | None, typer.Option("--rubric", rich_help_panel="Model", help="The rubric of each --judge that names none with rubric=FILE (default DIR/rubric.toml): a TOML file with kind, template and choices or pattern. See docs/tasks-rewards.md#naming-a-judge.")]
 Seed = Annotated[int, typer.Option("--seed", rich_help_panel="Optimization", help="Random seed; same seed and inputs give the same result.")]
 Force = Annotated[bool, typer.Option("--force", rich_help_panel="Output & tracking", help="Rerun even when --out is up to date with these inputs and settings.")]
 TrustRemoteCode = Annotated[

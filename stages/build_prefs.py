@@ -9,12 +9,12 @@ them (`rlkit/tasks/prefs.py`). `--bias length` builds the deliberately flawed se
 always wins, for the reward-hacking experiment. A stable --eval-fraction of prompts is marked
 `split = heldout` for the reward model's pair accuracy.
 
-With `--judge DIR --rubric FILE` (RLAIF) the labels are an LLM judge's instead (`rlkit.tasks.judge`): each prompt's
-distinct samples are paired in turn and the judge, asked which of the two better meets a pairwise rubric in both
-orders, labels a pair when the two orders agree; a pair on which they disagree (position bias, or no preference)
-is a tie, left out and counted. The manifest's `judge` entry records the judge's fingerprint, the rubric's
-sha256, the pairs judged, tied and kept, and how often the judge agrees with the task's verifier where the
-verifier tells the two responses apart.
+With `--judge DIR --rubric FILE` (RLAIF; or `--judge DIR:rubric=FILE`, a judge named as score-ref names one) the
+labels are an LLM judge's instead (`rlkit.tasks.judge`): each prompt's distinct samples are paired in turn and the
+judge, asked which of the two better meets a pairwise rubric in both orders, labels a pair when the two orders
+agree; a pair on which they disagree (position bias, or no preference) is a tie, left out and counted. The
+manifest's `judge` entry records the judge's fingerprint, the rubric's sha256, the pairs judged, tied and kept, and
+how often the judge agrees with the task's verifier where the verifier tells the two responses apart.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from rlkit.options import (
     EngineName,
     Force,
     GpuMemoryUtilization,
+    JudgeRubric,
     MaxModelLen,
     NoPlan,
     NoVerify,
@@ -68,8 +69,9 @@ class BuildPrefsConfig:
     eval_fraction: float = option(0.1, panel="Data", help="Fraction of prompts marked split=heldout (stable per prompt).")
     # None | "length"
     bias: str | None = option(None, panel="Data", help="'length': the deliberately flawed set where the longer answer always wins.")
-    judge: Path | None = option(None, "--judge", panel="Model", help="LLM judge checkpoint (RLAIF): pair two of each prompt's distinct sampled responses and label them by the judge's preference under --rubric, asked in both orders (a pair on which the orders disagree is a tie: left out and counted); the verifier labels nothing, its agreement with the judge is recorded.")
-    rubric: Path | None = option(None, "--rubric", panel="Model", help="--judge's pairwise rubric: a TOML file with kind = \"pairwise\", template and choices (docs/tasks-rewards.md).")
+    # [NAME=]DIR[:rubric=FILE], as score-ref's --judge (rlkit.tasks.judge.parse_judges)
+    judge: str | None = option(None, "--judge", panel="Model", help="LLM judge (RLAIF) [NAME=]DIR[:rubric=FILE] (the rubric defaults to --rubric, else DIR/rubric.toml, and must be a pairwise one; docs/tasks-rewards.md#naming-a-judge): pair two of each prompt's distinct sampled responses and label them by the judge's preference, asked in both orders (a pair on which the orders disagree is a tie: left out and counted); the verifier labels nothing, its agreement with the judge is recorded.")
+    rubric: Path | None = option(None, JudgeRubric)
     source: str | None = option(None, "--from", panel="Data", help="Import a preference set instead (.arrow/.parquet/.jsonl or datasets spec).")
     prompt_column: str = option("prompt", PromptColumn)
     chosen_column: str = option("chosen", panel="Data", help="Column of --from holding the preferred response.")
@@ -89,10 +91,12 @@ def run(cfg: BuildPrefsConfig) -> Path | None:
     """Claims --out (see `claims.claim_out`: never over an input, one writer) and runs the stage."""
     from rlkit import devices
     from rlkit.io import checkpoints, claims
+    from rlkit.tasks.judge import parse_judges
 
     devices.parse(cfg.device)
+    judges = parse_judges([cfg.judge] if cfg.judge is not None else [], cfg.rubric)  # a malformed spec: one line
     with claims.claim_out(cfg.out, "table", {"--policy": cfg.policy, "--from": cfg.source, "--task": cfg.task,
-                                             "--judge": cfg.judge, "--rubric": cfg.rubric}), \
+                                             "--judge": [p for j in judges for p in (j.path, j.rubric)]}), \
             checkpoints.verifying(cfg.verify):
         return _run(cfg)
 
@@ -148,24 +152,20 @@ def _run(cfg: BuildPrefsConfig) -> Path | None:
 
 
 def _judge(cfg: BuildPrefsConfig):
-    """--judge and --rubric, checked before any sampling: a pairwise rubric, the judge hash-checked (always) and
+    """--judge (and --rubric), checked before any sampling: a pairwise rubric, the judge hash-checked (always) and
     not the policy itself, its choices single tokens of its tokenizer."""
     from rlkit.errors import RlkitError
+    from rlkit.tasks.judge import parse_judges, refuse_self_judging
 
-    if cfg.judge is None:
-        if cfg.rubric is not None:
-            raise RlkitError("--rubric is --judge's: pass --judge DIR too")
+    specs = parse_judges([cfg.judge] if cfg.judge is not None else [], cfg.rubric)
+    if not specs:
         return None
     if cfg.source is not None or cfg.bias or cfg.policy is None:
         raise RlkitError("--judge labels pairs of the policy's own samples: pass --policy DIR, without --from or --bias")
-    if cfg.rubric is None:
-        raise RlkitError("--judge needs --rubric FILE, a pairwise rubric (kind = \"pairwise\", template, choices)")
     from rlkit import devices
     from rlkit.io import fingerprints
-    from rlkit.tasks.judge import Judge, load_rubric, refuse_self_judging
 
-    j = Judge(cfg.judge, load_rubric(cfg.rubric, ("pairwise",)), devices.resolve(cfg.device),
-              trust_remote_code=cfg.trust_remote_code)
+    j = specs[0].load(("pairwise",), devices.resolve(cfg.device), trust_remote_code=cfg.trust_remote_code)
     refuse_self_judging(j, {fingerprints.fingerprint(cfg.policy)}, f"--policy {cfg.policy}")
     return j
 
@@ -314,4 +314,5 @@ def _imported(cfg: BuildPrefsConfig):
 
 
 command = stage_options.command(
-    BuildPrefsConfig, "Build preference pairs (chosen/rejected) from verified samples, or import a preference set.")
+    BuildPrefsConfig, "Build preference pairs (chosen/rejected) from verified samples or an LLM judge's labels "
+    "(--judge), or import a preference set.")

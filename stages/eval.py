@@ -4,8 +4,8 @@ Reads a policy and either a task's held-out split or a prompts file (scored by t
 against its answer column), and samples one greedy response each through the sampling driver (`rlkit.sampling`)
 on `--engine` (hf, vllm, or auto: vLLM when it imports and a GPU is present) with rollout's engine options.
 With `--env SPEC` each prompt is one greedy multi-turn trajectory against the environment (its own held-out
-prompts when it brings them): accuracy is the mean trajectory reward (reward/env), beside the mean turns, tool
-calls and how the trajectories ended. Prints accuracy, mean response length and sample responses as a table, or
+prompts when it brings them): `mean_reward` (in place of `accuracy`) is the mean trajectory reward (reward/env),
+beside the mean turns, tool calls and how the trajectories ended. Prints accuracy, mean response length and sample responses as a table, or
 JSON with --json (each sample with the prompt token ids the model saw: chat template and special tokens); --metrics appends the figures as one JSON line to the file `update --metrics` writes
 (held-out accuracy beside reward, KL and length, per round), --report-to sends them to experiment trackers.
 Responses are up to the task's generation length unless --max-new-tokens says otherwise; one cut there is
@@ -199,7 +199,7 @@ def _run(cfg: EvalConfig) -> dict:
     else:
         from rich.table import Table
 
-        acc = result["accuracy"]
+        acc = result["mean_reward" if env is not None else "accuracy"]
         summary = Table(title=f"eval {cfg.policy} (step {result['step']})", show_header=False)
         if env is not None:
             summary.add_row("mean trajectory reward (reward/env)",
@@ -254,4 +254,5 @@ def _sampling(cfg: EvalConfig):
                     env_timeout=cfg.env_timeout, env_errors=cfg.env_errors)
 
 
-command = stage_options.command(EvalConfig, "Greedy held-out accuracy, response length and sample responses of a policy.")
+command = stage_options.command(EvalConfig, "Greedy held-out accuracy (with --env: mean trajectory reward), response "
+                                            "length and sample responses of a policy.")

@@ -3,9 +3,9 @@
 Reads the JSON-lines files that `update --metrics` and `eval --metrics` append to (one row per
 update or evaluation, keyed by the policy step) and draws one panel per figure against the step:
 reward (every component), held-out accuracy, KL to the reference, mean response length, entropy,
-clip fraction and weight drift; for multi-turn runs (`rollout --env`, `eval --env`), the turns and tool
-calls per trajectory (training rollouts and held-out) and the environment's share of completion tokens,
-where the rows hold them. Several files are overlaid, one colour per run, for sweeps (name
+clip fraction and weight drift; for multi-turn runs (`rollout --env`, `eval --env`), the held-out mean
+trajectory reward, the turns and tool calls per trajectory (training rollouts and held-out) and the
+environment's share of completion tokens, where the rows hold them. Several files are overlaid, one colour per run, for sweeps (name
 them `NAME=FILE`). A panel whose figure no file holds is left out; the rest still render. Writes a
 PNG/SVG/PDF, or an HTML page with the picture and the table embedded; matplotlib draws headless.
 A rerun that appended rows for steps already in the file replaces them: the last row per
@@ -37,6 +37,8 @@ class Panel:
 PANELS = (
     Panel("reward (each component)", "update", ("reward_mean", "reward/*"), "mean reward"),
     Panel("held-out accuracy", "eval", ("accuracy",), "greedy accuracy"),
+    # eval --env: the mean trajectory reward, whatever the environment's reward is (a 0/1 verdict or not)
+    Panel("held-out mean reward (environment)", "eval", ("mean_reward",), "mean trajectory reward (greedy)"),
     Panel("KL to the reference", "update", ("kl_per_seq",), "nats per sequence"),
     Panel("mean response length", "update", ("mean_response_tokens",), "tokens (sampled)"),
     Panel("entropy", "update", ("entropy",), "nats per token"),
@@ -194,6 +196,7 @@ def summary(runs: list[Run]) -> list[dict]:
             "reward": first_last(r, "update", "reward_mean"),
             "accuracy": first_last(r, "eval", "accuracy"),
             "best_accuracy": max(r.series("eval", "accuracy")[1], default=None),
+            "mean_reward": first_last(r, "eval", "mean_reward"),
             "kl_per_seq": first_last(r, "update", "kl_per_seq"),
             "length": first_last(r, "update", "mean_response_tokens"),
             "drift": first_last(r, "update", "drift"),
@@ -214,7 +217,8 @@ def _fmt(v, pct: bool = False) -> str:
 SUMMARY_COLUMNS = (("run", "run", False), ("steps", "steps", False), ("reward", "reward", False),
                    ("held-out accuracy", "accuracy", True), ("best accuracy", "best_accuracy", True),
                    ("KL / seq", "kl_per_seq", False), ("tokens", "length", False), ("drift", "drift", False))
-MULTI_TURN_COLUMNS = (("turns", "turns", False), ("tool calls", "tool_calls", False))
+MULTI_TURN_COLUMNS = (("held-out mean reward", "mean_reward", False), ("turns", "turns", False),
+                      ("tool calls", "tool_calls", False))
 
 
 def summary_columns(rows: list[dict]) -> tuple[tuple[str, str, bool], ...]:
@@ -327,4 +331,4 @@ def _run(cfg: ReportConfig) -> Path:
 
 command = stage_options.command(
     ReportConfig, "Plot reward, held-out accuracy, KL, length, entropy, clip fraction and drift per step (multi-turn: "
-    "turns and tool calls); runs overlaid.")
+    "held-out mean reward, turns and tool calls); runs overlaid.")

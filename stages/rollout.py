@@ -701,4 +701,5 @@ def _sampling(cfg: RolloutConfig):
 
 
 command = stage_options.command(
-    RolloutConfig, "Sample n completions per prompt with log-probs and verifier rewards; streams a rollouts table.")
+    RolloutConfig, "Sample n completions per prompt, or n multi-turn trajectories against an environment (--env), with "
+    "log-probs and rewards (the task's verifier, the environment's, --reward-fn); streams a rollouts table.")

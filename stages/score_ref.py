@@ -19,9 +19,10 @@ batch by batch; their signatures are checked before the models load. `--teacher 
 adds `teacher_logprobs`, a teacher's log-prob of every completion token, by the same forward-only scorer as the
 reference (packed, micro-batched, at the rollout's temperature, bf16 on a GPU with --dtype auto); the teacher
 must have the policy's tokenizer exactly (same vocabulary and special tokens: the log-probs of the same token ids
-are compared), else one line. `--judge NAME=DIR[:rubric=FILE]` adds an LLM judge's verdict on each (prompt,
-response) under a yes-no or score rubric as `reward/NAME` and `verdict/NAME` (`rlkit.tasks.judge`: hash-checked,
-never the policy itself). With none of --ref, --rm, --reward-fn, --teacher and --judge, the reference is the one the sampling policy was trained against: `update` records it in
+are compared), else one line; the policy that sampled the rows is refused as its own teacher as it is as its own
+judge (the same weights' fingerprint, `Models.refuse_the_policy`). `--judge [NAME=]DIR[:rubric=FILE]` (or with
+`--rubric FILE`) adds an LLM judge's verdict on each (prompt, response) under a yes-no or score rubric as
+`reward/NAME` and `verdict/NAME` (`rlkit.tasks.judge`: hash-checked, never the policy itself). With none of --ref, --rm, --reward-fn, --teacher and --judge, the reference is the one the sampling policy was trained against: `update` records it in
 every checkpoint it writes (`reference` in `rlkit.json`, path and fingerprint), so the card's
 `rlkit rollout --policy ckpt/ --n 8 | rlkit score-ref` works from the first RL round on. With --rm or
 --reward-fn, --teacher or --judge alone the output stays a 'rollouts' table (enough for `update --beta 0`).
@@ -38,6 +39,7 @@ from rlkit.options import (
     Device,
     Force,
     InTable,
+    JudgeRubric,
     NoPlan,
     NoVerify,
     OutTable,
@@ -59,9 +61,10 @@ class ScoreRefConfig:
     ref: Path | None = option(None, "--ref", panel="Model", help="Frozen reference directory (made by `rlkit freeze-ref`). Without --ref, --rm and --reward-fn: the reference the sampling policy was trained against (recorded by `update` in its checkpoint).")
     # NAME=DIR reward models, each adds a `reward/rm:NAME` column
     rm: tuple[str, ...] = option((), "--rm", panel="Model", help="Reward model NAME=DIR (repeatable; or DIR, named after it): adds reward/rm:NAME.")
-    # NAME=DIR[:rubric=FILE] LLM judges, each adds `reward/NAME` and `verdict/NAME`
-    judge: tuple[str, ...] = option((), "--judge", panel="Model", help="LLM judge NAME=DIR[:rubric=FILE][,engine=hf|vllm] (repeatable; rubric default DIR/rubric.toml): adds reward/NAME, the judge's verdict on each (prompt, response) under a yes-no rubric (P(yes), one forward pass) or a score rubric (its greedy answer parsed; generated on the engine named, hf by default), and verdict/NAME. The judge is hash-checked; the policy itself is refused.")
-    teacher: Path | None = option(None, "--teacher", panel="Model", help="Teacher checkpoint for on-policy distillation (any causal LM directory with the policy's tokenizer, e.g. a stronger RL checkpoint): adds teacher_logprobs, its log-prob of every completion token, which `update --algo distill` (or --teacher-coef) trains on.")
+    # [NAME=]DIR[:rubric=FILE] LLM judges (rlkit.tasks.judge.parse_judges), each adds `reward/NAME` and `verdict/NAME`
+    judge: tuple[str, ...] = option((), "--judge", panel="Model", help="LLM judge [NAME=]DIR[:rubric=FILE][,engine=hf|vllm] (repeatable; NAME defaults to DIR's folder name, the rubric to --rubric, else DIR/rubric.toml; docs/tasks-rewards.md#naming-a-judge): adds reward/NAME, the judge's verdict on each (prompt, response) under a yes-no rubric (P(yes), one forward pass) or a score rubric (its greedy answer parsed; generated on the engine named, hf by default), and verdict/NAME. The judge is hash-checked; the policy itself is refused.")
+    rubric: Path | None = option(None, JudgeRubric)
+    teacher: Path | None = option(None, "--teacher", panel="Model", help="Teacher checkpoint for on-policy distillation (any causal LM directory with the policy's tokenizer, e.g. a stronger RL checkpoint; the policy that sampled the rows is refused): adds teacher_logprobs, its log-prob of every completion token, which `update --algo distill` (or --teacher-coef) trains on.")
     reward_fn: tuple[str, ...] = option((), RewardFn)  # NAME=FILE.py:FUNC user reward functions, each adds `reward/NAME`
     reward_timeout: float = option(60.0, RewardTimeout)  # seconds one --reward-fn call may run (0: no limit)
     sandbox: str | None = option(None, SandboxKind)  # bwrap: --reward-fn functions run in sandboxed workers
@@ -187,12 +190,11 @@ def recorded_reference(upstream: Manifest) -> tuple[Path, Path]:
 def _judges(cfg: ScoreRefConfig, rms: dict, fns, dev) -> dict:
     """--judge's judges, checked before any model loads: each rubric (a yes-no or score one), the judge's weights
     (hash-checked, as a reference is) and its rubric's choices against its tokenizer."""
-    from rlkit.tasks.judge import Judge, load_rubric
+    from rlkit.tasks.judge import parse_judges
 
-    specs = parse_judges(cfg.judge, {*rms, *(f.name for f in fns)})
+    specs = parse_judges(cfg.judge, cfg.rubric, [*rms, *(f.name for f in fns)])
     dtype = "fp32" if cfg.dtype in ("stored", "auto") else cfg.dtype  # a judge checkpoint is stored fp32
-    return {name: Judge(d, load_rubric(r, ("yes-no", "score"), f"--judge {name}: rubric"), dev, dtype,
-                        cfg.trust_remote_code, f"judge {name}", engine) for name, (d, r, engine) in specs.items()}
+    return {s.name: s.load(("yes-no", "score"), dev, dtype, cfg.trust_remote_code) for s in specs}
 
 
 def score_dtype(device, dtype: str = "auto", bf16: bool | None = None) -> str:
@@ -219,6 +221,7 @@ class Models:
         self.cfg, self.dev, self.rms = cfg, dev, rms
         self.model = self.limits = None  # the reference and what its rows must fit (`Limits`)
         self.teacher = self.teacher_limits = None  # --teacher's model and what its rows must fit
+        self.teacher_fingerprint = None  # --teacher's weights' fingerprint (set with the teacher's checks)
         self.scorers: dict = {}  # component name -> (reward model, its tokenizer)
         self.judges: dict = {}  # component name -> rlkit.tasks.judge.Judge (checked at start-up, loaded here)
         self.loaded = False
@@ -254,6 +257,20 @@ class Models:
         self.loaded = True
         return self
 
+    def refuse_the_policy(self, policies: set) -> None:
+        """A judge or the teacher that is a policy that sampled the rows (`policies`, fingerprints): one line. A
+        policy as its own judge rewards its own mistakes; as its own teacher it has nothing to learn (teacher_kl 0)."""
+        from rlkit.io.fingerprints import refuse_policy_itself
+        from rlkit.tasks.judge import refuse_self_judging
+
+        whose = "the policy that sampled these rollouts"
+        for j in self.judges.values():
+            refuse_self_judging(j, policies, whose)
+        if self.teacher_fingerprint is not None:
+            refuse_policy_itself(f"teacher {self.cfg.teacher}", self.teacher_fingerprint, policies, whose,
+                                 "distilling a policy from itself trains nothing (teacher_kl 0); use a different "
+                                 "teacher checkpoint")
+
 
 def parse_rms(specs: tuple[str, ...]) -> dict[str, Path]:
     """`--rm NAME=DIR` (or `--rm DIR`, named after the folder) -> {component name: dir}."""
@@ -272,42 +289,17 @@ def parse_rms(specs: tuple[str, ...]) -> dict[str, Path]:
     return out
 
 
-def parse_judges(specs: tuple[str, ...], taken) -> dict[str, tuple[Path, Path, str]]:
-    """`--judge NAME=DIR[:rubric=FILE][,engine=hf|vllm]` -> {component name: (judge dir, rubric file, engine)}; the
-    rubric defaults to DIR/rubric.toml, the engine (a score rubric's generation) to hf."""
-    from rlkit.errors import RlkitError
-
-    out: dict[str, tuple[Path, Path, str]] = {}
-    for spec in specs:
-        name, eq, rest = spec.partition("=")
-        d, _, opts = rest.partition(":")
-        name = name.strip()
-        if not eq or not name or not d:
-            raise RlkitError(f"--judge {spec!r}: expected NAME=DIR or NAME=DIR:rubric=FILE")
-        rubric, engine = Path(d) / "rubric.toml", "hf"
-        for opt in filter(None, opts.split(",")):
-            k, eq, v = opt.partition("=")
-            if k.strip() not in ("rubric", "engine") or not eq or not v:
-                raise RlkitError(f"--judge {spec!r}: unknown option {opt!r}; expected rubric=FILE or engine=hf|vllm")
-            if k.strip() == "rubric":
-                rubric = Path(v)
-            else:
-                engine = v.strip()
-        if name in out or name in taken or name in ("verifier", "env"):
-            raise RlkitError(f"--judge names {name!r}, which another reward component has; give each its own NAME")
-        out[name] = (Path(d), rubric, engine)
-    return out
-
-
 def run(cfg: ScoreRefConfig) -> Path | None:
     """Claims --out (see `claims.claim_out`: never over an input, one writer) and runs the stage."""
     from rlkit import devices
     from rlkit.io import checkpoints, claims
+    from rlkit.tasks.judge import parse_judges
 
     devices.parse(cfg.device)
+    judges = parse_judges(cfg.judge, cfg.rubric)  # a malformed spec: one line before anything is claimed
     inputs = {"--ref": cfg.ref, "--rm": [r.partition("=")[2] or r for r in cfg.rm], "--in": cfg.inp,
               "--reward-fn": cfg.reward_fn, "--teacher": cfg.teacher,
-              "--judge": [j.partition("=")[2].partition(":")[0] for j in cfg.judge]}
+              "--judge": [p for j in judges for p in (j.path, j.rubric)]}
     if cfg.spool is not None:
         from rlkit.errors import RlkitError
         from rlkit.io import spool
@@ -377,9 +369,11 @@ def _run_loaded(cfg: ScoreRefConfig, rms: dict[str, Path], fns) -> Path | None:
         reference = {"reference": Path(cfg.ref), "reference_digest": ref_m.get("weights_digest")}
     models = Models(cfg, dev, rms)  # loaded when the first batch comes
     models.judges = judges
+    if cfg.teacher is not None:
+        models.teacher_fingerprint = fingerprints.fingerprint(cfg.teacher)
     reader = pending.result()
     inputs = {"in": reader.fingerprint, **({"ref": fingerprints.fingerprint(cfg.ref)} if cfg.ref else {}),
-              **({"teacher": fingerprints.fingerprint(cfg.teacher)} if cfg.teacher else {}),
+              **({"teacher": models.teacher_fingerprint} if cfg.teacher else {}),
               **{f"judge:{n}": f"{j.fingerprint} {j.rubric.sha256}" for n, j in judges.items()},
               **{name: fingerprints.fingerprint(d) for name, d in rms.items()}, **reward_fns.fingerprints(fns)}
     if manifests.skip_if_current(out, "score-ref", cfg, inputs):
@@ -403,15 +397,11 @@ def _run_loaded(cfg: ScoreRefConfig, rms: dict[str, Path], fns) -> Path | None:
             f"teacher {cfg.teacher} has a different tokenizer from the policy that sampled these rollouts "
             f"({checkpoints.tokenizer_fingerprint(teacher_tok)} vs {want}); on-policy distillation compares log-probs "
             "of the same token ids, so the teacher's vocabulary and special tokens must be the policy's exactly")
-    if judges:  # the policy as its own judge, refused before any model loads (and batch by batch, as rows come)
-        from rlkit.tasks.judge import refuse_self_judging
-
-        sampler = upstream.sampling.get("policy")
-        policies = {upstream.inputs.get("policy"),
-                    *([fingerprints.fingerprint(Path(sampler))] if isinstance(sampler, str) and Path(sampler).is_dir()
-                      else [])}
-        for j in judges.values():
-            refuse_self_judging(j, policies, "the policy that sampled these rollouts")
+    if judges or cfg.teacher is not None:  # the policy as its own judge or teacher, refused before any model loads
+        sampler = upstream.sampling.get("policy")  # (and batch by batch, as rows come)
+        models.refuse_the_policy({upstream.inputs.get("policy"),
+                                  *([fingerprints.fingerprint(Path(sampler))]
+                                    if isinstance(sampler, str) and Path(sampler).is_dir() else [])})
     if cfg.teacher is not None and "teacher_logprobs" in reader.schema.names:
         raise RlkitError(f"{reader.label} already has teacher log-probs; score it with one teacher")
     clash = [n for n in [*rms, *(f.name for f in fns), *judges] if f"reward/{n}" in reader.schema.names]
@@ -512,6 +502,8 @@ def _score_stream(cfg: ScoreRefConfig, batches, writer, models: Models, tokenize
 
     with writer as w, console.progress("score-ref", None, unit="rows") as bar:
         for batch in batches:
+            if models.judges or models.teacher_fingerprint is not None:  # before a model loads for this batch
+                models.refuse_the_policy(set(batch.column("policy_fingerprint").to_pylist()))
             model, scorers, limits = models.load().model, models.scorers, models.limits
             for lim in (limits, models.teacher_limits):
                 if lim is not None:
@@ -531,11 +523,7 @@ def _score_stream(cfg: ScoreRefConfig, batches, writer, models: Models, tokenize
             for name, (rm, rm_tok) in scorers.items():
                 cols[f"reward/{name}"] = pa.array(score_texts(rm, rm_tok, prompts, comps, cfg.batch_tokens, packed=cfg.packing), pa.float64())
             if models.judges:
-                from rlkit.tasks.judge import refuse_self_judging
-
-                policies = set(batch.column("policy_fingerprint").to_pylist())
                 for name, j in models.judges.items():
-                    refuse_self_judging(j, policies, "the policy that sampled these rollouts")
                     rewards, verdicts, _ = j.score(prompts, comps, cfg.batch_tokens)
                     cols[f"reward/{name}"] = pa.array(rewards, pa.float64())
                     cols[f"verdict/{name}"] = pa.array(verdicts, pa.string())
@@ -553,4 +541,5 @@ def _score_stream(cfg: ScoreRefConfig, batches, writer, models: Models, tokenize
 
 command = stage_options.command(
     ScoreRefConfig,
-    "Add the frozen reference's per-token log-probs, reward-model and reward-function scores to a rollouts table (streams).")
+    "Add to a rollouts table (streams) the frozen reference's per-token log-probs, a teacher's (--teacher, for "
+    "distillation), and reward models', LLM judges' (--judge) and reward functions' scores.")

@@ -33,7 +33,7 @@ class Context(NamedTuple):
     """How one batch was sampled and what the trainer should trust about it (rollout inputs)."""
 
     temperature: float = 1.0  # the sampling temperature: log-probs are taken at it
-    length_norm: float | None = None  # seq-mean-token-sum-norm's constant: the rollout's max_new_tokens
+    length_norm: float | None = None  # seq-mean-token-sum-norm's constant: the rollout's max_new_tokens (x turns, --env)
     recompute: bool = False  # pi_old from the trainer's own forward pass, not the engine's log-probs
     lags: Tensor | None = None  # (N,) each row's policy lag (`update --follow`), for the mismatch metrics
     # the same batch on the host (the CPU), where the trainer's batch is on its device: sizes (sequence

@@ -107,6 +107,14 @@ def fingerprint(path: str | Path) -> str:
     return "sha256:" + h.hexdigest()
 
 
+def refuse_policy_itself(what: str, model: str, policies, whose: str, why: str) -> None:
+    """A model that scores a policy's samples (a judge, a teacher) and is that policy: `model`, its fingerprint, is
+    one of `policies` (the sampling policies' fingerprints). One line: `what` is `whose` itself, and `why` that is
+    no use."""
+    if model in policies:
+        raise RlkitError(f"{what} is {whose} itself (the same weights' fingerprint): {why}")
+
+
 def stream_fingerprint(manifest: Mapping[str, Any] | None) -> str:
     """Identity of a table read from a pipe: its producer's manifest (which names its inputs)."""
     blob = json.dumps(manifest, sort_keys=True).encode()

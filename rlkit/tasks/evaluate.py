@@ -1,6 +1,6 @@
 """Greedy held-out evaluation through the sampling driver (`rlkit.sampling`), on any engine: accuracy under a
 task's verifier, response length, sample outputs (`engine_eval`); or, against an environment, multi-turn
-trajectories scored by the environment's own rewards (`env_eval`). `greedy_eval` is `engine_eval` on the hf engine
+trajectories scored by the environment's own rewards, their mean reward (`env_eval`). `greedy_eval` is `engine_eval` on the hf engine
 wrapping a model already in memory (sft's held-out evaluation)."""
 
 from __future__ import annotations
@@ -65,8 +65,9 @@ def engine_eval(engine, prompts: Sequence[str], answers: Sequence[str | None], t
 def env_eval(engine, env, prompts: Sequence[str], answers: Sequence[str | None], s, *, ids: Sequence[str] | None = None,
              seed: int = 0, samples: int = 5) -> dict[str, Any]:
     """One greedy trajectory (`s`: temperature 0, n 1, the turn and token limits) of each prompt against fresh
-    instances of `env` (an `rlkit.envs.EnvSpec`), through `rlkit.sampling.run_episodes`: accuracy = the mean
-    trajectory reward (`reward/env`, the sum of its steps' rewards), the mean model turns, tool calls and sampled
+    instances of `env` (an `rlkit.envs.EnvSpec`), through `rlkit.sampling.run_episodes`: `mean_reward`, the mean
+    trajectory reward (`reward/env`, the sum of its steps' rewards: not an accuracy unless the environment's reward
+    is a 0/1 verdict), the mean model turns, tool calls and sampled
     tokens per trajectory, how the trajectories ended (`end_reasons`), and the first `samples` conversations."""
     from rlkit import sampling
 
@@ -91,7 +92,7 @@ def env_eval(engine, env, prompts: Sequence[str], answers: Sequence[str | None],
     for r in rows:
         ends[c["end_reason"][r]] = ends.get(c["end_reason"][r], 0) + 1
     return {
-        "accuracy": sum(rewards) / n if n else None,  # the mean trajectory reward (reward/env)
+        "mean_reward": sum(rewards) / n if n else None,  # the mean trajectory reward (reward/env)
         "n": n,
         "n_scored": n,
         "mean_turns": sum(turns) / max(1, n),

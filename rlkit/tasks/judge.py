@@ -22,10 +22,11 @@ rubric's sha256 (of its bytes) goes into every manifest that used it.
 
 `Judge` loads a judge checkpoint frozen and hash-checked (always, as a reference is), runs it forward-only in
 batches of a token budget, and generates greedily through the sampling driver (the hf engine on the judge in
-memory) for score rubrics. `JudgeTask` (`--task judge:task=arithmetic,rubric=FILE[|FILE...]`) makes a judge's
-training data from a generated task: the task's prompts with proposed answers (the gold one or a near miss) and
-the verdict a rubric asks for, so `rlkit sft` trains a judge and its held-out evaluation is the judge's agreement
-with the task's verifier.
+memory) for score rubrics. `parse_judges` reads `--judge [NAME=]DIR[:rubric=FILE][,engine=...]` and `--rubric FILE`
+the same way for every stage that takes a judge (score-ref, build-prefs). `JudgeTask`
+(`--task judge:task=arithmetic,rubric=FILE[|FILE...]`) makes a judge's training data from a generated task: the
+task's prompts with proposed answers (the gold one or a near miss) and the verdict a rubric asks for, so
+`rlkit sft` trains a judge and its held-out evaluation is the judge's agreement with the task's verifier.
 """
 
 from __future__ import annotations
@@ -316,10 +317,73 @@ class Judge:
 
 def refuse_self_judging(judge: Judge, policies: set[str], what: str) -> None:
     """The policy as its own judge (the same weights' fingerprint): its errors are the policy's, so it would reward
-    them; one line."""
-    if judge.fingerprint in policies:
-        raise RlkitError(f"{judge.what} {judge.path} is {what} itself (the same weights' fingerprint): a policy that "
-                         "judges its own answers rewards its own mistakes; use a separate judge checkpoint")
+    them; one line (`fingerprints.refuse_policy_itself`)."""
+    from rlkit.io.fingerprints import refuse_policy_itself
+
+    refuse_policy_itself(f"{judge.what} {judge.path}", judge.fingerprint, policies, what,
+                         "a policy that judges its own answers rewards its own mistakes; use a separate judge checkpoint")
+
+
+JUDGE_SPEC = "[NAME=]DIR[:rubric=FILE][,engine=hf|vllm]"  # how --judge names a judge, in score-ref and build-prefs
+
+
+@dataclass(frozen=True)
+class JudgeSpec:
+    """One --judge as given (`parse_judges`): its name (score-ref's `reward/NAME` and `verdict/NAME`), checkpoint,
+    rubric file, the flag that gave the rubric (for its errors) and a score rubric's generation engine."""
+
+    name: str
+    path: Path
+    rubric: Path
+    rubric_flag: str | None  # None: the default, DIR/rubric.toml
+    engine: str = "hf"
+
+    def load(self, kinds: Sequence[str], device=None, dtype: str = "fp32", trust_remote_code: bool = False) -> Judge:
+        """The judge, checked (`Judge`), under its rubric, which must be of one of `kinds`."""
+        if self.rubric_flag is None and not self.rubric.is_file():
+            raise RlkitError(f"--judge {self.name}: no such rubric file {self.rubric} (a judge's rubric defaults to "
+                             "DIR/rubric.toml); pass one with --rubric FILE or --judge DIR:rubric=FILE "
+                             "(docs/tasks-rewards.md#naming-a-judge)")
+        rubric = load_rubric(self.rubric, kinds, self.rubric_flag or f"--judge {self.name}: rubric")
+        return Judge(self.path, rubric, device, dtype, trust_remote_code, f"judge {self.name}", self.engine)
+
+
+def parse_judges(specs: Sequence[str], rubric: Path | None = None, taken: Sequence[str] = ()) -> list[JudgeSpec]:
+    """Each `--judge [NAME=]DIR[:rubric=FILE][,engine=hf|vllm]`, with `--rubric FILE` (`rubric`) as the rubric of
+    every judge that names none with rubric=; else DIR/rubric.toml. NAME defaults to DIR's folder name; text before
+    the first `=` that holds a `/` is part of DIR, not a NAME. One line for a malformed spec, an unknown option, a
+    name given twice or taken by another reward component (`taken`, verifier, env), and a --rubric no judge takes."""
+    if rubric is not None and not specs:
+        raise RlkitError("--rubric is --judge's: pass --judge DIR too")
+    out: list[JudgeSpec] = []
+    for spec in specs:
+        cut = spec.find(":")
+        head, opts = (spec, "") if cut < 0 else (spec[:cut], spec[cut + 1:])
+        name, eq, d = head.partition("=")
+        if not eq or "/" in name:
+            name, d = Path(head).resolve().name, head
+        name = name.strip()
+        if not name or not d.strip():
+            raise RlkitError(f"--judge {spec!r}: expected {JUDGE_SPEC}")
+        own, engine = None, "hf"
+        for opt in filter(None, opts.split(",")):
+            k, eq, v = opt.partition("=")
+            if k.strip() not in ("rubric", "engine") or not eq or not v:
+                raise RlkitError(f"--judge {spec!r}: unknown option {opt!r}; expected rubric=FILE or engine=hf|vllm "
+                                 f"({JUDGE_SPEC})")
+            if k.strip() == "rubric":
+                own = Path(v)
+            else:
+                engine = v.strip()
+        if name in (s.name for s in out) or name in taken or name in ("verifier", "env"):
+            raise RlkitError(f"--judge names {name!r}, which another reward component has; give each its own NAME")
+        file, flag = ((own, f"--judge {name}: rubric") if own is not None else (rubric, "--rubric")
+                      if rubric is not None else (Path(d) / "rubric.toml", None))
+        out.append(JudgeSpec(name, Path(d), file, flag, engine))
+    if rubric is not None and all(s.rubric_flag != "--rubric" for s in out):
+        raise RlkitError(f"--rubric {rubric} is the rubric of a --judge that names none, and every --judge here names "
+                         "its own (rubric=FILE): leave out one of them")
+    return out
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ class Trainer(Engine):
 
         `cfg`: this update's knobs when they differ from the trainer's (`update --follow` sets --tis-cap
         per step). `temperature`, `length_norm` (seq-mean-token-sum-norm's constant, the rollout's
-        max_new_tokens), `recompute` (pi_old from the trainer's own forward pass before the first step
+        max_new_tokens; x max_turns, at most max_total_tokens, under --env), `recompute` (pi_old from the trainer's own forward pass before the first step
         instead of the engine's log-probs) and `lags` (N,) describe a rollout batch (see `Context`).
         `progress(total_steps)`: a context manager giving a ticker with `advance(n, loss=...)`.
 

@@ -54,14 +54,15 @@ def expected(prompts: list[str], max_turns: int) -> dict:
     ends: dict[str, int] = {}
     for d in done:
         ends["terminated" if d else "max_turns"] = ends.get("terminated" if d else "max_turns", 0) + 1
-    return {"accuracy": sum(rewards) / len(prompts), "mean_turns": sum(turns) / len(prompts),
+    return {"mean_reward": sum(rewards) / len(prompts), "mean_turns": sum(turns) / len(prompts),
             "mean_tool_calls": sum(turns) / len(prompts), "end_reasons": ends}
 
 
 def check(result: dict, prompts: list[str], max_turns: int) -> None:
     want = expected(prompts, max_turns)
     assert result["n"] == len(prompts) and result["engine"] == "hf" and result["max_turns"] == max_turns
-    assert result["accuracy"] == pytest.approx(want["accuracy"])
+    # rewards of 0.25 a step: a mean reward, not an accuracy, and named so
+    assert result["mean_reward"] == pytest.approx(want["mean_reward"]) and "accuracy" not in result
     assert result["mean_turns"] == pytest.approx(want["mean_turns"])
     assert result["mean_tool_calls"] == pytest.approx(want["mean_tool_calls"])
     assert result["end_reasons"] == want["end_reasons"]
@@ -96,7 +97,8 @@ def test_eval_env_reports_the_trajectories(sft_dir, tmp_path):
     check(res, [f"<{i}+2>=" + "." * (i % 3) for i in range(6)], 8)
     assert res["end_reasons"] == {"terminated": 6} and res["task"] == "env:envs.py:Own"
     row = json.loads((tmp_path / "m.jsonl").read_text())
-    assert row["stage"] == "eval" and row["accuracy"] == res["accuracy"] and row["mean_turns"] == res["mean_turns"]
+    assert row["stage"] == "eval" and row["mean_reward"] == res["mean_reward"] and row["mean_turns"] == res["mean_turns"]
+    assert "accuracy" not in row
     r = run_cli_inproc("eval", "--policy", str(sft_dir), "--env", "envs.py:Own", "--num-prompts", "2", cwd=tmp_path)
     assert r.returncode == 0
     err = r.stderr.decode()

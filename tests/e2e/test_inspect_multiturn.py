@@ -185,7 +185,7 @@ def test_report_shows_turns_and_tool_calls_per_round(tmp_path):
         {"stage": "update", "step": s, "reward_mean": 0.2 * s, "kl_per_seq": 0.01 * s, "mean_response_tokens": 9.0,
          "mean_turns": 1.5 + s, "mean_tool_calls": 0.5 * s, "environment_token_fraction": 0.4} for s in (1, 2, 3)]
         # eval --env's rows: the held-out trajectories' figures
-        + [{"stage": "eval", "step": s, "accuracy": 0.1 * s, "mean_turns": 2.0, "mean_tool_calls": 1.0} for s in (0, 3)])
+        + [{"stage": "eval", "step": s, "mean_reward": 0.1 * s, "mean_turns": 2.0, "mean_tool_calls": 1.0} for s in (0, 3)])
     st = _metrics(tmp_path / "st.jsonl", [
         {"stage": "update", "step": s, "reward_mean": 0.1 * s, "kl_per_seq": 0.02 * s} for s in (1, 2)])
 
@@ -197,6 +197,9 @@ def test_report_shows_turns_and_tool_calls_per_round(tmp_path):
     assert list(lines[2].get_xdata()) == [0, 3] and list(lines[2].get_ydata()) == [2.0, 2.0]
     assert list(lines[0].get_ydata()) == [2.5, 3.5, 4.5] and list(lines[1].get_xdata()) == [1, 2, 3]
     assert "environment tokens" in panels
+    (held,) = panels["held-out mean reward (environment)"].get_lines()  # eval --env's mean trajectory reward
+    assert held.get_label() == "mt" and list(held.get_ydata()) == pytest.approx([0.0, 0.3])
+    assert "held-out accuracy" not in panels
     assert not {"turns and tool calls per trajectory", "environment tokens"} & {
         ax.get_title() for ax in draw([load_run("st", st)], None).axes if ax.get_visible()}
 
@@ -205,7 +208,8 @@ def test_report_shows_turns_and_tool_calls_per_round(tmp_path):
     err = r.stderr.decode()
     assert "tool calls" in err and "2.5 → 4.5" in err and "0.5 → 1.5" in err
     page = (tmp_path / "r.html").read_text()
-    assert "<th>turns</th><th>tool calls</th>" in page and "2.5 → 4.5" in page
+    assert "<th>held-out mean reward</th><th>turns</th><th>tool calls</th>" in page and "2.5 → 4.5" in page
+    assert "0 → 0.3" in page
     # single-turn runs alone: the summary has no multi-turn columns
     r = run_cli_inproc("report", str(st), "--out", str(tmp_path / "s.html"))
     assert r.returncode == 0, r.stderr

@@ -80,6 +80,16 @@ def test_direct_scores_yes_probability_and_score_rubrics(sft_dir, shorter_judge,
                        (f"verifier={judge_dir}:rubric={rubrics['yes-no']}", "another reward component has")):
         line = one_error_line(run_cli_inproc("score-ref", "--judge", spec, "--in", str(roll), "--out", str(bad)))
         assert says in line and not bad.exists(), (spec, line)
+    # build-prefs' form, --judge DIR --rubric FILE: the same judge under the same rubric, named after DIR
+    stage("score-ref", "--judge", str(judge_dir), "--rubric", str(rubrics["yes-no"]), "--in", str(roll), "--out",
+          str(tmp_path / "dir.arrow"))
+    assert [x["reward/shorter"] for x in _rows(tmp_path / "dir.arrow")] == pytest.approx([x["reward/j"] for x in rows])
+    for args, says in ((["--judge", f"j={judge_dir}:rubric={rubrics['yes-no']}", "--rubric", str(rubrics["score"])],
+                        "every --judge here names its own"),
+                       (["--rubric", str(rubrics["yes-no"])], "--rubric is --judge's"),
+                       (["--judge", str(sft_dir), "--rubric", str(rubrics["yes-no"])], "judges its own answers")):
+        line = one_error_line(run_cli_inproc("score-ref", *args, "--in", str(roll), "--out", str(bad)))
+        assert says in line and not bad.exists(), (args, line)
 
 
 def test_build_prefs_labelled_by_a_judge_in_both_orders(sft_dir, shorter_judge, rubrics, tmp_path):
@@ -89,8 +99,9 @@ def test_build_prefs_labelled_by_a_judge_in_both_orders(sft_dir, shorter_judge, 
     rubric = load_rubric(rubrics["pairwise"])
     shorter = shorter_judge
     out = tmp_path / "p.arrow"
-    r = run_cli_inproc("build-prefs", "--policy", str(sft_dir), "--judge", str(shorter), "--rubric",
-                       str(rubrics["pairwise"]), "--num-prompts", "32", "--n", "4", "--out", str(out))
+    # score-ref's form, NAME=DIR:rubric=FILE (the other tests here give build-prefs --judge DIR --rubric FILE)
+    r = run_cli_inproc("build-prefs", "--policy", str(sft_dir), "--judge", f"j={shorter}:rubric={rubrics['pairwise']}",
+                       "--num-prompts", "32", "--n", "4", "--out", str(out))
     assert r.returncode == 0, r.stderr.decode()[-2000:]
     rows = _rows(out)
     j = json.loads(pa.ipc.open_stream(pa.OSFile(str(out))).schema.metadata[b"rlkit"])["judge"]
@@ -107,11 +118,16 @@ def test_build_prefs_labelled_by_a_judge_in_both_orders(sft_dir, shorter_judge, 
     rm = run_cli_inproc("train-rm", "--model", str(sft_dir), "--prefs", str(out), "--epochs", "1", "--out",
                         str(tmp_path / "rm"))
     assert rm.returncode == 0, rm.stderr.decode()[-2000:]
-    for extra, says in (((str(sft_dir), str(rubrics["pairwise"])), "judges its own answers"),
-                        ((str(shorter), str(rubrics["yes-no"])), "is a yes-no rubric; this takes pairwise")):
-        line = one_error_line(run_cli_inproc("build-prefs", "--policy", str(sft_dir), "--judge", extra[0], "--rubric",
-                                             extra[1], "--num-prompts", "8", "--out", str(tmp_path / "bad.arrow")))
-        assert says in line and not (tmp_path / "bad.arrow").exists()
+    for extra, says in ((["--judge", str(sft_dir), "--rubric", str(rubrics["pairwise"])], "judges its own answers"),
+                        ([f"--judge={sft_dir}:rubric={rubrics['pairwise']}"], "judges its own answers"),
+                        (["--judge", str(shorter), "--rubric", str(rubrics["yes-no"])],
+                         "is a yes-no rubric; this takes pairwise"),
+                        ([f"--judge=j={shorter}:rubric={rubrics['yes-no']}"], "is a yes-no rubric; this takes pairwise"),
+                        (["--judge", str(shorter)], "no such rubric file"),  # DIR/rubric.toml, the default
+                        ([f"--judge=j={shorter}:rubric={rubrics['pairwise']},colour=red"], "unknown option 'colour=red'")):
+        line = one_error_line(run_cli_inproc("build-prefs", "--policy", str(sft_dir), *extra, "--num-prompts", "8",
+                                             "--out", str(tmp_path / "bad.arrow")))
+        assert says in line and not (tmp_path / "bad.arrow").exists(), (extra, line)
     line = one_error_line(run_cli_inproc("build-prefs", "--policy", str(sft_dir), "--rubric", str(rubrics["pairwise"]),
                                          "--out", str(tmp_path / "bad.arrow")))
     assert "--rubric is --judge's" in line

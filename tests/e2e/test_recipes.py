@@ -182,8 +182,8 @@ def test_every_recipe_runs_scaled_down(recipe, tmp_path, request):
         out = r.stdout.decode()
         for who in ("sft", "final"):
             ev = json.loads((runs / f"eval-{who}.json").read_text())
-            assert ev["n"] == 6 and 0 <= ev["accuracy"] <= 1
-            assert any(line.startswith("held-out (greedy)") and f"{ev['accuracy']:.1%}" in line for line in out.splitlines())
+            assert ev["n"] == 6 and 0 <= ev["mean_reward"] <= 1 and "accuracy" not in ev  # eval --env: a mean reward
+            assert any(line.startswith("held-out (greedy)") and f"{ev['mean_reward']:.1%}" in line for line in out.splitlines())
         (line,) = [x for x in out.splitlines() if x.startswith("round 1 ")]
         assert f"{sum(t.column('reward/env').to_pylist()) / t.num_rows:.1%}" in line
     if recipe == "code.sh":  # programs run against their tests in the sandbox at every stage that verifies
@@ -225,7 +225,7 @@ def test_every_recipe_runs_scaled_down(recipe, tmp_path, request):
         assert upd["sequences"] == 8 * 2
         for label in ("sft", "round-1"):
             ev = json.loads((runs / f"eval-{label}.json").read_text())
-            assert ev["n"] == 12 and 0 <= ev["mean_tool_calls"] <= 4 and 0 <= ev["accuracy"] <= 1
+            assert ev["n"] == 12 and 0 <= ev["mean_tool_calls"] <= 4 and 0 <= ev["mean_reward"] <= 1
         out = r.stdout.decode()
         assert "tool calls/answer" in out and "after RL (1 rounds)" in out
     if recipe == "config.sh":  # settings from recipes/rlvr.toml, the knobs' flags over them, written back

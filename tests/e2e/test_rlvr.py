@@ -373,32 +373,30 @@ def test_rollout_shows_the_total_reward_update_trains_on_and_each_component(sft_
 
 
 def test_on_policy_distillation_from_a_teacher(sft_dir, ref_dir, tmp_path):
-    """`score-ref --teacher` scores every sampled token with the teacher's own forward pass: with the sampling
-    policy as its teacher the log-probs are pi_old's and `--algo distill` has nothing to learn (teacher_kl 0);
-    with another teacher one distill update moves the student's log-probs of those tokens towards the teacher's.
-    A teacher with another tokenizer, and distill on a table without a teacher, are one line each."""
+    """`score-ref --teacher` scores every sampled token with the teacher's own forward pass, and one distill update
+    moves the student's log-probs of those tokens towards the teacher's. The sampling policy as its own teacher
+    (its log-probs are pi_old's: teacher_kl 0, nothing to learn), a teacher with another tokenizer, and distill on a
+    table without a teacher, are one line each."""
     import shutil
 
     from stages.score_ref import score_tokens
 
     roll = _rollouts(sft_dir, tmp_path / "r.arrow", num=8)
     same = tmp_path / "same.arrow"
-    stage("score-ref", "--teacher", str(sft_dir), "--in", str(roll), "--out", str(same))
-    rows = _table_rows(same)
-    assert manifests.read_manifest(same)["kind"] == "rollouts"  # no reference asked for
-    for r in rows:
-        assert r["teacher_logprobs"] == pytest.approx(r["old_logprobs"], abs=1e-4)
-    r = run_cli("update", "--policy", str(sft_dir), "--in", str(same), "--out", str(tmp_path / "u0"), "--algo",
-                "distill", "--metrics", str(tmp_path / "m0.jsonl"))
-    assert r.returncode == 0, r.stderr.decode()[-2000:]
-    m = json.loads((tmp_path / "m0.jsonl").read_text())
-    assert abs(m["teacher_kl"]) < 1e-4 and m["teacher_advantage_abs_mean"] < 1e-4
+    for policy in (sft_dir, tmp_path / "copy"):  # by the weights' fingerprint, wherever they are
+        if policy != sft_dir:
+            shutil.copytree(sft_dir, policy)
+        line = one_error_line(run_cli_inproc("score-ref", "--teacher", str(policy), "--in", str(roll), "--out",
+                                             str(same)))
+        assert f"teacher {policy} is the policy that sampled these rollouts itself" in line, line
+        assert "trains nothing (teacher_kl 0)" in line and not same.exists()
     # a teacher that differs: the sft checkpoint after one high-lr update (a length penalty gives it a signal)
     teacher = tmp_path / "teacher"
     stage("update", "--policy", str(sft_dir), "--in", str(roll), "--out", str(teacher), "--beta", "0", "--lr", "1e-2",
           "--length-penalty", "0.1")
     scored = tmp_path / "t.arrow"
     stage("score-ref", "--teacher", str(teacher), "--in", str(roll), "--out", str(scored))
+    assert manifests.read_manifest(scored)["kind"] == "rollouts"  # no reference asked for
     r = run_cli("update", "--policy", str(sft_dir), "--in", str(scored), "--out", str(tmp_path / "u"), "--algo",
                 "distill", "--lr", "2e-4", "--minibatch-size", "8", "--metrics", str(tmp_path / "m.jsonl"))
     assert r.returncode == 0, r.stderr.decode()[-2000:]
@@ -407,6 +405,9 @@ def test_on_policy_distillation_from_a_teacher(sft_dir, ref_dir, tmp_path):
     rows = _table_rows(scored)
     tok = checkpoints.load_tokenizer(sft_dir)
     prompts, comps = [r["prompt_ids"] for r in rows], [r["completion_ids"] for r in rows]
+    tmodel, _ = checkpoints.load_policy(teacher)  # the teacher's own forward pass, at the rollout's temperature (1)
+    for r, want in zip(rows, score_tokens(tmodel.eval(), prompts, comps, tok.pad_token_id, 1.0, 4096), strict=True):
+        assert r["teacher_logprobs"] == pytest.approx(want, abs=1e-4)
     student, _ = checkpoints.load_policy(tmp_path / "u")
     new = score_tokens(student.eval(), prompts, comps, tok.pad_token_id, 1.0, 4096)
 

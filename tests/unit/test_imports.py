@@ -1,6 +1,7 @@
 """Every module imports; `rlkit --help` imports no torch/transformers; ruff is clean."""
 
 import importlib
+import os
 import pkgutil
 import shutil
 import subprocess
@@ -117,10 +118,16 @@ def test_help_imports_no_heavy_libraries():
         "heavy = [m for m in ('torch', 'transformers', 'datasets', 'pyarrow') if m in sys.modules]\n"
         "assert rc == 0 and not heavy, heavy\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "COLUMNS": "400"})
     assert r.returncode == 0, r.stderr
     for cmd in ("sft", "freeze-ref", "eval", "inspect", "prompts"):
         assert cmd in r.stdout
+    # the commands' lines name what they take now: environments, teachers and judges
+    line = {w[1]: " ".join(w[2:]) for w in (x.split() for x in r.stdout.splitlines()) if len(w) > 2}
+    assert "trajectories against an environment (--env)" in line["rollout"]
+    assert "a teacher's (--teacher" in line["score-ref"] and "LLM judges' (--judge)" in line["score-ref"]
+    assert "an LLM judge's labels (--judge)" in line["build-prefs"] and "with --env: mean trajectory reward" in line["eval"]
 
 
 def test_every_command_has_help_for_every_option():

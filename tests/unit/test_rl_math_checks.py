@@ -196,6 +196,22 @@ def test_seq_mean_token_sum_norm_needs_its_constant():
     assert losses.seq_mean_token_sum_norm(x, m, 16).item() == pytest.approx(6 / (2 * 16))
 
 
+def test_dr_grpos_constant_is_the_most_tokens_a_row_may_sample():
+    """docs/algorithms.md#dr-grpo's L, from the rollout's manifest: --max-new-tokens; under --env x --max-turns, at
+    most --max-total-tokens when the rollout set it; a table recording no --max-new-tokens: its completion width."""
+    from types import SimpleNamespace
+
+    from rlkit.algorithms.inputs import _length_norm
+
+    batch = SimpleNamespace(targets=torch.zeros(3, 7))
+    env = {"max_new_tokens": 16, "env": "calc", "max_turns": 4}
+    assert _length_norm({"max_new_tokens": 16, "max_turns": 4}, batch) == 16  # single-turn: turns do not count
+    assert _length_norm(env, batch) == 64
+    assert _length_norm({**env, "max_total_tokens": 40}, batch) == 40
+    assert _length_norm({**env, "max_total_tokens": 100}, batch) == 64
+    assert _length_norm({}, batch) == 7
+
+
 class _Steps:
     """Records the loss of each optimizer step (the progress-bar interface the trainers report to)."""
 

@@ -4,13 +4,14 @@ pair softmax, both orders of a pairwise question, a score parsed from an answer)
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from rlkit.errors import RlkitError
 from rlkit.tasks import get_task
-from rlkit.tasks.judge import first_choice_prob, load_rubric, prefer
+from rlkit.tasks.judge import first_choice_prob, load_rubric, parse_judges, prefer
 
 YES_NO = 'kind = "yes-no"\ntemplate = "{prompt}{response} ok? "\nchoices = ["Y", "N"]\n'
 PAIRWISE = 'kind = "pairwise"\ntemplate = "{prompt} A:{response_a} B:{response_b} right? "\nchoices = ["A", "B"]\n'
@@ -62,6 +63,40 @@ def test_a_missing_rubric_or_one_of_another_kind(tmp_path):
         load_rubric(tmp_path / "absent.toml")
     with pytest.raises(RlkitError, match="is a yes-no rubric; this takes pairwise"):
         load_rubric(_rubric(tmp_path, YES_NO), ("pairwise",))
+
+
+def test_one_judge_spec_for_every_stage():
+    """score-ref and build-prefs read --judge [NAME=]DIR[:rubric=FILE][,engine=...] and --rubric FILE alike: the
+    rubric is rubric= when given, else --rubric, else DIR/rubric.toml; NAME is DIR's folder unless given."""
+    one = [(s.name, s.path, s.rubric, s.engine) for s in parse_judges(["j=runs/judge:rubric=yn.toml"])]
+    assert one == [("j", Path("runs/judge"), Path("yn.toml"), "hf")]
+    other = [(s.name, s.path, s.rubric, s.engine) for s in parse_judges(["runs/judge"], Path("yn.toml"))]
+    assert other == [("judge", Path("runs/judge"), Path("yn.toml"), "hf")]  # build-prefs' --judge DIR --rubric FILE
+    assert parse_judges(["runs/judge"])[0].rubric == Path("runs/judge/rubric.toml")
+    s = parse_judges(["runs/lr=1e-5/judge:rubric=s.toml,engine=vllm"])[0]  # a `/` before `=`: all of it is DIR
+    assert (s.name, s.path, s.rubric, s.engine) == ("judge", Path("runs/lr=1e-5/judge"), Path("s.toml"), "vllm")
+    # --rubric is the rubric of each judge that names none
+    assert [x.rubric for x in parse_judges(["a=d1", "b=d2:rubric=own.toml"], Path("r.toml"))] == [
+        Path("r.toml"), Path("own.toml")]
+    for specs, rubric, says in (([], Path("r.toml"), "--rubric is --judge's"),
+                                (["j=d:rubric=own.toml"], Path("r.toml"), "every --judge here names its own"),
+                                (["j=d:colour=red"], None, "unknown option 'colour=red'"),
+                                (["=d"], None, "expected [NAME=]DIR[:rubric=FILE][,engine=hf|vllm]"),
+                                (["j=d", "j=e"], None, "which another reward component has"),
+                                (["verifier=d"], None, "which another reward component has"),
+                                (["rm=d"], None, "which another reward component has")):
+        with pytest.raises(RlkitError) as e:
+            parse_judges(specs, rubric, taken=["rm"])
+        assert says in str(e.value) and "\n" not in str(e.value), (specs, str(e.value))
+
+
+def test_a_judge_without_a_rubric_names_the_default_and_the_flags(tmp_path):
+    (spec,) = parse_judges([str(tmp_path / "judge")])
+    with pytest.raises(RlkitError) as e:
+        spec.load(("pairwise",))
+    assert str(e.value) == (f"--judge judge: no such rubric file {tmp_path / 'judge' / 'rubric.toml'} (a judge's "
+                            "rubric defaults to DIR/rubric.toml); pass one with --rubric FILE or --judge "
+                            "DIR:rubric=FILE (docs/tasks-rewards.md#naming-a-judge)")
 
 
 def test_the_pair_softmax_by_hand():
