@@ -29,7 +29,7 @@ Optional, read when present:
   `prompt_hint`: what to do when `reset`'s prompt does not fit the model's context (textarena: `prompt=TEXT`).
 Any task is a one-step environment: `TaskEnv`.
 
-How the driver calls a method (`call`): what no `except Exception` would catch or tell apart comes back as an
+How the driver calls a method (`call_env`): what no `except Exception` would catch or tell apart comes back as an
 `EnvError` naming the class and the method: `sys.exit()` inside it, arguments that do not fit its signature. An
 error that every trajectory meets (`every_trajectory`: a server that refuses the connection, a wrong signature)
 stops the stage without suggesting `--env-errors end` (`failure_line`), which would only end every trajectory.
@@ -99,7 +99,7 @@ def failure_line(line: str, error: BaseException | None = None) -> str:
     return line + ENV_ERRORS_END
 
 
-def call(name: str, method: str, fn, *args):
+def call_env(name: str, method: str, fn, *args):
     """`fn(*args)`: environment `name`'s `method` (a bound method), as the driver calls it. `sys.exit()` inside it
     (SystemExit, past every `except Exception`) and arguments that do not fit its signature (a TypeError raised by
     the call itself, not inside the method; every trajectory meets it) are an `EnvError` naming the class and the
