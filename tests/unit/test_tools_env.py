@@ -219,7 +219,7 @@ def test_tools_give_the_chat_template_their_json_schemas():
     assert spec.tool_schemas()[0]["function"]["parameters"]["properties"]["a"] == {
         "type": "integer", "description": "the first factor"}
 
-    def add(a: int, b: float | None = 1.0, *rest, c: "str" = "", d=None) -> float:
+    def add(a: int, b: float | None = 1.0, *rest, c: str = "", d=None) -> float:
         """Add b to a.
 
         No Args section: transformers cannot describe it."""
