@@ -324,6 +324,8 @@ def _as_seen(text, row: dict, msgs: list, ids: list[int], mask: list[int], seen:
     else:
         _part(text, "[prompt, as rendered]", str(row.get("prompt") or ""), False)
     before = row.get("observation_tokens")  # each observation's tokens before the cut, where the row records them
+    if isinstance(before, list):  # an empty observation appends no run of tokens
+        before = [n for n in before if not isinstance(n, int) or n > 0]
     k = 0
     for mine, seg in _segments(ids, mask):
         if mine:
