@@ -60,7 +60,7 @@ class EvalConfig:
     prompt_column: str = option("prompt", PromptColumn)
     answer_column: str = option("answer", AnswerColumn)
     num: int = option(300, "--num-prompts", min=1, panel="Data", help="Number of held-out prompts.")
-    max_new_tokens: int | None = option(None, min=1, panel="Sampling", help="Longest response, in tokens (TRL's max_completion_length, verl's response_length). Default: the task's own generation length (arithmetic 16; math 96, 256 with data=; code 40, 512 with data=; a user task's max_new_tokens, else 16). A response cut there is counted as truncated (verdict `truncated` where the task gives verdicts), and a warning says so when more than half are.")
+    max_new_tokens: int | None = option(None, min=1, panel="Sampling", help="Longest response, in tokens (TRL's max_completion_length, verl's response_length); under --env, the longest model turn (per turn; a whole trajectory is --max-total-tokens). Default: the environment's max_new_tokens under --env, else the task's own generation length (arithmetic 16; math 96, 256 with data=; code 40, 512 with data=; a user task's max_new_tokens, else 16). A response cut there is counted as truncated (verdict `truncated` where the task gives verdicts), and a warning says so when more than half are.")
     env: str | None = option(None, Env)  # multi-turn trajectories against an environment (rlkit.envs)
     max_turns: int = option(8, MaxTurns)
     max_total_tokens: int | None = option(None, MaxTotalTokens)

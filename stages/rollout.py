@@ -84,7 +84,7 @@ class RolloutConfig:
     max_refill_rounds: int = option(4, min=0, panel="Data", help="--min-informative-groups: extra generation rounds (each as many prompts as the first) at most (verl's max_num_gen_batches - 1).")
     temperature: float = option(1.0, panel="Sampling", help="Sampling temperature (> 0).")
     top_p: float = option(1.0, panel="Sampling", help="Nucleus sampling threshold.")
-    max_new_tokens: int | None = option(None, min=1, panel="Sampling", help="Longest completion, in tokens (TRL's max_completion_length, verl's response_length). Default: the task's own generation length (arithmetic 16; math 96, 256 with data=; code 40, 512 with data=; a user task's max_new_tokens, else 16); the manifest records the value in force. A completion cut there has finish_reason `length` (verdict `truncated` where the task gives verdicts), and a warning says so when more than half are.")
+    max_new_tokens: int | None = option(None, min=1, panel="Sampling", help="Longest completion, in tokens (TRL's max_completion_length, verl's response_length); under --env, the longest model turn (per turn; a whole trajectory is --max-total-tokens). Default: the environment's max_new_tokens under --env, else the task's own generation length (arithmetic 16; math 96, 256 with data=; code 40, 512 with data=; a user task's max_new_tokens, else 16); the manifest records the value in force. A completion cut there has finish_reason `length` (verdict `truncated` where the task gives verdicts), and a warning says so when more than half are.")
     env: str | None = option(None, Env)  # multi-turn trajectories against an environment (rlkit.envs)
     max_turns: int = option(8, MaxTurns)
     max_total_tokens: int | None = option(None, MaxTotalTokens)

@@ -528,8 +528,9 @@ class Rollouts:
     and reward-function scores), whole prompt groups."""
 
     kinds = ("rollouts", "scored")
+    # mean_turns and environment_token_fraction: multi-turn batches only (a single-turn one has neither)
     shown = ("reward_mean", "reward_std", "verifier_accuracy", "prompts_sampled", "extra_prompts",
-             "informative_group_fraction")
+             "informative_group_fraction", "mean_turns", "environment_token_fraction")
 
     def __init__(self) -> None:
         self.said_reward = self.said_recompute = False
@@ -617,10 +618,12 @@ class Rollouts:
         if mask_truncated:
             cut = sum(f == "length" for f in table.column("finish_reason").to_pylist())
             metrics["truncated_masked_fraction"] = cut / table.num_rows
-        if batch.span is not None:  # multi-turn rows: how much of the completions the environment wrote
-            metrics["environment_token_fraction"] = 1 - float(batch.mask.sum()) / max(1, int(batch.span.sum()))
-        traj = trajectories.figures(table)  # multi-turn rows: turns and tool calls a trajectory (rlkit report)
-        metrics.update({k: traj[k] for k in ("mean_turns", "mean_tool_calls") if traj and traj[k] is not None})
+        # multi-turn rows: turns and tool calls a trajectory (rlkit report), and the share of the completion tokens
+        # the environment wrote (loss_mask 0; read off the column, so rows --mask-truncated leaves out still count
+        # their sampled tokens as sampled)
+        traj = trajectories.figures(table)
+        metrics.update({k: traj[k] for k in ("mean_turns", "mean_tool_calls", "environment_token_fraction")
+                        if traj and traj[k] is not None})
         train = {"temperature": temperature, "recompute": recompute, "lags": lags,
                  "length_norm": _length_norm(upstream.sampling, batch)}  # Dr. GRPO's
         return Loaded(batch, train, metrics, used)

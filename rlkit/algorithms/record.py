@@ -103,14 +103,17 @@ _SHOWN_TRAINER = ("grad_norm", "loss_scale", "skipped_steps", "drift", "optimize
                   "train_seconds", "gpu_mem_peak_gib")
 
 
-def show(metrics: dict, inp, algo) -> None:
-    """The step's metrics as a table on stderr: rewards, then the input's and the algorithm's own (`shown`),
-    the lag under --follow, and the trainer's."""
+def show(metrics: dict, inp, algo, follow: bool = False) -> None:
+    """The step's metrics as a table on stderr: rewards, then the input's and the algorithm's own (`shown`; a
+    multi-turn batch's `mean_turns` and `environment_token_fraction` among them), the lag under --follow, and the
+    trainer's. Under --follow (`follow`) its caption says that the figures are the step's batch's, not running
+    means over the steps so far."""
     from rich.table import Table
 
     from rlkit import console
 
-    t = Table(title=f"update step {metrics['step']}", show_header=False)
+    t = Table(title=f"update step {metrics['step']}", show_header=False,
+              caption="figures of this step's batch, not running means" if follow else None)
     keys = (*[k for k in metrics if k.startswith(("reward/", "verdict/"))], *inp.shown, *algo.shown, *_SHOWN_FOLLOW, *_SHOWN_TRAINER)
     for k in dict.fromkeys(keys):
         v = metrics.get(k)

@@ -84,9 +84,12 @@ class EnvSpec:
 
     def tool_schemas(self) -> list | None:
         """The JSON schemas of the environment's tools, for chat-template prompts (`tools=`), when its class gives
-        them without an instance (a TRL environment class); None otherwise."""
+        them without an instance (a TRL environment class; a `Tools` class's own `tools`); None otherwise."""
         fn = getattr(self.factory, "tool_schemas", None)
         schemas = fn() if callable(fn) and not isinstance(self.factory, type) else None
+        declared = getattr(self.factory, "declared_tool_schemas", None)
+        if not schemas and isinstance(self.factory, type) and callable(declared):
+            schemas = declared()
         return list(schemas) if schemas else None
 
     def attribute(self, name: str, default=None):
@@ -136,17 +139,61 @@ def get_env(spec: str) -> EnvSpec:
     from rlkit.envs import trl
 
     if name not in ENVS and trl.is_trl_class(factory):
+        if _takes_example(factory):
+            raise RlkitError(f"environment {label} has reset(example) but no step(); a TRL class takes reset(**row) "
+                             "(its public methods the tools, its reward from get_reward()); an rlkit environment needs "
+                             "step(action) too (rlkit.envs.base)")
         factory = trl.factory(factory, label)  # TRL's environment_factory class: reset(**row), tools, reward
     for method in ("reset", "step"):
         if not callable(getattr(factory, method, None)) and not getattr(factory, "trl", False):
             raise RlkitError(f"environment {label} has no {method}() method; an environment class needs "
                              "reset(example) and step(action) (rlkit.envs.base)")
+    if isinstance(factory, type):
+        _check_signatures(factory, label)
     opts = _typed_options(factory, parse_options(rest, spec), f"environment {label}")
     check = getattr(factory, "check_options", None)
     if callable(check):  # an adapter's own check before any model loads (textarena: the game starts here)
         check(dict(opts))
     shown = name + (":" + ",".join(f"{k}={v}" for k, v in parse_options(rest, spec).items()) if rest else "")
     return EnvSpec(factory, opts, shown, getattr(factory, "__name__", label), fp)
+
+
+def _takes_example(cls) -> bool:
+    """Whether `cls.reset` is written for rlkit's protocol, `reset(example)` (a parameter named so, or one only
+    positional), not TRL's `reset(**row)`."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(cls.reset).parameters.values())[1:]  # without self
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "example" or p.kind is p.POSITIONAL_ONLY for p in params)
+
+
+def _check_signatures(cls, label: str) -> None:
+    """Before any model loads: `reset` takes the example and `step` the action (one line naming the signature
+    otherwise; every trajectory would fail the same way)."""
+    import inspect
+
+    for method, arg in (("reset", "example"), ("step", "action")):
+        raw = inspect.getattr_static(cls, method, None)
+        if isinstance(raw, staticmethod):
+            fn, args = raw.__func__, (arg,)
+        elif inspect.isfunction(raw):
+            fn, args = raw, ("self", arg)
+        else:
+            continue  # a classmethod, a callable object, an attribute set otherwise: called as it is
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):
+            continue
+        try:
+            sig.bind(*args)
+        except TypeError:
+            shown = str(sig).replace("(self, ", "(").replace("(self)", "()")
+            raise RlkitError(f"environment {label}: {method}{shown} cannot take the {arg} rlkit passes it; an "
+                             "environment's methods are reset(self, example) and step(self, action) "
+                             "(rlkit.envs.base)") from None
 
 
 @dataclass

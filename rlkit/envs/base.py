@@ -25,7 +25,14 @@ Optional, read when present:
   `stop`: strings that end a model turn (a tool call's closing tag); the turn keeps them.
   `tool_calls`: the calls the trajectory made, read after the episode (the `tool_calls` column).
   `max_new_tokens`: the environment's per-turn generation length, when `--max-new-tokens` is not given.
+  `tool_schemas()`: the JSON schemas of its tools, given to the chat template as `tools=` (`Tools` has it).
+  `prompt_hint`: what to do when `reset`'s prompt does not fit the model's context (textarena: `prompt=TEXT`).
 Any task is a one-step environment: `TaskEnv`.
+
+How the driver calls a method (`call_env`): what no `except Exception` would catch or tell apart comes back as an
+`EnvError` naming the class and the method: `sys.exit()` inside it, arguments that do not fit its signature. An
+error that every trajectory meets (`every_trajectory`: a server that refuses the connection, a wrong signature)
+stops the stage without suggesting `--env-errors end` (`failure_line`), which would only end every trajectory.
 """
 
 from __future__ import annotations
@@ -59,7 +66,70 @@ class Environment(Protocol):
 
 class EnvError(RlkitError):
     """An environment misbehaved (raised, returned a bad value, overran its time limit): one line naming the
-    class, the method and the trajectory."""
+    class, the method and the trajectory. `every_trajectory`: the error is not this trajectory's but the
+    environment's (a server that refuses connections, a method that cannot take rlkit's arguments)."""
+
+    def __init__(self, message: str = "", every_trajectory: bool = False) -> None:
+        super().__init__(message)
+        self.every_trajectory = every_trajectory
+
+
+ENV_ERRORS_END = " (--env-errors end: end such trajectories with reward 0 instead)"
+
+
+def every_trajectory(error: BaseException | None) -> bool:
+    """Whether `error` would meet every trajectory, not just the one it hit: an `EnvError` that says so, or a
+    refused connection (`ConnectionRefusedError`, also as the cause or context of what the environment raised:
+    a client library's own connection error)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, ConnectionRefusedError) or getattr(error, "every_trajectory", False) is True:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def failure_line(line: str, error: BaseException | None = None) -> str:
+    """The one line a failing environment call stops the stage with (`--env-errors fail`): `line`, then the
+    suggestion to end such trajectories instead (`--env-errors end`), unless the line already names that option or
+    the error would meet every trajectory (`every_trajectory`), where ending them all is no remedy."""
+    if "--env-errors" in line or every_trajectory(error):
+        return line
+    return line + ENV_ERRORS_END
+
+
+def call_env(name: str, method: str, fn, *args):
+    """`fn(*args)`: environment `name`'s `method` (a bound method), as the driver calls it. `sys.exit()` inside it
+    (SystemExit, past every `except Exception`) and arguments that do not fit its signature (a TypeError raised by
+    the call itself, not inside the method; every trajectory meets it) are an `EnvError` naming the class and the
+    method (the driver adds the trajectory); anything else propagates as raised."""
+    try:
+        return fn(*args)
+    except SystemExit as e:
+        raise EnvError(f"environment {name}: {method}() called sys.exit({e.code!r})") from None
+    except TypeError as e:
+        why = _unbindable(fn, args)
+        if why is None:
+            raise
+        raise EnvError(f"environment {name}: {method}() cannot be called with {why}",
+                       every_trajectory=True) from e
+
+
+def _unbindable(fn, args: tuple) -> str | None:
+    """Why `fn` cannot take `args` (its signature, in words), or None when they bind (or it has no signature)."""
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        sig.bind(*args)
+    except TypeError as e:
+        n = len(args)
+        return f"{n} argument{'' if n == 1 else 's'} ({e}); its signature is {getattr(fn, '__name__', 'it')}{sig}"
+    return None
 
 
 def as_step(value: object, where: str) -> Step:
@@ -102,6 +172,15 @@ def check_observation(obs: object, where: str, allow_none: bool = False) -> None
     if size > MAX_OBSERVATION_CHARS:
         raise EnvError(f"{where} returned an observation of {size:,} characters; the limit is "
                        f"{MAX_OBSERVATION_CHARS:,} (--max-env-tokens then cuts what is appended)")
+
+
+def prompt_too_long(env, label: str, tokens: int, context: int) -> RlkitError:
+    """The line for `reset`'s prompt of trajectory `label` that leaves the model no room to generate (`tokens` of a
+    `context`): `env` (an `EnvSpec`) names itself, and says how to shorten the prompt when it has a `prompt_hint`
+    (textarena: `prompt=TEXT` in place of the game's rules)."""
+    hint = env.attribute("prompt_hint")
+    return RlkitError(f"environment {env.name}: reset()'s prompt for {label} is {tokens} tokens; the model's context "
+                      f"is {context}, with no room left to generate" + (f"; {hint}" if isinstance(hint, str) else ""))
 
 
 def unescape(text: str) -> str:

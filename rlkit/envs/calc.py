@@ -28,7 +28,12 @@ from rlkit.tasks.base import Example, check_split, is_heldout, last_integer
 
 
 def mul(a: int, b: int) -> int:
-    """Multiply two integers: mul(37, 48) -> 1776."""
+    """Multiply two integers: mul(37, 48) -> 1776.
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
     return a * b
 
 

@@ -19,11 +19,13 @@ How a trajectory maps onto it (one connection per trajectory, opened by `reset`,
   - the model's turn, decoded, is the action's `action=FIELD` (default `message`); other fields of the action
     can be fixed with `action.KEY=VALUE` options (sent as text);
   - a step's reward is the server's `reward` (null: 0.0), the trajectory's the sum; `done` ends it (terminated).
-Options: `url` (ws:// or wss://; a bare http(s):// URL is turned into its /ws endpoint), `action`, `text`,
-`timeout` (seconds per call, 30), `seed` (a base added to every reset seed, 0), `max_new_tokens` (the turn's
-length), `stop` (a string that ends a turn, e.g. `stop=\\n`, in the text's escapes).
+Options: `url` (ws:// or wss://; an http(s):// URL is turned into its /ws endpoint, `http://HOST:PORT` and
+`http://HOST:PORT/ws` alike), `action`, `text`, `timeout` (seconds per call, 30), `seed` (a base added to every
+reset seed, 0), `max_new_tokens` (the turn's length), `stop` (a string that ends a turn, e.g. `stop=\\n`, in the
+text's escapes).
 A server that refuses the connection, answers with an error, closes mid-trajectory or overruns `timeout` is one
-line naming the URL and the trajectory (`--env-errors end`: that trajectory ends with reward 0 instead). A
+line naming the URL and the trajectory (`--env-errors end`: that trajectory ends with reward 0 instead; a
+refused connection, which every trajectory would meet, does not suggest it). A
 server at capacity (OpenEnv serves one session unless started with `max_concurrent_envs`) says so: a batch holds
 one session per trajectory, --num-prompts x --n of them.
 """
@@ -57,8 +59,9 @@ def _websockets():
 def _ws_url(url: str) -> str:
     if url.startswith(("ws://", "wss://")):
         return url
-    if url.startswith(("http://", "https://")):
-        return "ws" + url[4:].rstrip("/") + "/ws"
+    if url.startswith(("http://", "https://")):  # the server's URL: its /ws endpoint, unless the URL names it
+        base = "ws" + url[4:].rstrip("/")
+        return base if base.rsplit("/", 1)[-1] == "ws" and base.count("/") > 2 else base + "/ws"
     raise RlkitError(f"environment openenv: url={url!r}: expected ws://HOST:PORT/ws (or the server's http:// URL)")
 
 
@@ -127,8 +130,10 @@ class OpenEnv:
             self.ws = connect(self.url, open_timeout=self.timeout, close_timeout=2,
                               max_size=MAX_MESSAGE_BYTES).__enter__()
         except (OSError, TimeoutError, websockets.exceptions.WebSocketException) as e:
+            # refused, no such host: every trajectory would meet it (a timeout or a rejected handshake may be load)
+            down = isinstance(e, OSError) and not isinstance(e, TimeoutError)
             raise EnvError(f"{self.where}: cannot connect ({type(e).__name__}: {str(e)[:120] or 'no reason'}); is "
-                           "the server running there?") from None
+                           "the server running there?", every_trajectory=down) from None
         data = self._call({"type": "reset", "data": {"seed": seed}})
         return self._text(data)
 

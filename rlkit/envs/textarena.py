@@ -8,7 +8,7 @@ annotations, e.g. `max_turns=6`.
 
 How a game maps onto a trajectory (one game per trajectory):
   - the prompt is the game's opening message (its rules), or `prompt=TEXT` in its place (`\\n` escapes; a small
-    model's context may not hold the rules);
+    model's context may not hold the rules: the line that says so names `prompt=TEXT`);
   - each model turn is the game's action, as text (`stop=TEXT` ends a turn at TEXT, e.g. `stop=\\n`; by default at
     eos); the game's answer is its new messages, one per line (textarena echoes the player's own action back:
     dropped), put after a newline when the turn did not end with one;
@@ -148,7 +148,16 @@ class TextArena:
         self.env = None
         self.random = _Randomness()
 
-    option_attribute = staticmethod(option_attribute)
+    @staticmethod
+    def option_attribute(name: str, options: dict):
+        """`stop` and `max_new_tokens` as the options set them; `prompt_hint` (what the driver's line says when the
+        game's opening message does not fit the model's context) naming the game and `prompt=TEXT`."""
+        if name == "prompt_hint":
+            spec = f"--env textarena:game={options.get('game') or 'ID'},prompt=TEXT"
+            if options.get("prompt"):
+                return f"the prompt=TEXT given is too long for it: give a shorter one ({spec}; \\n escapes)"
+            return f"give a shorter prompt in place of the game's rules with the option prompt=TEXT ({spec}; \\n escapes)"
+        return option_attribute(name, options)
 
     @classmethod
     def library(cls) -> str:

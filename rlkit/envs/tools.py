@@ -24,6 +24,12 @@ Two call formats are read, always both (the first call of the turn counts; `stop
                                JSON (`arguments` an object, a list of positional values, or a JSON string of one).
 An opening tag without its closing tag is no call (a turn cut at its length is a final answer).
 
+The tools' JSON schemas (`tool_schemas()`: transformers' `get_json_schema` of each function, as TRL builds them;
+a function without a Google-style docstring for every argument gets its parameters from its type hints) go to the
+chat template as `tools=` wherever rlkit renders through it: chat-formatted `--prompts` (a `messages` column) and
+the tool messages appended after each call. A prompt that is plain text (`--task`, a `prompt` column, `calc`'s
+own) is used as it is, so it must describe the tools itself (`describe()` gives one line per tool).
+
 Failures never crash the episode; each becomes the observation `error: ...` (so the model can retry): an
 unparsable call, an unknown tool, arguments that do not bind to the function's signature or do not match its
 annotations (int, float, str, bool and unions of them are checked; an int is accepted for a float), a tool that
@@ -44,6 +50,7 @@ the last instance is closed (`close()`).
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import json
 import re
@@ -181,6 +188,16 @@ class Tools:
             self.tool_errors += 1
         return Step([{"role": "tool", "content": text}], 0.0)
 
+    def tool_schemas(self) -> tuple[dict, ...]:
+        """The tools' JSON schemas, for the chat template (`tools=`; see the module docstring)."""
+        return tuple(json_schema(fn, name) for name, fn in self.functions.items())
+
+    @classmethod
+    def declared_tool_schemas(cls) -> tuple[dict, ...]:
+        """The schemas of the class's own `tools`, read without an instance (for chat-formatted prompts, before any
+        trajectory starts); empty for a class whose tools are given to its constructor."""
+        return tuple(json_schema(fn, name) for name, fn in _named(cls.tools, cls.__name__).items())
+
     def close(self) -> None:
         """Release this instance's share of the sandboxed workers (the last instance stops them)."""
         pools, self._pools = self._pools, None
@@ -236,6 +253,47 @@ class Tools:
     def _cut(self, text: str) -> str:
         n = self.max_output_chars
         return text if len(text) <= n else f"{text[:n]}...[{len(text) - n} characters cut]"
+
+
+_JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", tuple: "array",
+               dict: "object", type(None): "null"}
+
+
+@functools.cache
+def json_schema(fn: Callable, name: str) -> dict:
+    """Tool `name`'s JSON schema for the chat template's `tools=`: transformers' `get_json_schema` of `fn` (type
+    hints and a Google-style docstring, as TRL builds its tools'), named `name`. A function it cannot describe (an
+    argument without a docstring line, an untyped one) gets its first docstring line and its parameters' types from
+    its hints (JSON's integer, number, string, boolean, array, object; no type where the hint is another)."""
+    try:
+        from transformers.utils import get_json_schema
+
+        schema = get_json_schema(fn)
+    except Exception:  # noqa: BLE001 (transformers refuses it: the schema from the signature)
+        doc = (inspect.getdoc(fn) or "").strip().splitlines()
+        props: dict = {}
+        required = []
+        sig = _signature(fn)
+        hints = {}
+        try:
+            hints = typing.get_type_hints(fn)
+        except Exception:  # noqa: BLE001 (an annotation that does not resolve: untyped)
+            pass
+        for p in (sig.parameters.values() if sig is not None else ()):
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                continue
+            hint = hints.get(p.name)
+            members = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+            kinds = [_JSON_TYPES.get(typing.get_origin(m) or m) for m in members]
+            props[p.name] = {} if None in kinds else {"type": kinds[0] if len(kinds) == 1 else kinds}
+            if p.default is p.empty:
+                required.append(p.name)
+        schema = {"type": "function", "function": {"name": name, "description": doc[0] if doc else "",
+                                                   "parameters": {"type": "object", "properties": props,
+                                                                  **({"required": required} if required else {})}}}
+    if schema["function"].get("name") != name:  # a tool named otherwise than its function (a dict name -> function)
+        schema = {**schema, "function": {**schema["function"], "name": name}}
+    return schema
 
 
 def _named(functions, owner: str) -> dict[str, Callable]:

@@ -134,20 +134,13 @@ _SENTINEL = object()
 def tool_schemas(cls) -> tuple[dict, ...]:
     """The JSON schemas of the class's tools, as TRL hands them to the chat template (`tools=`): transformers'
     `get_json_schema` of each public method (type hints and a Google-style docstring), read off the class without
-    making an instance. A method it cannot describe gets its name and first docstring line, no parameters."""
-    from transformers.utils import get_json_schema
+    making an instance. A method it cannot describe gets its first docstring line and its parameters' types from
+    its hints (`rlkit.envs.tools.json_schema`)."""
+    from rlkit.envs.tools import json_schema
 
-    out = []
-    for name, fn in inspect.getmembers(cls, predicate=inspect.isfunction):
-        if name.startswith("_") or name in RESERVED:
-            continue
-        try:
-            out.append(get_json_schema(fn.__get__(_SENTINEL)))  # bound (as TRL's instance methods are): no `self`
-        except Exception:  # noqa: BLE001 (no docstring, an untyped argument: what transformers would refuse)
-            doc = (inspect.getdoc(fn) or "").strip().splitlines()
-            out.append({"type": "function", "function": {"name": name, "description": doc[0] if doc else "",
-                                                          "parameters": {"type": "object", "properties": {}}}})
-    return tuple(out)
+    return tuple(json_schema(fn.__get__(_SENTINEL), name)  # bound (as TRL's instance methods are): no `self`
+                 for name, fn in inspect.getmembers(cls, predicate=inspect.isfunction)
+                 if not name.startswith("_") and name not in RESERVED)
 
 
 def factory(cls, label: str):

@@ -224,7 +224,7 @@ def _follow(cfg, inp, pending, weights, rt, start: Path, sp: Path | None, base_f
                 source.trained(got)
                 pruned = follow.prune(root, keep) if keep is not None else []
                 tracker.log(row)
-                show(metrics, inp, t.algo)
+                show(metrics, inp, t.algo, follow=True)
                 console.info(f"update: wrote {path} in {published[0]:.2f}s ({published[1] / 2**20:.1f} MiB; lag mean "
                              f"{metrics['lag_mean']:.2f}, max {metrics['lag_max']}; {got.dropped} rows dropped)"
                              + (f"; pruned steps {pruned}" if pruned else ""))

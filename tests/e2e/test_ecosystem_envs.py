@@ -110,6 +110,19 @@ def test_openenv_server_trajectories(server, sft_dir, tmp_path):
     assert manifest["inputs"]["env"] == f"builtin:openenv+openenv-client websockets=={version('websockets')}"
 
 
+def test_openenv_http_urls_connect_to_the_ws_endpoint(server):
+    """The server's http:// URL, with or without its /ws path, reaches the /ws endpoint (one session each)."""
+    from rlkit.envs import get_env
+    from rlkit.tasks import Example
+
+    for url in (f"http://127.0.0.1:{server.port}/ws", f"http://127.0.0.1:{server.port}"):
+        env = get_env(f"openenv:url={url}").make()
+        try:
+            assert env.url == server.url and env.reset(Example("train-0-0", "", "3", "train")) == "Say 3:"
+        finally:
+            env.close()
+
+
 def test_openenv_failures_are_one_line(server, sft_dir, tmp_path):
     out = tmp_path / "r.arrow"
     base = ["--policy", str(sft_dir), "--num-prompts", str(P), "--n", str(N), "--out", str(out)]

@@ -406,6 +406,13 @@ def test_env_rollout_follow_streams_trajectories_into_update(sft_dir, tmp_path):
     assert [s.step for s in follow.scan(root)[0]] == [1, 2]
     metrics = [json.loads(line) for line in Path(f"{root}.metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2] and all(m["sequences_trained"] == P * N for m in metrics)
+    # each step's table: the batch's turns and environment-token share, said to be the batch's
+    shown = " ".join(r.stderr.split())
+    assert shown.count("figures of this step's batch, not running means") == 2, r.stderr[-3000:]
+    for m in metrics:
+        assert m["mean_turns"] == 2.0 and 0 < m["environment_token_fraction"] < 1
+        share = m["environment_token_fraction"]
+        assert "mean_turns │ 2 │" in shown and f"environment_token_fraction │ {share:.4g} │" in shown
     t, reader = streams.read_table(rolls, ["rollouts"])
     assert reader.manifest["config"]["env"] == f"{env}:TwoTurns"
     rows = t.to_pylist()

@@ -35,8 +35,9 @@ class Feedback:
 PROMPTS = (("p0", "12+3=", "stop"), ("p1", "7*8=", "go on"))
 
 
-def _write(path: Path, cols: dict, multi_turn: bool) -> Path:
-    """A rollouts table through rlkit's own writer: the multi-turn columns as extra fields (absent: single-turn)."""
+def _write(path: Path, cols: dict, multi_turn: bool, config: dict | None = None, **recorded) -> Path:
+    """A rollouts table through rlkit's own writer: the multi-turn columns as extra fields (absent: single-turn);
+    `config` and `recorded` (e.g. the tokenizer's fingerprint) as the manifest records a rollout's."""
     import pyarrow as pa
 
     from rlkit.io import manifests, schemas, streams
@@ -50,7 +51,7 @@ def _write(path: Path, cols: dict, multi_turn: bool) -> Path:
     if multi_turn:
         extra += list(schemas.MULTI_TURN_FIELDS)
         columns.update({f.name: cols[f.name] for f in schemas.MULTI_TURN_FIELDS})
-    manifest = manifests.make_manifest("rollouts", "rollout", {"env": "toy.py:Feedback"}, {})
+    manifest = manifests.make_manifest("rollouts", "rollout", config or {"env": "toy.py:Feedback"}, {}, **recorded)
     with streams.write_table("rollouts", path, manifest, extra) as w:
         w.write(columns)
     return path
@@ -122,6 +123,62 @@ def test_inspect_shows_a_multi_turn_tables_figures_and_conversations(episodes):
             assert f"\n  [assistant] {text}\n" in err
     assert "\n  [user, from the environment] <tool>7</tool>\n" in err
     assert "row 2 ·" not in err  # --rows 2
+
+
+def test_inspect_shows_the_observations_the_model_saw(sft_dir, episodes):
+    """With the policy that sampled the table (its manifest names it, and its tokenizer is the one recorded), a row's
+    completion is shown decoded from its tokens: the model's turns, and each observation exactly as appended, so one
+    that --max-env-tokens cut shows what was kept ("<tool" of "<tool>7</tool>"), marked; without that policy, the
+    messages as before, saying why."""
+    from rlkit import engines
+    from rlkit.engines import EngineOptions
+    from rlkit.envs import get_env
+    from rlkit.io import checkpoints
+    from rlkit.sampling.driver import Prompts, Sampling, run_episodes
+
+    d, _ = episodes
+    eng = engines.create("hf", sft_dir, EngineOptions(device="cpu"))
+    tok = eng.tokenizer
+    ids, texts, answers = zip(*PROMPTS, strict=True)
+    prompts = Prompts(0, list(ids), list(answers), list(texts), [tok(t)["input_ids"] for t in texts])
+    cols = dict(run_episodes(eng, tok, get_env(f"{d / 'toy.py'}:Feedback"), prompts,
+                             Sampling(n=1, max_new_tokens=8, max_turns=3, max_env_tokens=5), seed=3).columns)
+    cols["completion"] = [tok.decode(c, skip_special_tokens=True) for c in cols["completion_ids"]]
+    config = {"env": f"{d / 'toy.py'}:Feedback", "policy": str(sft_dir), "max_env_tokens": 5}
+    table = _write(d / "cut.arrow", cols, multi_turn=True, config=config,
+                   tokenizer=checkpoints.tokenizer_fingerprint(tok))
+
+    err = run_cli_inproc("inspect", str(table), "--rows", "2", env={"COLUMNS": "200"}).stderr.decode()
+    mark = "[5 tokens: --max-env-tokens, it may have been cut at 5 tokens]"
+    assert f"\n  [environment, as appended] <tool {mark}\n" in err, err
+    assert "<tool>7</tool>" not in err  # the environment's own text: not what the model saw
+    for i in range(2):
+        assert f"\n  [user] {cols['prompt'][i]}\n" in err
+        for m in cols["messages"][i]:
+            if m["role"] == "assistant":
+                assert f"\n  [assistant] {m['content']}\n" in err
+    # the policy gone: the messages, and a line saying why
+    table = _write(d / "gone.arrow", cols, multi_turn=True, config={**config, "policy": str(d / "gone")},
+                   tokenizer=checkpoints.tokenizer_fingerprint(tok))
+    err = run_cli_inproc("inspect", str(table), "--rows", "2", env={"COLUMNS": "200"}).stderr.decode()
+    assert "the policy that sampled them" in err and "[user, from the environment] <tool>7</tool>" in err
+
+
+def test_a_cut_observation_is_marked_where_the_row_records_its_length():
+    """Where a row records each observation's tokens before the cut (`observation_tokens`), the mark is exact:
+    `[cut at N tokens]` on an observation that lost tokens, none on one that fit."""
+    from rlkit.stages.inspect import _conversations, _Seen
+    from rlkit.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    turn, obs = tok("12", add_special_tokens=False)["input_ids"], tok("<tool", add_special_tokens=False)["input_ids"]
+    row = {"prompt_id": "p0", "sample_idx": 0, "prompt": "7*8=", "completion_ids": turn + obs + turn + obs,
+           "loss_mask": [1, 1] + [0] * 5 + [1, 1] + [0] * 5, "observation_tokens": [14, 5],
+           "messages": [{"role": "user", "content": "7*8="}]}
+    (text,) = _conversations([row], _Seen(tok, 5))
+    lines = text.plain.splitlines()
+    assert lines[1:] == ["  [user] 7*8=", "  [assistant] 12", "  [environment, as appended] <tool [cut at 5 tokens]",
+                         "  [assistant] 12", "  [environment, as appended] <tool"]
 
 
 def test_single_turn_tables_show_no_multi_turn_figures(episodes):

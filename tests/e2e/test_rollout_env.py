@@ -26,6 +26,7 @@ import os
 import time
 from pathlib import Path
 
+from rlkit.envs import Tools
 from rlkit.envs.base import Step, TaskEnv
 from rlkit.tasks import get_task
 
@@ -61,6 +62,33 @@ class Chat:
         if self.turn >= 3:
             return Step(None, 1.0, terminated=True)
         return Step([{"role": "tool", "content": str(len(action))}], 0.5)
+
+
+def mul(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: a factor
+        b: the other
+    """
+    return a * b
+
+
+class Chatty(Tools):
+    """rlkit's own Tools environment whose prompt is a chat message; its first step answers with a tool message
+    (as a call would), the next ends the episode."""
+
+    tools = [mul]
+
+    def prompt(self, example):
+        self.turn = 0
+        return [{"role": "user", "content": example.prompt}]
+
+    def step(self, action):
+        self.turn += 1
+        if self.turn == 1:
+            return Step([{"role": "tool", "content": "42"}], 0.0)
+        return Step(None, 1.0, terminated=True)
 
 
 class Varied:
@@ -142,6 +170,12 @@ def envs(tmp_path_factory) -> Path:
     return f
 
 
+# TEMPLATE, with the tools' names and parameters first when the template is given tools
+TOOLS_TEMPLATE = ("{{ bos_token }}{% if tools %}<tools>{% for t in tools %}{{ t.function.name }}("
+                  "{{ t.function.parameters.properties | join(',') }}){% endfor %}</tools>\n{% endif %}"
+                  + TEMPLATE.removeprefix("{{ bos_token }}"))
+
+
 def _with_template(sft_dir: Path, d: Path, template: str) -> Path:
     """A copy of the tiny checkpoint whose tokenizer has `template` as its chat template."""
     shutil.copytree(sft_dir, d)
@@ -221,6 +255,29 @@ def test_text_observations_are_appended_token_exact(sft_dir, envs, tmp_path):
         for (_, s, e), content in zip([r for r in runs if r[0] == 0], tools, strict=True):
             assert row["completion_ids"][s:e] == tok(f"<tool>{content}</tool>", add_special_tokens=False)["input_ids"]
     _check_logprobs(model, rows)
+
+
+def test_a_tools_environment_gives_the_chat_template_its_tools(sft_dir, envs, tmp_path):
+    """rlkit's own Tools environments hand the chat template their tools' JSON schemas (`tools=`) as a TRL class
+    does: the prompt the model sees lists them, and an observation is the suffix of the conversation rendered with
+    them (or, where the template renders a turn otherwise than it was sampled, a new row's prompt rendered with
+    them)."""
+    policy = _with_template(sft_dir, tmp_path / "tools", TOOLS_TEMPLATE)
+    tok = checkpoints.load_tokenizer(policy)
+    rows = _rollout(policy, f"{envs}:Chatty", tmp_path / "r.arrow")
+    firsts = [r for k, r in enumerate(rows) if k == 0 or rows[k - 1]["end_reason"] != "continued"]
+    assert len(firsts) == P * N
+    for row in firsts:
+        assert row["prompt"] == f"<bos><tools>mul(a,b)</tools>\n<user>{row['messages'][0]['content']}<assistant>"
+    for k, row in enumerate(rows):
+        env_tokens = [t for t, m in zip(row["completion_ids"], row["loss_mask"], strict=True) if m == 0]
+        if env_tokens:
+            # the template closes the model's turn with eos where the turn did not end on one
+            assert tok.decode(env_tokens, skip_special_tokens=False).removeprefix("<eos>") == "<tool>42<assistant>"
+        if k and rows[k - 1]["end_reason"] == "continued":  # a new row: the whole conversation, with the tools
+            assert row["prompt"].startswith("<bos><tools>mul(a,b)</tools>\n<user>")
+            assert row["prompt"].endswith("<tool>42<assistant>")
+    assert sum(r["end_reason"] == "terminated" for r in rows) == P * N
 
 
 def test_chat_template_suffix_and_a_template_that_rewrites_history(sft_dir, envs, tmp_path):

@@ -375,3 +375,52 @@ def test_score_ref_scores_every_token_and_carries_the_multi_turn_columns(policy,
     sampled = sum(sum(x) if x is not None else c for x, c in zip(MASKS, CLENS, strict=True))
     assert m["mean_response_tokens"] == sampled / n
     assert m["environment_token_fraction"] == pytest.approx(1 - sampled / sum(CLENS))
+
+
+def test_update_shows_mean_turns_and_the_environments_token_share(policy, rows, tmp_path):
+    """update's table on a multi-turn batch shows mean_turns and environment_token_fraction (the completion tokens
+    with loss_mask 0 over all completion tokens), the figures its manifest records; a row --mask-truncated leaves
+    out of the loss still counts its sampled tokens as sampled."""
+    from rlkit.io import manifests, streams
+
+    t = _table(rows, kind="rollouts")
+    cut = ["length"] + ["stop"] * (t.num_rows - 1)  # row 0 (3 sampled, 4 environment tokens) hit the limit
+    i = t.schema.get_field_index("finish_reason")
+    t = t.set_column(i, t.schema.field(i), pa.array(cut, t.schema.field(i).type))
+    src = tmp_path / "mt.arrow"
+    with streams.write_table("rollouts", src, manifests.make_manifest("rollouts", "rollout", {}, {}),
+                             [f for f in t.schema if f.name in ("loss_mask", "turns", "reward/verifier")]) as w:
+        w.write(t.to_batches()[0])
+    out = tmp_path / "out"
+    r = run_cli_inproc("update", "--policy", str(policy[2]), "--in", str(src), "--out", str(out), "--beta", "0",
+                       "--device", "cpu", "--epochs", "1", "--mask-truncated", env={"COLUMNS": "160"})
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    m = manifests.read_manifest(out)["metrics"]
+    sampled = sum(sum(x) if x is not None else c for x, c in zip(MASKS, CLENS, strict=True))
+    turns = [1 if x is None else sum(s > 0 for s, _ in x) for x in RUNS]
+    assert m["environment_token_fraction"] == pytest.approx(1 - sampled / sum(CLENS))
+    assert m["mean_turns"] == pytest.approx(sum(turns) / len(turns))
+    shown = {line.split()[1]: line.split()[3] for line in r.stderr.decode().splitlines()
+             if len(line.split()) == 5 and line.split()[1] in ("mean_turns", "environment_token_fraction")}
+    assert shown == {"mean_turns": f"{m['mean_turns']:.4g}",
+                     "environment_token_fraction": f"{m['environment_token_fraction']:.4g}"}, r.stderr.decode()
+
+
+def test_updates_table_says_its_figures_are_the_batchs_under_follow(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from rlkit import console
+    from rlkit.algorithms.grpo import GRPO
+    from rlkit.algorithms.inputs import Rollouts
+    from rlkit.algorithms.record import show
+
+    metrics = {"step": 3, "reward_mean": 0.5, "mean_turns": 2.5, "environment_token_fraction": 0.25}
+    for follow in (False, True):
+        buf = io.StringIO()
+        monkeypatch.setattr(console, "err", Console(file=buf, width=120, highlight=False, markup=False))
+        show(metrics, Rollouts(), GRPO, follow=follow)
+        text = " ".join(buf.getvalue().split())
+        assert "mean_turns" in text and "2.5" in text and "environment_token_fraction" in text and "0.25" in text
+        assert ("figures of this step's batch, not running means" in text) == follow

@@ -207,6 +207,33 @@ class Loud(Tools):
 '''
 
 
+def test_tools_give_the_chat_template_their_json_schemas():
+    """As a TRL class's: `tool_schemas()` on an instance (the driver renders message observations with it) and on
+    the spec without one (chat-formatted --prompts): transformers' get_json_schema where the docstring documents
+    every argument (calc's mul), else the description's first line and the types from the hints, named as the tool
+    is named."""
+    from transformers.utils import get_json_schema
+
+    spec = get_env("calc")
+    assert spec.tool_schemas() == [get_json_schema(mul)] and list(spec.make().tool_schemas()) == spec.tool_schemas()
+    assert spec.tool_schemas()[0]["function"]["parameters"]["properties"]["a"] == {
+        "type": "integer", "description": "the first factor"}
+
+    def add(a: int, b: float | None = 1.0, *rest, c: str = "", d=None) -> float:
+        """Add b to a.
+
+        No Args section: transformers cannot describe it."""
+        return a + (b or 0)
+
+    (schema,) = Tools(functions={"plus": add}).tool_schemas()
+    assert schema == {"type": "function", "function": {
+        "name": "plus", "description": "Add b to a.",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": ["number", "null"]},
+                                                        "c": {"type": "string"}, "d": {}},
+                       "required": ["a"]}}}
+    assert get_env("guess").tool_schemas() is None  # no tools: no schemas
+
+
 def test_a_subclass_in_a_file_through_env_spec(tmp_path):
     (tmp_path / "loud.py").write_text(ENV_FILE)
     spec = get_env(f"{tmp_path / 'loud.py'}:Loud:bonus=0.5")
