@@ -1,7 +1,8 @@
 """DAPO's dynamic sampling (`rollout --min-informative-groups K`) on the real tiny model: only groups whose rewards
-differ are written, sampling goes on past --num-prompts until K of them are, within --max-refill-rounds, and the
-rows are those a plain rollout of the same seed samples (group ids and seeds reproducible); under --follow each
-batch is K groups, which `update --follow` takes as its steps."""
+differ are written, sampling goes on past --num-prompts until K of them are, within --max-refill-rounds, the
+first round's rows are those a plain rollout of the same seed samples and later chunks only the groups still
+missing, and `prompts_drawn` counts what was sampled for the groups kept; under --follow each batch is K groups,
+which `update --follow` takes as its steps."""
 
 from __future__ import annotations
 
