@@ -81,7 +81,7 @@ class RolloutConfig:
     n: int = option(8, "--n", min=1, panel="Data", help="Completions per prompt (the group size).")
     # DAPO's dynamic sampling: keep sampling new prompts until this many groups have unequal rewards
     min_informative_groups: int | None = option(None, min=1, panel="Data", help="DAPO's dynamic sampling: write only groups whose rewards are not all equal (the others carry no signal for group-normalised algorithms), sampling new prompts after --num-prompts (--follow: --batch-prompts) until this many are written; at most --max-refill-rounds more rounds of that many prompts, then the batch is filled up with uninformative groups. Needs --n >= 2 and rewards at rollout (the task's verifier, --env, --reward-fn).")
-    max_refill_rounds: int = option(4, min=0, panel="Data", help="--min-informative-groups: extra generation rounds (each as many prompts as the first) at most (verl's max_num_gen_batches - 1).")
+    max_refill_rounds: int = option(4, min=0, panel="Data", help="--min-informative-groups: the prompts sampled after the first round are at most this many times its prompts (verl's max_num_gen_batches - 1); each chunk then samples only as many prompts as groups are still missing.")
     temperature: float = option(1.0, panel="Sampling", help="Sampling temperature (> 0).")
     top_p: float = option(1.0, panel="Sampling", help="Nucleus sampling threshold.")
     max_new_tokens: int | None = option(None, min=1, panel="Sampling", help="Longest completion, in tokens (TRL's max_completion_length, verl's response_length); under --env, the longest model turn (per turn; a whole trajectory is --max-total-tokens). Default: the environment's max_new_tokens under --env, else the task's own generation length (arithmetic 16; math 96, 256 with data=; code 40, 512 with data=; a user task's max_new_tokens, else 16); the manifest records the value in force. A completion cut there has finish_reason `length` (verdict `truncated` where the task gives verdicts), and a warning says so when more than half are.")
@@ -495,9 +495,13 @@ class _Verifier:
         if self.refills:
             drawn, kept = sum(r.drawn for r in self.refills), sum(r.kept for r in self.refills)
             want, first = sum(r.want for r in self.refills), sum(r.first for r in self.refills)
-            line = (f"rollout: dynamic sampling: {kept} informative groups of {want} wanted, from {drawn} prompts "
-                    f"sampled ({max(0, drawn - first)} beyond the first round's {first}; {kept / max(1, drawn):.0%} "
-                    "of the groups sampled were informative)")
+            informative, tail = sum(r.informative for r in self.refills), sum(r.tail for r in self.refills)
+            line = (f"rollout: dynamic sampling: informative {informative} of {drawn} sampled "
+                    f"({informative / max(1, drawn):.0%}); kept {kept}")
+            if drawn > first:
+                line += f"; {drawn - first} sampled after the first round's {first}"
+            if tail:
+                line += f"; {tail} sampled after the last group kept, in its chunk, dropped (in no prompts_drawn)"
             if kept < want:
                 console.warn(line + f"; --max-refill-rounds reached: {want - kept} uninformative groups fill the batch")
             else:
@@ -514,11 +518,14 @@ def _sample(cfg: RolloutConfig, engine: Engine, tokenizer, verifier: _Verifier, 
     --env each row is one completion; with it, one trajectory (`rlkit.sampling.run_episodes`). `verifier` scores
     each chunk's rows at once (the final turn's text of a trajectory; with their verdicts where the task gives
     them); `fns` (--reward-fn) add their reward columns, computed on each chunk's rows. `refill`
-    (--min-informative-groups): only its informative groups are written, and sampling stops once it has enough."""
+    (--min-informative-groups): `chunks` re-cut as it asks (`_Refill.chunks`), only its informative groups are
+    written, and sampling stops once it has enough."""
     from rlkit import sampling
 
     n = cfg.n
     s = _sampling(cfg)
+    if refill is not None:
+        chunks = refill.chunks(chunks, cfg.chunk_prompts)
     for ch in chunks:
         if verifier.env is None:
             gen = sampling.sample(engine, ch, s, seed * 1_000_003 + ch.c0)
@@ -628,21 +635,49 @@ class _Refill:
     """DAPO's dynamic sampling over one batch (Yu et al. 2025, "DAPO"; verl's `filter_groups`): a group whose
     rewards (the components summed, as `update` takes them without --reward) are all equal gives every
     group-normalised advantage 0, so only groups with unequal rewards are written, `want` of them, while at most
-    `limit` prompts are sampled. The uninformative groups are kept aside (up to `want`) to fill the batch up when
-    the limit comes first, so it always holds `want` groups (`update --follow` takes whole batches). Every written
-    row carries `prompts_drawn` (`rlkit.io.schemas.REFILL_FIELDS`)."""
+    `limit` prompts are sampled: the first round's `first`, then only as many as groups are still missing
+    (`chunks`). The uninformative groups are kept aside (up to `want`) to fill the batch up when the limit comes
+    first, so it always holds `want` groups (`update --follow` takes whole batches). Every written row carries
+    `prompts_drawn` (`rlkit.io.schemas.REFILL_FIELDS`): its group and the uninformative ones sampled since the group
+    written before it, so that over a batch they sum to the prompts sampled up to its last group. The prompts that
+    the chunk filling the batch sampled after its last group (a first-round chunk) are `tail`, in no group's."""
 
     want: int
     limit: int
     first: int  # prompts of the first round (--num-prompts, --batch-prompts)
     kept: int = 0  # informative groups written
     drawn: int = 0  # prompts sampled
+    informative: int = 0  # groups sampled whose rewards are not all equal: the kept ones and any in the tail
+    tail: int = 0  # prompts sampled after the batch was full (the rest of its chunk): dropped, in no prompts_drawn
     since: int = 0  # prompts sampled since the last group written
     spare: list = field(default_factory=list)  # uninformative groups: their columns
 
     @property
     def done(self) -> bool:
         return self.kept >= self.want or self.drawn >= self.limit
+
+    def chunks(self, chunks, size: int):
+        """The stream's prompts (`chunks`: `rlkit.sampling.Prompts` from prompt 0 on) re-cut into the chunks this
+        batch samples, each made once the one before it is taken: the first round's `first` prompts in chunks of
+        `size`, as a plain rollout of `first` prompts cuts them, then chunks of as many prompts as groups are still
+        missing (at most `size`, up to `limit`), so that past the first round no informative group is sampled to be
+        dropped. A chunk's seed follows its first prompt (`_sample`): the same seed gives the same chunks."""
+        buf = None  # prompts drawn from `chunks`, not sampled yet
+        at = 0  # the next prompt to sample
+        while not self.done:
+            k = min(size, self.first - at) if at < self.first else min(size, self.want - self.kept, self.limit - at)
+            if k <= 0:
+                return
+            while buf is None or len(buf.ids) < k:
+                more = next(chunks, None)
+                if more is None:
+                    break
+                buf = more if buf is None else _prompts_joined(buf, more)
+            if buf is None or not buf.ids:
+                return  # the stream ended (a prompts file, a user task)
+            piece, buf = _prompts_cut(buf, k)
+            at = buf.c0
+            yield piece
 
     def take(self, cols: dict) -> dict | None:
         """A chunk's columns -> those of its informative groups still wanted, each group's rows together (None: none)."""
@@ -658,18 +693,20 @@ class _Refill:
             if self.drawn >= self.limit:
                 break
             self.drawn += 1
+            informative = len({total[i] for i in rows}) > 1
+            self.informative += informative
+            if self.kept >= self.want:  # in the chunk that filled the batch, after its last group: dropped
+                self.tail += 1
+                continue
             self.since += 1
-            group = {k: [v[i] for i in rows] for k, v in cols.items()}
-            if len({total[i] for i in rows}) > 1 and self.kept < self.want:
+            if informative:
+                group = {k: [v[i] for i in rows] for k, v in cols.items()}
                 group["prompts_drawn"] = [self.since] * len(rows)
                 self.since = 0
                 self.kept += 1
                 out.append(group)
             elif len(self.spare) < self.want:
-                self.spare.append(group)
-        if out and self.kept >= self.want:  # the chunk's prompts sampled after the last group count with it
-            out[-1]["prompts_drawn"] = [out[-1]["prompts_drawn"][0] + self.since] * len(out[-1]["group_id"])
-            self.since = 0
+                self.spare.append({k: [v[i] for i in rows] for k, v in cols.items()})
         return _joined(out)
 
     def fill(self) -> dict | None:
@@ -683,6 +720,25 @@ class _Refill:
             g["prompts_drawn"] = [self.since if j == 0 else 0] * len(g["group_id"])
         self.since = 0
         return _joined(groups)
+
+
+def _prompts_joined(a, b):
+    """Two `rlkit.sampling.Prompts` of consecutive prompts -> one."""
+    from dataclasses import fields
+
+    return replace(a, **{f.name: None if getattr(a, f.name) is None else getattr(a, f.name) + getattr(b, f.name)
+                         for f in fields(a) if f.name != "c0"})
+
+
+def _prompts_cut(p, k: int):
+    """`rlkit.sampling.Prompts` -> (its first `k` prompts, the rest, from prompt c0 + k)."""
+    from dataclasses import fields
+
+    def part(sl: slice) -> dict:
+        return {f.name: None if getattr(p, f.name) is None else getattr(p, f.name)[sl] for f in fields(p)
+                if f.name != "c0"}
+
+    return replace(p, **part(slice(None, k))), replace(p, c0=p.c0 + k, **part(slice(k, None)))
 
 
 def _joined(groups: list[dict]) -> dict | None:

@@ -631,8 +631,9 @@ class Rollouts:
 
 def refill_metrics(table, rewards: Tensor) -> dict[str, Any]:
     """A batch of `rollout --min-informative-groups` (DAPO's dynamic sampling): the prompts sampled for its groups
-    (each group's `prompts_drawn`, summed), how many beyond the groups kept (`extra_prompts`), and the share of its
-    groups whose rewards (the combined reward trained on) are not all equal."""
+    (each group's `prompts_drawn`, summed: those up to its last group, not the rest of the chunk that completed it),
+    how many beyond the groups kept (`extra_prompts`), and the share of its groups whose rewards (the combined reward
+    trained on) are not all equal."""
     from rlkit.ops.advantages import degenerate_groups
 
     drawn: dict[int, int] = {}

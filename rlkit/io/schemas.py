@@ -121,8 +121,10 @@ TOKEN_NAMES = frozenset(f.name for f in TOKEN_FIELDS)
 
 
 # `rollout --min-informative-groups` (DAPO's dynamic sampling): on every row of a group written, the prompts drawn
-# for it: itself and the uninformative ones dropped since the group written before it (the last group also counts
-# those sampled after the last informative one), so their sum over a batch's groups is the prompts it sampled.
+# for it: itself and the uninformative ones dropped since the group written before it (when the cap fills the batch
+# up with uninformative groups, the first of them also those sampled after the last informative one), so their sum
+# over a batch's groups is the prompts it sampled up to its last group (those its last chunk sampled after the
+# batch was full are dropped, in no group: rollout's closing line counts them).
 REFILL_FIELDS = (_f("prompts_drawn", pa.int32(), True),)
 
 

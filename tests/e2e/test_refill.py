@@ -1,7 +1,8 @@
 """DAPO's dynamic sampling (`rollout --min-informative-groups K`) on the real tiny model: only groups whose rewards
-differ are written, sampling goes on past --num-prompts until K of them are, within --max-refill-rounds, and the
-rows are those a plain rollout of the same seed samples (group ids and seeds reproducible); under --follow each
-batch is K groups, which `update --follow` takes as its steps."""
+differ are written, sampling goes on past --num-prompts until K of them are, within --max-refill-rounds, the
+first round's rows are those a plain rollout of the same seed samples and later chunks only the groups still
+missing, and `prompts_drawn` counts what was sampled for the groups kept; under --follow each batch is K groups,
+which `update --follow` takes as its steps."""
 
 from __future__ import annotations
 
@@ -35,34 +36,50 @@ def _total(r):
     return sum(v for k, v in r.items() if k.startswith("reward/"))
 
 
-def test_refill_writes_k_informative_groups_of_a_plain_rollouts_rows(sft_dir, tmp_path):
+def test_refill_samples_only_the_groups_missing_and_counts_what_it_sampled(sft_dir, tmp_path):
+    """The first round's rows are a plain rollout's of --num-prompts at the same seed; after it, only as many prompts
+    as groups are missing are sampled (no tail), and a first round with more informative groups than K drops the
+    rest of its chunk, outside every `prompts_drawn` and update's `prompts_sampled`."""
     (tmp_path / "rw.py").write_text(PARITY)
     fn = ("--reward-fn", f"parity={tmp_path}/rw.py:parity", "--max-new-tokens", "6", "--seed", "3")
-    plain = tmp_path / "plain.arrow"  # the 48 prompts the refilled rollout may sample, unfiltered
-    stage("rollout", "--policy", str(sft_dir), "--num-prompts", "48", "--n", "4", *fn, "--out", str(plain))
+    plain = tmp_path / "plain.arrow"  # the first round, unfiltered
+    stage("rollout", "--policy", str(sft_dir), "--num-prompts", "12", "--n", "4", *fn, "--out", str(plain))
     _, pgroups = _groups(plain)
     informative = [g for g, rows in pgroups.items() if len({_total(r) for r in rows}) > 1]
-    k = min(len(informative), 12)
-    assert 12 > len([g for g in informative if g < 12]), "the first round alone would already hold K groups"
-    r = run_cli_inproc("rollout", "--policy", str(sft_dir), "--num-prompts", "12", "--n", "4", *fn,
-                       "--min-informative-groups", str(k), "--max-refill-rounds", "3", "--out", str(tmp_path / "r.arrow"))
-    assert r.returncode == 0, r.stderr.decode()[-2000:]
-    rows, groups = _groups(tmp_path / "r.arrow")
-    assert list(groups) == informative[:k]  # the first K informative groups, in order
-    for g, rs in groups.items():  # each row exactly as the plain rollout sampled it
-        want = pgroups[g]
-        assert [x["completion_ids"] for x in rs] == [x["completion_ids"] for x in want]
-        assert [x["old_logprobs"] for x in rs] == [x["old_logprobs"] for x in want]
-    drawn = {g: rs[0]["prompts_drawn"] for g, rs in groups.items()}
-    last = informative[k - 1]
-    assert sum(drawn.values()) >= last + 1  # every prompt up to the last group kept was sampled and counted
-    assert "dynamic sampling" in r.stderr.decode()
-    # update shows what the refill cost
-    u = run_cli_inproc("update", "--policy", str(sft_dir), "--in", str(tmp_path / "r.arrow"), "--out",
+    assert 4 < len(informative) < 12, "K 12 must need a refill and K 4 leave informative groups after it"
+
+    def refilled(k: int, out):
+        r = run_cli_inproc("rollout", "--policy", str(sft_dir), "--num-prompts", "12", "--n", "4", *fn,
+                           "--min-informative-groups", str(k), "--max-refill-rounds", "3", "--out", str(out))
+        assert r.returncode == 0, r.stderr.decode()[-2000:]
+        _, groups = _groups(out)
+        assert len(groups) == k and all(len({_total(x) for x in rs}) > 1 for rs in groups.values())
+        for g in (g for g in groups if g < 12):  # the first round: each row exactly as the plain rollout sampled it
+            assert [x["completion_ids"] for x in groups[g]] == [x["completion_ids"] for x in pgroups[g]]
+            assert [x["old_logprobs"] for x in groups[g]] == [x["old_logprobs"] for x in pgroups[g]]
+        return groups, {g: rs[0]["prompts_drawn"] for g, rs in groups.items()}, r.stderr.decode()
+
+    # K 12: the first round's informative groups, then prompts 12.. until 12 are written; the last one sampled is
+    # the last group kept, and every prompt up to it is counted once
+    groups, drawn, err = refilled(12, tmp_path / "r.arrow")
+    assert [g for g in groups if g < 12] == informative and min(g for g in groups if g >= 12) == 12
+    last = max(groups)
+    assert sum(drawn.values()) == last + 1
+    assert f"informative 12 of {last + 1} sampled ({12 / (last + 1):.0%}); kept 12; {last + 1 - 12} sampled after the " \
+           "first round's 12" in err
+    # K 4: the first round alone; the prompts after the 4th informative group, sampled in its chunk, are dropped and
+    # counted apart
+    groups, drawn, err = refilled(4, tmp_path / "r4.arrow")
+    assert list(groups) == informative[:4]
+    tail = 11 - informative[3]
+    assert tail > 0 and sum(drawn.values()) == informative[3] + 1
+    assert (f"informative {len(informative)} of 12 sampled ({len(informative) / 12:.0%}); kept 4; {tail} sampled "
+            "after the last group kept") in err
+    u = run_cli_inproc("update", "--policy", str(sft_dir), "--in", str(tmp_path / "r4.arrow"), "--out",
                        str(tmp_path / "u"), "--beta", "0", "--metrics", str(tmp_path / "m.jsonl"))
     assert u.returncode == 0, u.stderr.decode()[-2000:]
     m = json.loads((tmp_path / "m.jsonl").read_text())
-    assert m["prompts_sampled"] == sum(drawn.values()) and m["extra_prompts"] == m["prompts_sampled"] - k
+    assert m["prompts_sampled"] == informative[3] + 1 and m["extra_prompts"] == informative[3] + 1 - 4
     assert m["informative_group_fraction"] == 1.0
 
 
