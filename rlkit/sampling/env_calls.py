@@ -100,7 +100,8 @@ class EnvCalls:
             return
         with self._lock:
             self._todo.append(call)
-            if self._idle == 0 and sum(not t.abandoned for t in self._threads) < self.workers:
+            # more calls queued than idle threads to take them (a woken thread counts as idle until it takes one)
+            if len(self._todo) > self._idle and sum(not t.abandoned for t in self._threads) < self.workers:
                 self._spawn()
             else:
                 self._work.notify()
