@@ -1,9 +1,17 @@
 """The turn loop: an engine samples, an environment answers, until every trajectory of the batch has ended.
 
 `sample` is one turn for a batch of prompts (what single-turn stages run): the engine's `Generated`, nothing
-else. `run_episodes` runs `Prompts` against an environment (`rlkit.envs`): every trajectory of the batch is
-sampled together, turn by turn (the active ones only, one engine call per turn, never one trajectory at a time),
-and each becomes one row.
+else. `run_episodes` runs `Prompts` against an environment (`rlkit.envs`): the trajectories of the batch are
+sampled together, never one trajectory at a time, and each becomes one row.
+
+Concurrency. The environment's calls (`reset`, `step`, `close`) of different trajectories run at once
+(`rlkit.sampling.env_calls`: `env_workers` threads, an event loop for `async def`), never two of one trajectory;
+this thread owns the trajectories and the engine. `env_schedule` "turns": one engine call per turn over every
+running trajectory, once the environment has answered them all (the rows do not depend on the calls' latencies or
+order); "ready": each trajectory's next turn goes to the engine's `Stream` as soon as its own call returned (vLLM:
+continuous batching; another engine: the ready ones as one batch whenever the engine is free), seeded by
+`trajectory_seed` (seed, prompt, sample, turn). An environment with `max_sessions` has at most that many instances
+open: the others queue, a trajectory's instance is closed as soon as it ends, and a `Busy` reset is tried again.
 
 The token rule. A trajectory is the prompt's tokens, then, turn after turn, the tokens the engine sampled
 (`loss_mask` 1, with the engine's log-probs) and the tokens of the environment's observation (`loss_mask` 0,
@@ -20,12 +28,12 @@ template renders a message as `<ROLE>content</ROLE>` (a tool result: `<tool>408<
 
 Limits: `max_turns` model turns; `max_new_tokens` per turn; `max_total_tokens` completion tokens over all turns
 (and never past the model's context); `max_env_tokens` per observation, of which the first are kept (the end is
-cut). A limit reached is `truncated`, not a loss. Each `reset`/`step` call may run `env_timeout` seconds (0: no
-limit; a real-time timer, as `--reward-timeout`). An environment that raises, returns a bad value (a reward that
-is not a finite number, an observation that is neither text nor messages or longer than
-`MAX_OBSERVATION_CHARS`) or overruns is one line (`EnvError`, exit 2) naming the class, the method and the
-trajectory; with `env_errors="end"` the trajectory ends there instead, with reward 0 and `end_reason` "error:
-...". `close()` is called on every instance, also after an error.
+cut). A limit reached is `truncated`, not a loss. Each `reset`/`step`/`close` call may run `env_timeout` seconds
+(0: no limit; from its start, enforced by `env_calls`' watchdog, off this thread). An environment that raises (or
+calls sys.exit()), returns a bad value (a reward that is not a finite number, an observation that is neither text
+nor messages or longer than `MAX_OBSERVATION_CHARS`) or overruns is one line (`EnvError`, exit 2) naming the class,
+the method and the trajectory; with `env_errors="end"` the trajectory ends there instead, with reward 0 and
+`end_reason` "error: ...". `close()` is called on every instance, also after an error.
 """
 
 from __future__ import annotations
@@ -166,8 +174,8 @@ def trajectory_seed(seed: int, k: int, n: int, request: int) -> int:
 
 class _Loop:
     """One batch's trajectories, each through its states: queued for a session, resetting, ready, sampling, stepping,
-    ended. The environment's calls run in `EnvCalls` (threads, an event loop); the engine gets the ready trajectories
-    a whole turn at a time ("turns") or one by one ("ready"); this thread owns every trajectory."""
+    ended (the module docstring's "Concurrency"). The environment's calls run in `EnvCalls` (threads, an event
+    loop); the engine gets the ready trajectories a whole turn at a time ("turns") or one by one ("ready")."""
 
     def __init__(self, engine, tokenizer, env, prompts: Prompts, s: Sampling, seed: int, ticker) -> None:
         from collections import deque

@@ -178,8 +178,15 @@ def hang(mark: str) -> str:
     os.execvp("sleep", ["sleep", mark])
 
 
+def nap(seconds: float) -> str:
+    import time
+
+    time.sleep(seconds)
+    return "rested"
+
+
 class Box(Tools):
-    tools = [hang]
+    tools = [hang, nap]
     timeout = 120.0  # the tool's own limit in the sandbox: far beyond the driver's
 '''
 
@@ -226,4 +233,28 @@ def test_a_hung_sandboxed_tool_is_killed_when_its_call_is_given_up(tmp_path):
         assert time.monotonic() < deadline, "the hung tool's process is still running"
         time.sleep(0.05)
     env.close()
+    calls.shutdown()
+
+
+def test_sandboxed_tools_of_different_trajectories_run_in_workers_of_their_own(tmp_path):
+    """Concurrent calls each take a worker of the module's pool (up to the sandbox's workers, the CPU count), and the
+    workers are kept for later calls until the last instance closes."""
+    from rlkit.envs import get_env
+    from rlkit.tasks.base import Example
+
+    (tmp_path / "box.py").write_text(TOOLS)
+    spec = get_env(f"{tmp_path / 'box.py'}:Box:sandbox={_sandbox_kind()}")
+    envs = [spec.make() for _ in range(4)]
+    for env in envs:
+        env.reset(Example("p0", "x", None, "train"))
+    calls = EnvCalls(4, limit=60)
+    for k, env in enumerate(envs):
+        calls.submit(k, "step", env.step, "<call>nap(0.5)</call>")
+    done = _all(calls)
+    assert [d.value.observation for d in done] == [[{"role": "tool", "content": "rested"}]] * 4
+    (pool,) = envs[0]._pools
+    assert len(pool.idle) == min(4, os.cpu_count() or 1)  # as many workers as calls ran at once, kept
+    for env in envs:
+        env.close()
+    assert not pool.idle
     calls.shutdown()
