@@ -28,7 +28,9 @@ from rlkit.options import (
     EngineName,
     Env,
     EnvErrors,
+    EnvSchedule,
     EnvTimeout,
+    EnvWorkers,
     GpuMemoryUtilization,
     MaxEnvTokens,
     MaxModelLen,
@@ -67,6 +69,8 @@ class EvalConfig:
     max_env_tokens: int = option(256, MaxEnvTokens)
     env_timeout: float = option(60.0, EnvTimeout)
     env_errors: Literal["fail", "end"] = option("fail", EnvErrors)
+    env_workers: int = option(32, EnvWorkers)
+    env_schedule: Literal["auto", "turns", "ready"] = option("auto", EnvSchedule)
     engine: EngineName = option("auto", SamplingEngine)
     batch_tokens: int = option(16384, min=16, panel="Optimization", help="Token budget per generation batch (hf engine).")
     tp: int = option(1, TensorParallel)
@@ -251,7 +255,8 @@ def _sampling(cfg: EvalConfig):
 
     return Sampling(n=1, temperature=0.0, max_new_tokens=cfg.max_new_tokens, max_turns=cfg.max_turns,
                     max_total_tokens=cfg.max_total_tokens, max_env_tokens=cfg.max_env_tokens,
-                    env_timeout=cfg.env_timeout, env_errors=cfg.env_errors)
+                    env_timeout=cfg.env_timeout, env_errors=cfg.env_errors, env_workers=cfg.env_workers,
+                    env_schedule=cfg.env_schedule)
 
 
 command = stage_options.command(EvalConfig, "Greedy held-out accuracy (with --env: mean trajectory reward), response "

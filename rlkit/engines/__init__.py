@@ -19,10 +19,12 @@ from rlkit.engines.base import (
     CONSERVATIVE,
     ENGINES,
     FALLBACK,
+    BatchStream,
     Capabilities,
     Engine,
     EngineOptions,
     Generated,
+    Stream,
     capabilities,
     check,
     choose,
@@ -30,7 +32,8 @@ from rlkit.engines.base import (
     get,
     names,
     register,
+    stream,
 )
 
-__all__ = ["AUTO", "CONSERVATIVE", "ENGINES", "FALLBACK", "Capabilities", "Engine", "EngineOptions", "Generated",
-           "capabilities", "check", "choose", "create", "get", "names", "register"]
+__all__ = ["AUTO", "CONSERVATIVE", "ENGINES", "FALLBACK", "BatchStream", "Capabilities", "Engine", "EngineOptions",
+           "Generated", "Stream", "capabilities", "check", "choose", "create", "get", "names", "register", "stream"]

@@ -1,6 +1,7 @@
 """The engine protocol and registry, a leaf module: the `Engine` protocol, what an engine returns (`Generated`),
 what it can do (`Capabilities`), what `rollout` passes it (`EngineOptions`), and the registry (`register`, `ENGINES`,
-`names`, `get`, `capabilities`, `check`, `choose`, `create`). The engine modules (`hf.py`, `vllm.py`, `generation.py`)
+`names`, `get`, `capabilities`, `check`, `choose`, `create`), and `Stream`, how an engine takes requests one at a time
+(`stream`: the engine's own, or `BatchStream` over its `sample`). The engine modules (`hf.py`, `vllm.py`, `generation.py`)
 import from here, never from the package `rlkit.engines`, which imports them to register them (so no import
 circle). Imports neither torch nor vLLM. Callers use `rlkit.engines`, which re-exports every name.
 """
@@ -111,6 +112,10 @@ class Engine(Protocol):
         """Load checkpoint `model_dir`'s weights into the live engine (`rollout --follow`); the seconds it took."""
         ...
 
+    # Optional: `stream(temperature=, top_p=, max_new_tokens=, stop=)` -> a `Stream` taking requests one at a time as
+    # they become ready (vLLM: continuous batching). An engine without it runs the driver's `--env-schedule ready`
+    # through `BatchStream` over its `sample`.
+
     def close(self) -> None:
         """Release the engine (worker processes, accelerator memory) now; safe to call twice."""
         ...
@@ -125,6 +130,62 @@ class Engine(Protocol):
         """Take the memory back after `sleep` (a no-op when awake): all of it, or only that of `tags` ("weights",
         "kv_cache": vLLM's names); `sample` wakes the engine too, and `reload` wakes what the load needs."""
         return None
+
+
+class Stream(Protocol):
+    """Requests that come and go one at a time (`rlkit.sampling`'s `--env-schedule ready`): `submit` a prompt with
+    its own seed, `poll` for those that finished (blocking for some progress: one engine step, or one batch)."""
+
+    pending: int  # submitted and not yet returned by poll
+
+    def submit(self, key: Any, prompt_ids: list[int], seed: int) -> None: ...
+
+    def poll(self) -> list[tuple[Any, list[int], list[float] | None, str]]:
+        """(key, completion ids, their log-probs, finish reason) of each request that finished."""
+        ...
+
+    def abort(self) -> None:
+        """Drop every pending request (the stage is failing)."""
+        ...
+
+
+class BatchStream:
+    """A `Stream` over an engine's `sample`: `poll` samples every request submitted since the last one in one call
+    (in key order), seeded by its requests' own seeds (so the same requests together give the same samples)."""
+
+    def __init__(self, engine, *, temperature: float, top_p: float, max_new_tokens: int, stop: Sequence[str] = ()):
+        self.engine, self.waiting = engine, []
+        self.kw = dict(n=1, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                       **({"stop": tuple(stop)} if stop else {}))
+
+    @property
+    def pending(self) -> int:
+        return len(self.waiting)
+
+    def submit(self, key, prompt_ids: list[int], seed: int) -> None:
+        self.waiting.append((key, list(prompt_ids), seed))
+
+    def poll(self) -> list[tuple[Any, list[int], list[float] | None, str]]:
+        import hashlib
+
+        batch, self.waiting = sorted(self.waiting, key=lambda r: r[0]), []
+        if not batch:
+            return []
+        h = hashlib.blake2b(",".join(str(s) for _, _, s in batch).encode(), digest_size=4).digest()
+        gen = self.engine.sample([p for _, p, _ in batch], seed=int.from_bytes(h, "little") >> 1, **self.kw)
+        lps = gen.logprobs or [None] * len(batch)
+        return [(k, ids, lp, fin) for (k, _, _), ids, lp, fin in zip(batch, gen.completion_ids, lps,
+                                                                     gen.finish_reasons, strict=True)]
+
+    def abort(self) -> None:
+        self.waiting = []
+
+
+def stream(engine, *, temperature: float, top_p: float, max_new_tokens: int, stop: Sequence[str] = ()) -> Stream:
+    """The engine's own `stream` (vLLM), else a `BatchStream` over its `sample` (hf)."""
+    own = getattr(engine, "stream", None)
+    make = own if callable(own) else lambda **kw: BatchStream(engine, **kw)
+    return make(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, stop=tuple(stop))
 
 
 AUTO = "auto"

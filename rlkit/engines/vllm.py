@@ -267,14 +267,16 @@ class VLLMEngine:
         ids, fins, lps = [], [], []
         for o in outs:
             for c in sorted(o.outputs, key=lambda c: c.index):
-                toks = list(c.token_ids)
-                if c.logprobs is None or len(c.logprobs) != len(toks):
-                    raise RlkitError("vLLM returned no log-prob for some sampled tokens; cannot log pi_old")
+                toks, lp, fin = _completion(c, self.eos)
                 ids.append(toks)
-                lps.append([float(d[t].logprob) for d, t in zip(c.logprobs, toks, strict=True)])
-                fins.append(finish_reason(getattr(c, "finish_reason", None), getattr(c, "stop_reason", None), toks,
-                                          self.eos))
+                lps.append(lp)
+                fins.append(fin)
         return Generated(ids, fins, lps)
+
+    def stream(self, *, temperature: float, top_p: float, max_new_tokens: int, stop=()) -> VLLMStream:
+        """Requests one at a time into the running engine (continuous batching; `rlkit.engines.base.Stream`)."""
+        self.wake_up()
+        return VLLMStream(self, temperature, top_p, max_new_tokens, stop)
 
     @property
     def context(self) -> int | None:
@@ -373,6 +375,58 @@ class VLLMEngine:
                 pass
         if getattr(self, "_tmp", None) is not None:
             self._drop_tmp()
+
+
+def _completion(c, eos: int) -> tuple[list[int], list[float], str]:
+    """A vLLM completion output's token ids, their log-probs and rlkit's finish reason."""
+    toks = list(c.token_ids)
+    if c.logprobs is None or len(c.logprobs) != len(toks):
+        raise RlkitError("vLLM returned no log-prob for some sampled tokens; cannot log pi_old")
+    lps = [float(d[t].logprob) for d, t in zip(c.logprobs, toks, strict=True)]
+    return toks, lps, finish_reason(getattr(c, "finish_reason", None), getattr(c, "stop_reason", None), toks, eos)
+
+
+class VLLMStream:
+    """Continuous batching on the running engine (`rlkit.engines.base.Stream`): each `submit` adds one request (token
+    ids in, its own seed) to vLLM's scheduler at once, next to those already decoding; `poll` runs one engine step and
+    returns the requests that finished in it. The sampling is `sample`'s: the same log-probs, stop strings, LoRA."""
+
+    def __init__(self, engine: VLLMEngine, temperature: float, top_p: float, max_new_tokens: int, stop=()) -> None:
+        self.engine = engine
+        stops = {"stop": list(stop), "include_stop_str_in_output": True} if stop else {"detokenize": False}
+        self.kw = dict(n=1, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0, **stops)
+        self.keys: dict[str, tuple] = {}  # vLLM's request id as it reports it -> (our key, its id as enqueued)
+
+    @property
+    def pending(self) -> int:
+        return len(self.keys)
+
+    def submit(self, key, prompt_ids: list[int], seed: int) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        (rid,) = self.engine.llm.enqueue(TokensPrompt(prompt_token_ids=list(prompt_ids)),
+                                         SamplingParams(seed=seed, **self.kw), use_tqdm=False,
+                                         lora_request=self.engine.lora_request)
+        # enqueue returns the engine's internal id, "ID-xxxxxxxx"; outputs carry ID, the request's own
+        self.keys[rid.rsplit("-", 1)[0]] = (key, rid)
+
+    def poll(self) -> list[tuple]:
+        engine, out = self.engine.llm.llm_engine, []
+        if self.keys and not engine.has_unfinished_requests():  # step() would wait for ever
+            raise RlkitError(f"vLLM lost {len(self.keys)} request(s) of the rollout's trajectories")
+        for o in engine.step():
+            if not o.finished or o.request_id not in self.keys:
+                continue
+            key, _ = self.keys.pop(o.request_id)
+            (c,) = o.outputs
+            out.append((key, *_completion(c, self.engine.eos)))
+        return out
+
+    def abort(self) -> None:
+        if self.keys:
+            self.engine.llm.llm_engine.abort_request([rid for _, rid in self.keys.values()], internal=True)
+        self.keys.clear()
 
 
 # what vLLM 0.32 raises when it cannot start for memory: vllm/v1/core/kv_cache_utils.py (no room for a KV cache; a

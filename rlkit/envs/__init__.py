@@ -24,11 +24,21 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from rlkit.envs.base import MAX_OBSERVATION_CHARS, EnvError, Environment, Observation, Step, TaskEnv, as_step
+from rlkit.envs.base import (
+    MAX_OBSERVATION_CHARS,
+    Busy,
+    EnvError,
+    Environment,
+    Observation,
+    Step,
+    TaskEnv,
+    as_step,
+    on_cancel,
+)
 from rlkit.errors import RlkitError
 
-__all__ = ["ENVS", "EnvError", "EnvSpec", "Environment", "MAX_OBSERVATION_CHARS", "Observation", "Step",
-           "TaskEnv", "Tools", "as_step", "env_task", "get_env"]
+__all__ = ["ENVS", "Busy", "EnvError", "EnvSpec", "Environment", "MAX_OBSERVATION_CHARS", "Observation", "Step",
+           "TaskEnv", "Tools", "as_step", "env_task", "get_env", "on_cancel"]
 
 ENVS: dict[str, str] = {"calc": "rlkit.envs.calc:CalcEnv", "guess": "rlkit.envs.guess:GuessNumber",
                         "textarena": "rlkit.envs.textarena:TextArena", "openenv": "rlkit.envs.openenv:OpenEnv"}

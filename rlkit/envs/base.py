@@ -27,6 +27,12 @@ Optional, read when present:
   `max_new_tokens`: the environment's per-turn generation length, when `--max-new-tokens` is not given.
   `tool_schemas()`: the JSON schemas of its tools, given to the chat template as `tools=` (`Tools` has it).
   `prompt_hint`: what to do when `reset`'s prompt does not fit the model's context (textarena: `prompt=TEXT`).
+  `max_sessions`: each instance holds a resource from `reset` to `close` (a server's session): at most this many
+      instances are open at once, and the other trajectories queue for one; `True`: at most `--env-workers`. A `reset`
+      that finds no session free (a server at capacity) raises `Busy`: the trajectory waits and tries again.
+Any method may be an `async def` (and a `Tools` tool too): it is awaited on an event loop, many at once. Calls of
+different trajectories run at the same time (`--env-workers` threads), never two of one instance; code that a call
+runs in another process registers how to stop it with `on_cancel` (the call's time limit kills it).
 Any task is a one-step environment: `TaskEnv`.
 
 How the driver calls a method (`call_env`): what no `except Exception` would catch or tell apart comes back as an
@@ -38,7 +44,9 @@ stops the stage without suggesting `--env-errors end` (`failure_line`), which wo
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol, Union
 
@@ -132,6 +140,46 @@ def _unbindable(fn, args: tuple) -> str | None:
     return None
 
 
+class Busy(EnvError):
+    """`reset` found no session free (a server at capacity): the driver tries again later, for up to `wait` seconds
+    from the first refusal, then reports this error's line."""
+
+    def __init__(self, message: str, wait: float = 30.0) -> None:
+        super().__init__(message)
+        self.wait = wait
+
+
+_CANCEL: ContextVar[list | None] = ContextVar("rlkit_env_cancel", default=None)
+
+
+@contextmanager
+def on_cancel(stop: Callable[[], None]) -> Iterator[None]:
+    """Within an environment call: `stop()` is run (from another thread) if the driver gives the call up (its time
+    limit, a failing stage), e.g. to kill a worker process the call waits on. Outside the driver: nothing."""
+    hooks = _CANCEL.get()
+    if hooks is None:
+        yield
+        return
+    hooks.append(stop)
+    try:
+        yield
+    finally:
+        try:
+            hooks.remove(stop)
+        except ValueError:
+            pass
+
+
+@contextmanager
+def cancel_scope(hooks: list) -> Iterator[None]:
+    """The driver's side of `on_cancel`: what the body registers goes to `hooks`."""
+    token = _CANCEL.set(hooks)
+    try:
+        yield
+    finally:
+        _CANCEL.reset(token)
+
+
 def as_step(value: object, where: str) -> Step:
     """`step`'s value as a Step: a Step, or a 3-tuple (observation, reward, done) or 4-tuple (observation,
     reward, terminated, truncated); the reward a finite number, the observation text, messages or None."""
@@ -189,12 +237,14 @@ def unescape(text: str) -> str:
 
 
 def option_attribute(name: str, options: dict):
-    """For an adapter whose spec options set `stop` and `max_new_tokens` (`textarena:...,stop=\\n`): the attribute
-    as those options give it, read without an instance (`EnvSpec.attribute`); None: the class's own."""
+    """For an adapter whose spec options set `stop`, `max_new_tokens` and `max_sessions` (`textarena:...,stop=\\n`):
+    the attribute as those options give it, read without an instance (`EnvSpec.attribute`); None: the class's own."""
     if name == "stop" and options.get("stop"):
         return (unescape(str(options["stop"])),)
     if name == "max_new_tokens" and options.get("max_new_tokens"):
         return int(options["max_new_tokens"])
+    if name == "max_sessions" and options.get("max_sessions"):
+        return int(options["max_sessions"])
     return None
 
 

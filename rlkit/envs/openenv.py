@@ -22,12 +22,14 @@ How a trajectory maps onto it (one connection per trajectory, opened by `reset`,
 Options: `url` (ws:// or wss://; an http(s):// URL is turned into its /ws endpoint, `http://HOST:PORT` and
 `http://HOST:PORT/ws` alike), `action`, `text`, `timeout` (seconds per call, 30), `seed` (a base added to every
 reset seed, 0), `max_new_tokens` (the turn's length), `stop` (a string that ends a turn, e.g. `stop=\\n`, in the
-text's escapes).
-A server that refuses the connection, answers with an error, closes mid-trajectory or overruns `timeout` is one
-line naming the URL and the trajectory (`--env-errors end`: that trajectory ends with reward 0 instead; a
-refused connection, which every trajectory would meet, does not suggest it). A
-server at capacity (OpenEnv serves one session unless started with `max_concurrent_envs`) says so: a batch holds
-one session per trajectory, --num-prompts x --n of them.
+text's escapes), `max_sessions` (sessions open at once; default `--env-workers`).
+Sessions are resources (`max_sessions = True`, rlkit.envs.base): at most `--env-workers` (or `max_sessions=N`) are
+open at once, a trajectory's from its reset to its end, and the other trajectories queue for one. A server at
+capacity (OpenEnv serves one session unless started with `max_concurrent_envs`) is waited for: its refusal is `Busy`,
+the trajectory tries again (rlkit then opens no more sessions than it holds), for up to `timeout` seconds.
+A server that refuses the connection, answers with an error, closes mid-trajectory, overruns `timeout` or stays at
+capacity that long is one line naming the URL and the trajectory (`--env-errors end`: that trajectory ends with
+reward 0 instead; a refused connection, which every trajectory would meet, does not suggest it).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import itertools
 import json
 from collections.abc import Iterator
 
-from rlkit.envs.base import EnvError, Step, option_attribute, unescape
+from rlkit.envs.base import Busy, EnvError, Step, option_attribute, unescape
 from rlkit.errors import RlkitError
 from rlkit.tasks.base import Example, check_split, library_version
 
@@ -75,6 +77,7 @@ class OpenEnv:
     """An OpenEnv server's environment, one WebSocket session per trajectory (see the module docstring)."""
 
     option_attribute = staticmethod(option_attribute)
+    max_sessions = True  # a session per trajectory: at most --env-workers open at once (or the max_sessions option)
 
     @classmethod
     def library(cls) -> str:
@@ -87,16 +90,21 @@ class OpenEnv:
         cls(**options)
 
     def __init__(self, url: str = "", action: str = "message", text: str = "", timeout: float = 30.0,
-                 seed: int = 0, max_new_tokens: int = 0, stop: str = "", **action_fields: str) -> None:
+                 seed: int = 0, max_new_tokens: int = 0, stop: str = "", max_sessions: int = 0,
+                 **action_fields: str) -> None:
         if not url:
             raise RlkitError("environment openenv: which server? expected url=ws://HOST:PORT/ws")
         self.url = _ws_url(url)
         bad = [k for k in action_fields if not k.startswith("action.")]
         if bad:
             raise RlkitError(f"unknown option {bad[0]!r} for environment openenv; it takes url, action, text, timeout, "
-                             "seed, max_new_tokens, stop and action.KEY=VALUE")
+                             "seed, max_new_tokens, stop, max_sessions and action.KEY=VALUE")
         if timeout <= 0:
             raise RlkitError(f"environment openenv: timeout={timeout:g}: expected seconds > 0")
+        if max_sessions < 0:
+            raise RlkitError(f"environment openenv: max_sessions={max_sessions}: expected a number of sessions > 0")
+        if max_sessions:
+            self.max_sessions = int(max_sessions)
         self.action_field, self.text_field, self.timeout, self.base_seed = action, text, float(timeout), int(seed)
         self.fixed = {k.removeprefix("action."): v for k, v in action_fields.items()}
         if max_new_tokens:
@@ -134,7 +142,11 @@ class OpenEnv:
             down = isinstance(e, OSError) and not isinstance(e, TimeoutError)
             raise EnvError(f"{self.where}: cannot connect ({type(e).__name__}: {str(e)[:120] or 'no reason'}); is "
                            "the server running there?", every_trajectory=down) from None
-        data = self._call({"type": "reset", "data": {"seed": seed}})
+        try:
+            data = self._call({"type": "reset", "data": {"seed": seed}})
+        except Busy:
+            self.close()  # the server has closed it; the retry connects again
+            raise
         return self._text(data)
 
     def step(self, action: str) -> Step:
@@ -189,9 +201,9 @@ class OpenEnv:
         if reply.get("type") == "error":
             msg, code = str(data.get("message", ""))[:200], data.get("code", "")
             if code == "CAPACITY_REACHED":
-                raise EnvError(f"{self.where}: the server is at capacity ({msg.split('.')[0]}); a batch holds one "
-                               "session per trajectory (--num-prompts x --n at once): start the server with "
-                               "max_concurrent_envs at least that")
+                raise Busy(f"{self.where}: the server stayed at capacity ({msg.split('.')[0]}) for {self.timeout:g} s "
+                           "(timeout=SECONDS); rlkit opens at most --env-workers sessions (or max_sessions=N): start "
+                           "the server with max_concurrent_envs at least that, or lower them", wait=self.timeout)
             raise EnvError(f"{self.where}: the server answered {what} with an error: {msg} ({code})")
         if reply.get("type") != "observation":
             raise EnvError(f"{self.where}: the answer to {what} is a {reply.get('type')!r} message; expected an "

@@ -33,6 +33,7 @@ import hashlib
 import inspect
 import itertools
 import random
+import threading
 from collections.abc import Iterator
 
 from rlkit.envs.base import EnvError, Step, option_attribute, unescape
@@ -109,21 +110,29 @@ def _why_not(game: str, e: BaseException) -> str:
     return f"it does not start here ({one_line(e)})"
 
 
+_ONE_AT_A_TIME = threading.RLock()  # textarena's calls touch process-wide state (the global random, stdout)
+
+
 class _Randomness:
-    """The game's own `random` state, swapped in around each call into textarena and out again after it."""
+    """The game's own `random` state, swapped in around each call into textarena and out again after it; the calls
+    of all games run one at a time (the global random and the streams `_quiet` swaps are the process's)."""
 
     def __init__(self) -> None:
         self.state = None
 
     def __enter__(self):
+        _ONE_AT_A_TIME.acquire()
         self.caller = random.getstate()
         if self.state is not None:
             random.setstate(self.state)
         return self
 
     def __exit__(self, *exc):
-        self.state = random.getstate()
-        random.setstate(self.caller)
+        try:
+            self.state = random.getstate()
+            random.setstate(self.caller)
+        finally:
+            _ONE_AT_A_TIME.release()
         return False
 
 

@@ -34,6 +34,8 @@ Failures never crash the episode; each becomes the observation `error: ...` (so 
 unparsable call, an unknown tool, arguments that do not bind to the function's signature or do not match its
 annotations (int, float, str, bool and unions of them are checked; an int is accepted for a float), a tool that
 raises. `self.tool_calls` counts the turns with a call (failed ones included; `tool_errors` the failed ones).
+A tool may be an `async def` (a web call, say): `step` then returns a coroutine, which the driver awaits on its event
+loop (many at once, no thread held; `asyncio.run(env.step(...))` outside it); so may `score`.
 A result longer than `max_output_chars` (1000) is cut there and marked `...[N characters cut]` (rollout's
 --max-env-tokens then bounds the tokens appended).
 
@@ -43,8 +45,10 @@ or "bwrap" / "none"; `--env NAME:sandbox=bwrap` gives it) every call runs in a s
 (`rlkit.tasks.sandboxed`'s workers, each call in a process of its own): a tool may then run model-written code. A
 sandboxed tool must be a module-level function of a file or an importable module (the worker imports it by
 name); its arguments travel as JSON (tuples arrive as lists) and each call may run `timeout` seconds (10; more
-is an error observation). The workers are shared by the instances of one class and sandbox, and stopped when
-the last instance is closed (`close()`).
+is an error observation). The workers are shared by the instances of one class and sandbox: one worker per call
+running at once (at most the sandbox's `workers`, by default the CPU count; the others wait for one), kept for
+later calls and stopped when the last instance is closed (`close()`). A call the driver gives up (--env-timeout) has
+its worker killed at once.
 """
 
 from __future__ import annotations
@@ -54,13 +58,14 @@ import functools
 import inspect
 import json
 import re
+import threading
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlkit.envs.base import Step
+from rlkit.envs.base import Step, on_cancel
 from rlkit.errors import RlkitError
 from rlkit.tasks.sandboxed import Workers
 
@@ -179,11 +184,21 @@ class Tools:
         return self.prompt(example)
 
     def step(self, action: str) -> Step:
+        """The tool's result as the observation, or the final answer's score; a coroutine giving that Step when the
+        tool (or `score`) is async."""
         call = parse_call(action)
         if call is None:
-            return Step(None, self.score(action, self.example), terminated=True)
+            reward = self.score(action, self.example)
+            if inspect.isawaitable(reward):
+                return self._scored(reward)
+            return Step(None, reward, terminated=True)
         self.tool_calls += 1
-        ok, text = self.call(call)
+        out = self.call(call)
+        if inspect.isawaitable(out):
+            return self._answered(out)
+        return self._answer(*out)
+
+    def _answer(self, ok: bool, text: str) -> Step:
         if not ok:
             self.tool_errors += 1
         return Step([{"role": "tool", "content": text}], 0.0)
@@ -197,6 +212,12 @@ class Tools:
         """The schemas of the class's own `tools`, read without an instance (for chat-formatted prompts, before any
         trajectory starts); empty for a class whose tools are given to its constructor."""
         return tuple(json_schema(fn, name) for name, fn in _named(cls.tools, cls.__name__).items())
+
+    async def _answered(self, out) -> Step:
+        return self._answer(*(await out))
+
+    async def _scored(self, reward) -> Step:
+        return Step(None, await reward, terminated=True)
 
     def close(self) -> None:
         """Release this instance's share of the sandboxed workers (the last instance stops them)."""
@@ -225,8 +246,9 @@ class Tools:
                                               "<tool>RESULT</tool>."
 
     # -- running a call ----------------------------------------------------------------------------------------------
-    def call(self, call: Call) -> tuple[bool, str]:
-        """(ok, the observation's text) for one parsed call: the result, or `error: ...`."""
+    def call(self, call: Call):
+        """(ok, the observation's text) for one parsed call: the result, or `error: ...`; for an async tool, a
+        coroutine giving that pair."""
         if call.error is not None:
             return False, f"error: {call.error}"
         fn = self.functions.get(call.name)
@@ -245,9 +267,21 @@ class Tools:
 
         try:
             out = fn(*args, **kwargs)
+            if inspect.isawaitable(out):
+                return self._awaited(call.name, out)
             text = out if isinstance(out, str) else str(out)
         except (Exception, SystemExit) as e:  # the tool's failure is the model's observation (as in the sandbox)
             return False, f"error: {call.name} raised {one_line(e)}"
+        return True, self._cut(text)
+
+    async def _awaited(self, name: str, out) -> tuple[bool, str]:
+        from rlkit.tasks.user_code import one_line
+
+        try:
+            out = await out
+            text = out if isinstance(out, str) else str(out)
+        except (Exception, SystemExit) as e:
+            return False, f"error: {name} raised {one_line(e)}"
         return True, self._cut(text)
 
     def _cut(self, text: str) -> str:
@@ -395,7 +429,7 @@ def _as_sandbox(sandbox):
     if isinstance(sandbox, str):
         if sandbox not in KINDS:
             raise RlkitError(f"sandbox={sandbox!r}: expected one of {', '.join(KINDS)}")
-        sandbox = Sandbox(sandbox, workers=1)
+        sandbox = Sandbox(sandbox)
     if not isinstance(sandbox, Sandbox):
         raise RlkitError(f"sandbox is a {type(sandbox).__name__}; expected an rlkit.sandbox.Sandbox, 'bwrap' or 'none'")
     if sandbox.kind == "none":
@@ -411,15 +445,22 @@ def _as_sandbox(sandbox):
 
 _WARNED: list[bool] = []  # sandbox none's warning is said once a process
 _POOLS: dict[tuple, _Pool] = {}  # (sandbox, module, tools, timeout) -> the workers its instances share
+_LOCK = threading.Lock()  # _POOLS, and each pool's users and idle workers (instances call from many threads)
 
 
 class _Pool:
-    """The sandboxed worker(s) running the tools of one module, shared by every instance that uses them."""
+    """The sandboxed workers running the tools of one module, shared by every instance that uses them: each call
+    takes an idle worker (or starts one, up to the sandbox's `workers` at once) and gives it back after."""
 
     def __init__(self, key: tuple, sandbox, ref, tools: list[tuple[str, str]], timeout: float, owner: str):
-        self.key, self.users = key, 0
-        self.workers = _ToolWorkers(sandbox, ref, owner, f"{owner}'s tools", timeout)
-        self.workers.config["tools"] = tools  # [[tool name, attribute in the module], ...]
+        from dataclasses import replace
+
+        self.key, self.users, self.tools, self.timeout = key, 0, tools, timeout
+        self.make = lambda: _ToolWorkers(replace(sandbox, workers=1), ref, owner, f"{owner}'s tools", timeout)
+        self.idle: list[_ToolWorkers] = []
+        self.slots = threading.BoundedSemaphore(sandbox.n_workers)
+        self.extra: dict = {"tools": tools}  # [[tool name, attribute in the module], ...]
+        self.binds: list = []
         # the tools' module imports rlkit (its environment class subclasses Tools): rlkit's own folder, read-only,
         # when it is not in the Python installation or the venv the sandbox shows already (an editable install)
         import sys
@@ -429,8 +470,17 @@ class _Pool:
 
         pkg = Path(rlkit.__file__).resolve().parent
         if not any(Path(p).resolve() in pkg.parents for p in {sys.prefix, sys.base_prefix}):
-            self.workers.binds = [*self.workers.binds, pkg]
-            self.workers.config["rlkit_path"] = str(pkg.parent)
+            self.binds = [pkg]
+            self.extra["rlkit_path"] = str(pkg.parent)
+
+    def _worker(self) -> _ToolWorkers:
+        with _LOCK:
+            if self.idle:
+                return self.idle.pop()
+        w = self.make()
+        w.config.update(self.extra)
+        w.binds = [*w.binds, *self.binds]
+        return w
 
     def call(self, name: str, args: tuple, kwargs: dict) -> tuple[bool, str]:
         try:
@@ -438,25 +488,42 @@ class _Pool:
                                  default=_unsendable).encode() + b"\n"
         except (TypeError, ValueError) as e:
             return False, f"{name}: an argument of type {e} cannot be sent to the sandbox (arguments travel as JSON)"
+        while not self.slots.acquire(timeout=0.1):  # short waits: the driver's time limit can reach this thread
+            pass
         try:
-            (reply,) = self.workers.run([payload])
-        except BaseException:  # noqa: BLE001 (a time limit of the driver's, an interrupt: no worker left mid-call)
-            self.workers.close()
-            raise
+            w = self._worker()
+            try:
+                with on_cancel(w.kill):  # the driver gave the call up: its worker dies now, not at its own timeout
+                    (reply,) = w.run([payload])
+            except BaseException:  # noqa: BLE001 (a time limit of the driver's, an interrupt: no worker left mid-call)
+                w.close()
+                raise
+            with _LOCK:
+                kept = self.users > 0
+                if kept:
+                    self.idle.append(w)
+            if not kept:
+                w.close()
+        finally:
+            self.slots.release()
         reply = reply or {}
         if isinstance(reply.get("result"), str):
             return True, reply["result"]
         if "timeout" in reply:
-            return False, f"{name} did not return within {self.workers.timeout:g} s"
+            return False, f"{name} did not return within {self.timeout:g} s"
         if "error" in reply:
             return False, f"{name} raised {reply['error']}"
         return False, f"{name}: {reply.get('died', 'its sandboxed call sent a malformed reply')}"
 
     def release(self) -> None:
-        self.users -= 1
-        if self.users <= 0 and _POOLS.get(self.key) is self:
+        with _LOCK:
+            self.users -= 1
+            if self.users > 0 or _POOLS.get(self.key) is not self:
+                return
             del _POOLS[self.key]
-            self.workers.close()
+            idle, self.idle = self.idle, []
+        for w in idle:
+            w.close()
 
 
 def _unsendable(v):
@@ -464,7 +531,7 @@ def _unsendable(v):
 
 
 def _pool_of(pools: list[_Pool], name: str) -> _Pool:
-    return next(p for p in pools if any(t == name for t, _ in p.workers.config["tools"]))
+    return next(p for p in pools if any(t == name for t, _ in p.tools))
 
 
 def _pools_for(functions: dict[str, Callable], sandbox, timeout: float, owner: str) -> list[_Pool]:
@@ -489,10 +556,11 @@ def _pools_for(functions: dict[str, Callable], sandbox, timeout: float, owner: s
         else:
             ref = Ref(mod_name, tools[0][1])
         key = (sandbox, mod_name, tuple(tools), timeout)
-        pool = _POOLS.get(key)
-        if pool is None:
-            pool = _POOLS[key] = _Pool(key, sandbox, ref, [list(t) for t in tools], timeout, owner)
-        pool.users += 1
+        with _LOCK:
+            pool = _POOLS.get(key)
+            if pool is None:
+                pool = _POOLS[key] = _Pool(key, sandbox, ref, [list(t) for t in tools], timeout, owner)
+            pool.users += 1
         pools.append(pool)
     return pools
 
@@ -513,6 +581,13 @@ def load(cfg):
 
 def result(fns, req):
     out = fns[req["tool"]](*req["args"], **req["kw"])
+    if hasattr(out, "__await__"):  # an async tool
+        import asyncio
+
+        async def awaited():
+            return await out
+
+        out = asyncio.run(awaited())
     text = out if isinstance(out, str) else str(out)
     return {"result": text[:1 << 20]}
 
@@ -532,6 +607,13 @@ def worker_source() -> str:
 
 class _ToolWorkers(Workers):
     """`rlkit.tasks.sandboxed.Workers` running the tool worker (`worker_source`)."""
+
+    def kill(self) -> None:
+        """Kill its worker processes, from any thread (the one waiting on them sees them die and cleans up)."""
+        from rlkit.sandbox import kill
+
+        for w in list(self.live):
+            kill(w.proc)
 
     def _what(self) -> str:
         return f"environment {self.name}: the sandboxed worker of {self.label}"

@@ -27,8 +27,9 @@ a class (a `reset` and no `step`) and runs it through `TrlEnvironment`, which ma
 The tools' JSON schemas (transformers' `get_json_schema` of each public method, as TRL builds them) go to the chat
 template as `tools=` wherever rlkit renders through it: chat-formatted `--prompts` (a `messages` column) and the
 tool messages appended after each call; a prompt that is plain text (`--task`, a `prompt` column) is used as it
-is, so it must describe the tools itself (`describe()` gives one line per tool). Async tools are refused (one
-line). The instance's other attributes (`done`) are the class's own business, as in TRL.
+is, so it must describe the tools itself (`describe()` gives one line per tool). An async tool (`async def`, as TRL
+awaits them) is awaited on the driver's event loop. The instance's other attributes (`done`) are the class's own
+business, as in TRL.
 """
 
 from __future__ import annotations
@@ -56,9 +57,6 @@ def tool_methods(obj, label: str) -> dict:
     for name, fn in inspect.getmembers(obj, predicate=inspect.ismethod):
         if name.startswith("_") or name in RESERVED:
             continue
-        if inspect.iscoroutinefunction(fn):
-            raise RlkitError(f"environment {label}: tool {name} is async; rlkit runs tools synchronously (make it a "
-                             "plain def)")
         out[name] = fn
     return out
 
@@ -102,6 +100,14 @@ class TrlEnvironment(Tools):
         except (TypeError, ValueError):
             pass
         out = fn(**row)
+        if inspect.isawaitable(out):  # an async reset: awaited on the driver's event loop
+            return self._reset_awaited(out, example)
+        return self._prompt(out, example)
+
+    async def _reset_awaited(self, out, example):
+        return self._prompt(await out, example)
+
+    def _prompt(self, out, example):
         if out is None:
             return example.prompt
         if not isinstance(out, str):
@@ -145,11 +151,6 @@ def tool_schemas(cls) -> tuple[dict, ...]:
 
 def factory(cls, label: str):
     """A callable making one `TrlEnvironment` of `cls` per trajectory, with the class's keyword options."""
-
-    for name, fn in inspect.getmembers(cls, predicate=inspect.isfunction):
-        if not name.startswith("_") and name not in RESERVED and inspect.iscoroutinefunction(fn):
-            raise RlkitError(f"environment {label}: tool {name} is async; rlkit runs tools synchronously (make it a "
-                             "plain def)")
 
     def make(**options):
         return TrlEnvironment(cls, label, options)

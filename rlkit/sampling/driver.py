@@ -1,9 +1,17 @@
 """The turn loop: an engine samples, an environment answers, until every trajectory of the batch has ended.
 
 `sample` is one turn for a batch of prompts (what single-turn stages run): the engine's `Generated`, nothing
-else. `run_episodes` runs `Prompts` against an environment (`rlkit.envs`): every trajectory of the batch is
-sampled together, turn by turn (the active ones only, one engine call per turn, never one trajectory at a time),
-and each becomes one row.
+else. `run_episodes` runs `Prompts` against an environment (`rlkit.envs`): the trajectories of the batch are
+sampled together, never one trajectory at a time, and each becomes one row.
+
+Concurrency. The environment's calls (`reset`, `step`, `close`) of different trajectories run at once
+(`rlkit.sampling.env_calls`: `env_workers` threads, an event loop for `async def`), never two of one trajectory;
+this thread owns the trajectories and the engine. `env_schedule` "turns": one engine call per turn over every
+running trajectory, once the environment has answered them all (the rows do not depend on the calls' latencies or
+order); "ready": each trajectory's next turn goes to the engine's `Stream` as soon as its own call returned (vLLM:
+continuous batching; another engine: the ready ones as one batch whenever the engine is free), seeded by
+`trajectory_seed` (seed, prompt, sample, turn). An environment with `max_sessions` has at most that many instances
+open: the others queue, a trajectory's instance is closed as soon as it ends, and a `Busy` reset is tried again.
 
 The token rule. A trajectory is the prompt's tokens, then, turn after turn, the tokens the engine sampled
 (`loss_mask` 1, with the engine's log-probs) and the tokens of the environment's observation (`loss_mask` 0,
@@ -20,12 +28,12 @@ template renders a message as `<ROLE>content</ROLE>` (a tool result: `<tool>408<
 
 Limits: `max_turns` model turns; `max_new_tokens` per turn; `max_total_tokens` completion tokens over all turns
 (and never past the model's context); `max_env_tokens` per observation, of which the first are kept (the end is
-cut). A limit reached is `truncated`, not a loss. Each `reset`/`step` call may run `env_timeout` seconds (0: no
-limit; a real-time timer, as `--reward-timeout`). An environment that raises, returns a bad value (a reward that
-is not a finite number, an observation that is neither text nor messages or longer than
-`MAX_OBSERVATION_CHARS`) or overruns is one line (`EnvError`, exit 2) naming the class, the method and the
-trajectory; with `env_errors="end"` the trajectory ends there instead, with reward 0 and `end_reason` "error:
-...". `close()` is called on every instance, also after an error.
+cut). A limit reached is `truncated`, not a loss. Each `reset`/`step`/`close` call may run `env_timeout` seconds
+(0: no limit; from its start, enforced by `env_calls`' watchdog, off this thread). An environment that raises (or
+calls sys.exit()), returns a bad value (a reward that is not a finite number, an observation that is neither text
+nor messages or longer than `MAX_OBSERVATION_CHARS`) or overruns is one line (`EnvError`, exit 2) naming the class,
+the method and the trajectory; with `env_errors="end"` the trajectory ends there instead, with reward 0 and
+`end_reason` "error: ...". `close()` is called on every instance, also after an error.
 """
 
 from __future__ import annotations
@@ -49,8 +57,10 @@ class Sampling:
     max_turns: int = 8
     max_total_tokens: int | None = None  # completion tokens over all turns; None: the model's context
     max_env_tokens: int = 256  # tokens of one observation appended
-    env_timeout: float = 60.0  # seconds per reset/step call; 0: no limit
+    env_timeout: float = 60.0  # seconds per environment call (reset, step, close); 0: no limit
     env_errors: str = "fail"  # fail | end
+    env_workers: int = 32  # environment calls of different trajectories at once (threads); 1: one at a time, in order
+    env_schedule: str = "auto"  # turns | ready | auto (ready on vllm, turns elsewhere): see run_episodes
     # the sampled tokens' log-probs (`sample`): the hf engine keeps a batch's logits for them; greedy evaluation,
     # which reads none, turns them off
     logprobs: bool = True
@@ -124,97 +134,304 @@ class Episodes:
 
 def run_episodes(engine, tokenizer, env, prompts: Prompts, s: Sampling, seed: int, ticker=None) -> Episodes:
     """Run `s.n` trajectories of each prompt against fresh instances of `env` (an `rlkit.envs.EnvSpec`)."""
-    from rlkit.tasks.base import Example
-    from rlkit.tasks.reward_fns import _alarm_handler
-
-    n, P = s.n, len(prompts.ids)
-    trajs = [_Traj(prompts.ids[k // n], k % n) for k in range(P * n)]
-    instances: list[Any] = []
-    stop = tuple(env.attribute("stop", ()) or ())
-    context = getattr(engine, "context", None)
+    loop = _Loop(engine, tokenizer, env, prompts, s, seed, ticker)
     failure: BaseException | None = None
     try:
-        with _alarm_handler(s.env_timeout) as limit:
-            call = _Caller(env.name, limit, s.env_errors)
-            for k, t in enumerate(trajs):
-                inst = t.env = env.make()
-                instances.append(inst)
-                p = k // n
-                ex = Example(prompts.ids[p], prompts.texts[p], prompts.answers[p],
-                             prompts.splits[p] if prompts.splits else "train")
-                obs = call(t, "reset", lambda inst=inst, ex=ex: inst.reset(ex), check=_reset_check)
-                if t.end_reason is None:
-                    _start(t, tokenizer, obs, context, env.name)
-            turn = 0
-            while True:
-                active = [t for t in trajs if t.end_reason is None]
-                if not active:
-                    break
-                turn += 1
-                # 31 bits: the hf engine seeds torch with seed * 1_000_003 + batch, which must stay in 64 bits
-                gen = engine.sample([t.prompt_ids + t.ids for t in active], n=1, temperature=s.temperature,
-                                    top_p=s.top_p, max_new_tokens=s.max_new_tokens,
-                                    seed=(seed * 1_000_003 + turn) % (2**31 - 1), **({"stop": stop} if stop else {}))
-                for t, ids, lps, fin in zip(active, gen.completion_ids, gen.logprobs or [None] * len(active),
-                                            gen.finish_reasons, strict=True):
-                    _take_turn(t, tokenizer, ids, lps, fin, s, context)
-                for t in active:  # the environment judges every turn (even one the budget cut)
-                    st = call(t, "step", lambda t=t: t.env.step(t.last_action), check=as_step)
-                    if t.end_reason is not None:
-                        continue  # the call failed and env_errors="end" ended it
-                    t.rewards.append(st.reward)
-                    t.all_rewards.append(st.reward)
-                    if st.terminated or st.truncated:
-                        t.terminated, t.truncated = st.terminated, st.truncated
-                        t.end_reason = "terminated" if st.terminated else "truncated"
-                    elif st.observation is None:
-                        t.end_reason = _fail(t, call, "step", "returned no observation for an episode that goes on "
-                                                              "(neither terminated nor truncated)")
-                    elif t.turns >= s.max_turns:
-                        t.truncated, t.end_reason = True, "max_turns"
-                    else:
-                        _observe(t, tokenizer, st.observation, s, context)
-                for t in active:
-                    if t.end_reason is not None and ticker is not None:
-                        ticker.advance(1)
-                    calls = getattr(t.env, "tool_calls", 0)
-                    t.tool_calls = calls if isinstance(calls, int) else 0
+        loop.run()
     except BaseException as e:  # noqa: BLE001 (re-raised after the instances are closed)
         failure = e
         raise
     finally:
-        _close_all(instances, env.name, failure)
-    return _columns(trajs)
+        loop.finish(failure)
+    return _columns(loop.trajs)
+
+
+def schedule(engine, asked: str) -> str:
+    """`--env-schedule`: "turns" or "ready" as asked; auto: ready on vLLM (continuous batching), turns elsewhere."""
+    if asked in ("turns", "ready"):
+        return asked
+    return "ready" if getattr(engine, "name", "") == "vllm" else "turns"
+
+
+def session_cap(env, workers: int) -> int | None:
+    """How many instances of `env` may be open at once: its `max_sessions` (True: `workers`); None: no cap."""
+    v = env.attribute("max_sessions")
+    if v is True:
+        return max(1, workers)
+    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+        return v
+    return None
+
+
+def trajectory_seed(seed: int, k: int, n: int, request: int) -> int:
+    """The seed of trajectory k's `request`-th engine request (k: sample k % n of prompt k // n) under
+    `--env-schedule ready`: (seed, prompt, sample, turn), well spread over 31 bits."""
+    import hashlib
+
+    h = hashlib.blake2b(f"{seed}:{k // n}:{k % n}:{request}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") % (2**31 - 2**16)
+
+
+class _Loop:
+    """One batch's trajectories, each through its states: queued for a session, resetting, ready, sampling, stepping,
+    ended (the module docstring's "Concurrency"). The environment's calls run in `EnvCalls` (threads, an event
+    loop); the engine gets the ready trajectories a whole turn at a time ("turns") or one by one ("ready")."""
+
+    def __init__(self, engine, tokenizer, env, prompts: Prompts, s: Sampling, seed: int, ticker) -> None:
+        from collections import deque
+
+        from rlkit.sampling.env_calls import EnvCalls
+
+        self.engine, self.tokenizer, self.env, self.prompts, self.s, self.seed = engine, tokenizer, env, prompts, s, seed
+        self.ticker = ticker
+        n = s.n
+        self.trajs = [_Traj(prompts.ids[k // n], k % n) for k in range(len(prompts.ids) * n)]
+        self.stop = tuple(env.attribute("stop", ()) or ())
+        self.context = getattr(engine, "context", None)
+        self.mode = schedule(engine, s.env_schedule)
+        self.cap = session_cap(env, s.env_workers)
+        self.calls = EnvCalls(s.env_workers, s.env_timeout)
+        self.call = _Caller(env.name, s.env_timeout, s.env_errors)
+        self.queue = deque(range(len(self.trajs)))  # waiting for a session (without a cap: all of them, at once)
+        self.open: dict[int, Any] = {}  # trajectory -> its instance, made and not yet closed
+        self.sessions = 0  # instances open and not given back (a reset refused as Busy gives its session back)
+        self.remaining = len(self.trajs)  # trajectories not yet ended
+        self.ready: list[int] = []  # trajectories whose next turn is to be sampled
+        self.requests = [0] * len(self.trajs)  # engine requests so far, per trajectory (its seed's turn)
+        self.busy_since: dict[int, float] = {}
+        self.retry_at = 0.0  # a reset was refused as Busy: the next one not before this (time.monotonic)
+        self.turn = 0  # engine calls ("turns")
+        self.stream = None  # the engine's Stream ("ready")
+
+    def run(self) -> None:
+        while self.remaining or self.calls.in_flight:
+            self._admit()
+            if self.mode == "turns":  # every call answered before the next turn: the order stays the same
+                if self.calls.in_flight:
+                    done = []
+                    while self.calls.in_flight:
+                        done += self.calls.wait()
+                    self._handle(sorted(done, key=lambda d: d.key))
+                elif self.ready:
+                    self._sample_turn()
+                else:
+                    self._idle()
+                continue
+            self._handle(self.calls.poll())
+            self._admit()
+            self._submit_ready()
+            if self.stream.pending:
+                for k, ids, lps, fin in self.stream.poll():
+                    self._taken(k, ids, lps, fin)
+            elif self.calls.in_flight:
+                self._handle(self.calls.wait())
+            else:
+                self._idle()
+
+    # -- sessions ------------------------------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        """Reset the queued trajectories there are sessions for (all of them without a cap)."""
+        import time
+
+        from rlkit.tasks.base import Example
+
+        if self.queue and self.retry_at and time.monotonic() < self.retry_at:
+            return
+        while self.queue and (self.cap is None or self.sessions < self.cap):
+            k = self.queue.popleft()
+            t = self.trajs[k]
+            if t.env is None:
+                t.env = self.open[k] = self.env.make()
+            self.sessions += 1
+            p, pr = k // self.s.n, self.prompts
+            ex = Example(pr.ids[p], pr.texts[p], pr.answers[p], pr.splits[p] if pr.splits else "train")
+            self.calls.submit(k, "reset", t.env.reset, ex)
+
+    def _idle(self) -> None:
+        """Nothing to sample and no call running: a reset refused as Busy waits for its retry."""
+        import time
+
+        if not self.queue:
+            raise RuntimeError("the turn loop has nothing to wait for")  # a bug of the loop's, never the user's
+        time.sleep(max(0.0, self.retry_at - time.monotonic()))
+        self.retry_at = 0.0
+
+    def _ended(self, k: int) -> None:
+        self.remaining -= 1
+        if self.ticker is not None:
+            self.ticker.advance(1)
+        if self.cap is not None:  # its session goes back at once, to the next trajectory in the queue
+            self._close(k)
+
+    def _close(self, k: int) -> None:
+        inst = self.open.pop(k, None)
+        close = getattr(inst, "close", None)
+        if callable(close):
+            self.calls.submit(k, "close", close)
+        else:
+            self.sessions -= 1
+
+    # -- the engine ----------------------------------------------------------------------------------------------------
+    def _sample_turn(self) -> None:
+        """"turns": one engine call for every ready trajectory (all that are running), then their steps."""
+        s = self.s
+        active = sorted(self.ready)
+        self.ready = []
+        trajs = [self.trajs[k] for k in active]
+        self.turn += 1
+        # 31 bits: the hf engine seeds torch with seed * 1_000_003 + batch, which must stay in 64 bits
+        gen = self.engine.sample([t.prompt_ids + t.ids for t in trajs], n=1, temperature=s.temperature, top_p=s.top_p,
+                                 max_new_tokens=s.max_new_tokens, seed=(self.seed * 1_000_003 + self.turn) % (2**31 - 1),
+                                 **({"stop": self.stop} if self.stop else {}))
+        for t, ids, lps, fin in zip(trajs, gen.completion_ids, gen.logprobs or [None] * len(trajs), gen.finish_reasons,
+                                    strict=True):
+            _take_turn(t, self.tokenizer, ids, lps, fin, s, self.context)
+        for k, t in zip(active, trajs, strict=True):  # the environment judges every turn (even one the budget cut)
+            self.calls.submit(k, "step", t.env.step, t.last_action)
+
+    def _submit_ready(self) -> None:
+        """"ready": each ready trajectory's next turn goes to the engine's stream at once, with its own seed."""
+        from rlkit.engines.base import stream
+
+        s = self.s
+        if self.stream is None:
+            self.stream = stream(self.engine, temperature=s.temperature, top_p=s.top_p,
+                                 max_new_tokens=s.max_new_tokens, stop=self.stop)
+        for k in sorted(self.ready):
+            t = self.trajs[k]
+            self.stream.submit(k, t.prompt_ids + t.ids, trajectory_seed(self.seed, k, s.n, self.requests[k]))
+            self.requests[k] += 1
+        self.ready = []
+
+    def _taken(self, k: int, ids, lps, fin: str) -> None:
+        t = self.trajs[k]
+        _take_turn(t, self.tokenizer, ids, lps, fin, self.s, self.context)
+        self.calls.submit(k, "step", t.env.step, t.last_action)
+
+    # -- the environment's answers -------------------------------------------------------------------------------------
+    def _handle(self, done: list) -> None:
+        for d in done:
+            t = self.trajs[d.key]
+            if d.method == "close":
+                self._closed(d)
+            elif d.method == "reset":
+                self._reset(t, d)
+            else:
+                self._step(t, d)
+
+    def _reset(self, t: _Traj, d) -> None:
+        import time
+
+        from rlkit.envs.base import Busy
+
+        if isinstance(d.error, Busy):  # no session free (a server at capacity): queued again, first
+            now = time.monotonic()
+            if now - self.busy_since.setdefault(d.key, now) < d.error.wait:
+                self.sessions -= 1
+                self.cap = max(1, self.sessions)  # as many as it holds for us now
+                self.queue.appendleft(d.key)
+                self.retry_at = now + 0.25
+                return
+        obs = self.call(t, "reset", d, check=_reset_check)
+        if t.end_reason is None:
+            _start(t, self.tokenizer, obs, self.context, self.env.name)
+            self.ready.append(d.key)
+        else:
+            self._ended(d.key)
+
+    def _step(self, t: _Traj, d) -> None:
+        s = self.s
+        st = self.call(t, "step", d, check=as_step)
+        if t.end_reason is None:  # else the call failed and env_errors="end" ended it
+            t.rewards.append(st.reward)
+            t.all_rewards.append(st.reward)
+            if st.terminated or st.truncated:
+                t.terminated, t.truncated = st.terminated, st.truncated
+                t.end_reason = "terminated" if st.terminated else "truncated"
+            elif st.observation is None:
+                t.end_reason = _fail(t, self.call, "step", "returned no observation for an episode that goes on "
+                                                           "(neither terminated nor truncated)")
+            elif t.turns >= s.max_turns:
+                t.truncated, t.end_reason = True, "max_turns"
+            else:
+                _observe(t, self.tokenizer, st.observation, s, self.context)
+        calls = getattr(t.env, "tool_calls", 0)
+        t.tool_calls = calls if isinstance(calls, int) else 0
+        if t.end_reason is None:
+            self.ready.append(d.key)
+        else:
+            self._ended(d.key)
+
+    def _closed(self, d) -> None:
+        self.sessions -= 1
+        if d.error is not None:
+            raise _close_error(self.env.name, d.error, self.s.env_timeout)
+
+    # -- the end -------------------------------------------------------------------------------------------------------
+    def finish(self, failure: BaseException | None) -> None:
+        """`close()` every instance still open (at once), also after an error: the first failure is one line, unless
+        one is already raising. A failing stage first gives up the calls still running."""
+        if failure is not None:
+            self.calls.cancel_all()
+            if self.stream is not None:
+                self.stream.abort()
+        try:
+            for k in sorted(self.open):
+                close = getattr(self.open[k], "close", None)
+                if callable(close):
+                    self.calls.submit(k, "close", close)
+            self.open.clear()
+            done = []
+            while self.calls.in_flight:
+                done += self.calls.wait()
+            errors = sorted((d for d in done if d.method == "close" and d.error is not None), key=lambda d: d.key)
+            if errors and failure is None:
+                raise _close_error(self.env.name, errors[0].error, self.s.env_timeout)
+        finally:
+            self.calls.shutdown()
+
+
+def _close_error(name: str, e: BaseException, limit: float) -> EnvError:
+    from rlkit.sampling.env_calls import Overrun
+    from rlkit.tasks.user_code import one_line
+
+    if isinstance(e, Overrun):
+        return EnvError(f"environment {name}: close() did not return within {limit:g} s; raise --env-timeout (0: no "
+                        "limit) or fix the environment")
+    if isinstance(e, SystemExit):
+        return EnvError(f"environment {name}: close() called {_exit_call(e)}")
+    err = EnvError(f"environment {name}: close() raised {one_line(e)}")
+    err.__cause__ = e
+    return err
+
+
+def _exit_call(e: SystemExit) -> str:
+    return "sys.exit()" if e.code is None else f"sys.exit({e.code!r})"
 
 
 class _Caller:
-    """Calls an environment's method under the time limit; a failure is one line, or (env_errors="end") ends
-    the trajectory with reward 0 and the reason."""
+    """An environment call's outcome (`rlkit.sampling.env_calls.Done`) as its value; a failure is one line, or
+    (env_errors="end") ends the trajectory with reward 0 and the reason."""
 
     def __init__(self, name: str, limit: float, policy: str) -> None:
         self.name, self.limit, self.policy = name, limit, policy
 
-    def __call__(self, t: _Traj, method: str, fn, check=None):
-        import signal
-
+    def __call__(self, t: _Traj, method: str, done, check=None):
         from rlkit.errors import RlkitError
-        from rlkit.tasks.reward_fns import TimedOut
+        from rlkit.sampling.env_calls import Overrun
         from rlkit.tasks.user_code import one_line
 
         where = f"environment {self.name}: {method}()"
         try:
-            if self.limit:
-                signal.setitimer(signal.ITIMER_REAL, self.limit)
-            try:
-                value = fn()
-            finally:
-                if self.limit:
-                    signal.setitimer(signal.ITIMER_REAL, 0)
-            return check(value, f"{where} on {t.label}") if check else value
-        except TimedOut:
+            if done.error is not None:
+                raise done.error
+            return check(done.value, f"{where} on {t.label}") if check else done.value
+        except Overrun:
             why = f"did not return within {self.limit:g} s"
             return self.fail(t, method, why, f"{where} did not return within {self.limit:g} s on {t.label}; raise "
                              "--env-timeout (0: no limit) or fix the environment")
+        except SystemExit as e:  # in its thread: an environment cannot end the stage
+            return self.fail(t, method, f"called {_exit_call(e)}", f"{where} called {_exit_call(e)} on {t.label}")
         except EnvError as e:  # the check's, or the environment's own (an adapter's: a server's error): the row named
             line = str(e) if t.label in str(e) else f"{e} on {t.label}"
             return self.fail(t, method, str(e).split(" returned ", 1)[-1], line)
@@ -369,22 +586,6 @@ class _Row:
     turns: int
     finish: str
     messages: list[dict]
-
-
-def _close_all(instances: list, name: str, failure: BaseException | None) -> None:
-    """`close()` every instance that has one; the first failure is one line, unless one is already raising."""
-    from rlkit.tasks.user_code import one_line
-
-    first = None
-    for inst in instances:
-        close = getattr(inst, "close", None)
-        if callable(close):
-            try:
-                close()
-            except Exception as e:  # noqa: BLE001
-                first = first or e
-    if first is not None and failure is None:
-        raise EnvError(f"environment {name}: close() raised {one_line(first)}") from first
 
 
 def _columns(trajs: list[_Traj]) -> Episodes:

@@ -35,9 +35,10 @@ def _free_port() -> int:
 class Server:
     """tests/servers/openenv_echo.py in a process of its own, ready once /health answers."""
 
-    def __init__(self, sessions: int) -> None:
+    def __init__(self, sessions: int, peak: Path | None = None) -> None:
         self.port = _free_port()
-        self.proc = subprocess.Popen([sys.executable, str(SERVER), str(self.port), str(sessions)],
+        self.proc = subprocess.Popen([sys.executable, str(SERVER), str(self.port), str(sessions),
+                                      *([str(peak)] if peak else [])],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 120
         while True:
@@ -147,27 +148,50 @@ def test_openenv_failures_are_one_line(server, sft_dir, tmp_path):
     assert "unknown option 'colour' for environment openenv" in _error_line(r) and not out.exists()
 
 
-def test_openenv_server_at_capacity_and_gone_mid_trajectory(sft_dir, tmp_path):
-    from rlkit.envs import EnvError, get_env
-
-    s = Server(sessions=1)  # OpenEnv's default: one session
+def test_openenv_sessions_are_capped_at_env_workers(sft_dir, tmp_path):
+    """A session per trajectory, at most --env-workers (or max_sessions=N) open at once: the others queue for one. The
+    server counts the sessions it serves at once."""
+    peak = tmp_path / "peak"
+    s = Server(sessions=8, peak=peak)
     try:
         out = tmp_path / "r.arrow"
-        r = run_cli("rollout", "--policy", str(sft_dir), "--env", f"openenv:url={s.url}", "--num-prompts", "2",
-                    "--out", str(out))
-        line = _error_line(r)
-        assert "the server is at capacity" in line and "max_concurrent_envs" in line and not out.exists()
+        base = ["rollout", "--policy", str(sft_dir), "--num-prompts", "3", "--n", "4", "--max-turns", "2", "--seed", "1"]
+        r = run_cli(*base, "--env", f"openenv:url={s.url},max_new_tokens=3", "--env-workers", "3", "--out", str(out))
+        assert r.returncode == 0, r.stderr.decode()[-3000:]
+        assert len(_rows(out)) == 12 and 2 <= int(peak.read_text()) <= 3
+    finally:
+        s.stop()
+
+
+def test_openenv_server_at_capacity_is_waited_for_and_gone_mid_trajectory(sft_dir, tmp_path):
+    from rlkit.envs import EnvError, get_env
+
+    peak = tmp_path / "peak"
+    s = Server(sessions=1, peak=peak)  # OpenEnv's default: one session
+    try:
+        out = tmp_path / "r.arrow"
+        base = ["rollout", "--policy", str(sft_dir), "--num-prompts", "2", "--n", "2", "--max-turns", "2",
+                "--out", str(out)]
+        # 4 trajectories, --env-workers 4: the server refuses all but one session; the others wait for it, in turn
+        r = run_cli(*base, "--env", f"openenv:url={s.url},max_new_tokens=3", "--env-workers", "4")
+        assert r.returncode == 0, r.stderr.decode()[-3000:]
+        assert len(_rows(out)) == 4 and peak.read_text() == "1"
+        out.unlink()
+        # a session held by another client for longer than timeout=: one line
         env = get_env(f"openenv:url={s.url},timeout=5").make()
         ex = next(env.iter_examples("train", 0))
-        for _ in range(40):  # the failed rollout's sessions end as its sockets close: the one session frees up
+        for _ in range(40):  # the rollout's sessions end as its sockets close: the one session frees up
             try:
                 prompt = env.reset(ex)
                 break
             except EnvError as e:
                 assert "at capacity" in str(e)
-                env.close()
                 time.sleep(0.25)
         assert prompt.startswith("Say ")
+        r = run_cli(*base, "--env", f"openenv:url={s.url},timeout=2")
+        line = _error_line(r)
+        assert "the server stayed at capacity" in line and "for 2 s" in line and "max_concurrent_envs" in line, line
+        assert "on prompt " in line and not out.exists()
     finally:
         s.stop()
     with pytest.raises(EnvError, match="the server closed the connection during step|step failed"):

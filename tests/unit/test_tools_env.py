@@ -364,12 +364,13 @@ def _run_sandboxed(spec, secret: Path):
     assert _obs(b.step("<call>sleepy(30)</call>")) == "error: sleepy did not return within 1 s"
     assert _obs(b.step("<call>sleepy(0)</call>")) == "awake"  # a fresh worker after the overrun
     assert _obs(a.step("<call>oops('x')</call>")) == "error: oops: argument x must be an int, got 'x' (str)"
-    procs = [w.proc for w in pool.workers.live]
+    (workers,) = pool.idle  # calls one after another: one worker, taken and given back by each
+    procs = [w.proc for w in workers.live]
     seen = _obs(a.step(f"<call>seen({str(secret)!r})</call>"))
     a.close()
-    assert pool.workers.live  # b still uses it
+    assert pool.idle == [workers] and workers.live  # b still uses it
     b.close()
-    assert not pool.workers.live and all(p.poll() is not None for p in procs) and not tools_mod._POOLS
+    assert not pool.idle and not workers.live and all(p.poll() is not None for p in procs) and not tools_mod._POOLS
     return seen
 
 

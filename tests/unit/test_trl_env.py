@@ -82,11 +82,21 @@ class NoReward:
 
 class AsyncTool:
     def reset(self, **kwargs):
+        self.fetched = []
         return None
+
+    def get_reward(self) -> float:
+        return float(len(self.fetched))
 
     async def fetch(self, url: str) -> str:
         """Fetch."""
-        return url
+        import asyncio
+
+        await asyncio.sleep(0.01)
+        if url == "bad":
+            raise ConnectionError("unreachable")
+        self.fetched.append(url)
+        return f"<page {url}>"
 '''
 
 
@@ -141,10 +151,24 @@ def test_misfits_are_one_line(envs):
     env.reset(Example("p0", "x", "1", "train"))
     with pytest.raises(EnvError, match="NoReward has neither get_reward\\(\\) nor a reward attribute"):
         env.step("no call")
-    with pytest.raises(RlkitError, match="tool fetch is async"):
-        get_env(f"{envs}:AsyncTool")
     with pytest.raises(RlkitError, match="unknown option 'colour'"):
         get_env(f"{envs}:WordleLike:colour=red")
+
+
+def test_async_tools_are_awaited(envs):
+    """TRL awaits async tools: so does rlkit (step gives a coroutine, which the driver awaits on its event loop)."""
+    import asyncio
+
+    spec = get_env(f"{envs}:AsyncTool")
+    assert [t["function"]["name"] for t in spec.tool_schemas()] == ["fetch"]
+    env = spec.make()
+    env.reset(Example("p0", "x", "1", "train"))
+    s = asyncio.run(env.step(_call("fetch", url="a.org")))
+    assert s.observation == [{"role": "tool", "content": "<page a.org>"}] and env.tool_calls == 1
+    bad = asyncio.run(env.step(_call("fetch", url="bad")))  # its failure is fed back, as a plain tool's
+    assert bad.observation[0]["content"] == "error: fetch raised ConnectionError: unreachable" and env.tool_errors == 1
+    end = env.step("done")  # no call: get_reward() (plain) ends it
+    assert end.terminated and end.reward == 1.0
 
 
 def test_tool_schemas_are_transformers_get_json_schema_as_trl_builds_them(envs):

@@ -2,7 +2,9 @@
 `rlkit.sampling.run_episodes` against a toy environment gives trajectories whose tokens are exactly what each engine
 sampled, turn by turn, and what the environment said (its text's encoding), with the loss mask and log-probs in
 step; a turn's prefix goes to the engine as tokens; stop strings end a vLLM completion at the token that completed
-them; and `rlkit eval --engine vllm` scores what `--engine hf` scores (greedy, the tiny policy).
+them; vLLM's default `--env-schedule ready` sends each trajectory's turn to its running engine as the trajectory
+becomes ready (continuous batching), seeded by (seed, prompt, sample, turn), token-exact as well; and `rlkit eval
+--engine vllm` scores what `--engine hf` scores (greedy, the tiny policy).
 
 One engine start per test function (see test_follow_vllm.py for why not a module fixture shared by several).
 Skipped, with the reason, only when `import vllm` fails; with RLKIT_REQUIRE_VLLM=1 (CI) that is a failure.
@@ -65,6 +67,34 @@ class Recording:
         self.calls.append(([list(p) for p in prompt_ids], gen))
         return gen
 
+    def stream(self, **kw):
+        self.calls.append(RecordingStream(self.engine.stream(**kw)))
+        return self.calls[-1]
+
+
+class RecordingStream:
+    """An engine's stream (continuous batching), each request's prompt and seed and each result kept."""
+
+    def __init__(self, stream) -> None:
+        self.stream, self.sent, self.got = stream, [], {}
+
+    @property
+    def pending(self) -> int:
+        return self.stream.pending
+
+    def submit(self, key, prompt_ids, seed) -> None:
+        self.sent.append((key, list(prompt_ids), seed))
+        self.stream.submit(key, prompt_ids, seed)
+
+    def poll(self):
+        out = self.stream.poll()
+        for key, ids, lps, fin in out:
+            self.got.setdefault(key, []).append((ids, lps, fin))
+        return out
+
+    def abort(self) -> None:
+        self.stream.abort()
+
 
 def check_trajectories(engine, env_file: Path, tok, prompts: list[str]) -> list[str]:
     """run_episodes on `engine` (2 trajectories a prompt, sampled); each row rebuilt from the engine's per-turn
@@ -75,7 +105,7 @@ def check_trajectories(engine, env_file: Path, tok, prompts: list[str]) -> list[
     rec = Recording(engine)
     batch = sampling.Prompts(0, [str(i) for i in range(len(prompts))], [None] * len(prompts), prompts,
                              [tok(p)["input_ids"] for p in prompts])
-    s = sampling.Sampling(n=2, temperature=1.0, max_new_tokens=8, max_turns=3)
+    s = sampling.Sampling(n=2, temperature=1.0, max_new_tokens=8, max_turns=3, env_schedule="turns")
     ep = sampling.run_episodes(rec, tok, get_env(f"{env_file}:Turns"), batch, s, seed=5)
     c = ep.columns
     rows = len(c["completion_ids"])
@@ -120,6 +150,40 @@ def check_trajectories(engine, env_file: Path, tok, prompts: list[str]) -> list[
     return fins
 
 
+def check_continuous(engine, env_file: Path, tok, prompts: list[str]) -> None:
+    """vLLM's default schedule (ready): each trajectory's turns go to the engine's stream one request at a time, its
+    prefix as the very tokens it holds, seeded by (seed, prompt, sample, turn); each row is what the stream returned,
+    turn by turn, with the environment's observations between, masked."""
+    from rlkit import sampling
+    from rlkit.envs import get_env
+    from rlkit.sampling.driver import trajectory_seed
+
+    rec = Recording(engine)
+    batch = sampling.Prompts(0, [str(i) for i in range(len(prompts))], [None] * len(prompts), prompts,
+                             [tok(p)["input_ids"] for p in prompts])
+    s = sampling.Sampling(n=2, temperature=1.0, max_new_tokens=8, max_turns=3)
+    ep = sampling.run_episodes(rec, tok, get_env(f"{env_file}:Turns"), batch, s, seed=5)
+    (stream,) = rec.calls  # no engine.sample call: one stream
+    c = ep.columns
+    lengths = [1 + len(prompts[r // 2]) % 3 for r in range(len(c["completion_ids"]))]
+    assert c["turns"] == lengths and len(stream.sent) == sum(lengths)
+    for r, comp in enumerate(c["completion_ids"]):
+        sent = [(p, seed) for k, p, seed in stream.sent if k == r]
+        assert [seed for _, seed in sent] == [trajectory_seed(5, r, 2, t) for t in range(lengths[r])]
+        pos, mask, lps = 0, c["loss_mask"][r], c["old_logprobs"][r]
+        for t, ((prefix, _), (out, out_lps, _)) in enumerate(zip(sent, stream.got[r], strict=True)):
+            assert prefix == c["prompt_ids"][r] + comp[:pos]
+            assert comp[pos:pos + len(out)] == out and mask[pos:pos + len(out)] == [1] * len(out)
+            assert lps[pos:pos + len(out)] == out_lps
+            pos += len(out)
+            if t < lengths[r] - 1:
+                obs = tok(observation(t + 1, tok.decode(out, skip_special_tokens=True)),
+                          add_special_tokens=False)["input_ids"]
+                assert comp[pos:pos + len(obs)] == obs and mask[pos:pos + len(obs)] == [0] * len(obs)
+                pos += len(obs)
+        assert pos == len(comp) and c["end_reason"][r] == "terminated"
+
+
 def check_stop_strings(engine, tok, ids: list[list[int]]) -> None:
     """The same seed with and without stop strings: a stopped completion is the unstopped one up to and including
     the token that completed a stop string, and its text holds that string."""
@@ -160,6 +224,7 @@ def test_multiturn_trajectories_and_stop_strings_on_vllm_and_hf(vllm_ok, sft_dir
         fins = {name: check_trajectories(e, env_file, tok, prompts) for name, e in (("hf", hf), ("vllm", vllm))}
         for name, f in fins.items():
             assert "stop" in f and "eos" in f, (name, f)  # both ways a turn ends were seen on both engines
+        check_continuous(vllm, env_file, tok, prompts)
         check_stop_strings(vllm, tok, [tok(p)["input_ids"] for p in prompts[:4]])
         # greedy (temperature 0) is each engine's own argmax decoding: the same responses
         ids = [tok(e.prompt)["input_ids"] for e in get_task("arithmetic").examples("heldout", 40, 1)]
