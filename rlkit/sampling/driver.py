@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlkit.engines.base import Generated
-from rlkit.envs.base import EnvError, as_step, check_observation
+from rlkit.envs.base import EnvError, as_step, check_observation, failure_line, prompt_too_long
 
 
 @dataclass(frozen=True)
@@ -334,7 +334,7 @@ class _Loop:
                 return
         obs = self.call(t, "reset", d, check=_reset_check)
         if t.end_reason is None:
-            _start(t, self.tokenizer, obs, self.context, self.env.name)
+            _start(t, self.tokenizer, obs, self.context, self.env)
             self.ready.append(d.key)
         else:
             self._ended(d.key)
@@ -434,16 +434,15 @@ class _Caller:
             return self.fail(t, method, f"called {_exit_call(e)}", f"{where} called {_exit_call(e)} on {t.label}")
         except EnvError as e:  # the check's, or the environment's own (an adapter's: a server's error): the row named
             line = str(e) if t.label in str(e) else f"{e} on {t.label}"
-            return self.fail(t, method, str(e).split(" returned ", 1)[-1], line)
+            return self.fail(t, method, str(e).split(" returned ", 1)[-1], line, e)
         except RlkitError:
             raise
         except Exception as e:
-            return self.fail(t, method, f"raised {one_line(e)}", f"{where} raised {one_line(e)} on {t.label}")
+            return self.fail(t, method, f"raised {one_line(e)}", f"{where} raised {one_line(e)} on {t.label}", e)
 
-    def fail(self, t: _Traj, method: str, why: str, line: str):
+    def fail(self, t: _Traj, method: str, why: str, line: str, error: BaseException | None = None):
         if self.policy != "end":
-            raise EnvError(line + ("" if "--env-errors" in line else " (--env-errors end: end such trajectories with "
-                                                                    "reward 0 instead)"))
+            raise EnvError(failure_line(line, error))  # no --env-errors end where every trajectory would fail
         t.end_reason = f"error: {method} {why}"[:300]
         t.error = True
         return None
@@ -459,11 +458,9 @@ def _reset_check(obs, where: str):
     return obs
 
 
-def _start(t: _Traj, tokenizer, obs, context: int | None, name: str) -> None:
+def _start(t: _Traj, tokenizer, obs, context: int | None, env) -> None:
     """The prompt from `reset`'s observation: text with the tokenizer's special tokens, or messages through the
     chat template (with the generation prompt)."""
-    from rlkit.errors import RlkitError
-
     if isinstance(obs, str):
         t.prompt_text = obs
         t.prompt_ids = list(tokenizer(obs, add_special_tokens=True)["input_ids"])
@@ -479,8 +476,7 @@ def _start(t: _Traj, tokenizer, obs, context: int | None, name: str) -> None:
             t.prompt_ids = list(tokenizer(t.prompt_text, add_special_tokens=True)["input_ids"])
         t.messages = msgs
     if context is not None and len(t.prompt_ids) >= context:
-        raise RlkitError(f"environment {name}: reset()'s prompt for {t.label} is {len(t.prompt_ids)} tokens; the "
-                         f"model's context is {context}, with no room left to generate")
+        raise prompt_too_long(env, t.label, len(t.prompt_ids), context)
 
 
 def tool_schemas(env) -> list | None:

@@ -129,7 +129,9 @@ def test_openenv_failures_are_one_line(server, sft_dir, tmp_path):
     base = ["--policy", str(sft_dir), "--num-prompts", str(P), "--n", str(N), "--out", str(out)]
     # no server there
     r = run_cli("rollout", "--env", f"openenv:url=ws://127.0.0.1:{_free_port()}/ws", *base)
-    assert "cannot connect (ConnectionRefusedError" in _error_line(r) and not out.exists()
+    line = _error_line(r)
+    assert "cannot connect (ConnectionRefusedError" in line and not out.exists()
+    assert "--env-errors" not in line  # every trajectory would meet it: ending them all is no remedy
     # the server refuses an action (an extra field its Action forbids): its error, named
     r = run_cli("rollout", "--env", f"openenv:url={server.url},action.colour=red", *base)
     line = _error_line(r)
@@ -221,6 +223,17 @@ def test_textarena_game_trajectories(sft_dir, tmp_path):
     from importlib.metadata import version
 
     assert read_manifest(out)["inputs"]["env"] == f"builtin:textarena+textarena=={version('textarena')}"
+
+
+def test_textarena_rules_too_long_for_the_context_name_prompt_text(sft_dir, tmp_path):
+    """The game's opening message (its rules) does not fit the tiny model's context: the line says to give a
+    shorter prompt with prompt=TEXT."""
+    out = tmp_path / "r.arrow"
+    r = run_cli("rollout", "--policy", str(sft_dir), "--env", "textarena:game=GuessTheNumber-v0", "--num-prompts",
+                str(P), "--out", str(out))
+    line = _error_line(r)
+    assert "reset()'s prompt for prompt " in line and "the model's context is" in line, line
+    assert "prompt=TEXT" in line and "textarena:game=GuessTheNumber-v0,prompt=TEXT" in line and not out.exists()
 
 
 @pytest.mark.parametrize(("spec", "says"), [
@@ -329,7 +342,7 @@ def test_a_trl_class_tools_reach_the_chat_template(sft_dir, tmp_path):
     t = driver._Traj("p0", 0)
     t.env = spec.make()
     obs = t.env.reset(Example("p0", "<3+4>=", "10", "train"))
-    driver._start(t, tok, [{"role": "user", "content": obs}], None, spec.name)
+    driver._start(t, tok, [{"role": "user", "content": obs}], None, spec)
     assert t.prompt_text.startswith("<tools>increment(step) </tools>\n")
     s = driver.Sampling(max_turns=3)
     call = '<tool_call>{"name": "increment", "arguments": {"step": 3}}</tool_call>'

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow
 
 ENVS = '''
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -130,6 +131,8 @@ class Bad:
             return Step("x" * 10_000_000, 0.0)
         if self.mode == "hang":
             time.sleep(120)
+        if self.mode == "exit":
+            sys.exit(3)
         raise AssertionError(self.mode)
 
     def reset(self, example):
@@ -378,6 +381,8 @@ def _closed_all(marks: Path) -> int:
     ("nan", "step", "returned the reward nan; expected a finite number"),
     ("huge", "step", "returned an observation of 10,000,000 characters"),
     ("hang", "step", "did not return within 1 s"),
+    ("exit", "step", "called sys.exit(3)"),
+    ("exit", "reset", "called sys.exit(3)"),
 ])
 def test_a_misbehaving_environment_is_one_line_or_an_ended_trajectory(sft_dir, envs, tmp_path, mode, method, says):
     from rlkit.tasks import get_task
