@@ -83,6 +83,12 @@ class TrlEnvironment(Tools):
         """The tools' JSON schemas, for the chat template (the driver renders message observations with them)."""
         return tool_schemas(self.cls)
 
+    @property
+    def wrapped(self):
+        """The user's own instance: what a `--reward-fn` taking `environments` receives (TRL's reward functions
+        read its state, `env.reward`)."""
+        return self.inner
+
     def reset(self, example):
         self.example = example
         self.tool_calls = self.tool_errors = 0

@@ -42,6 +42,7 @@ from rlkit.tasks.base import (  # noqa: F401 (the task vocabulary, named from he
     Example,
     Scores,
     Task,
+    Transcript,
     as_bool,
     check_split,
     generation_length,
