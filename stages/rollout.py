@@ -672,9 +672,12 @@ def _sample(cfg: RolloutConfig, engine: Engine, tokenizer, verifier: _Verifier, 
                                                "end_reason", "tool_calls", "messages", "token_rewards")})
             verifier.score(cols, cols["answer"], fins, scored, fns, w.rows,
                            [getattr(e, "wrapped", e) for e in ep.instances] if keep_open else None)
-        finally:
+        except BaseException as e:
             if ep is not None:
-                ep.close()
+                ep.close(e)
+            raise
+        if ep is not None:
+            ep.close()
         if refill is not None:
             cols = refill.take(cols)
             if cols is None:

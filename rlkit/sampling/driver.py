@@ -127,11 +127,12 @@ class Episodes:
     instances: list = field(default_factory=list)
     closer: Any = None
 
-    def close(self) -> None:
-        """Close the instances `run_episodes(keep_open=True)` left open (nothing otherwise)."""
+    def close(self, failure: BaseException | None = None) -> None:
+        """Close the instances `run_episodes(keep_open=True)` left open (nothing otherwise); a failing close() is
+        one line, unless `failure` is already raising."""
         closer, self.closer = self.closer, None
         if closer is not None:
-            closer()
+            closer(failure)
 
 
 def run_episodes(engine, tokenizer, env, prompts: Prompts, s: Sampling, seed: int, ticker=None,
@@ -202,7 +203,7 @@ def run_episodes(engine, tokenizer, env, prompts: Prompts, s: Sampling, seed: in
     ep = _columns(trajs)
     if keep_open:
         ep.instances = [trajs[k].env for k in ep.trajectory]
-        ep.closer = lambda: _close_all(instances, env.name, None)
+        ep.closer = lambda failure: _close_all(instances, env.name, failure)
     return ep
 
 
