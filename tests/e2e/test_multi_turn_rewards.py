@@ -86,6 +86,22 @@ def files(tmp_path_factory) -> Path:
     return d
 
 
+@pytest.fixture(scope="module")
+def rm_dir(sft_dir, tmp_path_factory) -> Path:
+    """A reward model trained on a few written pairs (a right sum over a wrong one): a real one, not a good one."""
+    import pyarrow as pa
+
+    d = tmp_path_factory.mktemp("rm")
+    rows = [{"prompt_id": f"p{i}", "prompt": f"<{i}+1>=", "chosen": str(i + 1), "rejected": str(i + 7),
+             "split": "heldout" if i % 4 == 0 else "train"} for i in range(16)]
+    with pa.OSFile(str(d / "prefs.arrow"), "wb") as f, pa.ipc.new_stream(f, pa.Table.from_pylist(rows).schema) as w:
+        w.write_table(pa.Table.from_pylist(rows))
+    r = run_cli_inproc("train-rm", "--model", str(sft_dir), "--prefs", str(d / "prefs.arrow"), "--epochs", "1",
+                       "--out", str(d / "rm"))
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    return d / "rm"
+
+
 def _rollout(sft_dir: Path, out: Path, *args: str):
     r = run_cli_inproc("rollout", "--policy", str(sft_dir), "--num-prompts", str(P), "--n", str(N), "--out",
                        str(out), *args)
@@ -121,10 +137,10 @@ def test_the_reward_is_the_environments_unless_a_task_is_named(sft_dir, files, t
     assert "rollout: reward = env + verifier (task arithmetic); verifier reads the final model turn" in err
 
 
-def test_an_errored_trajectory_has_every_component_0(sft_dir, files, tmp_path):
+def test_an_errored_trajectory_has_every_component_0(sft_dir, files, rm_dir, tmp_path):
     """--env-errors end: the trajectories of the failing prompt have reward/env, the verifier's, each reward
-    function's (at rollout and at score-ref) and every token reward 0, with their end_reason; the others are
-    scored."""
+    function's and reward model's (at rollout and at score-ref) and every token reward 0, with their end_reason;
+    the others are scored."""
     from rlkit.tasks import get_task
 
     fail = get_task("arithmetic").examples("train", P, 0)[1].prompt_id
@@ -140,10 +156,13 @@ def test_an_errored_trajectory_has_every_component_0(sft_dir, files, tmp_path):
 
     scored = tmp_path / "s.arrow"
     r = run_cli_inproc("score-ref", "--in", str(tmp_path / "r.arrow"), "--reward-fn", f"two={files / 'fns.py'}:one",
-                       "--out", str(scored))
+                       "--rm", f"q={rm_dir}", "--out", str(scored))
     assert r.returncode == 0, r.stderr.decode()[-2000:]
     s, _ = streams.read_table(scored, ["rollouts"])
     assert s.column("reward/two").to_pylist() == [0.0 if x["prompt_id"] == fail else 1.0 for x in rows]
+    rm = s.column("reward/rm:q").to_pylist()
+    assert [v for v, x in zip(rm, rows, strict=True) if x["prompt_id"] == fail] == [0.0] * N
+    assert all(v != 0.0 for v, x in zip(rm, rows, strict=True) if x["prompt_id"] != fail)
 
 
 def _turn_ends(mask: list[int]) -> list[int]:
@@ -197,9 +216,10 @@ def test_token_rewards_sit_at_turn_ends_and_count_once(sft_dir, files, tmp_path)
     assert "update: reward = 1*env + 1*one" in r.stderr.decode()
 
 
-def test_each_scorer_reads_its_documented_text(sft_dir, files, tmp_path):
+def test_each_scorer_reads_its_documented_text(sft_dir, files, rm_dir, tmp_path):
     """The same function under three readings (--reads): the final model turn, the row's model turns, the whole
-    conversation (the default); rollout and score-ref give it the same text, and the manifests record it."""
+    conversation (the default); rollout and score-ref give it the same text, and the manifests record it; a reward
+    model reads the prompt and its reading's text."""
     fn = f"{files / 'fns.py'}:length"
     args = [a for name in ("conv", "fin", "mod") for a in ("--reward-fn", f"{name}={fn}")]
     t, m, err = _rollout(sft_dir, tmp_path / "r.arrow", "--env", f"{files / 'envs.py'}:Echo", *args,
@@ -222,6 +242,20 @@ def test_each_scorer_reads_its_documented_text(sft_dir, files, tmp_path):
     for name in ("conv", "fin", "mod"):
         assert s.column(f"reward/{name}2").to_pylist() == t.column(f"reward/{name}").to_pylist()
     assert manifests.read_manifest(scored)["reads"] == {"conv2": "conversation", "fin2": "final", "mod2": "model"}
+
+    from rlkit.tasks.reward_model import load_reward_model, score_texts
+
+    r = run_cli_inproc("score-ref", "--in", str(tmp_path / "r.arrow"), "--rm", f"q={rm_dir}", "--rm", f"c={rm_dir}",
+                       "--reads", "rm:q=final", "--out", str(tmp_path / "rm.arrow"))
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    s, _ = streams.read_table(tmp_path / "rm.arrow", ["rollouts"])
+    model, tok = load_reward_model(rm_dir)
+    rows = t.to_pylist()
+    finals = [[x["content"] for x in row["messages"] if x["role"] == "assistant"][-1] for row in rows]
+    prompts = [row["prompt"] for row in rows]
+    assert s.column("reward/rm:q").to_pylist() == pytest.approx(score_texts(model, tok, prompts, finals), abs=1e-5)
+    assert s.column("reward/rm:c").to_pylist() == pytest.approx(
+        score_texts(model, tok, prompts, [row["completion"] for row in rows]), abs=1e-5)
 
     r = run_cli_inproc("rollout", "--policy", str(sft_dir), "--env", f"{files / 'envs.py'}:Echo", "--reads",
                        "verifier=final", "--out", str(tmp_path / "x.arrow"))
