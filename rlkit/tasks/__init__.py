@@ -352,6 +352,12 @@ class UserTask:
         return DEFAULT_MAX_NEW_TOKENS if n is None else n
 
     @property
+    def reads(self) -> str | None:
+        """What the class says its verifier reads of a multi-turn row (`reads = "final"`, "model" or
+        "conversation"; `rlkit.tasks.multi_turn`), None: the default (the final turn)."""
+        return getattr(self.impl, "reads", None)
+
+    @property
     def runs_code(self) -> bool:
         """The class says its verifier runs model-written programs (`runs_code = True`): the stage then checks
         the sandbox (`--sandbox`, default bwrap) before sampling and hands it to its `score_batch`."""

@@ -157,3 +157,18 @@ def test_a_transcript_cut_to_its_environment_text_is_dropped():
     env_only = Transcript([("x" * 40, False)])  # cut before its eos: no target token left, nothing to learn from
     ids, _, truncated, masks = data.encode_sft_masked(tok, pids, [env_only], max_len=len(pids[0]) + 5)
     assert truncated == 1 and ids == [] and masks == []
+
+
+def test_a_task_class_declares_what_its_verifier_reads(tmp_path):
+    from rlkit.tasks import get_task
+
+    (tmp_path / "games.py").write_text(
+        "from rlkit.tasks import Example\n\n"
+        "class Games:\n"
+        "    reads = 'conversation'  # its verifier replays the whole game, feedback included\n\n"
+        "    def iter_examples(self, split, seed):\n"
+        "        yield Example(f'{split}-0', 'go:', '1', split)\n\n"
+        "    def reward(self, response, answer):\n"
+        "        return 0.0\n")
+    assert multi_turn.default_reads(get_task(f"{tmp_path / 'games.py'}:Games")) == "conversation"
+    assert multi_turn.default_reads(get_task("arithmetic")) == "final"
