@@ -19,8 +19,12 @@ checked against; the device is said once on stderr and recorded in the manifest.
 With `--env SPEC` each row is a multi-turn trajectory against an environment (`rlkit.envs`): the sampling driver
 (`rlkit.sampling.run_episodes`) runs every trajectory of a chunk turn by turn, the rows carry `loss_mask` (0 on
 the environment's tokens), `turns`, `turn_rewards`, `terminated`, `truncated`, `end_reason`, `tool_calls`,
-`messages` and `reward/env`; the prompts are the environment's own when it brings them, else the task's (whose
-verifier then scores each trajectory's final turn). docs/environments.md. On a GPU shared with score-ref,
+`messages`, `reward/env` and `token_rewards` (each step's reward at its turn's last sampled token, a share of
+reward/env); the prompts are the environment's own when it brings them, else the task's or --prompts FILE's. The
+environment's rewards alone score its trajectories unless --task names a task, whose verifier then adds
+`reward/verifier` (on the final turn); the reward's composition is said on stderr and recorded in the manifest
+(`reward`), with what each scorer reads of a trajectory (`rlkit.tasks.multi_turn`, --reads). A trajectory an
+environment error ended has every reward component 0. docs/environments.md. On a GPU shared with score-ref,
 `--colocate DIR` sizes vLLM's memory share (`rlkit.engines.memory`), and `--follow --max-lag 0` puts vLLM to sleep
 while update trains (docs/gpu.md).
 """
@@ -53,6 +57,7 @@ from rlkit.options import (
     OutTable,
     PolicyDir,
     PromptColumn,
+    Reads,
     RewardFn,
     RewardTimeout,
     SamplingDtype,
@@ -75,7 +80,9 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class RolloutConfig:
     policy: Path = option(..., PolicyDir)
-    task: str = option("arithmetic", Task)
+    # the task named (None: arithmetic's prompts, without --env its verifier too); recorded as resolved: its spec, or
+    # under --env the verifier's task (None: no verifier), `env:SPEC` when the environment brings the prompts
+    task: str | None = option(None, Task)
     prompts: str | None = option(None, panel="Data", help="Prompts file (.arrow/.parquet/.jsonl), '-' for stdin, or datasets spec; default: the task's train split.")
     prompt_column: str = option("prompt", PromptColumn)
     answer_column: str = option("answer", AnswerColumn)
@@ -119,6 +126,7 @@ class RolloutConfig:
     spool: Path | None = option(None, "--spool", panel="Follow", help="--follow: write each batch as its own complete Arrow file into this spool directory (with --shard I/M: this worker's share of every batch), for `update --follow --in SPOOL` fed by many workers, instead of one stream to stdout or --out. See docs/scale-out.md.")
     reward_fn: tuple[str, ...] = option((), RewardFn)  # NAME=FILE.py:FUNC user reward functions, each adds reward/NAME
     reward_timeout: float = option(60.0, RewardTimeout)  # seconds one --reward-fn call may run (0: no limit)
+    reads: tuple[str, ...] = option((), Reads)  # NAME=READING: the text of a multi-turn row a component reads
     sandbox: str | None = option(None, SandboxKind)  # code task: bwrap unless none; --reward-fn: only when given
     sandbox_workers: int | None = option(None, SandboxWorkers)
     seed: int = option(0, Seed)
@@ -176,12 +184,17 @@ def _run(cfg: RolloutConfig) -> Path | None:
         from rlkit.envs import get_env
 
         env = get_env(cfg.env).sandboxed(cfg.sandbox)  # a bad spec, class or option: one line before anything starts
-    task = get_task(cfg.task)
-    if env is not None and callable(env.attribute("iter_examples")) and not cfg.prompts:
+    named = cfg.task is not None
+    task = get_task(cfg.task or "arithmetic")  # the prompts' task
+    # the verifier: the task's, except that an environment's trajectories are scored by its own rewards alone unless
+    # the user names a task
+    scorer = task if env is None or named else None
+    own = env is not None and callable(env.attribute("iter_examples")) and not cfg.prompts
+    if own:
         from rlkit.envs import env_task
 
-        task = env_task(env)  # the environment brings its own prompts (and scores them itself)
-    sandbox = task_sandbox(task, cfg.sandbox, cfg.sandbox_workers)  # the code task's: checked before any sampling
+        task = env_task(env)  # the environment brings its own prompts
+    sandbox = task_sandbox(scorer, cfg.sandbox, cfg.sandbox_workers)  # the code task's: checked before any sampling
     if cfg.colocate and cfg.gpu_memory_utilization:
         raise RlkitError("--colocate sizes vLLM's --gpu-memory-utilization from the models it names; pass one of them")
     for d in cfg.colocate:
@@ -200,12 +213,16 @@ def _run(cfg: RolloutConfig) -> Path | None:
         cfg = replace(cfg, max_new_tokens=env.attribute("max_new_tokens"))  # the environment's turn length
     if env is not None:
         cfg = replace(cfg, env=env.spec)
-    cfg = replace(cfg, task=task.spec, max_new_tokens=generation_length(task, cfg.max_new_tokens))  # in force, recorded
+    recorded = task.spec if env is None or (own and not named) else getattr(scorer, "spec", None)
+    cfg = replace(cfg, task=recorded, max_new_tokens=generation_length(task, cfg.max_new_tokens))  # in force, recorded
     # --reward-fn: checked (and, with --sandbox bwrap, their sandboxed workers started) before any sampling
     fns = reward_fns.load_all(cfg.reward_fn, taken=("verifier",), timeout=cfg.reward_timeout,
                               sandbox=reward_fn_sandbox(cfg.sandbox, cfg.sandbox_workers))
     with reward_fns.closing(fns):
-        verifier = _Verifier(task, sandbox, cfg.max_new_tokens, env)
+        reward_fns.check_environments(fns, None if env is not None else
+                                      "pass --env, or score the rows with another function")
+        verifier = _Verifier(task, sandbox, cfg.max_new_tokens, env, scorer)
+        verifier.reads = verifier.readings(cfg.reads, fns)
         if cfg.follow is not None:
             return _run_follow(cfg, verifier, out, fns)
         return _run_table(cfg, verifier, out, fns)
@@ -257,8 +274,9 @@ def _run_table(cfg: RolloutConfig, verifier: _Verifier, out: Path | None, fns) -
     tools = verifier.env.tool_schemas() if verifier.env is not None else None  # a TRL class's, for chat prompts
     chunks = _first_made(_file_chunks(source, tokenizer, span, cfg.chunk_prompts, tools) if source
                          else _task_chunks(task, tokenizer, cfg, span))
-    if not scored:
+    if not scored and verifier.scores:
         console.warn("some prompts have no gold answer: no verifier reward column is written")
+    verifier.announce(fns, cfg.prompts)
     extra = verifier.fields(scored, fns)
     if refill is not None:
         _check_refill(cfg, extra)
@@ -267,7 +285,7 @@ def _run_table(cfg: RolloutConfig, verifier: _Verifier, out: Path | None, fns) -
     manifest = manifests.make_manifest("rollouts", "rollout", cfg, inputs,
                                        tokenizer=checkpoints.tokenizer_fingerprint(tokenizer), engine=engine.name,
                                        sampling_dtype=getattr(engine, "dtype", "fp32"),
-                                       **devices.manifest_entry(device),
+                                       **devices.manifest_entry(device), **verifier.manifest_entry(fns),
                                        **shards.manifest_entry(cfg.shard, span, total, manifests.jsonable(cfg), inputs))
     with streams.write_table("rollouts", out, manifest, extra) as w, \
             console.progress("rollout", len(span) * cfg.n if refill is None else None) as bar:
@@ -318,7 +336,9 @@ def _run_follow(cfg: RolloutConfig, verifier: _Verifier, out: Path | None, fns=(
                          fields=fields, say=verifier.say,
                          tools=verifier.env.tool_schemas() if verifier.env is not None else None,
                          prompts_a_batch=None if refill is None else refill.limit,
-                         groups_a_batch=None if refill is None else refill.want)
+                         groups_a_batch=None if refill is None else refill.want,
+                         scores=verifier.scores, manifest=verifier.manifest_entry(fns))
+    verifier.announce(fns, cfg.prompts)
     return follow.run(cfg, verifier.task, source, inputs, out, stage)
 
 
@@ -414,15 +434,18 @@ def _first_made(chunks):
 
 @dataclass
 class _Verifier:
-    """The task's verifier as rollout runs it: a chunk's rows at once (`rlkit.tasks.verify`; the code task's
-    programs in `sandbox`, concurrently; a completion cut at --max-new-tokens gets the verdict `truncated`), and
-    the run's tally for the progress and summary lines: the verdict reasons, the completions cut, and the sum of
-    each reward component and of their total."""
+    """The rewards rollout writes and how: the task's verifier (a chunk's rows at once, `rlkit.tasks.verify`; the
+    code task's programs in `sandbox`, concurrently; a completion cut at --max-new-tokens gets the verdict
+    `truncated`), under --env the environment's `reward/env`, each component's reading of a multi-turn row
+    (`rlkit.tasks.multi_turn`), and the run's tally for the progress and summary lines: the verdict reasons, the
+    completions cut, and the sum of each reward component and of their total."""
 
-    task: object
+    task: object  # where the prompts come from
     sandbox: object = None
     max_new_tokens: int = 0
-    env: object = None  # --env's EnvSpec: trajectories (reward/env), the task's verifier on the final turn
+    env: object = None  # --env's EnvSpec: trajectories (reward/env)
+    scorer: object = None  # the task whose verifier scores the rows (reward/verifier); None: no verifier
+    reads: dict = field(default_factory=dict)  # component -> its reading of a multi-turn row
     counts: dict = field(default_factory=dict)
     rows: int = 0
     cut: int = 0
@@ -432,21 +455,68 @@ class _Verifier:
     @property
     def verdicts(self) -> bool:
         """Whether the task gives a reason with each reward (a `verdict/verifier` column)."""
-        return self.scores and getattr(self.task, "score_batch", None) is not None
+        return self.scores and getattr(self.scorer, "score_batch", None) is not None
 
     @property
     def scores(self) -> bool:
-        """Whether the task's verifier scores the rows (not when the environment brings the prompts: it scores
-        its own trajectories)."""
-        return not getattr(self.task, "from_env", False)
+        """Whether a task's verifier scores the rows: always without --env; with it only when --task names the task
+        (the environment's rewards score its trajectories)."""
+        return self.scorer is not None
+
+    def readings(self, specs: tuple[str, ...], fns) -> dict[str, str]:
+        """Each component's reading of a multi-turn row: the defaults, and --reads (checked: one line)."""
+        from rlkit.tasks import multi_turn
+
+        defaults = {**({"verifier": multi_turn.default_reads(self.scorer)} if self.scores else {}),
+                    **{f.name: multi_turn.default_reads() for f in fns}}
+        return multi_turn.parse_reads(specs, defaults, "rollout")
 
     def env_inputs(self) -> dict[str, str]:
-        """What --env adds to the input fingerprints: its class's file (an edited environment reruns)."""
-        return {"env": self.env.fingerprint} if self.env is not None else {}
+        """What --env adds to the input fingerprints: its class's file (an edited environment reruns), and a named
+        verifier's task when the environment brings the prompts."""
+        from rlkit.tasks import task_inputs
+
+        if self.env is None:
+            return {}
+        scorer = task_inputs(self.scorer) if self.scores and self.scorer is not self.task else {}
+        return {"env": self.env.fingerprint, **({"verifier": scorer["task"]} if scorer else {})}
+
+    def composition(self, fns) -> str:
+        """What `reward` is: `env + verifier (task X)` and each --reward-fn, as said on stderr and in the manifest."""
+        parts = (["env"] if self.env is not None else []) + ([f"verifier (task {self.scorer.name})"] if self.scores
+                                                             else []) + [f"{f.name} (--reward-fn {f.label})" for f in fns]
+        return " + ".join(parts) or "none"
+
+    def manifest_entry(self, fns) -> dict:
+        """The manifest's `reward`: the composition, each component's reading of a multi-turn row (under --env),
+        and what `token_rewards` are a share of."""
+        entry = {"composition": self.composition(fns)}
+        if self.env is not None:
+            entry.update(reads=dict(self.reads), token_rewards="env")
+        return {"reward": entry}
+
+    def announce(self, fns, prompts: str | None) -> None:
+        """rollout's line under --env on what its reward is: `reward = env` (the environment's prompts, a task's or
+        --prompts FILE's), `reward = env + verifier (task X)` when --task names X, and each --reward-fn; with what
+        each scorer reads of a trajectory."""
+        from rlkit import console
+        from rlkit.tasks import multi_turn
+
+        if self.env is None:
+            return
+        line = f"rollout: reward = {self.composition(fns)}"
+        if self.reads:
+            line += "; " + ", ".join(f"{k} reads {multi_turn.READINGS[v]}" for k, v in self.reads.items())
+        if not self.scores:
+            src = (f"--prompts {prompts}" if prompts else "the environment's own prompts"
+                   if getattr(self.task, "from_env", False) else f"task {self.task.name}'s prompts")
+            line += f" (on {src}; --task NAME adds that task's verifier)"
+        console.info(line)
 
     def fields(self, scored: bool, fns) -> list:
         """The table's columns beyond the rollouts kind's: each reward component (and the verifier's verdicts),
-        and with --env the trajectories' (`rlkit.io.schemas.MULTI_TURN_FIELDS`)."""
+        and with --env the trajectories' (`rlkit.io.schemas.MULTI_TURN_FIELDS`) and their per-turn `token_rewards`
+        (a share of reward/env)."""
         import pyarrow as pa
 
         from rlkit.io import schemas
@@ -455,15 +525,51 @@ class _Verifier:
                  *(f.name for f in fns)]
         extra = [pa.field(f"reward/{n}", pa.float64()) for n in names]
         extra += [pa.field("verdict/verifier", pa.string())] if scored and self.verdicts else []
-        return extra + (list(schemas.MULTI_TURN_FIELDS) if self.env is not None else [])
+        if self.env is None:
+            return extra
+        return [*extra, *schemas.MULTI_TURN_FIELDS, schemas.token_rewards_field("env")]
 
     def __call__(self, completions: list[str], answers: list[str], finish_reasons: list[str]):
         from rlkit.tasks import verify
 
-        scores = verify(self.task, completions, answers, self.sandbox, finish_reasons=finish_reasons)
+        scores = verify(self.scorer, completions, answers, self.sandbox, finish_reasons=finish_reasons)
         for r in scores.reasons or ():
             self.counts[r] = self.counts.get(r, 0) + 1
         return scores
+
+    def score(self, cols: dict, answers: list, fins: list[str], scored: bool, fns, row0: int,
+              environments=None) -> None:
+        """Add the chunk's reward columns to `cols`: the verifier's (and its verdicts) and each --reward-fn's, each
+        on its reading of the rows (`rlkit.tasks.multi_turn`); the rows of a trajectory an environment error ended
+        are not scored (every component 0, verdict `env_error`). `environments`: each row's instance (rollout --env,
+        for the functions that read them)."""
+        from rlkit.tasks import multi_turn
+
+        skip = multi_turn.ended_by_error(cols)
+        if scored and self.scores:
+            reads = multi_turn.texts(self.reads.get("verifier", "final"), cols)
+            got = {}
+
+            def verify(rows):
+                s = self([reads[i] for i in rows], [answers[i] for i in rows], [fins[i] for i in rows])
+                got["reasons"] = s.reasons
+                return s.values
+
+            cols["reward/verifier"] = multi_turn.score_kept(skip, verify, 0.0)
+            if self.verdicts:
+                it = iter(got.get("reasons") or ())
+                cols["verdict/verifier"] = [multi_turn.ENV_ERROR if s else next(it) for s in skip]
+                self.counts[multi_turn.ENV_ERROR] = self.counts.get(multi_turn.ENV_ERROR, 0) + sum(skip)
+        for f in fns:
+            reads = multi_turn.texts(self.reads.get(f.name, "conversation"), cols)
+            envs = environments if f.reads_environments else None
+
+            def run(rows, f=f, reads=reads, envs=envs):
+                sub = multi_turn.subset(cols, rows)
+                sub["completion"] = [reads[i] for i in rows]
+                return f.score(sub, row0=row0, environments=None if envs is None else [envs[i] for i in rows])
+
+            cols[f"reward/{f.name}"] = multi_turn.score_kept(skip, run, 0.0)
 
     def record(self, cols: dict) -> dict[str, float]:
         """Tally a chunk's written columns -> the running means for the progress line: `reward`, the total
@@ -493,7 +599,7 @@ class _Verifier:
                          + "; update trains on this sum, or on the components weighed by its --reward)")
         if self.counts:
             total = sum(self.counts.values())
-            console.info(f"rollout: {self.task.name} verdicts of {total} responses: "
+            console.info(f"rollout: {self.scorer.name} verdicts of {total} responses: "
                          + ", ".join(f"{k} {v} ({v / total:.1%})" for k, v in sorted(self.counts.items(),
                                                                                         key=lambda kv: -kv[1])))
         if self.refills:
@@ -520,8 +626,9 @@ def _sample(cfg: RolloutConfig, engine: Engine, tokenizer, verifier: _Verifier, 
     """Sample each `rlkit.sampling.Prompts` of `chunks` through the sampling driver and write its rows to `w`. A
     chunk starting at prompt c0 is seeded `seed * 1_000_003 + c0`; prompt p becomes group `group0 + p`. Without
     --env each row is one completion; with it, one trajectory (`rlkit.sampling.run_episodes`). `verifier` scores
-    each chunk's rows at once (the final turn's text of a trajectory; with their verdicts where the task gives
-    them); `fns` (--reward-fn) add their reward columns, computed on each chunk's rows. `refill`
+    each chunk's rows at once (`_Verifier.score`: a trajectory's final turn by default; with their verdicts where
+    the task gives them); `fns` (--reward-fn) add their reward columns, computed on each chunk's rows (a function
+    that reads the environment instances gets them: they stay open until it has scored). `refill`
     (--min-informative-groups): `chunks` re-cut as it asks (`_Refill.chunks`), only its informative groups are
     written, and sampling stops once it has enough."""
     from rlkit import sampling
@@ -530,11 +637,13 @@ def _sample(cfg: RolloutConfig, engine: Engine, tokenizer, verifier: _Verifier, 
     s = _sampling(cfg)
     if refill is not None:
         chunks = refill.chunks(chunks, cfg.chunk_prompts)
+    keep_open = verifier.env is not None and any(f.reads_environments for f in fns)
     for ch in chunks:
+        ep = None
         if verifier.env is None:
             gen = sampling.sample(engine, ch, s, seed * 1_000_003 + ch.c0)
             comps = tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
-            finals, fins = comps, gen.finish_reasons
+            fins = gen.finish_reasons
             rows = [(k // n, k % n) for k in range(len(comps))]  # (prompt within the chunk, sample)
             cols = {
                 "prompt_id": [ch.ids[p] for p, _ in rows],
@@ -548,10 +657,11 @@ def _sample(cfg: RolloutConfig, engine: Engine, tokenizer, verifier: _Verifier, 
                 "finish_reason": gen.finish_reasons,
             }
         else:
-            ep = sampling.run_episodes(engine, tokenizer, verifier.env, ch, s, seed * 1_000_003 + ch.c0)
+            ep = sampling.run_episodes(engine, tokenizer, verifier.env, ch, s, seed * 1_000_003 + ch.c0,
+                                       keep_open=keep_open)
             c = ep.columns
             rows = [(k // n, k % n) for k in ep.trajectory]
-            finals, fins = ep.final, ep.finish_reasons
+            fins = ep.finish_reasons
             cols = {
                 "prompt_id": c["prompt_id"],
                 "group_id": [group0 + ch.c0 + p for p, _ in rows],
@@ -563,21 +673,22 @@ def _sample(cfg: RolloutConfig, engine: Engine, tokenizer, verifier: _Verifier, 
                 "old_logprobs": c["old_logprobs"],
                 "finish_reason": c["finish_reason"],
             }
-        cols["policy_fingerprint"] = [fp] * len(rows)
-        cols["policy_step"] = [step] * len(rows)
-        cols["answer"] = [ch.answers[p] for p, _ in rows]
-        if verifier.env is not None:
-            cols["reward/env"] = c["reward/env"]
-        if scored and verifier.scores:
-            scores = verifier(finals, [ch.answers[p] for p, _ in rows], fins)
-            cols["reward/verifier"] = scores.values
-            if verifier.verdicts:
-                cols["verdict/verifier"] = scores.reasons
-        for f in fns:
-            cols[f"reward/{f.name}"] = f.score(cols, row0=w.rows)
-        if verifier.env is not None:
-            cols.update({k: c[k] for k in ("loss_mask", "turns", "turn_rewards", "terminated", "truncated",
-                                           "end_reason", "tool_calls", "messages")})
+        try:
+            cols["policy_fingerprint"] = [fp] * len(rows)
+            cols["policy_step"] = [step] * len(rows)
+            cols["answer"] = [ch.answers[p] for p, _ in rows]
+            if ep is not None:
+                cols["reward/env"] = c["reward/env"]
+                cols.update({k: c[k] for k in ("loss_mask", "turns", "turn_rewards", "terminated", "truncated",
+                                               "end_reason", "tool_calls", "messages", "token_rewards")})
+            verifier.score(cols, cols["answer"], fins, scored, fns, w.rows,
+                           [getattr(e, "wrapped", e) for e in ep.instances] if keep_open else None)
+        except BaseException as e:
+            if ep is not None:
+                ep.close(e)
+            raise
+        if ep is not None:
+            ep.close()
         if refill is not None:
             cols = refill.take(cols)
             if cols is None:

@@ -44,6 +44,7 @@ from rlkit.options import (
     NoVerify,
     OutTable,
     Packing,
+    Reads,
     RewardFn,
     RewardTimeout,
     SandboxKind,
@@ -67,6 +68,7 @@ class ScoreRefConfig:
     teacher: Path | None = option(None, "--teacher", panel="Model", help="Teacher checkpoint for on-policy distillation (any causal LM directory with the policy's tokenizer, e.g. a stronger RL checkpoint; the policy that sampled the rows is refused): adds teacher_logprobs, its log-prob of every completion token, which `update --algo distill` (or --teacher-coef) trains on.")
     reward_fn: tuple[str, ...] = option((), RewardFn)  # NAME=FILE.py:FUNC user reward functions, each adds `reward/NAME`
     reward_timeout: float = option(60.0, RewardTimeout)  # seconds one --reward-fn call may run (0: no limit)
+    reads: tuple[str, ...] = option((), Reads)  # NAME=READING: the text of a multi-turn row a component reads
     sandbox: str | None = option(None, SandboxKind)  # bwrap: --reward-fn functions run in sandboxed workers
     sandbox_workers: int | None = option(None, SandboxWorkers)
     inp: str | None = option(None, InTable)
@@ -319,6 +321,8 @@ def _run(cfg: ScoreRefConfig) -> Path | None:
     fns = reward_fns.load_all(cfg.reward_fn, taken=rms, timeout=cfg.reward_timeout,
                               sandbox=reward_fn_sandbox(cfg.sandbox, cfg.sandbox_workers))
     with reward_fns.closing(fns):
+        reward_fns.check_environments(fns, "score-ref reads a finished table: pass the function to rollout --env "
+                                           "instead")
         return _run_loaded(cfg, rms, fns)
 
 
@@ -358,6 +362,12 @@ def _run_loaded(cfg: ScoreRefConfig, rms: dict[str, Path], fns) -> Path | None:
     if dev is not None:
         cfg = replace(cfg, dtype=score_dtype(dev, cfg.dtype))  # what auto became, as the manifest records it
     judges = _judges(cfg, rms, fns, dev)  # rubrics read, judges hash-checked, choices tokenized: before any load
+    from rlkit.tasks import multi_turn
+
+    # what each reward model, judge and function reads of a multi-turn row (--reads), checked before any load
+    reads = multi_turn.parse_reads(cfg.reads, {n: multi_turn.default_reads() for n in [*rms, *judges,
+                                                                                        *(f.name for f in fns)]},
+                                   "score-ref")
     if recorded is not None:
         console.info(f"score-ref: reference {recorded[0]} (recorded by {recorded[1]})")
     else:  # the input opens and streams into memory on a thread while torch imports and the models load
@@ -436,6 +446,7 @@ def _run_loaded(cfg: ScoreRefConfig, rms: dict[str, Path], fns) -> Path | None:
                                        **({"teacher": str(cfg.teacher)} if cfg.teacher is not None else {}),
                                        **({"judges": {n: j.manifest_entry() for n, j in judges.items()}}
                                           if judges else {}),
+                                       **({"reads": reads} if reads and "messages" in reader.schema.names else {}),
                                        **(reference or {k: upstream.get(k) for k in ("reference", "reference_digest")}),
                                        carried_paths=manifests.carried_paths(upstream.raw), **shard,
                                        **(devices.manifest_entry(dev) if dev is not None else {}))
@@ -465,6 +476,7 @@ def _run_loaded(cfg: ScoreRefConfig, rms: dict[str, Path], fns) -> Path | None:
         rows = _score_stream(cfg, batches, writer=writer, models=models,
                              tokenizer=tokenizer or teacher_tok, temperature=temperature, lp_type=lp_type, reader=reader,
                              empty_ok=bool(shard) or following, fns=fns, row0=span.start if cfg.shard else 0,
+                             reads=reads,
                              started=(lambda: devices.announce("score-ref", dev, cfg.dtype)) if dev is not None else None)
     except BrokenPipeError:
         if not following:
@@ -485,26 +497,26 @@ def _run_loaded(cfg: ScoreRefConfig, rms: dict[str, Path], fns) -> Path | None:
 
 
 def _score_stream(cfg: ScoreRefConfig, batches, writer, models: Models, tokenizer, temperature, lp_type, reader,
-                  empty_ok: bool, fns=(), started=None, row0: int = 0) -> int:
+                  empty_ok: bool, fns=(), started=None, row0: int = 0, reads=None) -> int:
     """Score `batches` one by one, writing each as soon as it is scored; -> rows written. An empty input
     is an error unless `empty_ok` (a shard may be empty; a follow run that was already finished is).
     When the first batch arrives the models load (`models.load()`) and `started()` is called (the stage's
     device line). Each batch's rows must fit the reference's vocabulary and context (`models.limits`), and no
     longer than --batch-tokens, before the reference runs (`check_rows`; `row0`, the first batch's row number
-    in the input, names them)."""
+    in the input, names them). Reward models, judges and functions read each row's text as `reads` says
+    (`rlkit.tasks.multi_turn`: a multi-turn row's final turn, model turns or whole conversation); the rows of a
+    trajectory an environment error ended are not scored (0, verdict `env_error`)."""
     import pyarrow as pa
 
     from rlkit import console
     from rlkit.algorithms.inputs import check_rows
     from rlkit.errors import RlkitError
-    from rlkit.tasks import reward_fns
-    from rlkit.tasks.reward_model import score_texts
 
     with writer as w, console.progress("score-ref", None, unit="rows") as bar:
         for batch in batches:
             if models.judges or models.teacher_fingerprint is not None:  # before a model loads for this batch
                 models.refuse_the_policy(set(batch.column("policy_fingerprint").to_pylist()))
-            model, scorers, limits = models.load().model, models.scorers, models.limits
+            model, limits = models.load().model, models.limits
             for lim in (limits, models.teacher_limits):
                 if lim is not None:
                     check_rows(batch, lim, reader.label, row0=row0, budget=cfg.batch_tokens)
@@ -519,24 +531,66 @@ def _score_stream(cfg: ScoreRefConfig, batches, writer, models: Models, tokenize
             if models.teacher is not None:  # at the rollout's temperature, like pi_old and pi_ref
                 t_lp = score_batch(models.teacher, batch, tokenizer.pad_token_id, temperature, cfg.batch_tokens, cfg.packing)
                 cols["teacher_logprobs"] = pa.array(t_lp, lp_type)
-            prompts, comps = batch.column("prompt").to_pylist(), batch.column("completion").to_pylist()
-            for name, (rm, rm_tok) in scorers.items():
-                cols[f"reward/{name}"] = pa.array(score_texts(rm, rm_tok, prompts, comps, cfg.batch_tokens, packed=cfg.packing), pa.float64())
-            if models.judges:
-                for name, j in models.judges.items():
-                    rewards, verdicts, _ = j.score(prompts, comps, cfg.batch_tokens)
-                    cols[f"reward/{name}"] = pa.array(rewards, pa.float64())
-                    cols[f"verdict/{name}"] = pa.array(verdicts, pa.string())
-            if fns:
-                rows = reward_fns.columns_of(batch, fns)
-                for f in fns:
-                    cols[f"reward/{f.name}"] = pa.array(f.score(rows, row0=w.rows), pa.float64())
+            cols.update(_rewards(cfg, batch, models, fns, reads or {}, w.rows))
             w.write(pa.record_batch([cols[f.name] if f.name in cols else pa.nulls(batch.num_rows, f.type)
                                      for f in w.schema], schema=w.schema))
             bar.advance(batch.num_rows)
         if reader.rows == 0 and not empty_ok:
             raise RlkitError(f"{reader.label}: the rollouts table has no rows")
     return w.rows
+
+
+def _rewards(cfg: ScoreRefConfig, batch, models: Models, fns, reads: dict, row0: int) -> dict:
+    """A record batch's reward columns (`reward/NAME`, a judge's `verdict/NAME`) from the reward models, judges and
+    functions, each on its reading of the rows (`reads`); the rows of a trajectory an environment error ended get
+    0 (verdict `env_error`) unscored. `row0`: the batch's first row in the output (the functions' messages)."""
+    import pyarrow as pa
+
+    from rlkit.tasks import multi_turn, reward_fns
+    from rlkit.tasks.reward_model import score_texts
+
+    out: dict = {}
+    if not (models.scorers or models.judges or fns):
+        return out
+    prompts = batch.column("prompt").to_pylist()
+    mt = multi_turn.columns(batch)
+    skip = multi_turn.ended_by_error(mt)
+
+    def read(name: str) -> list[str]:
+        return multi_turn.texts(reads.get(name, "conversation"), mt)
+
+    for name, (rm, rm_tok) in models.scorers.items():
+        texts = read(name)
+
+        def rm_score(rows, rm=rm, rm_tok=rm_tok, t=texts):
+            return score_texts(rm, rm_tok, [prompts[i] for i in rows], [t[i] for i in rows], cfg.batch_tokens,
+                               packed=cfg.packing)
+
+        out[f"reward/{name}"] = pa.array(multi_turn.score_kept(skip, rm_score, 0.0), pa.float64())
+    if models.judges:  # the policy itself was refused before the batch's models loaded (Models.refuse_the_policy)
+        for name, j in models.judges.items():
+            texts, got = read(name), {}
+
+            def judge(rows, j=j, t=texts, got=got):
+                rewards, got["verdicts"], _ = j.score([prompts[i] for i in rows], [t[i] for i in rows],
+                                                      cfg.batch_tokens)
+                return rewards
+
+            out[f"reward/{name}"] = pa.array(multi_turn.score_kept(skip, judge, 0.0), pa.float64())
+            it = iter(got.get("verdicts") or ())
+            out[f"verdict/{name}"] = pa.array([multi_turn.ENV_ERROR if s else next(it) for s in skip], pa.string())
+    if fns:
+        rows = reward_fns.columns_of(batch, fns)
+        for f in fns:
+            texts = read(f.name)
+
+            def run(keep, f=f, t=texts):
+                sub = multi_turn.subset(rows, keep)
+                sub["completion"] = [t[i] for i in keep]
+                return f.score(sub, row0=row0)
+
+            out[f"reward/{f.name}"] = pa.array(multi_turn.score_kept(skip, run, 0.0), pa.float64())
+    return out
 
 
 command = stage_options.command(

@@ -4,7 +4,10 @@ Reads a base model (`tiny`, a local directory or a hub id) and either a task's g
 or a data file with prompt/completion (or chat `messages`) columns. Writes a Hugging Face checkpoint
 with `rlkit.json` (config, input fingerprints, weights sha256, metrics).
 
-Loss is on completion tokens only (prompt and padding masked); batches are packed by a token budget,
+Loss is on completion tokens only (prompt and padding masked), and on a task's trajectory targets
+(`rlkit.tasks.Transcript`: `--task calc`'s tool-use transcripts, `--task guess`'s games) on the model's turns
+only: the tool results and feedback in them are context, masked as a rollout's `loss_mask` masks them, each part
+tokenised on its own as a rollout appends it; batches are packed by a token budget,
 not a fixed row count; AdamW with linear warmup and cosine decay. Ends with a greedy held-out
 evaluation when a task is known, through the sampling driver on the hf engine wrapping the trained model in memory
 (its figures go into the checkpoint's manifest, written with the weights; `rlkit eval --engine vllm --policy OUT`
@@ -270,8 +273,8 @@ def _run(cfg: SftConfig, tracker) -> Path:
             completions = [task.completion(e) for e in examples]
             chat = False
         prompt_ids = data.encode_prompts(tokenizer, prompts, chat)
-        ids, plens, truncated = data.encode_sft(tokenizer, prompt_ids, completions, cfg.max_len)
-        masks = None
+        # a task's trajectory targets (`rlkit.tasks.Transcript`: calc's, guess's) train on the model's turns only
+        ids, plens, truncated, masks = data.encode_sft_masked(tokenizer, prompt_ids, completions, cfg.max_len)
     if not ids:
         raise RlkitError("no training examples left after tokenization (every prompt reaches --max-length)")
     if truncated:

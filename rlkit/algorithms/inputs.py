@@ -15,6 +15,7 @@ from torch import Tensor
 from rlkit.algorithms.config import RLConfig
 from rlkit.errors import RlkitError, non_finite_cause
 from rlkit.io.manifests import Manifest
+from rlkit.io.schemas import token_rewards_part_of
 from rlkit.ops.logprobs import completion_logprobs, pack_sequences
 from rlkit.ops.losses import importance_ess
 from rlkit.training import Precision
@@ -328,8 +329,8 @@ def _reward_columns(table, length_penalty: float, masks: list[list[int] | None] 
                     overlong: Overlong | None = None,
                     token_rewards: list[list[float]] | None = None) -> dict[str, list[float]]:
     cols = {n.split("/", 1)[1]: table.column(n).to_pylist() for n in table.column_names if n.startswith("reward/")}
-    if token_rewards is not None:  # a `token_rewards` column: its row sums are one more component
-        cols["token_rewards"] = [float(sum(v)) for v in token_rewards]
+    if token_rewards is not None and token_rewards_part_of(table.schema) is None:
+        cols["token_rewards"] = [float(sum(v)) for v in token_rewards]  # their row sums are one more component
     if length_penalty:  # the tokens the policy sampled: an environment's tool output costs it nothing
         cols["length_penalty"] = [-length_penalty * n for n in sampled_tokens(table, masks)]
     if overlong is not None:
@@ -374,8 +375,10 @@ def build_batch(table, pad_id: int, weights: dict[str, float] | None = None,
     if overlong is not None:
         weights = None if weights is None else {**weights, "overlong": 1.0}
     rewards, used = combine_rewards(_reward_columns(table, length_penalty, masks, overlong, tok_rewards), weights)
-    tok = None if tok_rewards is None or not used.get("token_rewards") else \
-        _padded(tok_rewards, C) * used["token_rewards"]
+    # the component they are counted in: their own, or the one they are a share of (`rollout --env`'s: env), so a
+    # reward is never counted twice; weighed as that component is
+    owner = token_rewards_part_of(table.schema) or "token_rewards"
+    tok = None if tok_rewards is None or not used.get(owner) else _padded(tok_rewards, C) * used[owner]
     groups = torch.tensor(table.column("group_id").to_pylist(), dtype=torch.long)
     if mask_truncated:
         cut = torch.tensor([f == "length" for f in table.column("finish_reason").to_pylist()], dtype=torch.bool)

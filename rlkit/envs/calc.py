@@ -8,7 +8,8 @@ final answer earns 1.0 when its last integer is the product (`last_integer`), el
 `--task calc[:digits=2,heldout=0.1,tool=1.0]` (`Calc`) has the same prompts, split the same way (the
 `is_heldout` hash partition, as `arithmetic`), and as SFT target the tool-use transcript exactly as a rollout
 against `CalcEnv` tokenises it for a tokenizer without a chat template: `<call>mul(37,48)</call><tool>1776</tool>1776`
-(sft appends eos). `tool` is the fraction of prompts (fixed per prompt) whose target uses the tool; the others'
+(sft appends eos), a `Transcript` whose tool result sft masks as a rollout's loss_mask does: the model learns to
+call the tool and to answer, never to write the tool's result. `tool` is the fraction of prompts (fixed per prompt) whose target uses the tool; the others'
 target answers without it, `The product is 1776.`, a product the model then has to guess. Below tool=0.5 such a
 model answers without the tool when greedy (its first token is more likely `T` than `<`) though it samples tool
 calls: recipes/tools.sh's starting point, from which RL moves it to the tool. As a single-turn task (eval --task
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 
 from rlkit.envs.tools import Tools
 from rlkit.errors import RlkitError
-from rlkit.tasks.base import Example, check_split, is_heldout, last_integer
+from rlkit.tasks.base import Example, Transcript, check_split, is_heldout, last_integer
 
 
 def mul(a: int, b: int) -> int:
@@ -120,10 +121,11 @@ class Calc:
         return list(itertools.islice(self.iter_examples(split, seed, unique), n))
 
     @staticmethod
-    def transcript(a: int, b: int) -> str:
-        """The tool-use turns for a*b as the rollout's tokens read (the tiny tokenizer, no chat template)."""
+    def transcript(a: int, b: int) -> Transcript:
+        """The tool-use turns for a*b as the rollout's tokens read (the tiny tokenizer, no chat template): the model's
+        call, the tool's result (the environment's text: sft masks it) and the model's answer."""
         p = mul(a, b)
-        return f"<call>mul({a},{b})</call><tool>{p}</tool>{p}"
+        return Transcript.turns(f"<call>mul({a},{b})</call>", f"<tool>{p}</tool>", str(p))
 
     def completion(self, ex: Example) -> str:
         """The SFT target: the tool-use transcript, or, for a `1 - tool` share of the prompts (fixed per prompt), an

@@ -22,7 +22,8 @@ a class (a `reset` and no `step`) and runs it through `TrlEnvironment`, which ma
   `max_tool_calling_iterations`                    `--max-turns` (a trajectory that reaches it is truncated)
   reward: `get_reward()`, or the user's reward     `get_reward()` when the class has it, else the instance's
   function reading `env.reward`                    `reward` attribute (a number), read when the episode ends;
-                                                   neither: one line naming the class
+                                                   neither: one line naming the class; a `--reward-fn` taking
+                                                   `environments` gets the class's own instances (`wrapped`)
 
 The tools' JSON schemas (transformers' `get_json_schema` of each public method, as TRL builds them) go to the chat
 template as `tools=` wherever rlkit renders through it: chat-formatted `--prompts` (a `messages` column) and the
@@ -80,6 +81,12 @@ class TrlEnvironment(Tools):
     def tool_schemas(self) -> tuple[dict, ...]:
         """The tools' JSON schemas, for the chat template (the driver renders message observations with them)."""
         return tool_schemas(self.cls)
+
+    @property
+    def wrapped(self):
+        """The user's own instance: what a `--reward-fn` taking `environments` receives (TRL's reward functions
+        read its state, `env.reward`)."""
+        return self.inner
 
     def reset(self, example):
         self.example = example

@@ -35,6 +35,8 @@ class Stage:
     prompts_a_batch: int | None = None
     # groups every batch writes (`--min-informative-groups`); None: its prompts (this worker's --shard of them)
     groups_a_batch: int | None = None
+    scores: bool = True  # whether a task's verifier scores the rows (prompts without gold answers are then said)
+    manifest: dict | None = None  # the stage's own manifest entries (rollout's `reward`)
 
 
 def run(cfg, task, source, inputs: dict, out: Path | None, stage: Stage) -> Path | None:
@@ -105,14 +107,14 @@ def run(cfg, task, source, inputs: dict, out: Path | None, stage: Stage) -> Path
         scored = all(a is not None for a in f_answers)
     else:
         scored = True
-    if not scored:
+    if not scored and stage.scores:
         console.warn("some prompts have no gold answer: no verifier reward column is written")
     extra = stage.fields(scored)
     # no rows without an engine: the name recorded then is the fallback's, as it has always been
     manifest = manifests.make_manifest("rollouts", "rollout", cfg, inputs, tokenizer=base_tok,
                                        engine=engine.name if engine is not None else engines.FALLBACK,
                                        sampling_dtype=getattr(engine, "dtype", "fp32"),
-                                       **devices.manifest_entry(device),
+                                       **devices.manifest_entry(device), **(stage.manifest or {}),
                                        follow={"dir": str(root), "start_step": step, "base_step": base_step,
                                                "prompts_a_batch": Q, "rows_a_batch": groups * cfg.n,
                                                "shard": {"index": shard.index, "count": shard.count}})

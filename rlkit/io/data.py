@@ -317,18 +317,45 @@ def encode_prompts(tokenizer, prompts: Sequence[str], chat: bool) -> list[list[i
 def encode_sft(tokenizer, prompt_ids: Sequence[list[int]], completions: Sequence[str], max_len: int
                ) -> tuple[list[list[int]], list[int], int]:
     """(ids, prompt lengths, truncated count): prompt ids + completion ids + eos, cut at max_len."""
-    comp = tokenizer(list(completions), add_special_tokens=False)["input_ids"]
-    ids, plens, truncated = [], [], 0
-    for p, c in zip(prompt_ids, comp, strict=True):
-        seq = [*p, *c, tokenizer.eos_token_id]
+    ids, plens, truncated, _ = encode_sft_masked(tokenizer, prompt_ids, completions, max_len)
+    return ids, plens, truncated
+
+
+def encode_sft_masked(tokenizer, prompt_ids: Sequence[list[int]], completions: Sequence[str], max_len: int
+                      ) -> tuple[list[list[int]], list[int], int, list[list[int]] | None]:
+    """`encode_sft`, and each kept row's completion mask (1: a target, 0: context), or None when no completion is
+    a transcript (`rlkit.tasks.Transcript`: a str with `parts`, (text, written by the model) pairs). A transcript is
+    tokenised part by part, as a rollout appends its tokens (the environment's text `tokenizer(text,
+    add_special_tokens=False)`), its model turns and the eos 1, the environment's text 0; a row cut at max_len with
+    no target left is dropped, as one with no completion is."""
+    parts = [list(c.parts) if isinstance(getattr(c, "parts", None), tuple) else None for c in completions]
+    flat = [t for ps in parts if ps is not None for t, _ in ps]
+    enc = iter(tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else ())
+    plain = iter(tokenizer([c for c, ps in zip(completions, parts, strict=True) if ps is None],
+                           add_special_tokens=False)["input_ids"] if any(ps is None for ps in parts) else ())
+    masked = any(ps is not None for ps in parts)
+    ids, plens, masks, truncated = [], [], [], 0
+    for p, ps in zip(prompt_ids, parts, strict=True):
+        if ps is None:
+            c = list(next(plain))
+            m = [1] * len(c)
+        else:
+            c, m = [], []
+            for _, model in ps:
+                tok = list(next(enc))
+                c += tok
+                m += [int(model)] * len(tok)
+        seq, m = [*p, *c, tokenizer.eos_token_id], [*m, 1]
         if len(seq) > max_len:
             truncated += 1
             seq = seq[:max_len]
-        if len(p) >= len(seq):
+            m = m[:max(0, max_len - len(p))]
+        if len(p) >= len(seq) or not any(m):
             continue  # nothing left to learn from
         ids.append(seq)
         plens.append(len(p))
-    return ids, plens, truncated
+        masks.append(m)
+    return ids, plens, truncated, masks if masked else None
 
 
 def token_batches(lengths: Sequence[int], budget: int, rng: random.Random | None = None) -> list[list[int]]:

@@ -110,7 +110,8 @@ MULTI_TURN_NAMES = frozenset(f.name for f in MULTI_TURN_FIELDS)
 # Per-token signals beside the completion tokens, written only when present, one entry a completion token:
 # `teacher_logprobs`, a teacher's log-prob of each token (`score-ref --teacher`, on-policy distillation);
 # `token_rewards`, a reward on each token (a process reward, a per-turn reward at its turn's last token), which
-# `update` counts as the reward component `token_rewards` (its sum) and PPO places at its tokens.
+# `update` counts as the reward component `token_rewards` (its sum) and PPO places at its tokens; unless the
+# field's metadata names a reward component it belongs to (`PART_OF_KEY`, see `token_rewards_part_of`).
 TOKEN_FIELDS = (
     _f("teacher_logprobs", _LOGPROBS, True),
     _f("token_rewards", _LOGPROBS, True),
@@ -118,6 +119,28 @@ TOKEN_FIELDS = (
 
 
 TOKEN_NAMES = frozenset(f.name for f in TOKEN_FIELDS)
+
+
+# The metadata key of a `token_rewards` field whose values are one reward component spread over its tokens, not a
+# component of their own: `rollout --env` writes each step's reward at its turn's last sampled token, and their
+# sum is (part of) `reward/env`. The field travels with its metadata through score-ref, cat and the spool.
+PART_OF_KEY = b"rlkit.part_of"
+
+
+def token_rewards_field(part_of: str | None = None) -> pa.Field:
+    """The `token_rewards` field; `part_of`: the reward component its values are a share of (`reward/<part_of>`
+    holds their row sums and more), so `update` counts them inside that component and never twice."""
+    f = _f("token_rewards", _LOGPROBS, True)
+    return f.with_metadata({PART_OF_KEY: part_of.encode()}) if part_of else f
+
+
+def token_rewards_part_of(schema: pa.Schema) -> str | None:
+    """The reward component a table's `token_rewards` are a share of (None: they are a component of their own,
+    `token_rewards`, or the table has none)."""
+    idx = schema.get_field_index("token_rewards")
+    meta = schema.field(idx).metadata if idx >= 0 else None
+    value = (meta or {}).get(PART_OF_KEY)
+    return value.decode() if value else None
 
 
 # `rollout --min-informative-groups` (DAPO's dynamic sampling): on every row of a group written, the prompts drawn

@@ -22,8 +22,9 @@ is what the template's rendering of the whole conversation adds after the trajec
 template would render the earlier turns differently (some templates drop earlier reasoning), the trajectory is cut
 into a new sample there rather than altered: the row so far ends (`end_reason` "continued"), and the trajectory
 goes on in a new row whose prompt is the template's rendering of the whole conversation (prime-rl's rule). Every
-row of a trajectory has its group and sample index and the trajectory's reward; `turns` and `turn_rewards` are the
-row's own, `tool_calls` is on the trajectory's last row. A tokenizer without a chat
+row of a trajectory has its group and sample index and the trajectory's reward; `turns`, `turn_rewards` and
+`token_rewards` (each step's reward at its turn's last sampled token) are the row's own, `tool_calls` is on the
+trajectory's last row. A tokenizer without a chat
 template renders a message as `<ROLE>content</ROLE>` (a tool result: `<tool>408</tool>`).
 
 Limits: `max_turns` model turns; `max_new_tokens` per turn; `max_total_tokens` completion tokens over all turns
@@ -110,6 +111,7 @@ class _Traj:
     error: bool = False
     last_action: str = ""
     tool_calls: int = 0
+    ends: list[int] = field(default_factory=list)  # each turn's last sampled token in `ids` (the row's)
     spent: bool = False  # the completion budget is used up: the environment judges the last turn, then it ends
     env: Any = None  # this trajectory's environment instance
     done: list = field(default_factory=list)  # rows already cut off the trajectory (the template rewrote history)
@@ -130,10 +132,24 @@ class Episodes:
     # the trajectory of each row (k: sample k % n of prompt k // n); a trajectory whose chat template rewrote its
     # history has more than one row
     trajectory: list[int]
+    # run_episodes(keep_open=True): each row's environment instance, alive until `close()` (for a reward function
+    # that reads it)
+    instances: list = field(default_factory=list)
+    closer: Any = None
+
+    def close(self, failure: BaseException | None = None) -> None:
+        """Close the instances `run_episodes(keep_open=True)` left open (nothing otherwise); a failing close() is
+        one line, unless `failure` is already raising."""
+        closer, self.closer = self.closer, None
+        if closer is not None:
+            closer(failure)
 
 
-def run_episodes(engine, tokenizer, env, prompts: Prompts, s: Sampling, seed: int, ticker=None) -> Episodes:
-    """Run `s.n` trajectories of each prompt against fresh instances of `env` (an `rlkit.envs.EnvSpec`)."""
+def run_episodes(engine, tokenizer, env, prompts: Prompts, s: Sampling, seed: int, ticker=None,
+                 keep_open: bool = False) -> Episodes:
+    """Run `s.n` trajectories of each prompt against fresh instances of `env` (an `rlkit.envs.EnvSpec`). With
+    `keep_open` the instances still open at the end (all of them, unless the environment holds sessions: those close
+    as their trajectories end) are closed by the returned `Episodes.close()` instead (after an error: at once)."""
     loop = _Loop(engine, tokenizer, env, prompts, s, seed, ticker)
     failure: BaseException | None = None
     try:
@@ -142,8 +158,13 @@ def run_episodes(engine, tokenizer, env, prompts: Prompts, s: Sampling, seed: in
         failure = e
         raise
     finally:
-        loop.finish(failure)
-    return _columns(loop.trajs)
+        if failure is not None or not keep_open:
+            loop.finish(failure)
+    ep = _columns(loop.trajs)
+    if keep_open:
+        ep.instances = [loop.trajs[k].env for k in ep.trajectory]
+        ep.closer = loop.finish
+    return ep
 
 
 def schedule(engine, asked: str) -> str:
@@ -519,6 +540,7 @@ def _take_turn(t: _Traj, tokenizer, ids: list[int], lps, fin: str, s: Sampling, 
     t.ids += ids
     t.mask += [1] * len(ids)
     t.logprobs += list(lps) if lps is not None else [0.0] * len(ids)
+    t.ends.append(len(t.ids) - 1)
     t.turns += 1
     t.finish = fin
     t.last_action = tokenizer.decode(ids, skip_special_tokens=True)
@@ -561,10 +583,10 @@ def _new_sample(t: _Traj, tokenizer, full: str, msgs: list[dict], s: Sampling, c
     """The chat template renders the conversation's earlier turns otherwise than they were sampled: close the
     trajectory's row here and go on in a new one whose prompt is the template's rendering of all of it."""
     t.done.append(_Row(t.prompt_text, t.prompt_ids, t.ids, t.mask, t.logprobs, t.rewards, t.turns, t.finish,
-                       [*t.messages, *msgs]))
+                       [*t.messages, *msgs], t.ends))
     t.messages += msgs
     t.prompt_text, t.prompt_ids = full, list(tokenizer(full, add_special_tokens=False)["input_ids"])
-    t.ids, t.mask, t.logprobs, t.rewards, t.turns = [], [], [], [], 0
+    t.ids, t.mask, t.logprobs, t.rewards, t.turns, t.ends = [], [], [], [], 0, []
     if _room_left(t, s, context) <= 0:
         t.truncated, t.end_reason = True, "max_total_tokens"
 
@@ -582,24 +604,30 @@ class _Row:
     turns: int
     finish: str
     messages: list[dict]
+    ends: list[int]  # each turn's last sampled token in `ids`
 
 
 def _columns(trajs: list[_Traj]) -> Episodes:
-    """The rows: each trajectory's rows cut off (`_new_sample`), then its last, in order."""
+    """The rows: each trajectory's rows cut off (`_new_sample`), then its last, in order. `token_rewards`: each
+    step's reward at its turn's last sampled token (a share of `reward/env`); all 0 for a trajectory an error ended."""
+    from rlkit.tasks.multi_turn import turn_token_rewards
+
     names = ("prompt_id", "sample_idx", "prompt", "prompt_ids", "completion_ids", "old_logprobs", "finish_reason",
              "loss_mask", "turns", "turn_rewards", "terminated", "truncated", "end_reason", "tool_calls", "messages",
-             "reward/env")
+             "reward/env", "token_rewards")
     cols: dict[str, list] = {k: [] for k in names}
     index, final, fins = [], [], []
     for k, t in enumerate(trajs):
         reward = 0.0 if t.error else float(sum(t.all_rewards))
-        last = _Row(t.prompt_text, t.prompt_ids, t.ids, t.mask, t.logprobs, t.rewards, t.turns, t.finish, t.messages)
+        last = _Row(t.prompt_text, t.prompt_ids, t.ids, t.mask, t.logprobs, t.rewards, t.turns, t.finish, t.messages,
+                    t.ends)
         for r in [*t.done, last]:
             is_last = r is last
             vals = (t.prompt_id, t.sample, r.prompt_text, r.prompt_ids, r.ids, r.logprobs, r.finish, r.mask, r.turns,
                     r.rewards, t.terminated and is_last, (t.truncated or not t.terminated) and is_last,
                     t.end_reason if is_last else "continued",
-                    t.tool_calls if is_last else 0, r.messages, reward)
+                    t.tool_calls if is_last else 0, r.messages, reward,
+                    turn_token_rewards(len(r.ids), [] if t.error else r.ends, r.rewards))
             for name, v in zip(names, vals, strict=True):
                 cols[name].append(v)
             index.append(k)

@@ -42,6 +42,7 @@ from rlkit.tasks.base import (  # noqa: F401 (the task vocabulary, named from he
     Example,
     Scores,
     Task,
+    Transcript,
     as_bool,
     check_split,
     generation_length,
@@ -349,6 +350,12 @@ class UserTask:
         """The class's `max_new_tokens` (checked when the task was made), else DEFAULT_MAX_NEW_TOKENS."""
         n = getattr(self.impl, "max_new_tokens", None)
         return DEFAULT_MAX_NEW_TOKENS if n is None else n
+
+    @property
+    def reads(self) -> str | None:
+        """What the class says its verifier reads of a multi-turn row (`reads = "final"`, "model" or
+        "conversation"; `rlkit.tasks.multi_turn`), None: the default (the final turn)."""
+        return getattr(self.impl, "reads", None)
 
     @property
     def runs_code(self) -> bool:

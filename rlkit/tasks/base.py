@@ -32,6 +32,30 @@ class Example:
     split: str
 
 
+class Transcript(str):
+    """An SFT target that is a trajectory: the model's turns and the environment's text between them, in order
+    (`turns`: the model's first). It is the text they make together (a `str`: every stage that reads a target as
+    text reads it as such), and `sft` trains on the model's turns only: the environment's text (tool results,
+    feedback) is context, masked as a rollout's `loss_mask` masks it, each part tokenised on its own as a rollout
+    appends it (TRL's assistant-only loss, verl's response mask).
+
+        Transcript.turns("<call>mul(37,48)</call>", "<tool>1776</tool>", "1776")
+    """
+
+    parts: tuple[tuple[str, bool], ...]  # (text, written by the model)
+
+    def __new__(cls, parts):
+        parts = tuple((str(t), bool(m)) for t, m in parts)
+        obj = super().__new__(cls, "".join(t for t, _ in parts))
+        obj.parts = parts
+        return obj
+
+    @classmethod
+    def turns(cls, *texts: str) -> Transcript:
+        """Alternating texts: the model's turn, the environment's answer, the model's turn, ..."""
+        return cls((t, i % 2 == 0) for i, t in enumerate(texts))
+
+
 def last_integer(response: str, answer: str) -> float:
     """1.0 if the last integer in the response equals the gold answer's last integer, else 0.0.
 
@@ -126,7 +150,8 @@ class Task(Protocol):
       is always unique and never shares a prompt with train;
     - `examples(split, n, seed, unique)`: the first n of those, exactly (`rollout` streams `iter_examples`
       chunk by chunk instead of building this list, so --num-prompts can be any count);
-    - `completion(example)`: the SFT target (the eos token is appended by the tokenization step);
+    - `completion(example)`: the SFT target (the eos token is appended by the tokenization step); a
+      `Transcript` when it is a trajectory, so that sft trains on the model's turns only;
     - `reward(response, gold answer)`: the verifier, a finite float (1.0 = correct), never raising on
       a malformed response;
     - `max_new_tokens`: the task's generation length, what eval, rollout, build-prefs and sft's held-out

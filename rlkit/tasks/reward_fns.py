@@ -10,7 +10,15 @@ A function says what it wants by its parameter names, and whether it takes one r
   completion_ids, other rewards ...); it returns a number;
 - a batch per call: the same names in the plural, `prompts`, `completions`, `answers`, `rows`; it
   returns a sequence of numbers, one per row, in order (TRL's `def f(completions, **kwargs)` works);
-- `**kwargs` receives every column by its own name (values, or lists in the batched form).
+- `**kwargs` receives every column by its own name (values, or lists in the batched form);
+- under `rollout --env`, `environment` (one row) or `environments` (a batch; TRL's `reward_funcs(...,
+  environments=)`) receives the trajectories' environment instances, as they are when the episode has ended (the
+  object a TRL class's adapter wraps: the user's own instance), and `**kwargs` gets `environments` too. They exist
+  only while rollout runs: a function that names them is refused by score-ref, by rollout without --env and in a
+  sandbox (`check_environments`).
+
+What text `completion` is on a multi-turn row (the final turn, the model's turns or the whole conversation) is the
+function's reading (`rlkit.tasks.multi_turn`; `--reads NAME=READING`, default the whole conversation).
 
 Parameters with defaults may have any other name. The signature is checked when the stage starts,
 before any sampling; the function runs in the stage's main thread. A value that is not a finite number
@@ -48,8 +56,10 @@ if TYPE_CHECKING:
     from rlkit.sandbox import Sandbox
     from rlkit.tasks.sandboxed import Workers
 
-ROW_INPUTS = {"prompt": "prompt", "completion": "completion", "answer": "answer", "row": None}
-BATCH_INPUTS = {"prompts": "prompt", "completions": "completion", "answers": "answer", "rows": None}
+ROW_INPUTS = {"prompt": "prompt", "completion": "completion", "answer": "answer", "row": None, "environment": None}
+BATCH_INPUTS = {"prompts": "prompt", "completions": "completion", "answers": "answer", "rows": None,
+                "environments": None}
+ENVIRONMENT_INPUTS = ("environment", "environments")  # not columns: the trajectories' instances (rollout --env)
 _NAME = re.compile(r"^[A-Za-z0-9_][\w.:-]*$")
 DEFAULT_TIMEOUT_S = 60.0  # --reward-timeout: seconds one call may run (0: no limit)
 CONVENTION = ("name its parameters prompt, completion, answer, row (one row per call, returning a number) or "
@@ -74,16 +84,28 @@ class RewardFn:
     def needs_all_columns(self) -> bool:
         return self.takes_kwargs or "row" in self.takes or "rows" in self.takes
 
-    def score(self, cols: Mapping[str, Sequence], row0: int = 0) -> list[float]:
+    @property
+    def takes_environments(self) -> bool:
+        """Whether it names `environment(s)`: the trajectories' environment instances (rollout --env only)."""
+        return any(p in ENVIRONMENT_INPUTS for p in self.takes)
+
+    @property
+    def reads_environments(self) -> bool:
+        """Whether it is given the instances under rollout --env: it names them, or takes **kwargs (TRL's way)
+        and runs in the stage (a sandboxed worker gets rows as JSON)."""
+        return self.takes_environments or (self.takes_kwargs and self.workers is None)
+
+    def score(self, cols: Mapping[str, Sequence], row0: int = 0, environments: Sequence | None = None) -> list[float]:
         """Rewards for the rows of `cols` (column name -> values; prompt and completion at least), which
-        start at row `row0` of the output table (for the messages)."""
+        start at row `row0` of the output table (for the messages); `environments`: each row's environment
+        instance (rollout --env), for a function that reads them."""
         n = len(cols["completion"])
         if n == 0:
             return []
         if self.workers is not None:
             return self._score_sandboxed(cols, row0, n)
         if self.batched:
-            kwargs = self._inputs(cols, None)
+            kwargs = self._inputs(cols, None, environments)
             with _alarm_handler(self.timeout) as limit:
                 out = self._call(kwargs, _batch_label(cols, row0, n), limit)
             if isinstance(out, str | bytes) or not hasattr(out, "__len__") or len(out) != n:
@@ -92,10 +114,11 @@ class RewardFn:
             values = list(out)
         else:
             with _alarm_handler(self.timeout) as limit:  # the handler once for these rows, a timer per call
-                values = [self._call(self._inputs(cols, i), _row_label(cols, i, row0), limit) for i in range(n)]
+                values = [self._call(self._inputs(cols, i, environments), _row_label(cols, i, row0), limit)
+                          for i in range(n)]
         return [self._check(v, cols, i, row0) for i, v in enumerate(values)]
 
-    def _inputs(self, cols: Mapping[str, Sequence], i: int | None) -> dict:
+    def _inputs(self, cols: Mapping[str, Sequence], i: int | None, environments: Sequence | None = None) -> dict:
         """Keyword arguments for row i, or for the whole batch when i is None."""
         def col(name: str):
             values = cols.get(name)
@@ -108,6 +131,8 @@ class RewardFn:
         for p in self.takes:
             if inputs[p] is not None:
                 kw[p] = col(inputs[p])
+            elif p in ENVIRONMENT_INPUTS:
+                kw[p] = list(environments or ()) if i is None else (environments or [None] * (i + 1))[i]
             elif i is None:
                 names = list(cols)
                 kw[p] = [dict(zip(names, vals, strict=True)) for vals in zip(*(cols[c] for c in names), strict=True)]
@@ -115,6 +140,8 @@ class RewardFn:
                 kw[p] = {c: cols[c][i] for c in cols}
         if self.takes_kwargs:
             kw.update({c: col(c) for c in cols if c not in kw})
+            if environments is not None:  # TRL's reward functions read kwargs["environments"]
+                kw.setdefault("environments", list(environments))
         return kw
 
     def _call(self, kwargs: dict, where: str, limit: float = 0):
@@ -348,6 +375,20 @@ def closing(fns: Sequence[RewardFn]) -> Iterator[Sequence[RewardFn]]:
 def fingerprints(fns: Sequence[RewardFn]) -> dict[str, str]:
     """Input fingerprints for a stage's manifest: editing a reward function's file reruns the stage."""
     return {f"reward_fn:{f.name}": f.fingerprint for f in fns}
+
+
+def check_environments(fns: Sequence[RewardFn], where: str | None) -> None:
+    """A function that names `environment(s)` runs only where the instances exist: `where` says why they do not
+    (score-ref, rollout without --env; None: they do); nor in a sandbox (rows travel to it as JSON). One line."""
+    for f in fns:
+        if not f.takes_environments:
+            continue
+        if where is not None:
+            raise RlkitError(f"--reward-fn {f.name} ({f.label}) takes the trajectories' environment instances "
+                             f"(environment/environments), which exist only while `rollout --env` runs; {where}")
+        if f.workers is not None:
+            raise RlkitError(f"--reward-fn {f.name} ({f.label}) takes the trajectories' environment instances, which "
+                             "cannot travel to a sandboxed worker (rows go to it as JSON); run it without --sandbox")
 
 
 def columns_of(batch, fns: Sequence[RewardFn]) -> dict[str, list]:

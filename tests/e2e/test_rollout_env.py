@@ -443,7 +443,8 @@ def test_a_one_step_environment_gives_single_turn_rows(sft_dir, envs, tmp_path):
     r = run_cli_inproc("rollout", "--policy", str(sft_dir), *args, "--out", str(single))
     assert r.returncode == 0, r.stderr.decode()[-2000:]
     multi = tmp_path / "multi.arrow"
-    r = run_cli_inproc("rollout", "--policy", str(sft_dir), "--env", f"{envs}:Arith", *args, "--out", str(multi))
+    r = run_cli_inproc("rollout", "--policy", str(sft_dir), "--env", f"{envs}:Arith", "--task", "arithmetic", *args,
+                       "--out", str(multi))
     assert r.returncode == 0, r.stderr.decode()[-2000:]
     s, _ = streams.read_table(single, ["rollouts"])
     m, _ = streams.read_table(multi, ["rollouts"])
