@@ -254,7 +254,10 @@ def test_the_help_says_each_batch_option_in_trl_and_verl_terms():
         assert "This is TRL's padding_free, not TRL's packing" in _help_line(name, "--packing")
     assert "counted padded: rows x the longest row's prompt + completion tokens" in _help_line("sft", "--batch-tokens")
     for name in ("eval", "rollout", "build-prefs"):
-        assert "Default: the task's own generation length (arithmetic 16; math 96" in _help_line(name, "--max-new-tokens")
+        line = _help_line(name, "--max-new-tokens")
+        assert "the task's own generation length (arithmetic 16; math 96" in line
+        if name != "build-prefs":  # the stages that run environments: one model turn under --env
+            assert "under --env, the longest model turn (per turn; a whole trajectory is --max-total-tokens)" in line
 
 
 def test_a_micro_batch_of_zero_says_what_leaving_it_out_means_on_a_cpu_and_a_gpu():
