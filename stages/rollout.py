@@ -213,6 +213,11 @@ def _run(cfg: RolloutConfig) -> Path | None:
         cfg = replace(cfg, max_new_tokens=env.attribute("max_new_tokens"))  # the environment's turn length
     if env is not None:
         cfg = replace(cfg, env=env.spec)
+        from rlkit import console
+        from rlkit.sampling.tally import turn_limit_warning
+
+        if (low := turn_limit_warning("rollout", env, cfg.max_turns)) is not None:
+            console.warn(low)
     recorded = task.spec if env is None or (own and not named) else getattr(scorer, "spec", None)
     cfg = replace(cfg, task=recorded, max_new_tokens=generation_length(task, cfg.max_new_tokens))  # in force, recorded
     # --reward-fn: checked (and, with --sandbox bwrap, their sandboxed workers started) before any sampling
@@ -221,7 +226,7 @@ def _run(cfg: RolloutConfig) -> Path | None:
     with reward_fns.closing(fns):
         reward_fns.check_environments(fns, None if env is not None else
                                       "pass --env, or score the rows with another function")
-        verifier = _Verifier(task, sandbox, cfg.max_new_tokens, env, scorer)
+        verifier = _Verifier(task, sandbox, cfg.max_new_tokens, env, scorer, max_turns=cfg.max_turns)
         verifier.reads = verifier.readings(cfg.reads, fns)
         if cfg.follow is not None:
             return _run_follow(cfg, verifier, out, fns)
@@ -451,6 +456,14 @@ class _Verifier:
     cut: int = 0
     sums: dict = field(default_factory=dict)  # reward/<name> -> sum over rows; "reward" -> the total's
     refills: list = field(default_factory=list)  # --min-informative-groups: each batch's `_Refill`
+    max_turns: int = 0  # --env: --max-turns (the closing line's warning)
+    trajectories: object = None  # --env: the run's `rlkit.sampling.tally.TrajectoryTally`
+
+    def __post_init__(self) -> None:
+        if self.env is not None:
+            from rlkit.sampling.tally import TrajectoryTally
+
+            self.trajectories = TrajectoryTally()
 
     @property
     def verdicts(self) -> bool:
@@ -571,21 +584,26 @@ class _Verifier:
 
             cols[f"reward/{f.name}"] = multi_turn.score_kept(skip, run, 0.0)
 
-    def record(self, cols: dict) -> dict[str, float]:
+    def record(self, cols: dict, env_wait: float = 0.0) -> dict[str, float]:
         """Tally a chunk's written columns -> the running means for the progress line: `reward`, the total
         update trains on (`rlkit.algorithms.inputs.combine_rewards`: the components summed at weight 1, as update
-        takes them without --reward), then each `reward/<name>`."""
+        takes them without --reward), then each `reward/<name>`; under --env also `turns` (per trajectory), with
+        `env_wait` the seconds the chunk's turn loop waited on its environment."""
         from rlkit.algorithms.inputs import combine_rewards
 
         self.rows += len(cols["finish_reason"])
         self.cut += sum(f == "length" for f in cols["finish_reason"])
+        extra = {}
+        if self.trajectories is not None and "end_reason" in cols:
+            self.trajectories.add(cols, env_wait)
+            extra = {"turns": self.trajectories.mean_turns}
         comps = {k.split("/", 1)[1]: v for k, v in cols.items() if k.startswith("reward/")}
         if not comps:
-            return {}
+            return extra
         total, _ = combine_rewards(comps, None)
         for k, v in (("reward", float(total.double().sum())), *((f"reward/{n}", float(sum(c))) for n, c in comps.items())):
             self.sums[k] = self.sums.get(k, 0.0) + v
-        return {k: v / self.rows for k, v in self.sums.items()}
+        return {**{k: v / self.rows for k, v in self.sums.items()}, **extra}
 
     def say(self) -> None:
         from rlkit import console
@@ -597,6 +615,12 @@ class _Verifier:
             console.info(f"rollout: mean reward {means['reward']:.4g} over {self.rows} completions ("
                          + (" + ".join(parts) if len(parts) > 1 else parts[0])
                          + "; update trains on this sum, or on the components weighed by its --reward)")
+        if self.trajectories is not None:
+            for line in self.trajectories.lines("rollout"):
+                console.info(line)
+            own = self.env.attribute("max_turns")
+            for line in self.trajectories.warnings("rollout", self.max_turns, own if isinstance(own, int) else None):
+                console.warn(line)
         if self.counts:
             total = sum(self.counts.values())
             console.info(f"rollout: {self.scorer.name} verdicts of {total} responses: "
@@ -635,6 +659,8 @@ def _sample(cfg: RolloutConfig, engine: Engine, tokenizer, verifier: _Verifier, 
 
     n = cfg.n
     s = _sampling(cfg)
+    if verifier.trajectories is not None:
+        verifier.trajectories.begin()
     if refill is not None:
         chunks = refill.chunks(chunks, cfg.chunk_prompts)
     keep_open = verifier.env is not None and any(f.reads_environments for f in fns)
@@ -680,7 +706,14 @@ def _sample(cfg: RolloutConfig, engine: Engine, tokenizer, verifier: _Verifier, 
             if ep is not None:
                 cols["reward/env"] = c["reward/env"]
                 cols.update({k: c[k] for k in ("loss_mask", "turns", "turn_rewards", "terminated", "truncated",
-                                               "end_reason", "tool_calls", "messages", "token_rewards")})
+                                               "end_reason", "tool_calls", "messages", "token_rewards",
+                                               "observation_tokens")})
+                if ep.unknown:
+                    from rlkit import console
+
+                    console.warn(f"rollout: {len(ep.unknown)} trajectories were shown text the tokenizer cannot encode "
+                                 f"(the model saw its unknown token {tokenizer.unk_token!r} there), first {ep.unknown[0]}; "
+                                 "check the environment's observations against the model's vocabulary")
             verifier.score(cols, cols["answer"], fins, scored, fns, w.rows,
                            [getattr(e, "wrapped", e) for e in ep.instances] if keep_open else None)
         except BaseException as e:
@@ -695,7 +728,7 @@ def _sample(cfg: RolloutConfig, engine: Engine, tokenizer, verifier: _Verifier, 
                 bar.advance(0)
                 continue
         w.write(cols)
-        bar.advance(len(cols["group_id"]), **verifier.record(cols))
+        bar.advance(len(cols["group_id"]), **verifier.record(cols, ep.env_wait if ep is not None else 0.0))
         if refill is not None and refill.done:
             break
     if refill is not None:

@@ -152,6 +152,14 @@ class GuessNumber:
 
     stop = (STOP,)
     max_new_tokens = 5  # a guess up to MAX_HIGH and its newline
+    max_turns = 6  # the game's own turn limit (`turns=`); rollout warns when --max-turns is below it
+
+    @staticmethod
+    def option_attribute(name: str, options: dict):
+        """`max_turns` as `turns=` sets it (`EnvSpec.attribute`); None: the class's own."""
+        if name == "max_turns" and options.get("turns"):
+            return int(options["turns"])
+        return None
 
     def __init__(self, high: int = 20, turns: int = 6, heldout: float = 0.0) -> None:
         self.game = Game(high, turns, heldout).checked("environment guess")

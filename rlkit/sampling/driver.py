@@ -112,6 +112,8 @@ class _Traj:
     last_action: str = ""
     tool_calls: int = 0
     ends: list[int] = field(default_factory=list)  # each turn's last sampled token in `ids` (the row's)
+    observed: list[int] = field(default_factory=list)  # each observation appended to the row: its tokens before the cut
+    unknown: int = 0  # observations whose encoding holds the tokenizer's unknown token
     spent: bool = False  # the completion budget is used up: the environment judges the last turn, then it ends
     env: Any = None  # this trajectory's environment instance
     done: list = field(default_factory=list)  # rows already cut off the trajectory (the template rewrote history)
@@ -136,6 +138,9 @@ class Episodes:
     # that reads it)
     instances: list = field(default_factory=list)
     closer: Any = None
+    env_wait: float = 0.0  # seconds the turn loop waited on the environment with nothing to sample
+    # the trajectories (their labels) an observation of which the tokenizer could only encode with its unknown token
+    unknown: list[str] = field(default_factory=list)
 
     def close(self, failure: BaseException | None = None) -> None:
         """Close the instances `run_episodes(keep_open=True)` left open (nothing otherwise); a failing close() is
@@ -161,6 +166,7 @@ def run_episodes(engine, tokenizer, env, prompts: Prompts, s: Sampling, seed: in
         if failure is not None or not keep_open:
             loop.finish(failure)
     ep = _columns(loop.trajs)
+    ep.env_wait = loop.env_wait
     if keep_open:
         ep.instances = [loop.trajs[k].env for k in ep.trajectory]
         ep.closer = loop.finish
@@ -223,6 +229,7 @@ class _Loop:
         self.retry_at = 0.0  # a reset was refused as Busy: the next one not before this (time.monotonic)
         self.turn = 0  # engine calls ("turns")
         self.stream = None  # the engine's Stream ("ready")
+        self.env_wait = 0.0  # seconds the loop waited on the environment with nothing to sample
 
     def run(self) -> None:
         while self.remaining or self.calls.in_flight:
@@ -231,7 +238,7 @@ class _Loop:
                 if self.calls.in_flight:
                     done = []
                     while self.calls.in_flight:
-                        done += self.calls.wait()
+                        done += self._wait()
                     self._handle(sorted(done, key=lambda d: d.key))
                 elif self.ready:
                     self._sample_turn()
@@ -245,9 +252,19 @@ class _Loop:
                 for k, ids, lps, fin in self.stream.poll():
                     self._taken(k, ids, lps, fin)
             elif self.calls.in_flight:
-                self._handle(self.calls.wait())
+                self._handle(self._wait())
             else:
                 self._idle()
+
+    def _wait(self) -> list:
+        """The environment calls that finish next, waited for with nothing to sample (`env_wait` counts it)."""
+        import time
+
+        t0 = time.monotonic()
+        try:
+            return self.calls.wait()
+        finally:
+            self.env_wait += time.monotonic() - t0
 
     # -- sessions ------------------------------------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -569,11 +586,17 @@ def _observe(t: _Traj, tokenizer, obs, s: Sampling, context: int | None) -> None
         else:
             toks = list(tokenizer("".join(_plain(m) for m in msgs), add_special_tokens=False)["input_ids"])
         t.messages += msgs
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is not None and unk not in {getattr(tokenizer, a, None) for a in ("eos_token_id", "bos_token_id",
+                                                                         "pad_token_id")} and unk in toks:  # text the tokenizer cannot encode: the model would see its unknown token
+        t.unknown += 1
+    before = len(toks)
     toks = toks[:s.max_env_tokens]
     room = _room_left(t, s, context)
     if len(toks) >= room:  # no room for the observation and another turn
         t.truncated, t.end_reason = True, "max_total_tokens"
         return
+    t.observed.append(before)
     t.ids += toks
     t.mask += [0] * len(toks)
     t.logprobs += [0.0] * len(toks)
@@ -583,10 +606,10 @@ def _new_sample(t: _Traj, tokenizer, full: str, msgs: list[dict], s: Sampling, c
     """The chat template renders the conversation's earlier turns otherwise than they were sampled: close the
     trajectory's row here and go on in a new one whose prompt is the template's rendering of all of it."""
     t.done.append(_Row(t.prompt_text, t.prompt_ids, t.ids, t.mask, t.logprobs, t.rewards, t.turns, t.finish,
-                       [*t.messages, *msgs], t.ends))
+                       [*t.messages, *msgs], t.ends, t.observed))
     t.messages += msgs
     t.prompt_text, t.prompt_ids = full, list(tokenizer(full, add_special_tokens=False)["input_ids"])
-    t.ids, t.mask, t.logprobs, t.rewards, t.turns, t.ends = [], [], [], [], 0, []
+    t.ids, t.mask, t.logprobs, t.rewards, t.turns, t.ends, t.observed = [], [], [], [], 0, [], []
     if _room_left(t, s, context) <= 0:
         t.truncated, t.end_reason = True, "max_total_tokens"
 
@@ -605,6 +628,7 @@ class _Row:
     finish: str
     messages: list[dict]
     ends: list[int]  # each turn's last sampled token in `ids`
+    observed: list[int]  # each observation appended: its tokens before the --max-env-tokens cut
 
 
 def _columns(trajs: list[_Traj]) -> Episodes:
@@ -614,23 +638,24 @@ def _columns(trajs: list[_Traj]) -> Episodes:
 
     names = ("prompt_id", "sample_idx", "prompt", "prompt_ids", "completion_ids", "old_logprobs", "finish_reason",
              "loss_mask", "turns", "turn_rewards", "terminated", "truncated", "end_reason", "tool_calls", "messages",
-             "reward/env", "token_rewards")
+             "reward/env", "token_rewards", "observation_tokens")
     cols: dict[str, list] = {k: [] for k in names}
     index, final, fins = [], [], []
     for k, t in enumerate(trajs):
         reward = 0.0 if t.error else float(sum(t.all_rewards))
         last = _Row(t.prompt_text, t.prompt_ids, t.ids, t.mask, t.logprobs, t.rewards, t.turns, t.finish, t.messages,
-                    t.ends)
+                    t.ends, t.observed)
         for r in [*t.done, last]:
             is_last = r is last
             vals = (t.prompt_id, t.sample, r.prompt_text, r.prompt_ids, r.ids, r.logprobs, r.finish, r.mask, r.turns,
                     r.rewards, t.terminated and is_last, (t.truncated or not t.terminated) and is_last,
                     t.end_reason if is_last else "continued",
                     t.tool_calls if is_last else 0, r.messages, reward,
-                    turn_token_rewards(len(r.ids), [] if t.error else r.ends, r.rewards))
+                    turn_token_rewards(len(r.ids), [] if t.error else r.ends, r.rewards), r.observed)
             for name, v in zip(names, vals, strict=True):
                 cols[name].append(v)
             index.append(k)
             final.append(t.last_action)
             fins.append(r.finish)
-    return Episodes(cols, final, fins, index)
+    unknown = [t.label for t in trajs if t.unknown]
+    return Episodes(cols, final, fins, index, unknown=unknown)

@@ -149,6 +149,11 @@ def test_inspect_shows_the_observations_the_model_saw(sft_dir, episodes):
                    tokenizer=checkpoints.tokenizer_fingerprint(tok))
 
     err = run_cli_inproc("inspect", str(table), "--rows", "2", env={"COLUMNS": "200"}).stderr.decode()
+    assert "\n  [environment, as appended] <tool [cut at 5 tokens]\n" in err, err  # the row records the length
+    # a table without each observation's length (an older rollout): the cut is only said to be possible
+    nolen = _write(d / "nolen.arrow", {**cols, "observation_tokens": [None] * len(cols["prompt_id"])},
+                   multi_turn=True, config=config, tokenizer=checkpoints.tokenizer_fingerprint(tok))
+    err = run_cli_inproc("inspect", str(nolen), "--rows", "2", env={"COLUMNS": "200"}).stderr.decode()
     mark = "[5 tokens: --max-env-tokens, it may have been cut at 5 tokens]"
     assert f"\n  [environment, as appended] <tool {mark}\n" in err, err
     assert "<tool>7</tool>" not in err  # the environment's own text: not what the model saw
