@@ -289,7 +289,7 @@ class _Loop:
         """Nothing to sample and no call running: a reset refused as Busy waits for its retry."""
         import time
 
-        if not self.queue:
+        if not self.queue or not self.retry_at:
             raise RuntimeError("the turn loop has nothing to wait for")  # a bug of the loop's, never the user's
         time.sleep(max(0.0, self.retry_at - time.monotonic()))
         self.retry_at = 0.0
@@ -366,7 +366,12 @@ class _Loop:
             now = time.monotonic()
             if now - self.busy_since.setdefault(d.key, now) < d.error.wait:
                 self.sessions -= 1
-                self.cap = max(1, self.sessions)  # as many as it holds for us now
+                if self.cap is None:  # sessions are a resource after all: the ended trajectories give theirs back
+                    for k in [k for k in self.open if self.trajs[k].end_reason is not None]:
+                        self._close(k)
+                waiting = set(self.queue)
+                held = sum(1 for k in self.open if k != d.key and k not in waiting and self.trajs[k].end_reason is None)
+                self.cap = max(1, held)  # as many as it holds for us now
                 self.queue.appendleft(d.key)
                 self.retry_at = now + 0.25
                 return

@@ -98,6 +98,33 @@ class AsyncSleepy(Sleepy):
             return self.answer(action)
 
 
+class Scarce(Sleepy):
+    """Sleepy without latencies, declaring no session limit, but only `sessions` of its instances can be between
+    reset and close at once: a reset beyond them raises Busy (a server at capacity); the most at once go to `peak`."""
+
+    held: set = set()
+    most = 0
+
+    def __init__(self, sessions: int = 2, peak: str = ""):
+        super().__init__(0.0)
+        self.sessions, self.path = sessions, peak
+
+    def reset(self, example):
+        from rlkit.envs import Busy
+
+        with LOCK:
+            if len(Scarce.held) >= self.sessions:
+                raise Busy("no session free", wait=30)
+            Scarce.held.add(id(self))
+            Scarce.most = max(Scarce.most, len(Scarce.held))
+            Path(self.path).write_text(str(Scarce.most))
+        return super().reset(example)
+
+    def close(self):
+        with LOCK:
+            Scarce.held.discard(id(self))
+
+
 class Stuck(Sleepy):
     """Sleepy without latencies, but the instance made `stuck_at`-th spins for ever (a Python loop) in its second step,
     counting its spins in `spins`."""
@@ -194,6 +221,16 @@ def test_ready_hands_each_trajectory_to_the_engine_as_its_environment_answers(sf
         assert [tok.decode([t for t, m in zip(ids, mask, strict=True) if m], skip_special_tokens=True)] == \
             ["".join(said)]
         assert [t for t, m in zip(ids, mask, strict=True) if not m] == [t for o in obs for t in o]
+
+
+@pytest.mark.parametrize("schedule", ["turns", "ready"])
+def test_a_reset_refused_as_busy_waits_for_a_session(sft_dir, envs, tmp_path, schedule):
+    """An environment whose resets find no session free (Busy) beyond 2 at once: the trajectories wait for the ones
+    that end (whose close gives the session back), and every one of them runs to its end."""
+    peak = tmp_path / "peak"
+    t = _table(sft_dir, f"{envs}:Scarce:sessions=2,peak={peak}", tmp_path / "r.arrow", "--env-schedule", schedule)
+    assert t.column("end_reason").to_pylist() == ["terminated"] * P * N and set(t.column("turns").to_pylist()) == {3}
+    assert peak.read_text() == "2"
 
 
 def test_a_call_past_its_limit_ends_its_trajectory_also_off_the_main_thread(sft_dir, envs, tmp_path):
