@@ -100,9 +100,9 @@ MULTI_TURN_FIELDS = (
     _f("truncated", pa.bool_(), True),
     _f("end_reason", _STR, True),
     _f("tool_calls", pa.int32(), True),
-    _f("messages", _MESSAGES, True),
     # each observation appended to the row, in order: its tokens before the --max-env-tokens cut (`inspect` marks a cut)
     _f("observation_tokens", pa.list_(pa.int32()), True),
+    _f("messages", _MESSAGES, True),
 )
 
 

@@ -155,7 +155,7 @@ def test_inspect_shows_the_observations_the_model_saw(sft_dir, episodes):
                    multi_turn=True, config=config, tokenizer=checkpoints.tokenizer_fingerprint(tok))
     err = run_cli_inproc("inspect", str(nolen), "--rows", "2", env={"COLUMNS": "200"}).stderr.decode()
     mark = "[5 tokens: --max-env-tokens, it may have been cut at 5 tokens]"
-    assert f"\n  [environment, as appended] <tool {mark}\n" in err, err
+    assert f"[environment, as appended] <tool {mark}" in " ".join(err.split()), err  # however the console wraps
     assert "<tool>7</tool>" not in err  # the environment's own text: not what the model saw
     for i in range(2):
         assert f"\n  [user] {cols['prompt'][i]}\n" in err

@@ -345,7 +345,7 @@ def test_score_ref_scores_every_token_and_carries_the_multi_turn_columns(policy,
     n = t.num_rows
     more = {"turn_rewards": pa.array([[0.0, 1.0]] * n, pa.list_(pa.float64())), "terminated": pa.array([True] * n),
             "truncated": pa.array([False] * n), "end_reason": pa.array(["terminated"] * n),
-            "tool_calls": pa.array([1] * n, pa.int32()),
+            "tool_calls": pa.array([1] * n, pa.int32()), "observation_tokens": pa.array([[2]] * n, pa.list_(pa.int32())),
             "messages": pa.array([[{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]] * n,
                                  schemas.MULTI_TURN_FIELDS[-1].type)}
     for k, v in more.items():
