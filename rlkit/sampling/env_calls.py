@@ -33,6 +33,8 @@ from typing import Any
 
 from rlkit.envs.base import cancel_scope
 
+GROW_AFTER = 0.002  # seconds a running call takes before the calls queued behind it get threads of their own
+
 
 class Overrun(BaseException):  # noqa: N818 (raised into a thread; a BaseException: `except Exception` cannot keep it)
     """Raised into a plain call's thread, and reported as its outcome, when it runs past its time limit."""
@@ -100,30 +102,37 @@ class EnvCalls:
             return
         with self._lock:
             self._todo.append(call)
-            # more calls queued than idle threads to take them (a woken thread counts as idle until it takes one)
-            if len(self._todo) > self._idle and sum(not t.abandoned for t in self._threads) < self.workers:
+            if not self._alive():
                 self._spawn()
-            else:
+            elif self._idle:
                 self._work.notify()
+            if len(self._todo) > self._idle:  # more calls than idle threads: the watchdog may add threads
+                self._watching().notify()
+
+    def _alive(self) -> int:  # with the lock
+        return sum(not t.abandoned for t in self._threads)
+
+    def _watching(self) -> threading.Condition:  # with the lock: the watchdog started
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._guard, name="rlkit-env-watchdog", daemon=True)
+            self._watchdog.start()
+        return self._watch
 
     def _spawn(self) -> None:  # with the lock
         t = _Thread()
-        t.thread = threading.Thread(target=self._serve, args=(t,), name="rlkit-env", daemon=True)
         self._threads.append(t)
-        t.thread.start()
+        t.thread = _runner(lambda: self._serve(t))
 
     def _begin(self, call: _Call) -> None:  # with the lock
         call.started = time.monotonic()
         self._running.add(call)
         if self.limit:
             call.deadline = call.started + self.limit
-            if self._watchdog is None:
-                self._watchdog = threading.Thread(target=self._guard, name="rlkit-env-watchdog", daemon=True)
-                self._watchdog.start()
-            self._watch.notify()
+            self._watching().notify()
 
     # -- a pool thread -------------------------------------------------------------------------------------------------
-    def _serve(self, me: _Thread) -> None:
+    def _serve(self, me: _Thread) -> bool:
+        """A pool thread's loop; True when it ends clean (closing: its thread may serve another pool)."""
         try:
             while True:
                 with self._lock:
@@ -132,15 +141,15 @@ class EnvCalls:
                         self._work.wait()
                         self._idle -= 1
                     if not self._todo or me.abandoned:
-                        return
+                        return not me.abandoned
                     call = self._todo.popleft()
                     call.thread, me.call = me, call
                     self._begin(call)
                 self._run(call, me)
                 if me.abandoned:
-                    return
+                    return False
         except Overrun:  # raised into it as its call ended: the thread was given up anyway
-            return
+            return False
         finally:
             with self._lock:
                 me.call = None
@@ -191,7 +200,7 @@ class EnvCalls:
                 threading.Thread(target=loop.run_forever, name="rlkit-env-loop", daemon=True).start()
             return self._loop
 
-    # -- the time limit ------------------------------------------------------------------------------------------------
+    # -- the watchdog: time limits, and threads added for slow calls --------------------------------------------------
     def _guard(self) -> None:
         with self._lock:
             while not self._closed:
@@ -205,8 +214,25 @@ class EnvCalls:
                     finally:
                         self._lock.acquire()
                     continue
-                nxt = min((c.deadline for c in self._running if c.deadline is not None), default=None)
-                self._watch.wait(None if nxt is None else nxt - now)
+                wake = [c.deadline for c in self._running if c.deadline is not None]
+                grow = self._grow(now)
+                if grow is not None:
+                    wake.append(grow)
+                self._watch.wait(max(0.0, min(wake) - now) if wake else None)
+
+    def _grow(self, now: float) -> float | None:  # with the lock
+        """More threads when calls queue behind a call that has run GROW_AFTER seconds: a slow environment gets up to
+        `workers`, an instant one keeps the few it needs (starting a thread costs more than its calls). -> when to
+        look again, or None."""
+        backlog, room = len(self._todo) - self._idle, self.workers - self._alive()
+        if backlog <= 0 or room <= 0:
+            return None
+        started = [c.started for c in self._running if c.thread is not None and c.thread.call is c]
+        if not started or now - min(started) < GROW_AFTER:
+            return (min(started) if started else now) + GROW_AFTER
+        for _ in range(min(backlog, room)):
+            self._spawn()
+        return None
 
     def _give_up(self, call: _Call) -> None:
         """The call overran (or the stage is failing): report it, stop it as far as it can be stopped."""
@@ -284,6 +310,50 @@ class EnvCalls:
             loop = self._loop
         if loop is not None:
             loop.call_soon_threadsafe(loop.stop)
+
+
+class _Runner:
+    """A daemon thread running the jobs it is handed, one at a time; between pools it waits in `_SPARE` (starting a
+    thread costs more than an instant environment's call: a stage's batches reuse them)."""
+
+    def __init__(self) -> None:
+        self.ready = threading.Condition(threading.Lock())
+        self.job = None
+        self.thread = threading.Thread(target=self._loop, name="rlkit-env", daemon=True)
+        self.thread.start()
+
+    def give(self, job) -> None:
+        with self.ready:
+            self.job = job
+            self.ready.notify()
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self.ready:
+                    while self.job is None:
+                        self.ready.wait()
+                    job, self.job = self.job, None
+                if not job():  # its call was given up: the thread is not reused
+                    return
+                with _SPARE_LOCK:
+                    _SPARE.append(self)
+        except Overrun:
+            return
+
+
+_SPARE: list[_Runner] = []
+_SPARE_LOCK = threading.Lock()
+
+
+def _runner(job) -> threading.Thread:
+    """A thread (a spare one, or a new one) running `job()`."""
+    with _SPARE_LOCK:
+        r = _SPARE.pop() if _SPARE else None
+    if r is None:
+        r = _Runner()
+    r.give(job)
+    return r.thread
 
 
 def _outcome(f) -> tuple[Any, BaseException | None]:
