@@ -114,8 +114,8 @@ def _run(cfg: EvalConfig) -> dict:
     from rlkit import console, devices, engines
     from rlkit.errors import RlkitError
     from rlkit.io import checkpoints, data, metrics_log, tracking
+    from rlkit.sampling.evaluate import engine_eval, env_eval
     from rlkit.tasks import generation_length, get_task, task_sandbox, truncation_warning
-    from rlkit.tasks.evaluate import engine_eval, env_eval
 
     env = None
     if cfg.env is not None:

@@ -241,7 +241,7 @@ class _Seen:
 
             tok = load_tokenizer(policy)
         except Exception as e:  # noqa: BLE001 (a tokenizer that does not load: the messages, said so)
-            from rlkit.tasks.user_code import one_line
+            from rlkit.plugins.user_code import one_line
 
             return cls(None, limit, f"({plain}: the tokenizer of {policy} does not load: {one_line(e)})")
         if m.tokenizer and m.tokenizer != checkpoints.tokenizer_fingerprint(tok):

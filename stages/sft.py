@@ -179,8 +179,8 @@ def _run(cfg: SftConfig, tracker) -> Path:
     from rlkit import console, tiny
     from rlkit.errors import RlkitError
     from rlkit.io import atomic, checkpoints, claims, data, fingerprints, manifests, metrics_log, tracking
+    from rlkit.sampling.evaluate import greedy_eval
     from rlkit.tasks import generation_length, get_task, task_inputs, task_sandbox
-    from rlkit.tasks.evaluate import greedy_eval
 
     rollouts = _open_rollouts(cfg)  # rejection sampling (rlkit.training.rejection); None: text data or a task
     kept = None

@@ -183,7 +183,7 @@ def cancel_scope(hooks: list) -> Iterator[None]:
 def as_step(value: object, where: str) -> Step:
     """`step`'s value as a Step: a Step, or a 3-tuple (observation, reward, done) or 4-tuple (observation,
     reward, terminated, truncated); the reward a finite number, the observation text, messages or None."""
-    from rlkit.tasks.user_code import as_number
+    from rlkit.plugins.user_code import as_number
 
     if isinstance(value, Step):
         s = value

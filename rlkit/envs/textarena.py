@@ -97,7 +97,7 @@ def raw_id(game: str) -> str:
 
 def _why_not(game: str, e: BaseException) -> str:
     """Why `game` cannot be played here, in words, from what starting it raised."""
-    from rlkit.tasks.user_code import one_line
+    from rlkit.plugins.user_code import one_line
 
     text = f"{type(e).__name__}: {e}"
     low = text.lower()
@@ -315,7 +315,7 @@ def static_refusal(game_id: str) -> str | None:
 
 def _typed_game_options(game_id: str, options: dict[str, str]) -> dict:
     """The game's constructor options, typed by its annotations (int, float, bool, str); unknown keys one line."""
-    from rlkit.tasks import _typed_options
+    from rlkit.plugins import typed_options
 
     why = static_refusal(game_id)
     if why is not None:
@@ -343,4 +343,4 @@ def _typed_game_options(game_id: str, options: dict[str, str]) -> dict:
             known = ", ".join(n for n in params if n not in ("self",))
             raise RlkitError(f"unknown option {k!r} for environment textarena game {game_id.removesuffix('-raw')}; "
                              f"the game takes {known or 'no options'}, and rlkit's {', '.join(OWN[1:])}")
-    return _typed_options(game_cls, options, f"textarena game {game_id.removesuffix('-raw')}")
+    return typed_options(game_cls, options, f"textarena game {game_id.removesuffix('-raw')}")

@@ -263,7 +263,7 @@ class Tools:
             if not ok:
                 return False, f"error: {out}"
             return True, self._cut(out)
-        from rlkit.tasks.user_code import one_line
+        from rlkit.plugins.user_code import one_line
 
         try:
             out = fn(*args, **kwargs)
@@ -275,7 +275,7 @@ class Tools:
         return True, self._cut(text)
 
     async def _awaited(self, name: str, out) -> tuple[bool, str]:
-        from rlkit.tasks.user_code import one_line
+        from rlkit.plugins.user_code import one_line
 
         try:
             out = await out
@@ -538,7 +538,7 @@ def _pools_for(functions: dict[str, Callable], sandbox, timeout: float, owner: s
     """The pools (one per module) that run `functions` in `sandbox`, made or shared; each counts this user."""
     import sys
 
-    from rlkit.tasks.user_code import Ref
+    from rlkit.plugins.user_code import Ref
 
     groups: dict[str, list[tuple[str, str]]] = {}
     for name, fn in functions.items():

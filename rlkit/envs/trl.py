@@ -71,7 +71,7 @@ class TrlEnvironment(Tools):
         except RlkitError:
             raise
         except Exception as e:
-            from rlkit.tasks.user_code import one_line
+            from rlkit.plugins.user_code import one_line
 
             raise EnvError(f"environment {label}: its constructor raised {one_line(e)}") from e
         self.label = label
@@ -124,7 +124,7 @@ class TrlEnvironment(Tools):
 
     def score(self, answer: str, example) -> float:  # noqa: ARG002 (Tools.step: a turn without a tool call)
         """The episode's end: the reward the instance gives itself (TRL reads it off the instance afterwards)."""
-        from rlkit.tasks.user_code import as_number
+        from rlkit.plugins.user_code import as_number
 
         get = getattr(self.inner, "get_reward", None)
         if callable(get):

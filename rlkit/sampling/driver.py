@@ -435,8 +435,8 @@ class _Loop:
 
 
 def _close_error(name: str, e: BaseException, limit: float) -> EnvError:
+    from rlkit.plugins.user_code import one_line
     from rlkit.sampling.env_calls import Overrun
-    from rlkit.tasks.user_code import one_line
 
     if isinstance(e, Overrun):
         return EnvError(f"environment {name}: close() did not return within {limit:g} s; raise --env-timeout (0: no "
@@ -461,8 +461,8 @@ class _Caller:
 
     def __call__(self, t: _Traj, method: str, done, check=None):
         from rlkit.errors import RlkitError
+        from rlkit.plugins.user_code import one_line
         from rlkit.sampling.env_calls import Overrun
-        from rlkit.tasks.user_code import one_line
 
         where = f"environment {self.name}: {method}()"
         try:

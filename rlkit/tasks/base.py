@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from rlkit.errors import RlkitError
+from rlkit.plugins.options import as_bool  # noqa: F401 (the task vocabulary: tasks' boolean options)
 
 SPLITS = ("train", "heldout")
 # the generation length (max new tokens) of a task that names none: a user task without a `max_new_tokens`
@@ -202,15 +203,6 @@ def library_version(distribution: str) -> str:
         return version(distribution)
     except PackageNotFoundError:
         return "unknown"
-
-
-def as_bool(v: str) -> bool:
-    """An option's text as a boolean: 1/true/yes/on or 0/false/no/off; ValueError otherwise."""
-    if v.lower() in ("1", "true", "yes", "on"):
-        return True
-    if v.lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{v!r} is not a boolean (true/false, 1/0, yes/no)")
 
 
 def check_split(split: str) -> None:

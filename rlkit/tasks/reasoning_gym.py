@@ -235,7 +235,7 @@ class ReasoningGym:
         except RlkitError:
             raise
         except Exception as e:
-            from rlkit.tasks.user_code import one_line
+            from rlkit.plugins.user_code import one_line
 
             given = ",".join(f"{k}={v}" for k, v in self.config)
             raise RlkitError(f"--task {NAME}:dataset={self.dataset}{',' + given if given else ''}: the generator "

@@ -146,7 +146,7 @@ class RewardFn:
 
     def _call(self, kwargs: dict, where: str, limit: float = 0):
         """The function's value on `kwargs`, stopped after `limit` seconds (0: no limit; see `_alarm_handler`)."""
-        from rlkit.tasks.user_code import one_line
+        from rlkit.plugins.user_code import one_line
 
         try:
             if limit:
@@ -164,7 +164,7 @@ class RewardFn:
             raise self._raised(one_line(e), where) from e
 
     def _check(self, value, cols: Mapping[str, Sequence], i: int, row0: int) -> float:
-        from rlkit.tasks.user_code import as_number
+        from rlkit.plugins.user_code import as_number
 
         v = as_number(value)
         if v is None:
@@ -272,7 +272,7 @@ def load(spec: str, timeout: float = DEFAULT_TIMEOUT_S, sandbox: Sandbox | None 
     """`NAME=REF` or `REF` (REF: path/to/file.py:FUNC or package.module:FUNC) -> a checked RewardFn whose
     calls may each run `timeout` seconds (0: no limit), in workers in `sandbox` when one is given (started
     when it first scores; `load_all` starts one at once)."""
-    from rlkit.tasks import user_code
+    from rlkit.plugins import user_code
 
     name, eq, ref_text = spec.partition("=")
     if not eq or not _NAME.match(name.strip()):

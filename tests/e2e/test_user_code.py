@@ -333,7 +333,7 @@ def test_numbers_of_every_kind_are_rewards():
     import numpy as np
     import torch
 
-    from rlkit.tasks.user_code import as_number
+    from rlkit.plugins.user_code import as_number
 
     assert [as_number(v) for v in (True, 2, 0.5, np.float32(0.25), np.int64(3), torch.tensor(1.5), np.array([2.0]))] \
         == [1.0, 2.0, 0.5, 0.25, 3.0, 1.5, 2.0]

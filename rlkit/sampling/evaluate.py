@@ -1,4 +1,4 @@
-"""Greedy held-out evaluation through the sampling driver (`rlkit.sampling`), on any engine: accuracy under a
+"""Greedy held-out evaluation through the sampling driver (`rlkit.sampling.driver`), on any engine: accuracy under a
 task's verifier, response length, sample outputs (`engine_eval`); or, against an environment, multi-turn
 trajectories scored by the environment's own rewards, their mean reward (`env_eval`). `greedy_eval` is `engine_eval` on the hf engine
 wrapping a model already in memory (sft's held-out evaluation)."""
@@ -10,6 +10,7 @@ from typing import Any
 
 from rlkit.console import progress
 from rlkit.io.data import encode_prompts
+from rlkit.sampling.driver import Prompts, Sampling, run_episodes, sample
 from rlkit.tasks.base import verify
 
 
@@ -29,14 +30,12 @@ def engine_eval(engine, prompts: Sequence[str], answers: Sequence[str | None], t
     over prompts with a gold answer, of one greedy response each from `engine` (temperature 0: each engine's own
     greedy decoding); lengths in tokens (no eos); `verdicts` counts the verifier's reasons when it gives them
     (`truncated` for a response cut at `max_new_tokens` that did not pass)."""
-    from rlkit import sampling
-
     tokenizer = engine.tokenizer
     ids = encode_prompts(tokenizer, prompts, chat)
-    batch = sampling.Prompts(0, [str(i) for i in range(len(ids))], list(answers), list(prompts), ids)
+    batch = Prompts(0, [str(i) for i in range(len(ids))], list(answers), list(prompts), ids)
     with progress("eval", len(ids)) as t:
-        greedy = sampling.Sampling(n=1, temperature=0.0, max_new_tokens=max_new_tokens, logprobs=False)  # no logits kept
-        gen = sampling.sample(engine, batch, greedy, seed, ticker=t)
+        greedy = Sampling(n=1, temperature=0.0, max_new_tokens=max_new_tokens, logprobs=False)  # no logits kept
+        gen = sample(engine, batch, greedy, seed, ticker=t)
     texts = tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
     lengths = [len(c) - (f == "eos") for c, f in zip(gen.completion_ids, gen.finish_reasons, strict=True)]
     pairs = [(t, a, f) for t, a, f in zip(texts, answers, gen.finish_reasons, strict=True) if a is not None]
@@ -65,18 +64,16 @@ def engine_eval(engine, prompts: Sequence[str], answers: Sequence[str | None], t
 def env_eval(engine, env, prompts: Sequence[str], answers: Sequence[str | None], s, *, ids: Sequence[str] | None = None,
              seed: int = 0, samples: int = 5) -> dict[str, Any]:
     """One greedy trajectory (`s`: temperature 0, n 1, the turn and token limits) of each prompt against fresh
-    instances of `env` (an `rlkit.envs.EnvSpec`), through `rlkit.sampling.run_episodes`: `mean_reward`, the mean
+    instances of `env` (an `rlkit.envs.EnvSpec`), through `run_episodes`: `mean_reward`, the mean
     trajectory reward (`reward/env`, the sum of its steps' rewards: not an accuracy unless the environment's reward
     is a 0/1 verdict), the mean model turns, tool calls and sampled
     tokens per trajectory, how the trajectories ended (`end_reasons`), and the first `samples` conversations."""
-    from rlkit import sampling
-
     tokenizer = engine.tokenizer
     ids = [str(i) for i in range(len(prompts))] if ids is None else list(ids)
-    batch = sampling.Prompts(0, ids, list(answers), list(prompts), [[] for _ in prompts],
+    batch = Prompts(0, ids, list(answers), list(prompts), [[] for _ in prompts],
                              splits=["heldout"] * len(prompts))
     with progress("eval", len(prompts)) as t:
-        ep = sampling.run_episodes(engine, tokenizer, env, batch, s, seed, ticker=t)
+        ep = run_episodes(engine, tokenizer, env, batch, s, seed, ticker=t)
     c, n = ep.columns, len(prompts)
     # a trajectory is one row, or several where a chat template rewrote its history: its last row carries how it
     # ended, its tool calls and the whole conversation; turns and sampled tokens add up over its rows

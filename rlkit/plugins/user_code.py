@@ -1,7 +1,7 @@
 """Code from the user's own files and modules: `path/to/file.py:NAME` or `package.module:NAME`.
 
-Task classes (`--task`) and reward functions (`--reward-fn`) load through here, so both accept the
-same two forms, fail the same way (one line naming the file or module and the name), and are
+Task classes (`--task`), environment classes (`--env`), reward functions (`--reward-fn`) and tools load
+through here, so all accept the same two forms, fail the same way (one line naming the file or module and the name), and are
 fingerprinted by the source file that defines them: a stage rerun after that file was edited is not
 skipped as up to date. A file is imported under a private module name, once per content; its folder
 is appended to `sys.path` (so it can import its neighbours without shadowing installed packages). A
