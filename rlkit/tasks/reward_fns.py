@@ -43,14 +43,13 @@ from __future__ import annotations
 import inspect
 import math
 import re
-import signal
-import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from rlkit.errors import RlkitError
+from rlkit.plugins.timer import TimedOut, alarm_handler, timed
 
 if TYPE_CHECKING:
     from rlkit.sandbox import Sandbox
@@ -106,14 +105,14 @@ class RewardFn:
             return self._score_sandboxed(cols, row0, n)
         if self.batched:
             kwargs = self._inputs(cols, None, environments)
-            with _alarm_handler(self.timeout) as limit:
+            with alarm_handler(self.timeout) as limit:
                 out = self._call(kwargs, _batch_label(cols, row0, n), limit)
             if isinstance(out, str | bytes) or not hasattr(out, "__len__") or len(out) != n:
                 got = f"{len(out)} values" if hasattr(out, "__len__") and not isinstance(out, str | bytes) else repr(out)[:60]
                 raise self._bad_length(got, row0, n)
             values = list(out)
         else:
-            with _alarm_handler(self.timeout) as limit:  # the handler once for these rows, a timer per call
+            with alarm_handler(self.timeout) as limit:  # the handler once for these rows, a timer per call
                 values = [self._call(self._inputs(cols, i, environments), _row_label(cols, i, row0), limit)
                           for i in range(n)]
         return [self._check(v, cols, i, row0) for i, v in enumerate(values)]
@@ -145,17 +144,11 @@ class RewardFn:
         return kw
 
     def _call(self, kwargs: dict, where: str, limit: float = 0):
-        """The function's value on `kwargs`, stopped after `limit` seconds (0: no limit; see `_alarm_handler`)."""
+        """The function's value on `kwargs`, stopped after `limit` seconds (0: no limit; see `rlkit.plugins.timer`)."""
         from rlkit.plugins.user_code import one_line
 
         try:
-            if limit:
-                signal.setitimer(signal.ITIMER_REAL, limit)
-            try:
-                return self.fn(**kwargs)
-            finally:
-                if limit:
-                    signal.setitimer(signal.ITIMER_REAL, 0)
+            return timed(self.fn, limit, **kwargs)
         except TimedOut as e:
             raise self._timed_out(where) from e
         except RlkitError:
@@ -228,34 +221,6 @@ class RewardFn:
         """Stop the sandboxed workers (nothing without a sandbox)."""
         if self.workers is not None:
             self.workers.close()
-
-
-class TimedOut(BaseException):
-    """Raised inside a reward function whose call overran its time limit (a BaseException, so the
-    function's own `except Exception` does not swallow it)."""
-
-
-def _on_alarm(signum, frame) -> None:  # noqa: ARG001 (the signal handler's signature)
-    raise TimedOut
-
-
-@contextmanager
-def _alarm_handler(seconds: float) -> Iterator[float]:
-    """For the body, SIGALRM raises `TimedOut`; the previous handler is restored after. -> the limit each
-    call then arms with a real-time timer (`RewardFn._call`), whose alarm interrupts a busy Python loop and
-    a sleep alike: `seconds`, or 0 (no limit) outside the main thread, the only one that takes signals.
-    The handler is set once for many calls: setting it costs more than the timer."""
-    if not seconds or threading.current_thread() is not threading.main_thread():
-        yield 0
-        return
-    old = signal.signal(signal.SIGALRM, _on_alarm)
-    try:
-        yield seconds
-    finally:
-        try:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-        finally:
-            signal.signal(signal.SIGALRM, old)
 
 
 def _row_label(cols: Mapping[str, Sequence], i: int, row0: int) -> str:
