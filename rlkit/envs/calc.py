@@ -18,14 +18,12 @@ calc) the model writes the tool's result itself; its verifier is the last intege
 
 from __future__ import annotations
 
-import itertools
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rlkit.envs.tools import Tools
-from rlkit.errors import RlkitError
-from rlkit.tasks.base import Example, Transcript, check_split, is_heldout, last_integer
+from rlkit.tasks.base import Example, TaskBase, Transcript, check, last_integer
 
 
 def mul(a: int, b: int) -> int:
@@ -39,50 +37,33 @@ def mul(a: int, b: int) -> int:
 
 
 @dataclass(frozen=True)
-class Calc:
+class Calc(TaskBase):
     """Products of two `digits`-digit numbers, `<37*48>=` -> `1776` (see the module docstring).
 
     Knobs: `digits` (1-6), `heldout` (fraction of the problem space held out), `tool` (fraction of SFT targets
     that call the tool; the prompts are the same whatever `tool` is)."""
 
+    name = "calc"
+    verifier = "last-integer"
+    widen = "raise digits"
+
     digits: int = 2
     heldout_fraction: float = 0.1
     tool: float = 1.0
-    name: str = field(default="calc", init=False)
-    verifier: str = field(default="last-integer", init=False)
-
-    @classmethod
-    def from_options(cls, opts: dict[str, str]) -> Calc:
-        kw: dict = {}
-        for k, v in opts.items():
-            try:
-                if k == "digits":
-                    kw["digits"] = int(v)
-                elif k == "heldout":
-                    kw["heldout_fraction"] = float(v)
-                elif k == "tool":
-                    kw["tool"] = float(v)
-                else:
-                    raise RlkitError(f"unknown option {k!r} for task calc; expected digits=N, heldout=F, tool=F")
-            except ValueError:
-                raise RlkitError(f"--task calc: {k}={v!r} is not a number") from None
-        return cls(**kw).checked()
+    OPTIONS = {"digits": ("digits", int, "N"), "heldout": ("heldout_fraction", float, "F"), "tool": ("tool", float, "F")}
 
     def checked(self) -> Calc:
-        for ok, given, expected in (
-                (1 <= self.digits <= 6, f"digits={self.digits}", "1 <= digits <= 6"),
-                (0 < self.heldout_fraction < 1, f"heldout={self.heldout_fraction:g}", "0 < heldout < 1"),
-                (0 <= self.tool <= 1, f"tool={self.tool:g}", "0 <= tool <= 1")):
-            if not ok:
-                raise RlkitError(f"calc: {given}: expected {expected}")
+        check("calc", (1 <= self.digits <= 6, f"digits={self.digits}", "1 <= digits <= 6"),
+              (0 < self.heldout_fraction < 1, f"heldout={self.heldout_fraction:g}", "0 < heldout < 1"),
+              (0 <= self.tool <= 1, f"tool={self.tool:g}", "0 <= tool <= 1"))
         return self
 
     @property
     def spec(self) -> str:
-        return self._problems_spec + (f",tool={self.tool}" if self.tool != 1.0 else "")
+        return self.problems_spec + (f",tool={self.tool}" if self.tool != 1.0 else "")
 
     @property
-    def _problems_spec(self) -> str:  # what decides the prompts (not `tool`, which only shapes SFT targets)
+    def problems_spec(self) -> str:  # what decides the prompts (not `tool`, which only shapes SFT targets)
         return f"calc:digits={self.digits},heldout={self.heldout_fraction}"
 
     @property
@@ -94,31 +75,10 @@ class Calc:
     def problem_space(self) -> int:
         return (9 * 10 ** (self.digits - 1)) ** 2
 
-    def iter_examples(self, split: str, seed: int, unique: bool = False) -> Iterator[Example]:
-        """Endless problems of `split`, deterministic in `seed`; held-out ones are unique (and never train's)."""
-        check_split(split)
-        unique = unique or split == "heldout"
-        want_heldout = split == "heldout"
-        rng = random.Random(f"{self._problems_spec}|{split}|{seed}")
+    def problem(self, rng: random.Random) -> tuple[str, str]:
         lo, hi = 10 ** (self.digits - 1) if self.digits > 1 else 0, 10 ** self.digits - 1
-        seen: set[str] = set()
-        misses = i = 0
-        while True:
-            a, b = rng.randint(lo, hi), rng.randint(lo, hi)
-            prompt = f"<{a}*{b}>="
-            if is_heldout(prompt, self.heldout_fraction) != want_heldout or (unique and prompt in seen):
-                misses += 1
-                if misses > 10_000 + 200 * i:
-                    raise RlkitError(f"task {self.spec}: ran out of distinct {split} prompts after {i} (problem space "
-                                     f"{self.problem_space()}); ask for fewer or raise digits")
-                continue
-            if unique:
-                seen.add(prompt)
-            yield Example(f"{split}-{seed}-{i}", prompt, str(a * b), split)
-            i += 1
-
-    def examples(self, split: str, n: int, seed: int, unique: bool = False) -> list[Example]:
-        return list(itertools.islice(self.iter_examples(split, seed, unique), n))
+        a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+        return f"<{a}*{b}>=", str(a * b)
 
     @staticmethod
     def transcript(a: int, b: int) -> Transcript:

@@ -41,15 +41,14 @@ wins ~85% of games within 6 turns, in ~4.4 turns, where bisection wins all in ~3
 
 from __future__ import annotations
 
-import itertools
 import random
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rlkit.envs.base import Step
 from rlkit.errors import RlkitError
-from rlkit.tasks.base import Example, Transcript, check_split, shuffled_passes
+from rlkit.tasks.base import Example, TaskBase, Transcript, check, check_split, shuffled_passes
 
 STOP = "\n"  # a model turn is one line
 FEEDBACK = {"higher": "higher\n", "lower": "lower\n", "invalid": "invalid\n"}
@@ -72,12 +71,9 @@ class Game:
     heldout: float = 0.0
 
     def checked(self, who: str) -> Game:
-        for ok, given, expected in (
-                (2 <= self.high <= MAX_HIGH, f"high={self.high}", f"2 <= high <= {MAX_HIGH}"),
-                (self.turns >= 1, f"turns={self.turns}", "turns >= 1"),
-                (0 <= self.heldout < 1, f"heldout={self.heldout:g}", "0 <= heldout < 1")):
-            if not ok:
-                raise RlkitError(f"{who}: {given}: expected {expected}")
+        check(who, (2 <= self.high <= MAX_HIGH, f"high={self.high}", f"2 <= high <= {MAX_HIGH}"),
+              (self.turns >= 1, f"turns={self.turns}", "turns >= 1"),
+              (0 <= self.heldout < 1, f"heldout={self.heldout:g}", "0 <= heldout < 1"))
         return self
 
     @property
@@ -191,33 +187,21 @@ class GuessNumber:
 
 
 @dataclass(frozen=True)
-class Guess:
+class Guess(TaskBase):
     """`--task guess`: the `GuessNumber` games, with a noisy player's transcripts as SFT targets (see the module
     docstring). Knobs: `high`, `turns`, `heldout` as the environment's; `bisect`, `linear` the player's shares of
     middle and lowest guesses (the rest random in the range still possible)."""
+
+    name = "guess"
 
     high: int = 20
     turns: int = 6
     heldout_fraction: float = 0.0
     bisect: float = 0.4
     linear: float = 0.3
-    name: str = field(default="guess", init=False)
-
-    @classmethod
-    def from_options(cls, opts: dict[str, str]) -> Guess:
-        kw: dict = {}
-        names = {"high": ("high", int), "turns": ("turns", int), "heldout": ("heldout_fraction", float),
-                 "bisect": ("bisect", float), "linear": ("linear", float)}
-        for k, v in opts.items():
-            if k not in names:
-                raise RlkitError(f"unknown option {k!r} for task guess; expected high=N, turns=N, heldout=F, bisect=F, "
-                                 "linear=F")
-            attr, kind = names[k]
-            try:
-                kw[attr] = kind(v)
-            except ValueError:
-                raise RlkitError(f"--task guess: {k}={v!r} is not a{'n integer' if kind is int else ' number'}") from None
-        return cls(**kw).checked()
+    OPTIONS = {"high": ("high", int, "N"), "turns": ("turns", int, "N"), "heldout": ("heldout_fraction", float, "F"),
+               "bisect": ("bisect", float, "F"), "linear": ("linear", float, "F")}
+    NOT_A = {int: "an integer"}
 
     def checked(self) -> Guess:
         self.game.checked("task guess")
@@ -242,9 +226,6 @@ class Guess:
 
     def iter_examples(self, split: str, seed: int, unique: bool = False) -> Iterator[Example]:
         return self.game.iter_examples(split, seed, unique)
-
-    def examples(self, split: str, n: int, seed: int, unique: bool = False) -> list[Example]:
-        return list(itertools.islice(self.iter_examples(split, seed, unique), n))
 
     def guesses(self, ex: Example) -> list[int]:
         """The noisy player's guesses against the example's secret (fixed per example), up to the win or the

@@ -8,14 +8,13 @@ A new built-in environment is one file in `rlkit/envs/` and one line of `ENVS`."
 from __future__ import annotations
 
 import inspect
-import itertools
 from dataclasses import dataclass, replace
 from typing import Any
 
 from rlkit.envs.base import EnvError
 from rlkit.errors import RlkitError
 from rlkit.plugins import one_line, resolve, typed_options
-from rlkit.tasks.base import DEFAULT_MAX_NEW_TOKENS, check_split
+from rlkit.tasks.base import DEFAULT_MAX_NEW_TOKENS, TaskBase, check_split
 from rlkit.tasks.user import as_example
 
 ENVS: dict[str, str] = {"calc": "rlkit.envs.calc:CalcEnv", "guess": "rlkit.envs.guess:GuessNumber",
@@ -143,7 +142,7 @@ def _check_signatures(cls, label: str) -> None:
 
 
 @dataclass
-class _EnvTask:
+class _EnvTask(TaskBase):
     """An environment that brings its own prompts (`iter_examples`) as the stages' task: its examples, its name
     and identity; it scores its own trajectories (`from_env`: no task verifier runs)."""
 
@@ -181,9 +180,6 @@ class _EnvTask:
         it = fn(split, seed, unique) if _takes(fn, 3) else fn(split, seed)
         for i, item in enumerate(it):
             yield as_example(item, split, f"{split}-{seed}-{i}", f"environment {self.name}: iter_examples()")
-
-    def examples(self, split: str, n: int, seed: int, unique: bool = False) -> list:
-        return list(itertools.islice(self.iter_examples(split, seed, unique), n))
 
     def reward(self, response: str, answer: str) -> float:  # noqa: ARG002 (the environment scores itself)
         return 0.0

@@ -38,7 +38,8 @@ from collections.abc import Iterator
 
 from rlkit.envs.base import EnvError, Step, option_attribute, unescape
 from rlkit.errors import RlkitError
-from rlkit.tasks.base import Example, check_split, library_version
+from rlkit.plugins import library_version, missing_extra
+from rlkit.tasks.base import Example, check_split
 
 INSTALL = "pip install 'rlkit[textarena]'"
 REWARDS = ("win", "shaped")
@@ -52,13 +53,8 @@ def library():
             import textarena
             from textarena.envs.registration import ENV_REGISTRY  # noqa: F401
     except ImportError as e:
-        raise RlkitError(f"environment textarena needs the textarena package, which is not installed ({e.name} is "
-                         f"missing): {INSTALL}") from None
+        raise missing_extra("environment textarena", "textarena", INSTALL, e) from None
     return textarena
-
-
-def version() -> str:
-    return library_version("textarena")
 
 
 
@@ -171,7 +167,7 @@ class TextArena:
     @classmethod
     def library(cls) -> str:
         """The library version the manifests record (EnvSpec.fingerprint)."""
-        return f"textarena=={version()}"
+        return f"textarena=={library_version('textarena')}"
 
     @classmethod
     def check_options(cls, options: dict) -> None:

@@ -1,14 +1,18 @@
-"""What every task shares: the example record, the Task protocol, splits and the built-in verifiers."""
+"""What every task shares: the example record, the Task protocol, splits, the built-in verifiers, and `TaskBase`, the
+base class of the built-in tasks (examples, splits and options)."""
 
 from __future__ import annotations
 
 import hashlib
+import itertools
+import random
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from rlkit.errors import RlkitError
+from rlkit.plugins.extras import library_version  # noqa: F401 (the task vocabulary)
 from rlkit.plugins.options import as_bool  # noqa: F401 (the task vocabulary: tasks' boolean options)
 
 SPLITS = ("train", "heldout")
@@ -194,17 +198,135 @@ def shuffled_passes(rows: Sequence, rng, unique: bool) -> Iterator:
             return
 
 
-def library_version(distribution: str) -> str:
-    """The installed version of a distribution ('unknown' when it has none): what manifests record for the library
-    an adapter runs (reasoning-gym, textarena, websockets)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(distribution)
-    except PackageNotFoundError:
-        return "unknown"
-
-
 def check_split(split: str) -> None:
     if split not in SPLITS:
         raise RlkitError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
+
+
+def span(text: str) -> tuple[int, int]:
+    """An option's `LO-HI` (or `N`, for N-N) as (lo, hi): `terms=2-4` -> (2, 4); ValueError when not integers."""
+    lo, _, hi = text.partition("-")
+    return int(lo), int(hi or lo)
+
+
+def check(where: str, *rules: tuple[bool, str, str]) -> None:
+    """Each rule is (holds, the option as given, what is expected); the first that does not hold is one error line,
+    `{where}: {given}: expected {expected}` (e.g. `--task arithmetic: max=0: expected max >= 1`)."""
+    for ok, given, expected in rules:
+        if not ok:
+            raise RlkitError(f"{where}: {given}: expected {expected}")
+
+
+class TaskBase:
+    """What the built-in tasks share (nanochat's `tasks/common.py` is the model): `examples()`, the train/held-out
+    split and the options, so that a task file holds its problems and its reward.
+
+    - Options: `OPTIONS` maps each spec key to (the field it sets, or a pair of fields for `span`; its type; how the
+      "expected ..." line shows it); `from_options` reads a spec's options through it into the constructor, then
+      `checked()` (the task's own rules, through `check`). An unknown key or a value that is not of its type is one
+      line naming the task.
+    - Splits and examples: `iter_examples` draws a data task's `rows(split)` (its split's problems, each with
+      `prompt_id`, `prompt` and `answer`) in passes shuffled by the seed, or a generator's `draws(rng, split, seed)`
+      (endless (key, problem) pairs, `problem(rng) -> (prompt, answer)` keyed by the prompt unless a task says
+      otherwise), split by the `is_heldout` partition of the key at `heldout_fraction`. Held-out examples are
+      always unique, a train stream when asked. The draws are seeded by `problems_spec` (what decides the prompts),
+      the split and the seed. `examples` is the first n of `iter_examples`.
+    """
+
+    OPTIONS: ClassVar[dict[str, tuple]] = {}
+    NOT_A: ClassVar[dict] = {}  # how a value that does not convert is named, by type ("a number" when not here)
+    widen = "widen the task"  # what the line of a generator out of distinct prompts suggests
+
+    @classmethod
+    def from_options(cls, opts: dict[str, str]):
+        return cls(**cls.option_values(opts)).checked()
+
+    @classmethod
+    def option_values(cls, opts: dict[str, str]) -> dict:
+        """The spec's options as the constructor's keyword arguments, typed (`OPTIONS`)."""
+        kw: dict = {}
+        for k, v in opts.items():
+            if k not in cls.OPTIONS:
+                expected = ", ".join(f"{key}={shown}" for key, (_, _, shown) in cls.OPTIONS.items())
+                raise RlkitError(f"unknown option {k!r} for task {cls.name}; expected {expected}")
+            attr, kind, _ = cls.OPTIONS[k]
+            try:
+                value = kind(v)
+            except ValueError:
+                raise RlkitError(f"--task {cls.name}: {k}={v!r} is not {cls.NOT_A.get(kind, 'a number')}") from None
+            kw.update(zip(attr, value, strict=True) if isinstance(attr, tuple) else {attr: value})
+        return kw
+
+    def checked(self):
+        """The task itself when its options are valid, else one error line (`check`)."""
+        return self
+
+    @property
+    def problems_spec(self) -> str:
+        """What decides the prompts (the spec, less any option that only shapes SFT targets): the draws' seed."""
+        return self.spec
+
+    def rows(self, split: str) -> Sequence | None:
+        """A data task's problems of `split` (None: a generator, whose problems come from `draws`)."""
+        return None
+
+    def draws(self, rng: random.Random, split: str, seed: int) -> Iterator[tuple[str, object]]:  # noqa: ARG002
+        """A generator's endless (key, problem) pairs: the key splits and dedupes, `make(problem)` is (prompt,
+        answer)."""
+        while True:
+            problem = self.problem(rng)
+            yield problem[0], problem
+
+    def make(self, problem) -> tuple[str, str]:
+        """A drawn problem's (prompt, answer)."""
+        return problem
+
+    def iter_examples(self, split: str, seed: int, unique: bool = False) -> Iterator[Example]:
+        """Endless examples of `split`, deterministic in `seed`; held-out ones (and, when `unique`, train ones) each
+        once: a data split then ends after one pass."""
+        check_split(split)
+        unique = unique or split == "heldout"
+        rng = random.Random(f"{self.problems_spec}|{split}|{seed}")
+        rows = self.rows(split)
+        if rows is not None:
+            if not rows:
+                raise RlkitError(self.empty(split))
+            for p in shuffled_passes(rows, rng, unique):
+                yield Example(p.prompt_id, p.prompt, p.answer, split)
+            return
+        want_heldout = split == "heldout"
+        seen: set[str] = set()
+        misses = i = 0
+        for key, problem in self.draws(rng, split, seed):
+            if is_heldout(key, self.heldout_fraction) != want_heldout or (unique and key in seen):
+                misses += 1
+                if misses > 10_000 + 200 * i:
+                    raise RlkitError(self.exhausted(split, i))
+                continue
+            if unique:  # only a unique stream remembers its prompts: an endless one stays flat in memory
+                seen.add(key)
+            prompt, answer = self.make(problem)
+            yield Example(f"{split}-{seed}-{i}", prompt, answer, split)
+            i += 1
+
+    def examples(self, split: str, n: int, seed: int, unique: bool = False) -> list[Example]:
+        return list(itertools.islice(self.iter_examples(split, seed, unique), n))
+
+    def exhausted(self, split: str, i: int) -> str:
+        """The line of a generator that found no new prompt of `split` in many draws, after `i`."""
+        return (f"task {self.spec}: ran out of distinct {split} prompts after {i} (problem space "
+                f"{self.problem_space()}); ask for fewer or {self.widen}")
+
+    def empty(self, split: str) -> str:
+        """The line of a data task whose `split` holds no problem."""
+        return f"task {self.spec}: the {split} split is empty"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A data task's problem: its id, prompt, gold answer (the verifier's) and reference solution (SFT's)."""
+
+    prompt_id: str
+    prompt: str
+    answer: str
+    solution: str | None

@@ -45,14 +45,14 @@ import ast
 import json
 import random
 import re
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlkit.errors import RlkitError
-from rlkit.tasks.base import Example, Scores, check_split, heldout_keys, is_heldout, shuffled_passes
+from rlkit.tasks.base import Example, Problem, Scores, TaskBase, check, heldout_keys, span
 
 if TYPE_CHECKING:
     from rlkit.sandbox import Sandbox
@@ -194,20 +194,13 @@ def _chain_value(chain: Sequence[tuple[str, int]], x: int) -> int:
     return x
 
 
-# ---------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
-class _Problem:
-    prompt_id: str
-    prompt: str
-    tests: str
-    solution: str | None
-
-
-@dataclass(frozen=True)
-class Code:
+class Code(TaskBase):
     """Programs verified by unit tests in a sandbox; see the module docstring for the options."""
+
+    name = "code"
+    runs_code = True  # stages check the sandbox before any sampling
+    widen = "widen the task (ops=, max=)"
 
     data: str | None = None  # None: generated; "sample": the shipped problems
     question: str = "question"
@@ -220,44 +213,22 @@ class Code:
     min_ops: int = 2
     max_ops: int = 3
     max_constant: int = 9
-    name: str = field(default="code", init=False)
-    runs_code: bool = field(default=True, init=False)  # stages check the sandbox before any sampling
+    OPTIONS = {"data": ("data", str, "FILE|sample"), "question": ("question", str, "COL"),
+               "tests": ("tests", str, "COL"), "solution": ("solution", str, "COL"),
+               "heldout": ("heldout_fraction", float, "F"), "reward": ("reward_mode", str, "all|fraction"),
+               "timeout": ("timeout_s", float, "S"), "memory": ("memory_mb", int, "MB"),
+               "ops": (("min_ops", "max_ops"), span, "LO-HI"), "max": ("max_constant", int, "N")}
 
-    @classmethod
-    def from_options(cls, opts: dict[str, str]) -> Code:
-        keys = {"data": "data", "question": "question", "tests": "tests", "solution": "solution",
-                "heldout": "heldout_fraction", "reward": "reward_mode", "timeout": "timeout_s", "memory": "memory_mb",
-                "max": "max_constant"}
-        expected = ("data=FILE|sample, question=COL, tests=COL, solution=COL, heldout=F, reward=all|fraction, "
-                    "timeout=S, memory=MB, ops=LO-HI, max=N")
-        kw: dict = {}
-        for k, v in opts.items():
-            try:
-                if k == "ops":
-                    lo, _, hi = v.partition("-")
-                    kw["min_ops"], kw["max_ops"] = int(lo), int(hi or lo)
-                elif k in ("heldout", "timeout"):
-                    kw[keys[k]] = float(v)
-                elif k in ("memory", "max"):
-                    kw[keys[k]] = int(v)
-                elif k in keys:
-                    kw[keys[k]] = v
-                else:
-                    raise RlkitError(f"unknown option {k!r} for task code; expected {expected}")
-            except ValueError:
-                raise RlkitError(f"--task code: {k}={v!r} is not a number") from None
-        t = cls(**kw)
-        for ok, given, want in (
-                (0 < t.heldout_fraction < 1, f"heldout={t.heldout_fraction:g}", "0 < heldout < 1"),
-                (t.reward_mode in ("all", "fraction"), f"reward={t.reward_mode}", "all or fraction"),
-                (0 < t.timeout_s <= 3600, f"timeout={t.timeout_s:g}", "0 < seconds <= 3600"),
-                (t.memory_mb >= 64, f"memory={t.memory_mb}", "at least 64 (MB)"),
-                (1 <= t.min_ops <= t.max_ops <= 8, f"ops={t.min_ops}-{t.max_ops}", "1 <= LO <= HI <= 8"),
-                (t.max_constant >= 1, f"max={t.max_constant}", "max >= 1"),
-                (t.data != "-", "data=-", "a file or datasets spec, not stdin")):
-            if not ok:
-                raise RlkitError(f"--task code: {given}: expected {want}")
-        return t
+    def checked(self) -> Code:
+        check("--task code",
+              (0 < self.heldout_fraction < 1, f"heldout={self.heldout_fraction:g}", "0 < heldout < 1"),
+              (self.reward_mode in ("all", "fraction"), f"reward={self.reward_mode}", "all or fraction"),
+              (0 < self.timeout_s <= 3600, f"timeout={self.timeout_s:g}", "0 < seconds <= 3600"),
+              (self.memory_mb >= 64, f"memory={self.memory_mb}", "at least 64 (MB)"),
+              (1 <= self.min_ops <= self.max_ops <= 8, f"ops={self.min_ops}-{self.max_ops}", "1 <= LO <= HI <= 8"),
+              (self.max_constant >= 1, f"max={self.max_constant}", "max >= 1"),
+              (self.data != "-", "data=-", "a file or datasets spec, not stdin"))
+        return self
 
     @property
     def spec(self) -> str:
@@ -324,51 +295,26 @@ class Code:
 
     # -- examples ------------------------------------------------------------------------------
 
-    def _generated(self, rng: random.Random) -> _Problem:
+    def problem(self, rng: random.Random) -> tuple[str, str]:
+        """A generated problem: (prompt, tests)."""
         chain = _chain(rng, self.min_ops, self.max_ops, self.max_constant)
         prompt = "# f(x): " + ", ".join(f"{op}{k}" for op, k in chain) + "\n"
         tests = json.dumps({"fn_name": "f", "inputs": [[x] for x in TEST_XS],
                             "outputs": [_chain_value(chain, x) for x in TEST_XS]})
-        return _Problem("", prompt, tests, chain_program(chain))
+        return prompt, tests
 
     def problem_space(self) -> int:
         per = len(OPS) * self.max_constant
         return sum(per ** k for k in range(self.min_ops, self.max_ops + 1))
 
-    def iter_examples(self, split: str, seed: int, unique: bool = False) -> Iterator[Example]:
-        """Generated: endless problems of `split`, deterministic in `seed` (held-out ones unique). From data:
-        the split's problems shuffled by `seed`, each once when `unique` (always for heldout), else pass after
-        pass without end."""
-        check_split(split)
-        unique = unique or split == "heldout"
-        rng = random.Random(f"{self.spec}|{split}|{seed}")
-        if self.data:
-            rows = self._splits[split]
-            if not rows:
-                raise RlkitError(f"task {self.spec}: the {split} split is empty ({len(self._loaded[0])} problems); "
-                                 "use more data or another heldout fraction")
-            for p in shuffled_passes(rows, rng, unique):
-                yield Example(p.prompt_id, p.prompt, p.tests, split)
-            return
-        seen: set[str] = set()
-        misses = i = 0
-        while True:
-            p = self._generated(rng)
-            if is_heldout(p.prompt, self.heldout_fraction) != (split == "heldout") or (unique and p.prompt in seen):
-                misses += 1
-                if misses > 10_000 + 200 * i:
-                    raise RlkitError(f"task {self.spec}: ran out of distinct {split} prompts after {i} (problem space "
-                                     f"{self.problem_space()}); ask for fewer or widen the task (ops=, max=)")
-                continue
-            if unique:
-                seen.add(p.prompt)
-            yield Example(f"{split}-{seed}-{i}", p.prompt, p.tests, split)
-            i += 1
+    def rows(self, split: str) -> list[Problem] | None:
+        """From data: the split's problems (shuffled by the seed, each once when unique, always for heldout, else
+        pass after pass without end); generated: None (endless problems, held-out ones unique)."""
+        return self._splits[split] if self.data else None
 
-    def examples(self, split: str, n: int, seed: int, unique: bool = False) -> list[Example]:
-        import itertools
-
-        return list(itertools.islice(self.iter_examples(split, seed, unique), n))
+    def empty(self, split: str) -> str:
+        return (f"task {self.spec}: the {split} split is empty ({len(self._loaded[0])} problems); use more data or "
+                "another heldout fraction")
 
     def completion(self, ex: Example) -> str:
         """The SFT target: the generated task's one-line program (bare, as the tiny model writes it), a data
@@ -392,11 +338,11 @@ class Code:
     # -- data ----------------------------------------------------------------------------------
 
     @cached_property
-    def _loaded(self) -> tuple[list[_Problem], str]:
+    def _loaded(self) -> tuple[list[Problem], str]:
         return self._read(str(SAMPLE) if self.data == "sample" else self.data)
 
     @cached_property
-    def _splits(self) -> dict[str, list[_Problem]]:
+    def _splits(self) -> dict[str, list[Problem]]:
         rows = self._loaded[0]
         key = lambda p: " ".join(p.prompt.split())  # noqa: E731
         held_keys = heldout_keys(map(key, rows), self.heldout_fraction)
@@ -413,7 +359,7 @@ class Code:
                 out.setdefault(p.prompt, p.solution)
         return out
 
-    def _read(self, source: str) -> tuple[list[_Problem], str]:
+    def _read(self, source: str) -> tuple[list[Problem], str]:
         from rlkit import console
         from rlkit.io import data
 
@@ -447,7 +393,7 @@ class Code:
             question = q.strip() + (f"\n\n```python\n{start.rstrip()}\n```" if isinstance(start, str) and start.strip()
                                     else "")
             prompt = PROMPT.format(instruction=INSTRUCTION[kind].format(fn=suite.fn_name), question=question)
-            out.append(_Problem(pid, prompt, a, _first_solution(sol)))
+            out.append(Problem(pid, prompt, a, _first_solution(sol)))
         if skipped:
             console.warn(f"{source}: {skipped} rows without a statement or readable tests were left out")
         if not out:

@@ -23,15 +23,14 @@ the shipped sample, 256 with `data`.
 from __future__ import annotations
 
 import functools
-import random
 import re
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
 from rlkit.errors import RlkitError
-from rlkit.tasks.base import Example, check_split, is_heldout, last_integer, shuffled_passes
+from rlkit.tasks.base import Example, Problem, TaskBase, is_heldout, last_integer
 
 SAMPLE = Path(__file__).parent / "data_files" / "math_sample.jsonl"
 PROMPT = "Question: {question}\nAnswer:"  # the completion starts with a space
@@ -126,17 +125,19 @@ VERIFIERS: dict[str, Callable[[str, str], float]] = {"math-verify": math_verify_
                                                      "last-integer": last_integer_reward}
 
 
-@dataclass(frozen=True)
-class _Problem:
-    prompt_id: str
-    prompt: str
-    gold: str
-    solution: str
+def _float_or_text(v: str) -> float | str:
+    """`heldout`'s value: a float when it reads as one, else its text (`from_options` then names it)."""
+    try:
+        return float(v)
+    except ValueError:
+        return v
 
 
 @dataclass(frozen=True)
-class Math:
+class Math(TaskBase):
     """Word problems from a data file; see the module docstring for the options."""
+
+    name = "math"
 
     data: str | None = None  # None: the shipped sample
     question: str = "question"
@@ -145,19 +146,14 @@ class Math:
     test: str | None = None
     verifier: str = "math-verify"
     heldout_fraction: float = 0.1
-    name: str = field(default="math", init=False)
+    OPTIONS = {"data": ("data", str, "FILE"), "question": ("question", str, "COL"), "answer": ("answer", str, "COL"),
+               "solution": ("solution", str, "COL"), "test": ("test", str, "FILE"),
+               "verifier": ("verifier", str, "math-verify|last-integer"),
+               "heldout": ("heldout_fraction", _float_or_text, "F")}
 
     @classmethod
     def from_options(cls, opts: dict[str, str]) -> Math:
-        keys = {"data": "data", "question": "question", "answer": "answer", "solution": "solution", "test": "test",
-                "verifier": "verifier", "heldout": "heldout_fraction"}
-        kw: dict = {}
-        for k, v in opts.items():
-            if k not in keys:
-                raise RlkitError(f"unknown option {k!r} for task math; expected data=FILE, question=COL, answer=COL, "
-                                 "solution=COL, test=FILE, verifier=math-verify|last-integer, heldout=F")
-            kw[keys[k]] = float(v) if k == "heldout" and _is_float(v) else v
-        t = cls(**kw)
+        t = cls(**cls.option_values(opts))
         if t.verifier not in VERIFIERS:
             raise RlkitError(f"task math: unknown verifier {t.verifier!r}; expected one of {', '.join(VERIFIERS)}")
         if not isinstance(t.heldout_fraction, float) or not 0 < t.heldout_fraction < 1:
@@ -186,13 +182,13 @@ class Math:
         return "+".join(fp for fp in (self._loaded[1], self._loaded[3]) if fp)
 
     @cached_property
-    def _loaded(self) -> tuple[list[_Problem], str, list[_Problem] | None, str]:
+    def _loaded(self) -> tuple[list[Problem], str, list[Problem] | None, str]:
         main, fp = self._read(self.data or str(SAMPLE))
         test, test_fp = self._read(self.test) if self.test else (None, "")
         return main, fp, test, test_fp
 
     @cached_property
-    def _splits(self) -> dict[str, list[_Problem]]:
+    def _splits(self) -> dict[str, list[Problem]]:
         main, _, test, _ = self._loaded
         if test is not None:
             held_keys = {_key(p) for p in test}
@@ -212,7 +208,7 @@ class Math:
             out.setdefault(p.prompt, p.solution)
         return out
 
-    def _read(self, source: str) -> tuple[list[_Problem], str]:
+    def _read(self, source: str) -> tuple[list[Problem], str]:
         from rlkit import console
         from rlkit.io import data
 
@@ -233,29 +229,21 @@ class Math:
             if not isinstance(q, str) or not q.strip() or not gold:
                 skipped += 1
                 continue
-            out.append(_Problem(pid, PROMPT.format(question=q.strip()), gold, solution_text(str(s or a))))
+            out.append(Problem(pid, PROMPT.format(question=q.strip()), gold, solution_text(str(s or a))))
         if skipped:
             console.warn(f"{source}: {skipped} rows without a question or a final answer were left out")
         if not out:
             raise RlkitError(f"{source}: no usable rows for task math (need a question and an answer)")
         return out, src.fingerprint
 
-    def iter_examples(self, split: str, seed: int, unique: bool = False) -> Iterator[Example]:
-        """The split's problems shuffled by `seed`: each once when `unique` (always for heldout), else
-        reshuffled pass after pass without end."""
-        check_split(split)
-        rows = self._splits[split]
-        if not rows:
-            raise RlkitError(f"task {self.spec}: the {split} split is empty ({len(self._loaded[0])} questions); "
-                             "use more data, another heldout fraction, or test=FILE")
-        unique = unique or split == "heldout"
-        for p in shuffled_passes(rows, random.Random(f"{self.spec}|{split}|{seed}"), unique):
-            yield Example(p.prompt_id, p.prompt, p.gold, split)
+    def rows(self, split: str) -> list[Problem]:
+        """The split's problems, shuffled by the seed: each once when unique (always for heldout), else reshuffled
+        pass after pass without end."""
+        return self._splits[split]
 
-    def examples(self, split: str, n: int, seed: int, unique: bool = False) -> list[Example]:
-        import itertools
-
-        return list(itertools.islice(self.iter_examples(split, seed, unique), n))
+    def empty(self, split: str) -> str:
+        return (f"task {self.spec}: the {split} split is empty ({len(self._loaded[0])} questions); use more data, "
+                "another heldout fraction, or test=FILE")
 
     def completion(self, ex: Example) -> str:
         """The solution (reasoning ending in the answer) after a space, or the bare answer."""
@@ -265,13 +253,5 @@ class Math:
         return VERIFIERS[self.verifier](response, answer)
 
 
-def _key(p: _Problem) -> str:
+def _key(p: Problem) -> str:
     return " ".join(p.prompt.split())
-
-
-def _is_float(v: str) -> bool:
-    try:
-        float(v)
-    except ValueError:
-        return False
-    return True

@@ -37,11 +37,12 @@ import itertools
 import json
 import typing
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from rlkit.errors import RlkitError
-from rlkit.tasks.base import PASSED, Example, Scores, as_bool, check_split, is_heldout, library_version
+from rlkit.plugins import as_bool, library_version, missing_extra
+from rlkit.tasks.base import PASSED, Example, Scores, TaskBase
 
 NAME = "reasoning-gym"
 INSTALL = "pip install 'rlkit[reasoning-gym]' (it builds pycosat from source: a C compiler is needed)"
@@ -65,13 +66,8 @@ def library():
             import reasoning_gym
             import reasoning_gym.factory  # noqa: F401
     except ImportError as e:
-        raise RlkitError(f"task {NAME} needs the reasoning-gym package, which is not installed ({e.name} is "
-                         f"missing): {INSTALL}") from None
+        raise missing_extra(f"task {NAME}", "reasoning-gym", INSTALL, e) from None
     return reasoning_gym
-
-
-def version() -> str:
-    return library_version("reasoning-gym")
 
 
 def _names() -> list[str]:
@@ -177,16 +173,17 @@ def _flag(opts: dict[str, str], key: str, where: str) -> bool:
 
 
 @dataclass(frozen=True)
-class ReasoningGym:
+class ReasoningGym(TaskBase):
     """`--task reasoning-gym:dataset=NAME,...` (see the module docstring)."""
+
+    name = NAME
+    max_new_tokens = MAX_NEW_TOKENS
 
     dataset: str
     config: tuple[tuple[str, str], ...] = ()  # the generator's options as given (their text), in spec order
     heldout_fraction: float = 0.1
     partial: bool = False
     answer_tags: bool = False
-    name: str = field(default=NAME, init=False)
-    max_new_tokens: int = field(default=MAX_NEW_TOKENS, init=False)
 
     @classmethod
     def from_options(cls, opts: dict[str, str]) -> ReasoningGym:
@@ -226,7 +223,7 @@ class ReasoningGym:
     @property
     def fingerprint(self) -> str:
         """The library's version (manifests' inputs: a new version's generators may differ)."""
-        return f"reasoning-gym=={version()}"
+        return f"reasoning-gym=={library_version('reasoning-gym')}"
 
     def _dataset(self, seed: int, size: int = CHUNK):
         kw = _config(self.dataset, dict(self.config))
@@ -245,28 +242,17 @@ class ReasoningGym:
         for chunk in itertools.count():
             yield from self._dataset(_seed(self._problems, split, seed, chunk))
 
-    def iter_examples(self, split: str, seed: int, unique: bool = False) -> Iterator[Example]:
-        """Endless examples of `split`, deterministic in `seed`; held-out ones unique (see the module docstring)."""
-        check_split(split)
-        unique = unique or split == "heldout"
-        want = split == "heldout"
-        seen: set[str] = set()
-        misses = i = 0
+    def draws(self, rng, split: str, seed: int) -> Iterator[tuple[str, dict]]:  # noqa: ARG002 (seeded by _seed)
+        """The generator's entries, keyed by their question (which splits them; see the module docstring)."""
         for entry in self._entries(split, seed):
-            q = entry["question"]
-            if is_heldout(q, self.heldout_fraction) != want or (unique and q in seen):
-                misses += 1
-                if misses > 10_000 + 200 * i:
-                    raise RlkitError(f"task {self.spec}: ran out of distinct {split} questions after {i}; ask for "
-                                     "fewer or widen the generator's config")
-                continue
-            if unique:
-                seen.add(q)
-            yield Example(f"{split}-{seed}-{i}", self.prompt(q), encode_entry(entry), split)
-            i += 1
+            yield entry["question"], entry
 
-    def examples(self, split: str, n: int, seed: int, unique: bool = False) -> list[Example]:
-        return list(itertools.islice(self.iter_examples(split, seed, unique), n))
+    def make(self, entry: dict) -> tuple[str, str]:
+        return self.prompt(entry["question"]), encode_entry(entry)
+
+    def exhausted(self, split: str, i: int) -> str:
+        return (f"task {self.spec}: ran out of distinct {split} questions after {i}; ask for fewer or widen the "
+                "generator's config")
 
     def prompt(self, question: str) -> str:
         return (TAGS_INSTRUCTION if self.answer_tags else "") + PROMPT.format(question=question)

@@ -9,19 +9,18 @@ checks what the class returns. A user task's identity in manifests includes the 
 from __future__ import annotations
 
 import inspect
-import itertools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from rlkit.errors import RlkitError
 from rlkit.plugins import accepts, as_number, one_line, typed_options, user_code
-from rlkit.tasks.base import DEFAULT_MAX_NEW_TOKENS, Example, Scores, check_split
+from rlkit.tasks.base import DEFAULT_MAX_NEW_TOKENS, Example, Scores, TaskBase, check_split
 
 _NEEDS = {"iter_examples": ("(split, seed)", ("train", 0)), "reward": ("(response, answer)", ("", ""))}
 
 
 @dataclass(frozen=True)
-class UserTask:
+class UserTask(TaskBase):
     """A task object built from the user's class, completed to the `Task` protocol and checked as it
     runs: examples must be `Example`s (or mappings with prompt and answer) of the split asked for,
     completions strings, rewards finite numbers; anything else, or an exception inside, is one error
@@ -65,9 +64,6 @@ class UserTask:
                 seen.add(ex.prompt)
             yield ex
             i += 1
-
-    def examples(self, split: str, n: int, seed: int, unique: bool = False) -> list[Example]:
-        return list(itertools.islice(self.iter_examples(split, seed, unique), n))
 
     def completion(self, ex: Example) -> str:
         fn = getattr(self.impl, "completion", None)
