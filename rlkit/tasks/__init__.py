@@ -22,6 +22,11 @@ reward model (RLHF) are interchangeable reward components.
 Train and held-out prompts come from one deterministic partition of the problem space (a stable
 hash of the prompt text, `is_heldout`), so a held-out prompt can never be drawn for training,
 whatever the seeds. User tasks should split the same way.
+
+The files: `base` (the vocabulary, and `TaskBase`, the built-ins' base class: examples, the split, the options),
+`registry` (`TASKS`, `get_task`, through `rlkit.plugins.resolve`), `user` (`UserTask`), and one file a built-in
+task (`arithmetic`, `math`, `code`, `reasoning_gym`; `calc` and `guess` live with their environments in
+`rlkit.envs`).
 """
 
 from rlkit.plugins import parse_options
@@ -33,14 +38,18 @@ from rlkit.tasks.base import (
     VERBOSE,
     VERIFIERS,
     Example,
+    Problem,
     Scores,
     Task,
+    TaskBase,
     Transcript,
     as_bool,
+    check,
     check_split,
     generation_length,
     is_heldout,
     last_integer,
+    span,
     truncation_warning,
     verify,
 )
@@ -55,6 +64,6 @@ from rlkit.tasks.registry import (
 from rlkit.tasks.user import UserTask, as_example
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "ENTRY_POINT_GROUP", "SPLITS", "TASKS", "TRUNCATED", "VERBOSE", "VERIFIERS",
-           "Arithmetic", "Example", "Scores", "Task", "Transcript", "UserTask", "as_bool", "as_example", "check_split",
-           "generation_length", "get_task", "is_heldout", "last_integer", "parse_options", "reward_fn_sandbox",
-           "task_inputs", "task_sandbox", "truncation_warning", "verify"]
+           "Arithmetic", "Example", "Problem", "Scores", "Task", "TaskBase", "Transcript", "UserTask", "as_bool",
+           "as_example", "check", "check_split", "generation_length", "get_task", "is_heldout", "last_integer",
+           "parse_options", "reward_fn_sandbox", "span", "task_inputs", "task_sandbox", "truncation_warning", "verify"]

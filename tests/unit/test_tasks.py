@@ -117,3 +117,75 @@ class Judged:
     assert line == ("eval: 3 of 4 responses (75%) hit --max-new-tokens 16 (or the model's context) before they "
                     "ended, so their rewards score cut-off text; task code's own length is 40; raise --max-new-tokens")
     assert truncation_warning("eval", 2, 4, 16, get_task("code")) is None and truncation_warning("eval", 0, 0, 16) is None
+
+
+@pytest.mark.parametrize("spec,line", [
+    ("arithmetic:max=x", "--task arithmetic: max='x' is not a number"),
+    ("arithmetic:terms=2-x", "--task arithmetic: terms='2-x' is not a number"),
+    ("arithmetic:heldout=half", "--task arithmetic: heldout='half' is not a number"),
+])
+def test_an_option_that_is_not_a_number_is_one_line(spec, line):
+    with pytest.raises(RlkitError) as e:
+        get_task(spec)
+    assert str(e.value) == line
+
+
+TOY = '''
+import random
+from dataclasses import dataclass
+
+from rlkit.tasks import TaskBase, check
+
+
+@dataclass(frozen=True)
+class Toy(TaskBase):
+    name = "toy"
+
+    top: int = 50
+    heldout_fraction: float = 0.2
+    OPTIONS = {"top": ("top", int, "N"), "heldout": ("heldout_fraction", float, "F")}
+
+    def checked(self):
+        check("--task toy", (self.top >= 2, f"top={self.top}", "top >= 2"))
+        return self
+
+    @property
+    def spec(self):
+        return f"toy:top={self.top},heldout={self.heldout_fraction}"
+
+    def problem(self, rng):
+        x = rng.randint(1, self.top)
+        return f"double {x}:", str(2 * x)
+
+    def problem_space(self):
+        return self.top
+
+    def completion(self, ex):
+        return ex.answer
+
+    def reward(self, response, answer):
+        return float(response.strip() == answer)
+'''
+
+
+def test_a_builtin_task_is_a_taskbase_class_and_one_registry_line(tmp_path, monkeypatch):
+    """A new built-in is a file (its problems and reward; TaskBase brings examples, the split and the options) and
+    one line of the registry."""
+    from rlkit.tasks import TASKS
+
+    (tmp_path / "toytask.py").write_text(TOY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(TASKS, "toy", "toytask:Toy")
+    t = get_task("toy:top=40")
+    assert t.spec == "toy:top=40,heldout=0.2" and get_task(t.spec) == t and t.name == "toy"
+    train, held = t.examples("train", 300, 1), t.examples("heldout", 5, 1)
+    assert train == t.examples("train", 300, 1) and [e.prompt_id for e in held] == [f"heldout-1-{i}" for i in range(5)]
+    assert len({e.prompt for e in held}) == 5 and not {e.prompt for e in held} & {e.prompt for e in train}
+    assert all(t.reward(t.completion(e), e.answer) == 1.0 and int(e.answer) == 2 * int(e.prompt[7:-1]) for e in train)
+    for spec, line in (("toy:top=x", "--task toy: top='x' is not a number"), ("toy:top=1", "--task toy: top=1: expected top >= 2"),
+                       ("toy:size=3", "unknown option 'size' for task toy; expected top=N, heldout=F")):
+        with pytest.raises(RlkitError) as e:
+            get_task(spec)
+        assert str(e.value) == line
+    with pytest.raises(RlkitError, match=r"ran out of distinct heldout prompts after \d+ \(problem space 40\); ask for fewer or widen the task"):
+        t.examples("heldout", 40, 0)
