@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlkit.engines.base import Generated
+from rlkit.engines.base import CONSERVATIVE, Generated
 from rlkit.envs.base import EnvError, as_step, check_observation, failure_line, prompt_too_long
 
 
@@ -63,7 +63,7 @@ class Sampling:
     env_workers: int = 32  # environment calls of different trajectories at once (threads); 1: one at a time, in order
     env_schedule: str = "auto"  # turns | ready | auto (ready on vllm, turns elsewhere): see run_episodes
     # the sampled tokens' log-probs (`sample`): the hf engine keeps a batch's logits for them; greedy evaluation,
-    # which reads none, turns them off
+    # which reads none, turns them off on an engine that can (`Capabilities.optional_logprobs`)
     logprobs: bool = True
 
 
@@ -81,9 +81,9 @@ class Prompts:
 
 def sample(engine, prompts: Prompts, s: Sampling, seed: int, stop: Sequence[str] = (), ticker=None) -> Generated:
     """One turn: `s.n` completions of each prompt (row i*n + j is sample j of prompt i), seeded `seed`."""
-    hf = getattr(engine, "name", "") == "hf"
-    kw = {"ticker": ticker} if ticker is not None and hf else {}
-    if hf and not s.logprobs:
+    can = getattr(engine, "capabilities", CONSERVATIVE)
+    kw = {"ticker": ticker} if ticker is not None and can.streams_tickers else {}
+    if can.optional_logprobs and not s.logprobs:
         kw["logprobs"] = False
     gen = engine.sample(prompts.prompt_ids, n=s.n, temperature=s.temperature, top_p=s.top_p,
                         max_new_tokens=s.max_new_tokens, seed=seed, **({"stop": tuple(stop)} if stop else {}), **kw)
@@ -174,10 +174,11 @@ def run_episodes(engine, tokenizer, env, prompts: Prompts, s: Sampling, seed: in
 
 
 def schedule(engine, asked: str) -> str:
-    """`--env-schedule`: "turns" or "ready" as asked; auto: ready on vLLM (continuous batching), turns elsewhere."""
+    """`--env-schedule`: "turns" or "ready" as asked; auto: ready on an engine with continuous batching (vLLM,
+    `Capabilities.continuous_batching`), turns elsewhere."""
     if asked in ("turns", "ready"):
         return asked
-    return "ready" if getattr(engine, "name", "") == "vllm" else "turns"
+    return "ready" if getattr(engine, "capabilities", CONSERVATIVE).continuous_batching else "turns"
 
 
 def session_cap(env, workers: int) -> int | None:
