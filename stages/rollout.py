@@ -33,25 +33,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from rlkit import engines, stage_options
 from rlkit.options import (
     AnswerColumn,
     Device,
-    EnforceEager,
-    EngineName,
-    Env,
-    EnvErrors,
-    EnvSchedule,
-    EnvTimeout,
-    EnvWorkers,
+    EngineFlags,
+    EnvFlags,
     Force,
-    GpuMemoryUtilization,
-    MaxEnvTokens,
-    MaxModelLen,
-    MaxTotalTokens,
-    MaxTurns,
     NoPlan,
     NoVerify,
     OutTable,
@@ -60,25 +50,23 @@ from rlkit.options import (
     Reads,
     RewardFn,
     RewardTimeout,
-    SamplingDtype,
-    SamplingEngine,
     SandboxKind,
     SandboxWorkers,
     Seed,
     Task,
-    TensorParallel,
     TrustRemoteCode,
-    VllmLora,
+    engine_options,
 )
-from rlkit.stage_options import option
+from rlkit.stage_options import option, splice
 
 if TYPE_CHECKING:
     from rlkit.engines import Engine
     from rlkit.sampling.verify import Verifier
 
 
-
 @dataclass(frozen=True)
+@splice(EnvFlags, before="engine")
+@splice(EngineFlags, before="shard")
 class RolloutConfig:
     policy: Path = option(..., PolicyDir)
     # the task named (None: arithmetic's prompts, without --env its verifier too); recorded as resolved: its spec, or
@@ -95,24 +83,7 @@ class RolloutConfig:
     temperature: float = option(1.0, panel="Sampling", help="Sampling temperature (> 0).")
     top_p: float = option(1.0, panel="Sampling", help="Nucleus sampling threshold.")
     max_new_tokens: int | None = option(None, min=1, panel="Sampling", help="Longest completion, in tokens (TRL's max_completion_length, verl's response_length); under --env, the longest model turn (per turn; a whole trajectory is --max-total-tokens). Default: the environment's max_new_tokens under --env, else the task's own generation length (arithmetic 16; math 96, 256 with data=; code 40, 512 with data=; a user task's max_new_tokens, else 16); the manifest records the value in force. A completion cut there has finish_reason `length` (verdict `truncated` where the task gives verdicts), and a warning says so when more than half are.")
-    env: str | None = option(None, Env)  # multi-turn trajectories against an environment (rlkit.envs)
-    max_turns: int = option(8, MaxTurns)
-    max_total_tokens: int | None = option(None, MaxTotalTokens)
-    max_env_tokens: int = option(256, MaxEnvTokens)
-    env_timeout: float = option(60.0, EnvTimeout)
-    env_errors: Literal["fail", "end"] = option("fail", EnvErrors)
-    env_workers: int = option(32, EnvWorkers)
-    env_schedule: Literal["auto", "turns", "ready"] = option("auto", EnvSchedule)
-    engine: EngineName = option("auto", SamplingEngine)
-    batch_tokens: int = option(16384, min=16, panel="Optimization", help="Token budget per generation batch (hf engine).")
-    tp: int = option(1, TensorParallel)
-    gpu_memory_utilization: float | None = option(None, GpuMemoryUtilization)
-    # models other stages run on the same GPU meanwhile (score-ref's --ref, --rm): vLLM's memory share leaves them room
-    colocate: tuple[Path, ...] = option((), "--colocate", panel="Engine", help="A model another stage of the pipe runs on this GPU at the same time, e.g. score-ref's --ref and --rm (repeatable): rollout's vLLM leaves room for it (its weights x 1.25, plus 2 GiB for CUDA contexts) when it sizes --gpu-memory-utilization. See docs/gpu.md.")
-    dtype: Literal["auto", "fp32", "bf16", "fp16"] = option("auto", SamplingDtype)
-    max_model_len: int | None = option(None, MaxModelLen)
-    enforce_eager: bool = option(False, EnforceEager)
-    vllm_lora: Literal["adapter", "merge"] = option("adapter", VllmLora)
+    # (spliced in here: EnvFlags' --env, --max-turns, ..., then EngineFlags' --engine, --batch-tokens, ..., --colocate)
     # "i/N": this job's share of the prompts (whole chunks), see rlkit.io.shards
     shard: str | None = option(None, panel="Engine", help="I/N: sample only this job's share of the prompts (0 <= I < N); `rlkit cat` joins the N shards into the table one job gives.")
     # prompts a generation chunk: its seed follows its first prompt, so the same chunks give the same samples
@@ -240,15 +211,15 @@ def _run_table(cfg: RolloutConfig, verifier: Verifier, out: Path | None, fns) ->
 
     from rlkit import console, devices
     from rlkit.errors import RlkitError
-    from rlkit.io import checkpoints, data, fingerprints, manifests, schemas, shards, streams
+    from rlkit.io import checkpoints, data, fingerprints, manifests, shards, streams
+    from rlkit.sampling import Sampling, rows
     from rlkit.sampling import refill as dynamic
-    from rlkit.sampling import rows
     from rlkit.tasks import reward_fns, task_inputs
 
     task = verifier.task
     if cfg.batch_prompts is not None or cfg.max_steps is not None:
         raise RlkitError("--batch-prompts and --max-steps are --follow options (without it: --num-prompts)")
-    refill = _refill(cfg, cfg.num_prompts or (None if cfg.prompts else 64))
+    refill = dynamic.plan(cfg, cfg.num_prompts or (None if cfg.prompts else 64))
     inputs = {"policy": fingerprints.fingerprint(cfg.policy), **task_inputs(task), **reward_fns.fingerprints(fns),
               **verifier.env_inputs()}
     # prompts stream: a chunk of --chunk-prompts is drawn (or sliced), rendered and tokenized only when it
@@ -286,10 +257,7 @@ def _run_table(cfg: RolloutConfig, verifier: Verifier, out: Path | None, fns) ->
     if not scored and verifier.scores:
         console.warn("some prompts have no gold answer: no verifier reward column is written")
     verifier.announce(fns, cfg.prompts)
-    extra = verifier.fields(scored, fns)
-    if refill is not None:
-        dynamic.check_rewards(extra)
-        extra = [*extra, *schemas.REFILL_FIELDS]
+    extra = dynamic.columns(verifier.fields(scored, fns), refill)
     fp, step = inputs["policy"], checkpoints.policy_step(cfg.policy)
     manifest = manifests.make_manifest("rollouts", "rollout", cfg, inputs,
                                        tokenizer=checkpoints.tokenizer_fingerprint(tokenizer), engine=engine.name,
@@ -300,7 +268,7 @@ def _run_table(cfg: RolloutConfig, verifier: Verifier, out: Path | None, fns) ->
             console.progress("rollout", len(span) * cfg.n if refill is None else None) as bar:
         # chunks keep their global position and seed whatever the shard, so shards concatenate into the
         # table one job gives
-        rows.write(engine, tokenizer, verifier, w, bar, chunks, _sampling(cfg), cfg.chunk_prompts, cfg.seed, 0, fp, step,
+        rows.write(engine, tokenizer, verifier, w, bar, chunks, Sampling.of(cfg), cfg.chunk_prompts, cfg.seed, 0, fp, step,
                    scored, fns, None if refill is None else refill.start())
         engine.close()  # before the stream ends: downstream's end of input means the engine's GPU memory is free
     verifier.say()
@@ -314,8 +282,8 @@ def _run_follow(cfg: RolloutConfig, verifier: Verifier, out: Path | None, fns=()
     from rlkit.errors import RlkitError
     from rlkit.follow import rollout as follow
     from rlkit.io import data, fingerprints
+    from rlkit.sampling import Sampling, rows
     from rlkit.sampling import refill as dynamic
-    from rlkit.sampling import rows
     from rlkit.tasks import reward_fns, task_inputs
 
     if cfg.num_prompts is not None:
@@ -328,24 +296,16 @@ def _run_follow(cfg: RolloutConfig, verifier: Verifier, out: Path | None, fns=()
         source = data.load_source(cfg.prompts, "prompts", {"prompt": cfg.prompt_column, "answer": cfg.answer_column})
         inputs["prompts"] = source.fingerprint
 
-    refill = _refill(cfg, cfg.batch_prompts or 64)
+    refill = dynamic.plan(cfg, cfg.batch_prompts or 64)
 
     def sample(engine, tokenizer, w, bar, chunks, seed, group0, fp, step, scored):
-        rows.write(engine, tokenizer, verifier, w, bar, chunks, _sampling(cfg), cfg.chunk_prompts, seed, group0, fp,
+        rows.write(engine, tokenizer, verifier, w, bar, chunks, Sampling.of(cfg), cfg.chunk_prompts, seed, group0, fp,
                    step, scored, fns, None if refill is None else refill.start())
-
-    def fields(scored: bool) -> list:
-        from rlkit.io import schemas
-
-        extra = verifier.fields(scored, fns)
-        if refill is not None:
-            dynamic.check_rewards(extra)
-            extra = [*extra, *schemas.REFILL_FIELDS]
-        return extra
 
     stage = follow.Stage(start_engine=lambda path: _start_engine(cfg, path),
                          engine_device=lambda engine: _engine_device(engine, cfg), sample=sample,
-                         fields=fields, say=verifier.say,
+                         fields=lambda scored: dynamic.columns(verifier.fields(scored, fns), refill),
+                         say=verifier.say,
                          tools=verifier.env.tool_schemas() if verifier.env is not None else None,
                          prompts_a_batch=None if refill is None else refill.limit,
                          groups_a_batch=None if refill is None else refill.want,
@@ -355,13 +315,8 @@ def _run_follow(cfg: RolloutConfig, verifier: Verifier, out: Path | None, fns=()
 
 
 def _engine_options(cfg: RolloutConfig):
-    """The engine's share of the config (`engines.EngineOptions`)."""
-
-    return engines.EngineOptions(seed=cfg.seed, trust_remote_code=cfg.trust_remote_code, batch_tokens=cfg.batch_tokens,
-                                 tp=cfg.tp, gpu_memory_utilization=cfg.gpu_memory_utilization, dtype=cfg.dtype,
-                                 max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager, lora=cfg.vllm_lora,
-                                 device=cfg.device, colocate=tuple(cfg.colocate),
-                                 sleep=cfg.follow is not None and cfg.max_lag == 0, plan=cfg.plan)
+    """The engine's share of the config (`engines.EngineOptions`): --max-lag 0 under --follow sleeps it."""
+    return engine_options(cfg, sleep=cfg.follow is not None and cfg.max_lag == 0)
 
 
 def _start_engine(cfg: RolloutConfig, policy: Path) -> Engine:
@@ -382,24 +337,6 @@ def _engine_device(engine: Engine, cfg: RolloutConfig):
 
     dev = getattr(engine, "device", None)
     return dev if dev is not None else devices.resolve(cfg.device)
-
-
-def _refill(cfg: RolloutConfig, first: int | None):
-    """--min-informative-groups, checked (`rlkit.sampling.refill.plan`); None without it."""
-    from rlkit.sampling import refill
-
-    return refill.plan(cfg.min_informative_groups, first, n=cfg.n, shard=cfg.shard, follow=cfg.follow is not None,
-                       max_refill_rounds=cfg.max_refill_rounds)
-
-
-def _sampling(cfg: RolloutConfig):
-    """The driver's options from the stage's (`rlkit.sampling.Sampling`)."""
-    from rlkit.sampling import Sampling
-
-    return Sampling(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                    max_turns=cfg.max_turns, max_total_tokens=cfg.max_total_tokens, max_env_tokens=cfg.max_env_tokens,
-                    env_timeout=cfg.env_timeout, env_errors=cfg.env_errors, env_workers=cfg.env_workers,
-                    env_schedule=cfg.env_schedule)
 
 
 command = stage_options.command(

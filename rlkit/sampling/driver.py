@@ -40,7 +40,7 @@ the method and the trajectory; with `env_errors="end"` the trajectory ends there
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from rlkit.engines.base import CONSERVATIVE, Generated
@@ -65,6 +65,13 @@ class Sampling:
     # the sampled tokens' log-probs (`sample`): the hf engine keeps a batch's logits for them; greedy evaluation,
     # which reads none, turns them off on an engine that can (`Capabilities.optional_logprobs`)
     logprobs: bool = True
+
+    @classmethod
+    def of(cls, cfg: Any, **settings: Any) -> Sampling:
+        """The driver's options from a stage config: each of its fields named as one of these (--n, --temperature,
+        --top-p, --max-new-tokens and the environment's, `rlkit.options.EnvFlags`), then `settings`."""
+        own = {f.name: getattr(cfg, f.name) for f in fields(cls) if hasattr(cfg, f.name)}
+        return cls(**{**own, **settings})
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,15 @@
 """DAPO's dynamic sampling (`rollout --min-informative-groups`): which groups of a batch's chunks are written, which
-prompts are sampled next (`Refill`), and the checks of the option (`plan`, `check_rewards`). The rollout stage runs it
+prompts are sampled next (`Refill`), the option checked (`plan`, `check_rewards`) and the column it adds (`columns`). The rollout stage runs it
 through `rlkit.sampling.rows.write`."""
 
 from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field, fields, replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from rlkit.errors import RlkitError
+from rlkit.io import schemas
 from rlkit.rewards import combine_rewards
 
 
@@ -21,22 +22,31 @@ class RefillPlan(NamedTuple):
         return Refill(self.want, self.limit, self.first)
 
 
-def plan(k: int | None, first: int | None, *, n: int, shard: str | None, follow: bool,
-         max_refill_rounds: int) -> RefillPlan | None:
-    """--min-informative-groups K, checked: K groups out of at most (1 + --max-refill-rounds) x `first` prompts
-    (--num-prompts, or --batch-prompts under --follow); None without it."""
+def plan(cfg: Any, first: int | None) -> RefillPlan | None:
+    """--min-informative-groups K of rollout's config `cfg`, checked: K groups out of at most (1 +
+    --max-refill-rounds) x `first` prompts (--num-prompts, or --batch-prompts under --follow); None without it."""
+    k = cfg.min_informative_groups
     if k is None:
         return None
-    if n < 2:
-        raise RlkitError(f"--min-informative-groups needs groups of --n >= 2 samples to compare (got --n {n})")
-    if shard:
+    if cfg.n < 2:
+        raise RlkitError(f"--min-informative-groups needs groups of --n >= 2 samples to compare (got --n {cfg.n})")
+    if cfg.shard:
         raise RlkitError("--min-informative-groups samples until enough groups have unequal rewards, so how many "
                          "prompts a job takes is not known in advance: it cannot be cut into --shard jobs")
     if first is not None and k > first:
-        what = "--batch-prompts" if follow else "--num-prompts"
+        what = "--batch-prompts" if cfg.follow is not None else "--num-prompts"
         raise RlkitError(f"--min-informative-groups {k} is more than {what} {first}: the batch is at most that many "
                          "groups")
-    return RefillPlan(k, (first or k) * (1 + max_refill_rounds), first or k)
+    return RefillPlan(k, (first or k) * (1 + cfg.max_refill_rounds), first or k)
+
+
+def columns(extra: list, refill: RefillPlan | None) -> list:
+    """The table's columns `extra` (beyond the rollouts kind's) with `refill`: its `prompts_drawn`
+    (`rlkit.io.schemas.REFILL_FIELDS`) added, once checked that the rollout gives rewards to compare."""
+    if refill is None:
+        return extra
+    check_rewards(extra)
+    return [*extra, *schemas.REFILL_FIELDS]
 
 
 def check_rewards(columns: list) -> None:
