@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import typer
 
 from rlkit import config_file
+from rlkit.engines.base import EngineOptions
 from rlkit.engines.base import names as engine_names
 from rlkit.io import tracking
 from rlkit.stage_options import Group, option
@@ -166,6 +168,50 @@ SamplingDtype = Annotated[Literal["auto", "fp32", "bf16", "fp16"], typer.Option(
 MaxModelLen = Annotated[int | None, typer.Option("--max-model-len", min=16, rich_help_panel="Engine", help="vLLM context length (default: the model's).")]
 EnforceEager = Annotated[bool, typer.Option("--enforce-eager", rich_help_panel="Engine", help="vLLM: no CUDA graphs (faster start-up).")]
 VllmLora = Annotated[Literal["adapter", "merge"], typer.Option("--vllm-lora", rich_help_panel="Engine", help="vLLM on a LoRA checkpoint: adapter (vLLM's LoRA: the base's weights plus the adapter per request; a --follow reload swaps adapters) or merge (the merged weights, written to a temporary directory: no LoRA kernels, a weights write per reload). The hf engine always merges.")]
+
+
+@dataclass(frozen=True)
+class EngineFlags:
+    """The engine options of every stage that samples (rollout, eval, build-prefs), declared once: a stage's config
+    takes them as its own fields with `@stage_options.splice(EngineFlags, before=...)` (--colocate only rollout's),
+    and `engine_options(cfg)` is what they resolve to. Never made itself."""
+
+    engine: EngineName = option("auto", SamplingEngine)
+    batch_tokens: int = option(16384, min=16, panel="Optimization", help="Token budget per generation batch (hf engine).")
+    tp: int = option(1, TensorParallel)
+    gpu_memory_utilization: float | None = option(None, GpuMemoryUtilization)
+    # models other stages run on the same GPU meanwhile (score-ref's --ref, --rm): vLLM's memory share leaves them room
+    colocate: tuple[Path, ...] = option((), "--colocate", panel="Engine", help="A model another stage of the pipe runs on this GPU at the same time, e.g. score-ref's --ref and --rm (repeatable): rollout's vLLM leaves room for it (its weights x 1.25, plus 2 GiB for CUDA contexts) when it sizes --gpu-memory-utilization. See docs/gpu.md.")
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = option("auto", SamplingDtype)
+    max_model_len: int | None = option(None, MaxModelLen)
+    enforce_eager: bool = option(False, EnforceEager)
+    vllm_lora: Literal["adapter", "merge"] = option("adapter", VllmLora)
+
+
+def engine_options(cfg: Any, **more: Any) -> EngineOptions:
+    """What a stage config's engine options resolve to: its `EngineFlags` fields (--colocate where it takes it) with
+    its --seed, --trust-remote-code, --device and --no-plan, as the `EngineOptions` its engine starts with; `more`:
+    the settings the stage adds (rollout's `sleep`)."""
+    return EngineOptions(seed=cfg.seed, trust_remote_code=cfg.trust_remote_code, batch_tokens=cfg.batch_tokens,
+                         tp=cfg.tp, gpu_memory_utilization=cfg.gpu_memory_utilization, dtype=cfg.dtype,
+                         max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager, lora=cfg.vllm_lora,
+                         device=cfg.device, colocate=tuple(getattr(cfg, "colocate", ())), plan=cfg.plan, **more)
+
+
+@dataclass(frozen=True)
+class EnvFlags:
+    """The environment options of every stage that runs trajectories (rollout, eval), declared once: a stage's config
+    takes them as its own fields with `@stage_options.splice(EnvFlags, before=...)`; all but --env are the sampling
+    driver's settings of the same names (`rlkit.sampling.Sampling.of(cfg)`). Never made itself."""
+
+    env: str | None = option(None, Env)  # multi-turn trajectories against an environment (rlkit.envs)
+    max_turns: int = option(8, MaxTurns)
+    max_total_tokens: int | None = option(None, MaxTotalTokens)
+    max_env_tokens: int = option(256, MaxEnvTokens)
+    env_timeout: float = option(60.0, EnvTimeout)
+    env_errors: Literal["fail", "end"] = option("fail", EnvErrors)
+    env_workers: int = option(32, EnvWorkers)
+    env_schedule: Literal["auto", "turns", "ready"] = option("auto", EnvSchedule)
 
 
 # One name per concept across the commands. Old spellings keep working, hidden from --help, with one

@@ -26,7 +26,8 @@ holds, an inverted flag negated) and the stage module's `run(cfg)` is called.
 A field whose value is itself a config (TrackingConfig, TrainOptions, RLConfig, ...) is flattened with
 `nested(GROUP)`: a `Group` lists the nested config's flags (each an `option()`, named by its parameter) and
 how the nested config is built from their values, so it is declared once and shared by every stage that
-takes those flags (rlkit.options.TRACKING).
+takes those flags (rlkit.options.TRACKING). Flags several stages take as fields of their own config (the engine's,
+the environment's) are declared once as the fields of a dataclass and put into each config with `@splice(...)`.
 
 Adding an option is one line: a field with `option(...)`; nothing else names it, except that a float option's
 range is its flag's entry in FLOAT_BOUNDS (one range per flag, whichever command takes it; a test refuses a
@@ -107,6 +108,35 @@ class Group:
 def nested(group: Group) -> Any:
     """A config field holding a nested config whose flags `group` declares."""
     return dataclasses.field(default_factory=group.cls, metadata={OPTION: group})
+
+
+def splice(flags: type, before: str, omit: tuple[str, ...] = ()) -> Callable[[type], type]:
+    """Class decorator (under `@dataclass`): the option fields of dataclass `flags`, options several stages take
+    alike and declare once there (rlkit.options.EngineFlags, EnvFlags), made fields of the decorated config, in
+    place, before its field `before`, all but `omit`. They are the config's own fields: the command, --help, the
+    --config keys and the manifest's config name them as fields written in the class would be; what they resolve to
+    is one function beside `flags` (`options.engine_options`: `EngineOptions`)."""
+    hints = _hints(flags)
+    given = [f for f in dataclasses.fields(flags) if f.name not in omit]
+
+    def deco(cls: type) -> type:
+        own = dict(cls.__dict__.get("__annotations__", {}))
+        if before not in own:
+            raise TypeError(f"splice({flags.__name__}): {cls.__name__} has no field {before!r}")
+        clash = [f.name for f in given if f.name in own]
+        if clash:
+            raise TypeError(f"splice({flags.__name__}): {cls.__name__} declares {clash[0]!r} itself")
+        annotations: dict[str, Any] = {}
+        for name, t in own.items():
+            if name == before:
+                for f in given:
+                    annotations[f.name] = hints[f.name]
+                    setattr(cls, f.name, copy.copy(f))  # a fresh Field: @dataclass makes each its class's own
+            annotations[name] = t
+        cls.__annotations__ = annotations
+        return cls
+
+    return deco
 
 
 def _field(default: Any, opt: Opt) -> Any:

@@ -21,35 +21,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
 
 from rlkit import stage_options
 from rlkit.options import (
     Device,
-    EnforceEager,
-    EngineName,
+    EngineFlags,
     Force,
-    GpuMemoryUtilization,
     JudgeRubric,
-    MaxModelLen,
     NoPlan,
     NoVerify,
     OutTable,
     PromptColumn,
-    SamplingDtype,
-    SamplingEngine,
     SandboxKind,
     SandboxWorkers,
     Seed,
     Task,
-    TensorParallel,
     TrustRemoteCode,
-    VllmLora,
+    engine_options,
 )
-from rlkit.stage_options import option
+from rlkit.stage_options import option, splice
 
 
 @dataclass(frozen=True)
+@splice(EngineFlags, before="eval_fraction", omit=("colocate",))
 class BuildPrefsConfig:
     policy: Path | None = option(None, "--policy", panel="Model", help="Policy to sample from (usually the SFT checkpoint).")
     task: str = option("arithmetic", Task)
@@ -58,14 +52,7 @@ class BuildPrefsConfig:
     temperature: float = option(1.0, panel="Sampling", help="Sampling temperature.")
     top_p: float = option(1.0, panel="Sampling", help="Nucleus sampling threshold.")
     max_new_tokens: int | None = option(None, min=1, panel="Sampling", help="Longest sampled answer, in tokens. Default: the task's own generation length (arithmetic 16; math 96, 256 with data=; code 40, 512 with data=; a user task's max_new_tokens, else 16); the manifest records the value in force. A warning says so when more than half of the samples are cut there.")
-    engine: EngineName = option("auto", SamplingEngine)
-    batch_tokens: int = option(16384, min=16, panel="Optimization", help="Token budget per generation batch (hf engine).")
-    tp: int = option(1, TensorParallel)
-    gpu_memory_utilization: float | None = option(None, GpuMemoryUtilization)
-    dtype: Literal["auto", "fp32", "bf16", "fp16"] = option("auto", SamplingDtype)
-    max_model_len: int | None = option(None, MaxModelLen)
-    enforce_eager: bool = option(False, EnforceEager)
-    vllm_lora: Literal["adapter", "merge"] = option("adapter", VllmLora)
+    # (spliced in here: EngineFlags' --engine, --batch-tokens, --tp, ...)
     eval_fraction: float = option(0.1, panel="Data", help="Fraction of prompts marked split=heldout (stable per prompt).")
     # None | "length"
     bias: str | None = option(None, panel="Data", help="'length': the deliberately flawed set where the longer answer always wins.")
@@ -120,7 +107,7 @@ def _run(cfg: BuildPrefsConfig) -> Path | None:
     if cfg.source is None and cfg.bias != "length":
         from rlkit import engines
 
-        engines.check(cfg.engine, _engine_options(cfg))  # a known name; a named engine takes these options
+        engines.check(cfg.engine, engine_options(cfg))  # a known name; a named engine takes these options
         if not 0 < cfg.top_p <= 1:
             raise RlkitError(f"--top-p {cfg.top_p:g}: expected a number in (0, 1]")
     rows, inputs, cfg, engine, judged = _imported(cfg) if cfg.source else _sampled(cfg, judge)
@@ -232,7 +219,7 @@ def _sampled(cfg: BuildPrefsConfig, judge=None):
         if cfg.temperature <= 0:
             raise RlkitError(f"--temperature {cfg.temperature:g}: expected a number > 0 (sampling; 0 would be greedy)")
         chosen, why = engines.choose(cfg.engine)
-        engine = engines.create(chosen, cfg.policy, _engine_options(cfg))
+        engine = engines.create(chosen, cfg.policy, engine_options(cfg))
         startup.done()  # its libraries imported and its model loaded (rlkit.startup)
         console.info(f"build-prefs: engine {chosen} ({why})")  # once the checkpoint is good
         try:
@@ -280,16 +267,6 @@ def _sampled(cfg: BuildPrefsConfig, judge=None):
             rows["answer"].append(e.answer)
             rows["negative"].append(p.negative)
     return rows, inputs, cfg, chosen, None
-
-
-def _engine_options(cfg: BuildPrefsConfig):
-    """The engine's share of the config (`engines.EngineOptions`)."""
-    from rlkit import engines
-
-    return engines.EngineOptions(seed=cfg.seed, trust_remote_code=cfg.trust_remote_code, batch_tokens=cfg.batch_tokens,
-                                 tp=cfg.tp, gpu_memory_utilization=cfg.gpu_memory_utilization, dtype=cfg.dtype,
-                                 max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager, lora=cfg.vllm_lora,
-                                 device=cfg.device, plan=cfg.plan)
 
 
 def _imported(cfg: BuildPrefsConfig):

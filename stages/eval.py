@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
 
 from rlkit import stage_options
 from rlkit.io.tracking import TrackingConfig
@@ -24,37 +23,26 @@ from rlkit.options import (
     TRACKING,
     AnswerColumn,
     Device,
-    EnforceEager,
-    EngineName,
-    Env,
-    EnvErrors,
-    EnvSchedule,
-    EnvTimeout,
-    EnvWorkers,
-    GpuMemoryUtilization,
-    MaxEnvTokens,
-    MaxModelLen,
-    MaxTotalTokens,
-    MaxTurns,
+    EngineFlags,
+    EnvFlags,
     Metrics,
     NoPlan,
     NoVerify,
     PolicyDir,
     PromptColumn,
-    SamplingDtype,
-    SamplingEngine,
     SandboxKind,
     SandboxWorkers,
     Seed,
     Task,
-    TensorParallel,
     TrustRemoteCode,
-    VllmLora,
+    engine_options,
 )
-from rlkit.stage_options import nested, option
+from rlkit.stage_options import nested, option, splice
 
 
 @dataclass(frozen=True)
+@splice(EnvFlags, before="engine")
+@splice(EngineFlags, before="as_json", omit=("colocate",))
 class EvalConfig:
     policy: Path = option(..., PolicyDir)
     task: str = option("arithmetic", Task)
@@ -63,22 +51,7 @@ class EvalConfig:
     answer_column: str = option("answer", AnswerColumn)
     num: int = option(300, "--num-prompts", min=1, panel="Data", help="Number of held-out prompts.")
     max_new_tokens: int | None = option(None, min=1, panel="Sampling", help="Longest response, in tokens (TRL's max_completion_length, verl's response_length); under --env, the longest model turn (per turn; a whole trajectory is --max-total-tokens). Default: the environment's max_new_tokens under --env, else the task's own generation length (arithmetic 16; math 96, 256 with data=; code 40, 512 with data=; a user task's max_new_tokens, else 16). A response cut there is counted as truncated (verdict `truncated` where the task gives verdicts), and a warning says so when more than half are.")
-    env: str | None = option(None, Env)  # multi-turn trajectories against an environment (rlkit.envs)
-    max_turns: int = option(8, MaxTurns)
-    max_total_tokens: int | None = option(None, MaxTotalTokens)
-    max_env_tokens: int = option(256, MaxEnvTokens)
-    env_timeout: float = option(60.0, EnvTimeout)
-    env_errors: Literal["fail", "end"] = option("fail", EnvErrors)
-    env_workers: int = option(32, EnvWorkers)
-    env_schedule: Literal["auto", "turns", "ready"] = option("auto", EnvSchedule)
-    engine: EngineName = option("auto", SamplingEngine)
-    batch_tokens: int = option(16384, min=16, panel="Optimization", help="Token budget per generation batch (hf engine).")
-    tp: int = option(1, TensorParallel)
-    gpu_memory_utilization: float | None = option(None, GpuMemoryUtilization)
-    dtype: Literal["auto", "fp32", "bf16", "fp16"] = option("auto", SamplingDtype)
-    max_model_len: int | None = option(None, MaxModelLen)
-    enforce_eager: bool = option(False, EnforceEager)
-    vllm_lora: Literal["adapter", "merge"] = option("adapter", VllmLora)
+    # (spliced in here: EnvFlags' --env, --max-turns, ..., then EngineFlags' --engine, --batch-tokens, ...)
     as_json: bool = option(False, "--json", panel="Output & tracking", help="Print JSON to stdout instead of tables.")
     metrics: Path | None = option(None, Metrics)
     tracking: TrackingConfig = nested(TRACKING)  # --report-to, --run-name, --project, --tensorboard
@@ -135,7 +108,7 @@ def _run(cfg: EvalConfig) -> dict:
     cfg = replace(cfg, max_new_tokens=generation_length(task, cfg.max_new_tokens))  # the value in force, recorded
     sandbox = task_sandbox(task, cfg.sandbox, cfg.sandbox_workers) if env is None else None  # before the model loads
     tracking.check(cfg.tracking)
-    engines.check(cfg.engine, _engine_options(cfg))  # a known name; a named engine takes these options
+    engines.check(cfg.engine, engine_options(cfg))  # a known name; a named engine takes these options
     if cfg.vllm_lora not in ("adapter", "merge"):
         raise RlkitError(f"--vllm-lora {cfg.vllm_lora!r} is not one of adapter, merge")
     checkpoints.check_model_dir(cfg.policy, "policy")
@@ -143,7 +116,7 @@ def _run(cfg: EvalConfig) -> dict:
     if cfg.prompts:
         source = data.load_source(cfg.prompts, "prompts", {"prompt": cfg.prompt_column, "answer": cfg.answer_column})
     chosen, why = engines.choose(cfg.engine)
-    engine = engines.create(chosen, cfg.policy, _engine_options(cfg))
+    engine = engines.create(chosen, cfg.policy, engine_options(cfg))
     try:
         tokenizer = engine.tokenizer
         ids = None
@@ -239,24 +212,11 @@ def _run(cfg: EvalConfig) -> dict:
     return result
 
 
-def _engine_options(cfg: EvalConfig):
-    """The engine's share of the config (`engines.EngineOptions`)."""
-    from rlkit import engines
-
-    return engines.EngineOptions(seed=cfg.seed, trust_remote_code=cfg.trust_remote_code, batch_tokens=cfg.batch_tokens,
-                                 tp=cfg.tp, gpu_memory_utilization=cfg.gpu_memory_utilization, dtype=cfg.dtype,
-                                 max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager, lora=cfg.vllm_lora,
-                                 device=cfg.device, plan=cfg.plan)
-
-
 def _sampling(cfg: EvalConfig):
     """The driver's options for one greedy trajectory per prompt (`rlkit.sampling.Sampling`)."""
     from rlkit.sampling import Sampling
 
-    return Sampling(n=1, temperature=0.0, max_new_tokens=cfg.max_new_tokens, max_turns=cfg.max_turns,
-                    max_total_tokens=cfg.max_total_tokens, max_env_tokens=cfg.max_env_tokens,
-                    env_timeout=cfg.env_timeout, env_errors=cfg.env_errors, env_workers=cfg.env_workers,
-                    env_schedule=cfg.env_schedule)
+    return Sampling.of(cfg, n=1, temperature=0.0)
 
 
 command = stage_options.command(EvalConfig, "Greedy held-out accuracy (with --env: mean trajectory reward), response "

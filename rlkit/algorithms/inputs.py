@@ -13,11 +13,12 @@ import torch
 from torch import Tensor
 
 from rlkit.algorithms.config import RLConfig
-from rlkit.errors import RlkitError, non_finite_cause
+from rlkit.errors import RlkitError
 from rlkit.io.manifests import Manifest
 from rlkit.io.schemas import token_rewards_part_of
 from rlkit.ops.logprobs import completion_logprobs, pack_sequences
 from rlkit.ops.losses import importance_ess
+from rlkit.rewards import combine_rewards
 from rlkit.training import Precision
 
 
@@ -220,28 +221,6 @@ def parse_weights(specs: tuple[str, ...]) -> dict[str, float] | None:
     return out
 
 
-def combine_rewards(columns: dict[str, list[float]], weights: dict[str, float] | None,
-                    dtype: torch.dtype = torch.float32) -> tuple[Tensor, dict[str, float]]:
-    """Weighted sum of reward components (default: each present component with weight 1), summed in float64 and
-    returned as `dtype` (sft's --min-reward compares float64 totals: 0.7 in float32 is below 0.7)."""
-    if not columns:
-        raise RlkitError("the input has no reward/<component> columns; sample with a task that has a verifier")
-    w = dict(weights) if weights else {name: 1.0 for name in columns}
-    missing = sorted(set(w) - set(columns))
-    if missing:
-        raise RlkitError(f"--reward names {missing}, but the input only has components {sorted(columns)}")
-    total = torch.zeros(len(next(iter(columns.values()))), dtype=torch.float64)
-    for name, weight in w.items():
-        if any(v is None for v in columns[name]):
-            raise RlkitError(f"reward component {name!r} has missing values")
-        vals = torch.tensor(columns[name], dtype=torch.float64)
-        cause = non_finite_cause({f"the input table's reward/{name}": vals})
-        if cause:  # an inf reward makes every advantage of its group NaN
-            raise RlkitError(cause)
-        total += weight * vals
-    return total.to(dtype), w
-
-
 def verdict_fractions(table) -> dict[str, float]:
     """{'verdict/<component>/<reason>': fraction of rows} for each `verdict/<component>` column (the code
     task's passed, wrong_answer, timeout, ...), so a run's metrics show why its rewards are what they are."""
@@ -374,7 +353,8 @@ def build_batch(table, pad_id: int, weights: dict[str, float] | None = None,
         weights = None if weights is None else {**weights, "length_penalty": 1.0}
     if overlong is not None:
         weights = None if weights is None else {**weights, "overlong": 1.0}
-    rewards, used = combine_rewards(_reward_columns(table, length_penalty, masks, overlong, tok_rewards), weights)
+    totals, used = combine_rewards(_reward_columns(table, length_penalty, masks, overlong, tok_rewards), weights)
+    rewards = torch.tensor(totals, dtype=torch.float64).to(torch.float32)
     # the component they are counted in: their own, or the one they are a share of (`rollout --env`'s: env), so a
     # reward is never counted twice; weighed as that component is
     owner = token_rewards_part_of(table.schema) or "token_rewards"

@@ -41,6 +41,14 @@ class Capabilities:
     # can release its accelerator memory between batches and take it back (`sleep`, `wake_up`: vLLM's sleep mode,
     # on CUDA only); `rollout --follow --max-lag 0` puts it to sleep while update trains
     supports_sleep: bool = False
+    # its `sample` takes `ticker=`, a progress bar it advances batch by batch (the driver advances one that does not
+    # once the call returns)
+    streams_tickers: bool = False
+    # its `sample` takes `logprobs=False` and then keeps none (greedy evaluation reads none)
+    optional_logprobs: bool = False
+    # its own `stream` takes requests as they become ready and runs them together (vLLM's continuous batching):
+    # `--env-schedule auto` is `ready` on it, `turns` elsewhere
+    continuous_batching: bool = False
 
 
 CONSERVATIVE = Capabilities()

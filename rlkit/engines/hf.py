@@ -16,7 +16,8 @@ from rlkit.errors import RlkitError
 class HFEngine:
     """Hugging Face `generate`: batched by a token budget, KV cache, left padding, stop at EOS."""
 
-    capabilities = Capabilities(logprobs_match_trainer=True, supports_lora=False, supports_sleep=False)
+    capabilities = Capabilities(logprobs_match_trainer=True, supports_lora=False, supports_sleep=False,
+                                streams_tickers=True, optional_logprobs=True)
     auto_rank = 0  # the fallback: never preferred, always possible
     auto_reason = "the fallback"
 

@@ -117,7 +117,8 @@ class VLLMEngine:
     holds, the merged weights are written to a temporary directory and loaded from there instead."""
 
     # sleep mode: vLLM has it on CUDA (also ROCm and XPU), not on its CPU backend, where `sleep` returns False
-    capabilities = Capabilities(logprobs_match_trainer=False, supports_lora=True, supports_sleep=True)
+    capabilities = Capabilities(logprobs_match_trainer=False, supports_lora=True, supports_sleep=True,
+                                continuous_batching=True)
     auto_rank = 10
     auto_reason = "vLLM imports and a GPU is present"
 

@@ -40,10 +40,10 @@ the method and the trajectory; with `env_errors="end"` the trajectory ends there
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from rlkit.engines.base import Generated
+from rlkit.engines.base import CONSERVATIVE, Generated
 from rlkit.envs.base import EnvError, as_step, check_observation, failure_line, prompt_too_long
 
 
@@ -63,8 +63,15 @@ class Sampling:
     env_workers: int = 32  # environment calls of different trajectories at once (threads); 1: one at a time, in order
     env_schedule: str = "auto"  # turns | ready | auto (ready on vllm, turns elsewhere): see run_episodes
     # the sampled tokens' log-probs (`sample`): the hf engine keeps a batch's logits for them; greedy evaluation,
-    # which reads none, turns them off
+    # which reads none, turns them off on an engine that can (`Capabilities.optional_logprobs`)
     logprobs: bool = True
+
+    @classmethod
+    def of(cls, cfg: Any, **settings: Any) -> Sampling:
+        """The driver's options from a stage config: each of its fields named as one of these (--n, --temperature,
+        --top-p, --max-new-tokens and the environment's, `rlkit.options.EnvFlags`), then `settings`."""
+        own = {f.name: getattr(cfg, f.name) for f in fields(cls) if hasattr(cfg, f.name)}
+        return cls(**{**own, **settings})
 
 
 @dataclass(frozen=True)
@@ -81,9 +88,9 @@ class Prompts:
 
 def sample(engine, prompts: Prompts, s: Sampling, seed: int, stop: Sequence[str] = (), ticker=None) -> Generated:
     """One turn: `s.n` completions of each prompt (row i*n + j is sample j of prompt i), seeded `seed`."""
-    hf = getattr(engine, "name", "") == "hf"
-    kw = {"ticker": ticker} if ticker is not None and hf else {}
-    if hf and not s.logprobs:
+    can = getattr(engine, "capabilities", CONSERVATIVE)
+    kw = {"ticker": ticker} if ticker is not None and can.streams_tickers else {}
+    if can.optional_logprobs and not s.logprobs:
         kw["logprobs"] = False
     gen = engine.sample(prompts.prompt_ids, n=s.n, temperature=s.temperature, top_p=s.top_p,
                         max_new_tokens=s.max_new_tokens, seed=seed, **({"stop": tuple(stop)} if stop else {}), **kw)
@@ -174,10 +181,11 @@ def run_episodes(engine, tokenizer, env, prompts: Prompts, s: Sampling, seed: in
 
 
 def schedule(engine, asked: str) -> str:
-    """`--env-schedule`: "turns" or "ready" as asked; auto: ready on vLLM (continuous batching), turns elsewhere."""
+    """`--env-schedule`: "turns" or "ready" as asked; auto: ready on an engine with continuous batching (vLLM,
+    `Capabilities.continuous_batching`), turns elsewhere."""
     if asked in ("turns", "ready"):
         return asked
-    return "ready" if getattr(engine, "name", "") == "vllm" else "turns"
+    return "ready" if getattr(engine, "capabilities", CONSERVATIVE).continuous_batching else "turns"
 
 
 def session_cap(env, workers: int) -> int | None:

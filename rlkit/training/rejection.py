@@ -2,7 +2,7 @@
 rollouts or scored table that pass a reward filter, as the token ids the policy sampled.
 
 With r_i = sum_k w_k reward/k of row i (every `reward/<k>` column, w_k = 1 unless --reward NAME=W weighs them:
-`rlkit.algorithms.inputs.combine_rewards`) and G(i) the rows of row i's prompt group (`group_id`):
+`rlkit.rewards.combine_rewards`) and G(i) the rows of row i's prompt group (`group_id`):
 
     --min-reward R            keep i  iff  r_i >= R
     --best-of                 keep i  iff  i = argmax_{j in G(i)} (r_j, -sample_idx_j)
@@ -62,9 +62,8 @@ def reject(table, *, min_reward: float | None, best_of: bool, weights: Mapping[s
            label: str) -> Kept:
     """Filter a rollouts/scored table (`select` on its total rewards). Refused in one line: missing token ids, no
     reward column, no row reaching `min_reward`, a bad loss_mask (`check_loss_mask`)."""
-    import torch
-
-    from rlkit.algorithms.inputs import check_loss_mask, combine_rewards
+    from rlkit.algorithms.inputs import check_loss_mask
+    from rlkit.rewards import combine_rewards
 
     for col in ("prompt_ids", "completion_ids"):
         if table.column(col).null_count:
@@ -75,8 +74,7 @@ def reject(table, *, min_reward: float | None, best_of: bool, weights: Mapping[s
         raise RlkitError(f"{label} has no reward/<component> columns, so --min-reward/--best-of have nothing to "
                          "filter on; sample with a task that has a verifier, or add rewards (rollout --reward-fn, "
                          "score-ref --rm)")
-    totals, used = combine_rewards(cols, dict(weights) if weights else None, torch.float64)
-    rewards = totals.tolist()
+    rewards, used = combine_rewards(cols, dict(weights) if weights else None)
     check_loss_mask(table, label)
     groups = table.column("group_id").to_pylist()
     comps = table.column("completion_ids").to_pylist()

@@ -10,7 +10,8 @@ import pyarrow as pa
 import pytest
 
 from rlkit.io import data, shards
-from rlkit.stages.rollout import RolloutConfig, _file_chunks, _first_made, _task_chunks, _task_total
+from rlkit.sampling.rows import file_chunks, first_made, task_chunks, task_total
+from rlkit.stages.rollout import RolloutConfig
 from rlkit.tasks import get_task
 
 from conftest import rlkit_cmd
@@ -54,10 +55,10 @@ def test_task_chunks_are_the_whole_list_cut_up(tmp_path, spec, shard):
     task = get_task(spec)
     cfg = RolloutConfig(policy=tmp_path, num_prompts=150, seed=3, chunk_prompts=32, shard=shard)
     ex = task.examples("train", cfg.num_prompts, cfg.seed)
-    total = _task_total(task, cfg)
+    total = task_total(task, cfg.num_prompts, cfg.seed)
     assert total == len(ex) == (90 if "Finite" in spec else 150)
     span = shards.prompt_span(shards.parse(shard), total, 32) if shard else range(cfg.num_prompts)
-    c0s, ids, answers, texts, prompt_ids = _flat(_first_made(_task_chunks(task, CharTokenizer(), cfg, span)))
+    c0s, ids, answers, texts, prompt_ids = _flat(first_made(task_chunks(task, CharTokenizer(), cfg.seed, span, cfg.chunk_prompts)))
     want = ex[span.start:span.stop]
     assert c0s == list(range(span.start, min(span.stop, len(ex)), 32))
     assert ids == [e.prompt_id for e in want] and answers == [e.answer for e in want]
@@ -70,7 +71,7 @@ def test_file_chunks_render_and_tokenize_each_chunk_as_the_whole_file(tmp_path):
     source = data.load_source(str(f), "prompts", {"prompt": "prompt", "answer": "answer"}).head(70)
     tok = CharTokenizer()
     for span in (range(70), range(32, 64), range(64, 70)):
-        c0s, ids, answers, texts, prompt_ids = _flat(_file_chunks(source, tok, span, 32))
+        c0s, ids, answers, texts, prompt_ids = _flat(file_chunks(source, tok, span, 32))
         t = source.table.slice(span.start, len(span))
         assert c0s == list(range(span.start, span.stop, 32))
         assert ids == t.column("prompt_id").to_pylist() and answers == t.column("answer").to_pylist()

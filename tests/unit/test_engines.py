@@ -19,12 +19,14 @@ from rlkit.errors import RlkitError
 def test_builtin_engines_and_their_capabilities():
     assert engines.names() == ("auto", "hf", "vllm")  # --engine's choices, auto first
     # update trusts pi_old from hf (the trainer's own fp32 forward pass) and recomputes it for vllm
+    # hf's `sample` advances the progress bar batch by batch and can keep no log-probs (greedy evaluation)
     assert engines.capabilities("hf") == Capabilities(logprobs_match_trainer=True, supports_lora=False,
-                                                      supports_sleep=False)
-    # vllm runs a LoRA checkpoint as base + adapter, and sleeps between --max-lag 0 batches (on CUDA: its CPU backend
-    # has no sleep mode, which the engine finds at start)
+                                                      supports_sleep=False, streams_tickers=True,
+                                                      optional_logprobs=True)
+    # vllm runs a LoRA checkpoint as base + adapter, sleeps between --max-lag 0 batches (on CUDA: its CPU backend
+    # has no sleep mode, which the engine finds at start), and batches requests as they come (--env-schedule auto)
     assert engines.capabilities("vllm") == Capabilities(logprobs_match_trainer=False, supports_lora=True,
-                                                        supports_sleep=True)
+                                                        supports_sleep=True, continuous_batching=True)
     # a name from a manifest this rlkit does not know (a newer engine, or none recorded): every answer False
     for name in ("sglang-unknown", "", None, "auto"):
         assert engines.capabilities(name) == Capabilities(False, False, False) == engines.CONSERVATIVE

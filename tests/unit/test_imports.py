@@ -110,6 +110,17 @@ def test_every_module_imports(name):
     importlib.import_module(name)
 
 
+def test_the_reward_combination_imports_no_torch():
+    """rollout, sft's rejection sampling and update add their reward components through one torch-free module."""
+    code = ("import sys\n"
+            "from rlkit.rewards import combine_rewards\n"
+            "totals, used = combine_rewards({'a': [0.1, 1], 'b': [0.2, 2]}, None)\n"
+            "assert totals == [0.1 + 0.2, 3.0] and used == {'a': 1.0, 'b': 1.0}, (totals, used)\n"
+            "assert 'torch' not in sys.modules\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
 def test_help_imports_no_heavy_libraries():
     code = (
         "import sys\n"

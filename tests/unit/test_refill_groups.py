@@ -1,4 +1,4 @@
-"""DAPO's dynamic sampling as `rollout` runs it (`stages.rollout._Refill`), on made-up chunks: informative groups
+"""DAPO's dynamic sampling as `rollout` runs it (`rlkit.sampling.refill.Refill`), on made-up chunks: informative groups
 only, K of them, stopping at the prompt limit with the batch filled up, every prompt sampled up to the last group
 written counted once in `prompts_drawn` (those its chunk sampled after it apart), and the chunks cut so that after
 the first round only the groups still missing are sampled."""
@@ -6,7 +6,7 @@ the first round only the groups still missing are sampled."""
 from __future__ import annotations
 
 from rlkit.sampling import Prompts
-from stages.rollout import _Refill
+from rlkit.sampling.refill import Refill
 
 
 def _chunk(first_group: int, rewards: list[list[float]]) -> dict:
@@ -21,7 +21,7 @@ def _chunk(first_group: int, rewards: list[list[float]]) -> dict:
 
 
 def test_writes_only_informative_groups_until_k():
-    r = _Refill(want=3, limit=12, first=4)
+    r = Refill(want=3, limit=12, first=4)
     out = r.take(_chunk(0, [[1, 1], [0, 1], [0, 0], [1, 0]]))  # groups 1 and 3 informative
     assert out["group_id"] == [1, 1, 3, 3] and out["prompts_drawn"] == [2, 2, 2, 2] and not r.done
     out = r.take(_chunk(4, [[0, 0], [1, 0], [0, 1], [0, 0]]))  # group 5 is the third; 6 and 7 were sampled too
@@ -32,7 +32,7 @@ def test_writes_only_informative_groups_until_k():
 
 
 def test_stops_at_the_limit_and_fills_the_batch_with_uninformative_groups():
-    r = _Refill(want=3, limit=4, first=2)
+    r = Refill(want=3, limit=4, first=2)
     assert r.take(_chunk(0, [[0, 0], [1, 1]])) is None
     out = r.take(_chunk(2, [[0, 1], [1, 1], [0, 1]]))  # the 5th prompt is past the limit: never counted
     assert out["group_id"] == [2, 2] and r.done and r.drawn == 4
@@ -43,7 +43,7 @@ def test_stops_at_the_limit_and_fills_the_batch_with_uninformative_groups():
 
 
 def test_rows_of_a_group_stay_together_whatever_their_order():
-    r = _Refill(want=1, limit=4, first=4)
+    r = Refill(want=1, limit=4, first=4)
     cols = {"group_id": [0, 1, 0, 1], "sample_idx": [0, 0, 1, 1], "reward/verifier": [1.0, 0.0, 0.0, 0.0],
             "reward/env": [0.0, 0.0, 0.0, 0.0]}
     out = r.take(cols)
@@ -61,7 +61,7 @@ def _stream(total: int, size: int):
 def test_chunks_sample_the_first_round_as_a_plain_rollout_then_only_the_groups_missing():
     """Round 1 (6 prompts, chunks of 4) as a plain rollout of 6 cuts it; then each chunk as many prompts as groups
     are missing, across the stream's own chunks: no informative group is sampled to be dropped."""
-    r = _Refill(want=6, limit=18, first=6)
+    r = Refill(want=6, limit=18, first=6)
     informative = {0, 2, 5, 6, 7, 12, 13}  # the 6th is prompt 12; 13 is never sampled
     cut = []
     for ch in r.chunks(_stream(18, 4), 4):
@@ -74,14 +74,14 @@ def test_chunks_sample_the_first_round_as_a_plain_rollout_then_only_the_groups_m
 
 
 def test_chunks_stop_at_the_limit_and_at_the_streams_end():
-    r = _Refill(want=4, limit=6, first=3)
+    r = Refill(want=4, limit=6, first=3)
     cut = []
     for ch in r.chunks(_stream(100, 64), 64):
         cut.append((ch.c0, len(ch.ids)))
         r.take(_chunk(ch.c0, [[1, 1]] * len(ch.ids)))  # none informative
     assert cut == [(0, 3), (3, 3)] and r.drawn == 6 and r.done  # round 1, then 4 missing but 3 left to the limit
     assert r.fill()["prompts_drawn"] == [6, 6, 0, 0, 0, 0, 0, 0]
-    r = _Refill(want=4, limit=12, first=3)
+    r = Refill(want=4, limit=12, first=3)
     cut = []
     for ch in r.chunks(_stream(5, 2), 64):  # a prompts file of 5 rows, in chunks of 2: its end ends the batch
         cut.append((ch.c0, len(ch.ids)))

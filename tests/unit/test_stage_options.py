@@ -269,3 +269,47 @@ def test_a_micro_batch_of_zero_says_what_leaving_it_out_means_on_a_cpu_and_a_gpu
             TrainOptions(**kw).check()
         assert str(e.value) == (f"{flag}: expected an integer >= 1, or leave it out for the default: the whole step in "
                                 "one forward pass on a CPU, micro-batches of 16384 tokens on a GPU")
+
+
+def test_the_engine_and_environment_options_are_one_declaration_spliced_in_place():
+    """rollout, eval and build-prefs take the engine options (and rollout and eval the environment options) from one
+    declaration each (options.EngineFlags, EnvFlags): the same parameters, each stage's own fields in place, and one
+    resolution to the EngineOptions an engine starts with and to the driver's settings."""
+    from rlkit.engines import EngineOptions
+    from rlkit.sampling import Sampling
+    from rlkit.stages.build_prefs import BuildPrefsConfig
+    from rlkit.stages.eval import EvalConfig
+    from rlkit.stages.rollout import RolloutConfig
+
+    engine = [f.name for f in dataclasses.fields(options.EngineFlags)]
+    env = [f.name for f in dataclasses.fields(options.EnvFlags)]
+
+    def declared(cls, names):
+        return [(p.name, p.default, typing.get_args(p.annotation)[1].help) for p in stage_options.params(cls)
+                if p.name in names]
+
+    assert declared(EvalConfig, engine) == declared(BuildPrefsConfig, engine) == [
+        x for x in declared(RolloutConfig, engine) if x[0] != "colocate"]
+    assert "colocate" in [x[0] for x in declared(RolloutConfig, engine)]
+    assert declared(RolloutConfig, env) == declared(EvalConfig, env)
+    fields = [f.name for f in dataclasses.fields(RolloutConfig)]  # in place: where the stage lists them
+    assert fields[fields.index("max_new_tokens") + 1:fields.index("shard")] == env + engine
+
+    @dataclass(frozen=True)
+    @stage_options.splice(options.EngineFlags, before="seed", omit=("colocate",))
+    class Demo:
+        policy: Path = option(..., options.PolicyDir)
+        seed: int = option(0, options.Seed)
+        device: str = option("auto", options.Device)
+        trust_remote_code: bool = option(False, options.TrustRemoteCode)
+        plan: bool = option(True, options.NoPlan, invert=True)
+
+    assert [f.name for f in dataclasses.fields(Demo)] == ["policy", *[n for n in engine if n != "colocate"], "seed",
+                                                           "device", "trust_remote_code", "plan"]
+    cfg = Demo(policy=Path("p"), tp=2, vllm_lora="merge", seed=5, plan=False)
+    assert options.engine_options(cfg, sleep=True) == EngineOptions(seed=5, tp=2, lora="merge", plan=False, sleep=True)
+    assert Sampling.of(RolloutConfig(policy=Path("p"), n=3, max_new_tokens=9, max_turns=2, env_workers=4),
+                       temperature=0.5) == \
+        Sampling(n=3, temperature=0.5, max_new_tokens=9, max_turns=2, env_workers=4)
+    with pytest.raises(TypeError, match="has no field 'nope'"):
+        stage_options.splice(options.EngineFlags, before="nope")(Demo)
