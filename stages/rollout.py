@@ -177,7 +177,8 @@ def _run(cfg: RolloutConfig) -> Path | None:
     from rlkit.engines import memory
     from rlkit.errors import RlkitError
     from rlkit.io import checkpoints, claims, streams
-    from rlkit.tasks import generation_length, get_task, reward_fn_sandbox, reward_fns, task_sandbox
+    from rlkit.scorers import reward_fns
+    from rlkit.tasks import generation_length, get_task, reward_fn_sandbox, task_sandbox
 
     env = None
     if cfg.env is not None:
@@ -239,7 +240,8 @@ def _run_table(cfg: RolloutConfig, verifier: _Verifier, out: Path | None, fns) -
     from rlkit import console, devices
     from rlkit.errors import RlkitError
     from rlkit.io import checkpoints, data, fingerprints, manifests, schemas, shards, streams
-    from rlkit.tasks import reward_fns, task_inputs
+    from rlkit.scorers import reward_fns
+    from rlkit.tasks import task_inputs
 
     task = verifier.task
     if cfg.batch_prompts is not None or cfg.max_steps is not None:
@@ -309,7 +311,8 @@ def _run_follow(cfg: RolloutConfig, verifier: _Verifier, out: Path | None, fns=(
     from rlkit.errors import RlkitError
     from rlkit.follow import rollout as follow
     from rlkit.io import data, fingerprints
-    from rlkit.tasks import reward_fns, task_inputs
+    from rlkit.scorers import reward_fns
+    from rlkit.tasks import task_inputs
 
     if cfg.num_prompts is not None:
         raise RlkitError("--follow streams batches of --batch-prompts prompts without end; --num-prompts is for one "

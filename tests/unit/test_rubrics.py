@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from rlkit.errors import RlkitError
+from rlkit.scorers.judge import first_choice_prob, load_rubric, parse_judges, prefer
 from rlkit.tasks import get_task
-from rlkit.tasks.judge import first_choice_prob, load_rubric, parse_judges, prefer
 
 YES_NO = 'kind = "yes-no"\ntemplate = "{prompt}{response} ok? "\nchoices = ["Y", "N"]\n'
 PAIRWISE = 'kind = "pairwise"\ntemplate = "{prompt} A:{response_a} B:{response_b} right? "\nchoices = ["A", "B"]\n'
