@@ -114,7 +114,7 @@ KINDS: dict[str, RubricKind] = {
                            "[first, second]", example=_pairwise_example),
     "score": RubricKind(frozenset({"prompt", "response"}), ("score-ref",), verdict=Rubric.parse_score),
 }
-RUBRIC_KINDS = tuple(KINDS)
+RUBRIC_KINDS = tuple(KINDS)  # as registered at import (`load_rubric` reads KINDS itself)
 # the placeholders each kind's template must hold
 PLACEHOLDERS = {name: set(k.placeholders) for name, k in KINDS.items()}
 _KEYS = {"kind", "template", "choices", "pattern", "low", "high", "max_new_tokens"}
@@ -125,10 +125,11 @@ def taken_by(use: str) -> tuple[str, ...]:
     return tuple(name for name, k in KINDS.items() if use in k.takes)
 
 
-def load_rubric(path: str | Path, kinds: Sequence[str] = RUBRIC_KINDS, flag: str = "--rubric") -> Rubric:
+def load_rubric(path: str | Path, kinds: Sequence[str] | None = None, flag: str = "--rubric") -> Rubric:
     """A rubric file, checked: one line naming what is wrong (a missing or unreadable file, invalid TOML, an unknown
     key or kind, a template without its placeholders or with others, choices that are not two distinct strings,
-    a score rubric without a pattern with one group, low >= high), or a kind this use does not take (`kinds`)."""
+    a score rubric without a pattern with one group, low >= high), or a kind this use does not take (`kinds`; None:
+    every kind, `taken_by` gives a use's)."""
     from rlkit.config_file import load_toml
 
     p = Path(path)
@@ -146,8 +147,8 @@ def load_rubric(path: str | Path, kinds: Sequence[str] = RUBRIC_KINDS, flag: str
         raise RlkitError(f"{where}: unknown key {unknown[0]!r}; a rubric has {', '.join(sorted(_KEYS))}")
     kind = d.get("kind")
     if kind not in KINDS:
-        raise RlkitError(f"{where}: kind {kind!r} is not one of {', '.join(RUBRIC_KINDS)}")
-    if kind not in kinds:
+        raise RlkitError(f"{where}: kind {kind!r} is not one of {', '.join(KINDS)}")
+    if kinds is not None and kind not in kinds:
         raise RlkitError(f"{where} is a {kind} rubric; this takes {' or '.join(kinds)}")
     template = d.get("template")
     if not isinstance(template, str) or not template:
@@ -156,7 +157,7 @@ def load_rubric(path: str | Path, kinds: Sequence[str] = RUBRIC_KINDS, flag: str
         names = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
     except ValueError as e:
         raise RlkitError(f"{where}: the template does not parse ({e}); write literal braces as {{{{ and }}}}") from None
-    want = PLACEHOLDERS[kind]
+    want = set(KINDS[kind].placeholders)
     if names != want:
         raise RlkitError(f"{where}: a {kind} template holds {', '.join('{' + n + '}' for n in sorted(want))}"
                          + (f", not {', '.join('{' + n + '}' for n in sorted(names - want))}" if names - want else "")
