@@ -30,8 +30,8 @@ def judge_vs_writer(runs: Path, num: int = 1000) -> tuple[float, float]:
     """(reward-model top-1 among gold+OFFSETS, SFT greedy accuracy) on the same held-out prompts."""
     from rlkit.io import checkpoints
     from rlkit.sampling.evaluate import greedy_eval
+    from rlkit.scorers.reward_model import load_reward_model, score_texts
     from rlkit.tasks import get_task
-    from rlkit.tasks.reward_model import load_reward_model, score_texts
 
     task = get_task(os.environ.get("TASK", "arithmetic"))
     exs = task.examples("heldout", num, seed=7)

@@ -10,7 +10,7 @@ always wins, for the reward-hacking experiment. A stable --eval-fraction of prom
 `split = heldout` for the reward model's pair accuracy.
 
 With `--judge DIR --rubric FILE` (RLAIF; or `--judge DIR:rubric=FILE`, a judge named as score-ref names one) the
-labels are an LLM judge's instead (`rlkit.tasks.judge`): each prompt's distinct samples are paired in turn and the
+labels are an LLM judge's instead (`rlkit.scorers.judge`): each prompt's distinct samples are paired in turn and the
 judge, asked which of the two better meets a pairwise rubric in both orders, labels a pair when the two orders
 agree; a pair on which they disagree (position bias, or no preference) is a tie, left out and counted. The
 manifest's `judge` entry records the judge's fingerprint, the rubric's sha256, the pairs judged, tied and kept, and
@@ -56,7 +56,7 @@ class BuildPrefsConfig:
     eval_fraction: float = option(0.1, panel="Data", help="Fraction of prompts marked split=heldout (stable per prompt).")
     # None | "length"
     bias: str | None = option(None, panel="Data", help="'length': the deliberately flawed set where the longer answer always wins.")
-    # [NAME=]DIR[:rubric=FILE], as score-ref's --judge (rlkit.tasks.judge.parse_judges)
+    # [NAME=]DIR[:rubric=FILE], as score-ref's --judge (rlkit.scorers.judge.parse_judges)
     judge: str | None = option(None, "--judge", panel="Model", help="LLM judge (RLAIF) [NAME=]DIR[:rubric=FILE] (the rubric defaults to --rubric, else DIR/rubric.toml, and must be a pairwise one; docs/tasks-rewards.md#naming-a-judge): pair two of each prompt's distinct sampled responses and label them by the judge's preference, asked in both orders (a pair on which the orders disagree is a tie: left out and counted); the verifier labels nothing, its agreement with the judge is recorded.")
     rubric: Path | None = option(None, JudgeRubric)
     source: str | None = option(None, "--from", panel="Data", help="Import a preference set instead (.arrow/.parquet/.jsonl or datasets spec).")
@@ -78,7 +78,7 @@ def run(cfg: BuildPrefsConfig) -> Path | None:
     """Claims --out (see `claims.claim_out`: never over an input, one writer) and runs the stage."""
     from rlkit import devices
     from rlkit.io import checkpoints, claims
-    from rlkit.tasks.judge import parse_judges
+    from rlkit.scorers.judge import parse_judges
 
     devices.parse(cfg.device)
     judges = parse_judges([cfg.judge] if cfg.judge is not None else [], cfg.rubric)  # a malformed spec: one line
@@ -142,7 +142,8 @@ def _judge(cfg: BuildPrefsConfig):
     """--judge (and --rubric), checked before any sampling: a pairwise rubric, the judge hash-checked (always) and
     not the policy itself, its choices single tokens of its tokenizer."""
     from rlkit.errors import RlkitError
-    from rlkit.tasks.judge import parse_judges, refuse_self_judging
+    from rlkit.rubrics import taken_by
+    from rlkit.scorers.judge import parse_judges, refuse_self_judging
 
     specs = parse_judges([cfg.judge] if cfg.judge is not None else [], cfg.rubric)
     if not specs:
@@ -152,7 +153,7 @@ def _judge(cfg: BuildPrefsConfig):
     from rlkit import devices
     from rlkit.io import fingerprints
 
-    j = specs[0].load(("pairwise",), devices.resolve(cfg.device), trust_remote_code=cfg.trust_remote_code)
+    j = specs[0].load(taken_by("build-prefs"), devices.resolve(cfg.device), trust_remote_code=cfg.trust_remote_code)
     refuse_self_judging(j, {fingerprints.fingerprint(cfg.policy)}, f"--policy {cfg.policy}")
     return j
 

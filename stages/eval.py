@@ -148,7 +148,7 @@ def _run(cfg: EvalConfig) -> dict:
     else:
         ev.pop("rewards")
     if cfg.rm is not None:
-        from rlkit.tasks.reward_model import load_reward_model, score_texts
+        from rlkit.scorers.reward_model import load_reward_model, score_texts
 
         rm, rm_tok = load_reward_model(cfg.rm, cfg.trust_remote_code, device=devices.resolve(cfg.device))
         scores = score_texts(rm, rm_tok, prompts, responses, cfg.batch_tokens)

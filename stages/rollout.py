@@ -5,7 +5,7 @@ Reads a policy checkpoint and prompts (a task's train split, or --prompts FILE).
 table, streamed batch by batch: prompt and completion token ids, the sampling policy's log-prob of
 each completion token (pi_old, at the sampling temperature), the finish reason, the checkpoint's
 fingerprint and step, and each reward component as a `reward/<name>` column: `reward/verifier` (the
-task's), and one per `--reward-fn NAME=FILE.py:FUNC` (the user's function, `rlkit.tasks.reward_fns`; its
+task's), and one per `--reward-fn NAME=FILE.py:FUNC` (the user's function, `rlkit.scorers.reward_fns`; its
 signature is checked before the engine starts). Completions are up to --max-new-tokens, by default the task's
 generation length; the code task's `verdict/verifier` says `truncated` for one cut there that did not pass. The
 progress and closing lines show the mean total reward (the components summed, what update trains on without
@@ -150,7 +150,8 @@ def _run(cfg: RolloutConfig) -> Path | None:
     from rlkit.errors import RlkitError
     from rlkit.io import checkpoints, claims, streams
     from rlkit.sampling.verify import Verifier
-    from rlkit.tasks import generation_length, get_task, reward_fn_sandbox, reward_fns, task_sandbox
+    from rlkit.scorers import reward_fns
+    from rlkit.tasks import generation_length, get_task, reward_fn_sandbox, task_sandbox
 
     env = None
     if cfg.env is not None:
@@ -214,7 +215,8 @@ def _run_table(cfg: RolloutConfig, verifier: Verifier, out: Path | None, fns) ->
     from rlkit.io import checkpoints, data, fingerprints, manifests, shards, streams
     from rlkit.sampling import Sampling, rows
     from rlkit.sampling import refill as dynamic
-    from rlkit.tasks import reward_fns, task_inputs
+    from rlkit.scorers import reward_fns
+    from rlkit.tasks import task_inputs
 
     task = verifier.task
     if cfg.batch_prompts is not None or cfg.max_steps is not None:
@@ -284,7 +286,8 @@ def _run_follow(cfg: RolloutConfig, verifier: Verifier, out: Path | None, fns=()
     from rlkit.io import data, fingerprints
     from rlkit.sampling import Sampling, rows
     from rlkit.sampling import refill as dynamic
-    from rlkit.tasks import reward_fns, task_inputs
+    from rlkit.scorers import reward_fns
+    from rlkit.tasks import task_inputs
 
     if cfg.num_prompts is not None:
         raise RlkitError("--follow streams batches of --batch-prompts prompts without end; --num-prompts is for one "

@@ -131,7 +131,7 @@ def _run(cfg: TrainRmConfig, tracker) -> Path:
     import torch
 
     from rlkit.ops.preference import pair_accuracy
-    from rlkit.tasks.reward_model import encode_pairs, score_texts, seq_scores_local
+    from rlkit.scorers.reward_model import encode_pairs, score_texts, seq_scores_local
     from rlkit.training import Optim
     from rlkit.training.engine import Engine
     from rlkit.training.supervised import BradleyTerry, fit
@@ -271,8 +271,8 @@ def sanity_report(model, tok, prompts, chosen, rejected, answers, sc, sr, max_le
 
     import torch
 
+    from rlkit.scorers.reward_model import score_texts
     from rlkit.tasks import prefs
-    from rlkit.tasks.reward_model import score_texts
 
     responses = [*chosen, *rejected]
     scores = torch.tensor([*sc, *sr], dtype=torch.float64)

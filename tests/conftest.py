@@ -326,7 +326,7 @@ def pytest_collection_modifyitems(config, items):  # noqa: ARG001
 
 
 def make_pairwise_judge(out: Path, rubric, label) -> Path:
-    """A judge (`rlkit.tasks.judge`) trained in seconds by `rlkit sft --data` on 1,500 judgments under `rubric` (a
+    """A judge (`rlkit.scorers.judge`) trained in seconds by `rlkit sft --data` on 1,500 judgments under `rubric` (a
     pairwise `Rubric`) of arithmetic prompts with made-up answers of 1-3 digits, labelled by `label(a, b)` ("A" or
     "B"): e.g. the shorter answer (a content preference that holds in both orders) or always "A" (position bias)."""
     import json
@@ -353,7 +353,7 @@ PAIRWISE_RUBRIC = Path(__file__).resolve().parents[1] / "recipes" / "rubrics" / 
 def shorter_judge(tmp_path_factory) -> Path:
     """A judge that learned, under recipes/rubrics/arithmetic-pairwise.toml, to prefer the shorter answer: a content
     preference, the same in both orders (shared by the judge tests and the RLAIF recipe's)."""
-    from rlkit.tasks.judge import load_rubric
+    from rlkit.scorers.judge import load_rubric
 
     out = tmp_path_factory.mktemp("judges") / "shorter"
     return make_pairwise_judge(out, load_rubric(PAIRWISE_RUBRIC), lambda a, b: "A" if len(a) < len(b) else "B")

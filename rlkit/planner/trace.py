@@ -312,7 +312,7 @@ def _build(spec: Spec, cfg, opts, dp, layers: int, device: str = "cpu"):
             seqs = layout(tokens, prompts, packed=opts.packing)
             with torch.no_grad():
                 if spec.reward_model:
-                    from rlkit.tasks.reward_model import seq_scores
+                    from rlkit.scorers.reward_model import seq_scores
 
                     seq_scores(model, seqs)
                 else:

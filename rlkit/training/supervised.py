@@ -90,7 +90,7 @@ class BradleyTerry(Objective):
 
     def step(self, engine: Engine, plan: Plan, mb: Minibatch) -> StepOut:
         from rlkit.ops.preference import bradley_terry_loss
-        from rlkit.tasks.reward_model import seq_scores
+        from rlkit.scorers.reward_model import seq_scores
 
         chosen, rejected = plan.batch
         rows = mb.rows.tolist()

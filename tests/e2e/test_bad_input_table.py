@@ -770,7 +770,7 @@ DATA_FILES = [
     pytest.param("str.csv", b"prompt,answer\n<1+1>=,2\n<2+\xff\xfe>=,4\n",
                  ["rollout", "--policy", "{pol}", "--prompts", "{f}", "--out", "{out}"],
                  "str.csv: line 3 is not UTF-8 text", id="rollout-csv-field-not-utf8"),
-    # a judge's rubric file (rlkit.tasks.judge.load_rubric) whose score pattern does not compile
+    # a judge's rubric file (rlkit.rubrics.load_rubric) whose score pattern does not compile
     pytest.param("score.toml", b'kind = "score"\ntemplate = "{prompt}{response}"\npattern = "Score: (\\\\d+"\n',
                  ["score-ref", "--judge", "j={ref}:rubric={f}", "--in", "{w}/roll.arrow", "--out", "{out}"],
                  "score.toml: 'pattern' `Score: (\\d+` is not a regular expression (missing ), unterminated subpattern "

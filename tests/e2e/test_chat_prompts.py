@@ -10,7 +10,7 @@ import pytest
 
 from rlkit.io import checkpoints, streams
 from rlkit.io.data import encode_responses, encode_texts
-from rlkit.tasks.reward_model import encode_pairs
+from rlkit.scorers.reward_model import encode_pairs
 
 from conftest import fast_rlkit_cmd, run_cli
 

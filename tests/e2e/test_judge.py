@@ -94,7 +94,7 @@ def test_direct_scores_yes_probability_and_score_rubrics(sft_dir, shorter_judge,
 
 def test_build_prefs_labelled_by_a_judge_in_both_orders(sft_dir, shorter_judge, rubrics, tmp_path):
     """A judge whose preference is the shorter answer (a rubric it learned): its labels hold in both orders."""
-    from rlkit.tasks.judge import Judge, load_rubric
+    from rlkit.scorers.judge import Judge, load_rubric
 
     rubric = load_rubric(rubrics["pairwise"])
     shorter = shorter_judge
@@ -134,8 +134,8 @@ def test_build_prefs_labelled_by_a_judge_in_both_orders(sft_dir, shorter_judge, 
 
 
 def test_a_judge_that_always_prefers_the_first_response_gives_only_ties(sft_dir, rubrics, tmp_path):
+    from rlkit.scorers.judge import Judge, load_rubric
     from rlkit.tasks import get_task
-    from rlkit.tasks.judge import Judge, load_rubric
 
     rubric = load_rubric(rubrics["pairwise"])
     biased = tmp_path / "biased"

@@ -126,7 +126,7 @@ def test_train_rm_with_lora_then_score_ref_eval_and_peft_without_rlkit(sft_dir, 
     """train-rm --lora-rank, score-ref --rm on the LoRA reward model, rollout and eval on the LoRA policy,
     and PEFT's own loader (no rlkit) on both checkpoints."""
     from rlkit.ops.logprobs import completion_logprobs, padded
-    from rlkit.tasks.reward_model import load_reward_model, score_texts
+    from rlkit.scorers.reward_model import load_reward_model, score_texts
 
     rm = tmp_path / "rm"
     r = run_cli("train-rm", "--model", str(sft_dir), "--prefs", str(prefs), "--out", str(rm), "--epochs", "1",
@@ -172,7 +172,7 @@ def test_train_rm_with_lora_then_score_ref_eval_and_peft_without_rlkit(sft_dir, 
     ids = torch.tensor([[1, 20, 30, 21, 40, 33]])
     with torch.no_grad():
         assert torch.allclose(torch.tensor(out["logits"]), merged(ids).logits[0], atol=1e-5)
-        from rlkit.tasks.reward_model import forward_scores
+        from rlkit.scorers.reward_model import forward_scores
 
         assert out["score"] == pytest.approx(float(forward_scores(model, [ids[0].tolist()], rtok.pad_token_id)[0]),
                                              abs=1e-5)

@@ -243,7 +243,7 @@ def test_each_scorer_reads_its_documented_text(sft_dir, files, rm_dir, tmp_path)
         assert s.column(f"reward/{name}2").to_pylist() == t.column(f"reward/{name}").to_pylist()
     assert manifests.read_manifest(scored)["reads"] == {"conv2": "conversation", "fin2": "final", "mod2": "model"}
 
-    from rlkit.tasks.reward_model import load_reward_model, score_texts
+    from rlkit.scorers.reward_model import load_reward_model, score_texts
 
     r = run_cli_inproc("score-ref", "--in", str(tmp_path / "r.arrow"), "--rm", f"q={rm_dir}", "--rm", f"c={rm_dir}",
                        "--reads", "rm:q=final", "--out", str(tmp_path / "rm.arrow"))

@@ -224,7 +224,7 @@ def test_dpo_from_the_users_pipe(sft_dir, ref_dir, prefs, tmp_path):
 
     from rlkit.io import checkpoints
     from rlkit.io.data import encode_responses
-    from rlkit.stages.score_ref import score_tokens
+    from rlkit.scorers.logprobs import score_tokens
 
     scored = tmp_path / "scored-prefs.arrow"
     r = run_cli("score-ref", "--ref", str(ref_dir), "--in", str(prefs), "--out", str(scored))

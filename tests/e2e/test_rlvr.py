@@ -379,7 +379,7 @@ def test_on_policy_distillation_from_a_teacher(sft_dir, ref_dir, tmp_path):
     table without a teacher, are one line each."""
     import shutil
 
-    from stages.score_ref import score_tokens
+    from rlkit.scorers.logprobs import score_tokens
 
     roll = _rollouts(sft_dir, tmp_path / "r.arrow", num=8)
     same = tmp_path / "same.arrow"

@@ -10,7 +10,8 @@ import pytest
 
 from rlkit.errors import RlkitError
 from rlkit.io import fingerprints, manifests, streams
-from rlkit.tasks import UserTask, get_task, reward_fns, task_inputs
+from rlkit.scorers import reward_fns
+from rlkit.tasks import UserTask, get_task, task_inputs
 
 from conftest import fast_rlkit_cmd, one_error_line, run_cli, run_cli_inproc
 

@@ -218,8 +218,8 @@ def test_scoring_on_another_device_is_the_cpu_scoring(policy, sft_dir):
     """score-ref's forward (the reference's log-probs) and a reward model's scores, fed Python lists."""
     from transformers import AutoModelForSequenceClassification
 
-    from rlkit.stages.score_ref import score_tokens
-    from rlkit.tasks.reward_model import score_texts
+    from rlkit.scorers.logprobs import score_tokens
+    from rlkit.scorers.reward_model import score_texts
 
     model, tok = policy
     prompts = [tok.encode(p, add_special_tokens=False) for p in ("12+7=", "3+4=", "100+1=")]

@@ -86,7 +86,7 @@ def test_packed_reward_scores_equal_padded_scores(arch, attn):
     """A reward model's score (the head at each sequence's last token, `Seqs.last`) packed or padded."""
     from transformers import LlamaForSequenceClassification, Qwen2ForSequenceClassification
 
-    from rlkit.tasks.reward_model import forward_scores, seq_scores
+    from rlkit.scorers.reward_model import forward_scores, seq_scores
 
     torch.manual_seed(1)
     cls = {"llama": LlamaForSequenceClassification, "qwen2": Qwen2ForSequenceClassification}[arch]

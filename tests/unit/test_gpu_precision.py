@@ -34,7 +34,7 @@ def test_vllm_samples_in_bf16_on_a_gpu_and_as_stored_on_the_cpu():
 
 
 def test_score_ref_runs_in_bf16_on_a_gpu_and_in_fp32_on_the_cpu():
-    from rlkit.stages.score_ref import score_dtype
+    from rlkit.scorers import score_dtype
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert score_dtype(cuda, "auto", bf16=True) == "bf16"

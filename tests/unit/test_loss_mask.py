@@ -359,7 +359,7 @@ def test_score_ref_scores_every_token_and_carries_the_multi_turn_columns(policy,
     out, _ = streams.read_table(scored, ["scored"])
     for name in schemas.MULTI_TURN_NAMES:
         assert out.schema.field(name) == t.schema.field(name) and out.column(name).equals(t.column(name)), name
-    from rlkit.stages.score_ref import score_tokens
+    from rlkit.scorers.logprobs import score_tokens
 
     want = score_tokens(model, rows[0], rows[1], tok.pad_token_id, 1.0, 4096)
     got = out.column("ref_logprobs").to_pylist()

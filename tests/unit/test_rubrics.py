@@ -1,5 +1,6 @@
-"""LLM judges' pure parts (`rlkit.tasks.judge`): rubric files and their one-line refusals, the verdict math (the
-pair softmax, both orders of a pairwise question, a score parsed from an answer) and the judge task's examples."""
+"""LLM judges' pure parts (`rlkit.rubrics`, `rlkit.scorers.judge`): rubric files and their one-line refusals, the
+rubric kinds' registry, the verdict math (the pair softmax, both orders of a pairwise question, a score parsed from
+an answer) and the judge task's examples."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import pytest
 import torch
 
 from rlkit.errors import RlkitError
+from rlkit.scorers.judge import first_choice_prob, load_rubric, parse_judges, prefer
 from rlkit.tasks import get_task
-from rlkit.tasks.judge import first_choice_prob, load_rubric, parse_judges, prefer
 
 YES_NO = 'kind = "yes-no"\ntemplate = "{prompt}{response} ok? "\nchoices = ["Y", "N"]\n'
 PAIRWISE = 'kind = "pairwise"\ntemplate = "{prompt} A:{response_a} B:{response_b} right? "\nchoices = ["A", "B"]\n'
@@ -97,6 +98,26 @@ def test_a_judge_without_a_rubric_names_the_default_and_the_flags(tmp_path):
     assert str(e.value) == (f"--judge judge: no such rubric file {tmp_path / 'judge' / 'rubric.toml'} (a judge's "
                             "rubric defaults to DIR/rubric.toml); pass one with --rubric FILE or --judge "
                             "DIR:rubric=FILE (docs/tasks-rewards.md#naming-a-judge)")
+
+
+def test_a_rubric_kind_is_one_registry_entry(tmp_path, monkeypatch):
+    """A toy kind added to `rlkit.rubrics.KINDS` alone: rubric files of it load with its placeholders and choices,
+    the stages it names take it (and the others refuse it in one line), and its verdict reads a judged value."""
+    from rlkit import rubrics
+
+    assert rubrics.taken_by("score-ref") == ("yes-no", "score") and rubrics.taken_by("build-prefs") == ("pairwise",)
+    assert rubrics.taken_by("task judge") == ("yes-no", "pairwise")
+    toy = rubrics.RubricKind(frozenset({"response"}), ("score-ref",), "[pass, fail]",
+                             lambda r, p: (1.0 if p > 0.9 else 0.0, "pass" if p > 0.9 else "fail"))
+    monkeypatch.setitem(rubrics.KINDS, "pass-fail", toy)
+    r = load_rubric(_rubric(tmp_path, 'kind = "pass-fail"\ntemplate = "{response}?"\nchoices = ["P", "F"]\n'),
+                    rubrics.taken_by("score-ref"))
+    assert (r.kind, r.choices, r.render(prompt="q", response="7")) == ("pass-fail", ("P", "F"), "7?")
+    assert r.spec.verdict(r, 0.95) == (1.0, "pass") and r.spec.verdict(r, 0.5) == (0.0, "fail")
+    with pytest.raises(RlkitError, match="is a pass-fail rubric; this takes pairwise"):
+        load_rubric(r.path, rubrics.taken_by("build-prefs"))
+    with pytest.raises(RlkitError, match=r"two distinct non-empty strings \[pass, fail\]"):
+        load_rubric(_rubric(tmp_path, 'kind = "pass-fail"\ntemplate = "{response}"\nchoices = ["P"]\n', "b.toml"))
 
 
 def test_the_pair_softmax_by_hand():

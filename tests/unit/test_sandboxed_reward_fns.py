@@ -19,7 +19,7 @@ import pytest
 from rlkit.errors import RlkitError
 from rlkit.sandbox import Limits, Sandbox
 from rlkit.sandbox.bwrap import bwrap_path
-from rlkit.tasks import reward_fns
+from rlkit.scorers import reward_fns
 
 needs_bwrap = pytest.mark.skipif(bwrap_path() is None and not os.environ.get("RLKIT_REQUIRE_SANDBOX"),
                                  reason="bwrap (bubblewrap) not installed; RLKIT_REQUIRE_SANDBOX unset")

@@ -4,7 +4,8 @@ stored as a plain Hugging Face `AutoModelForSequenceClassification` (num_labels=
 The forward-only scorer pattern shared with the reference (`score-ref`): load once, hash-check,
 score batches sorted by length, return scores in input order. A reward model reads *text*: it
 re-tokenizes prompt + response with its own tokenizer, so it may use a different tokenizer from
-the policy's (the reference may not: it scores the policy's own token ids).
+the policy's (the reference may not: it scores the policy's own token ids). `RewardModelScorer` is one as
+score-ref's scorer (`--rm NAME=DIR` -> `reward/rm:NAME`, `parse_rms`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rlkit.errors import RlkitError
+from rlkit.scorers.base import Rows, Scorer
 
 
 def load_reward_model(src: str | Path, trust_remote_code: bool = False, num_labels_check: bool = True, device=None,
@@ -103,3 +105,60 @@ def score_texts(model, tokenizer, prompts: Sequence[str], responses: Sequence[st
                 out[i] = v
             s = e
     return out
+
+
+def parse_rms(specs: Sequence[str]) -> dict[str, Path]:
+    """`--rm NAME=DIR` (or `--rm DIR`, named after the folder) -> {component name: dir}."""
+    out: dict[str, Path] = {}
+    for spec in specs:
+        name, eq, d = spec.partition("=")
+        name, path = (name.strip(), Path(d)) if eq else (Path(spec).name, Path(spec))
+        if not name or not str(path):
+            raise RlkitError(f"--rm {spec!r}: expected NAME=DIR or DIR")
+        key = f"rm:{name}"
+        if key in out:
+            raise RlkitError(f"--rm names {name!r} twice; give each reward model its own NAME=DIR")
+        out[key] = path
+    return out
+
+
+class RewardModelScorer(Scorer):
+    """A --rm as score-ref's scorer: `reward/rm:NAME`, the reward model's score of each row's prompt + its text
+    (under its reading), loaded in `dtype` (stored: fp32, as train-rm stores it) when the first batch comes."""
+
+    kind = "reward model"
+
+    def __init__(self, name: str, path: Path, device=None, dtype: str = "fp32", trust_remote_code: bool = False,
+                 batch_tokens: int = 16384, packed: bool = True) -> None:
+        from rlkit.io import checkpoints
+
+        checkpoints.check_model_dir(path, "reward model")
+        self.name, self.column, self.model_dir = name, f"reward/{name}", Path(path)
+        self.said = f"{name} ({path})"
+        self.device, self.dtype, self.trust_remote_code = device, "fp32" if dtype == "stored" else dtype, trust_remote_code
+        self.batch_tokens, self.packed = batch_tokens, packed
+        self.model = self.tokenizer = None
+
+    def inputs(self) -> dict[str, str]:
+        from rlkit.io import fingerprints
+
+        return {self.name: fingerprints.fingerprint(self.model_dir)}
+
+    def manifest_entry(self) -> dict:
+        return {"reward_models": {self.name: str(self.model_dir)}}
+
+    def load(self) -> None:
+        if self.model is None:
+            self.model, self.tokenizer = load_reward_model(self.model_dir, self.trust_remote_code, device=self.device,
+                                                           dtype=self.dtype)
+
+    def score(self, rows: Rows) -> dict:
+        import pyarrow as pa
+
+        texts = rows.texts(self.reads)
+
+        def rm_score(keep):
+            return score_texts(self.model, self.tokenizer, [rows.prompts[i] for i in keep], [texts[i] for i in keep],
+                               self.batch_tokens, packed=self.packed)
+
+        return {self.column: pa.array(rows.kept(rm_score), pa.float64())}

@@ -30,6 +30,8 @@ With a sandbox (`load_all(..., sandbox=Sandbox(...))`: `--sandbox bwrap|none`) t
 processes inside it instead (`rlkit.tasks.sandboxed`: a verifier may then execute the model's output), with
 the same values and the same error lines; `close_all` ends the workers.
 
+`RewardFnScorer` is one function as score-ref's scorer (`reward/NAME`, on its reading of each row).
+
 In the stage (the default), the time limit is a real-time timer (`setitimer(ITIMER_REAL)`) whose SIGALRM raises in the stage's main
 thread, so it stops a function looping in Python as well as one asleep or waiting; a call into C code
 that never comes back to Python cannot be stopped. rlkit arms the timer around each call only, and sets
@@ -50,6 +52,7 @@ from typing import TYPE_CHECKING
 
 from rlkit.errors import RlkitError
 from rlkit.plugins.timer import TimedOut, alarm_handler, timed
+from rlkit.scorers.base import Rows, Scorer
 
 if TYPE_CHECKING:
     from rlkit.sandbox import Sandbox
@@ -364,3 +367,33 @@ def columns_of(batch, fns: Sequence[RewardFn]) -> dict[str, list]:
     else:
         want = [c for c in ("prompt_id", "sample_idx", "prompt", "completion", "answer") if c in names]
     return {c: batch.column(c).to_pylist() for c in want}
+
+
+class RewardFnScorer(Scorer):
+    """A --reward-fn as score-ref's scorer: `reward/NAME`, the function's value on each row, its `completion` the
+    row's text under the function's reading; run on the host (or in its sandboxed workers)."""
+
+    kind = "--reward-fn"
+
+    def __init__(self, fn: RewardFn) -> None:
+        self.fn, self.name, self.column, self.said = fn, fn.name, f"reward/{fn.name}", f"{fn.name} ({fn.label})"
+
+    def inputs(self) -> dict[str, str]:
+        return fingerprints([self.fn])
+
+    def manifest_entry(self) -> dict:
+        return {"reward_fns": {self.fn.name: self.fn.label}}
+
+    def score(self, rows: Rows) -> dict:
+        import pyarrow as pa
+
+        from rlkit.tasks import multi_turn
+
+        cols, texts = columns_of(rows.batch, [self.fn]), rows.texts(self.reads)
+
+        def run(keep):
+            sub = multi_turn.subset(cols, keep)
+            sub["completion"] = [texts[i] for i in keep]
+            return self.fn.score(sub, row0=rows.row0)
+
+        return {self.column: pa.array(rows.kept(run), pa.float64())}
