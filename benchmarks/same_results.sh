@@ -10,7 +10,7 @@
 # KEEP [0] 1: leave WORK and the worktrees; RLKIT_PYTHON [python3 on PATH] the interpreter with rlkit's dependencies;
 # CONTROL [0] 1: a recipe that differs runs in OLD once more, to tell which files differ between two runs of one tree.
 # Each tree runs with PYTHONPATH at it (its rlkit; `rlkit/stages` linked to its `stages/` when missing) and its
-# recipes copied to WORK/recipes, in the same folder WORK/runs/RECIPE (emptied first), so the paths recorded in the
+# recipes copied to WORK/recipes, in the same folder WORK/cwd/runs (emptied first), so the paths recorded in the
 # files are the same; the manifests' creation time stamps ("created") are blanked before hashing: the one thing a
 # rerun of the same code at the same seed changes. A recipe that fails in either tree says so (its log in WORK).
 set -euo pipefail
@@ -88,13 +88,14 @@ for p in sorted(list(root.rglob("*.arrow")) + list(root.rglob("*.safetensors")))
 PY
 }
 
-# run TREE SIDE RECIPE: the recipe from TREE in WORK/runs/RECIPE; its files' hashes into WORK/SIDE-RECIPE.sha256
+# run TREE SIDE RECIPE: the recipe from TREE, in WORK/cwd with RUNS=WORK/cwd/runs (as the test runs it); its files'
+# hashes into WORK/SIDE-RECIPE.sha256, the files themselves moved to WORK/SIDE-RECIPE.runs
 run() {
-  local t=$1 side=$2 r=$3 runs="$WORK/runs/${3%.sh}" rc=0
-  rm -rf "$WORK/recipes" "$runs" "$WORK/runs/runs"
+  local t=$1 side=$2 r=$3 runs="$WORK/cwd/runs" rc=0
+  rm -rf "$WORK/recipes" "$WORK/cwd"
   cp -r "$t/recipes" "$WORK/recipes"
-  mkdir -p "$WORK/runs"
-  (cd "$WORK/runs" && eval "env ${base[*]} $(knobs "$r") RUNS='$runs' PYTHONPATH='$t' PATH='$(dirname "$PY"):$PATH' \
+  mkdir -p "$WORK/cwd"
+  (cd "$WORK/cwd" && eval "env ${base[*]} $(knobs "$r") RUNS='$runs' PYTHONPATH='$t' PATH='$(dirname "$PY"):$PATH' \
     RLKIT_REQUIRE_SANDBOX=1 bash '$WORK/recipes/$r'") > "$WORK/$side-${r%.sh}.log" 2>&1 || rc=$?
   if [ -d "$runs" ]; then
     hashes "$runs" > "$WORK/$side-${r%.sh}.sha256"
