@@ -92,8 +92,8 @@ inspect_rollouts() {
 }
 
 # summary ARGS... <<'PY' ... PY: python3 runs the helpers below, then the recipe's own lines, sys.argv[1:] = ARGS
-summary() { python3 -c "$SUMMARY_PY$(cat)" "$@"; }
-read -r -d '' SUMMARY_PY <<'PY' || true
+summary() { python3 -c "$SUMMARY_PY"$'\n'"$(cat)" "$@"; }
+IFS= read -r -d '' SUMMARY_PY <<'PY' || true
 import json, os, sys
 from collections import defaultdict
 
