@@ -11,8 +11,9 @@
 # CONTROL [0] 1: a recipe that differs runs in OLD once more, to tell which files differ between two runs of one tree.
 # Each tree runs with PYTHONPATH at it (its rlkit; `rlkit/stages` linked to its `stages/` when missing) and its
 # recipes copied to WORK/recipes, in the same folder WORK/cwd/runs (emptied first), so the paths recorded in the
-# files are the same; the manifests' creation time stamps ("created") are blanked before hashing: the one thing a
-# rerun of the same code at the same seed changes. A recipe that fails in either tree says so (its log in WORK).
+# files are the same, and with the manifests' clock pinned (below): a manifest's "created" and the fingerprints made
+# from it would otherwise change with the time a stage ran. A recipe that fails in either tree says so (its log in
+# WORK). Known to differ between two runs of one tree (CONTROL=1 shows it): optimizer.safetensors' rng/torch.
 set -euo pipefail
 
 [ $# -ge 2 ] || { sed -n '2,12p' "$0" >&2; exit 2; }
@@ -72,21 +73,29 @@ knobs() {
   esac
 }
 
-# hashes DIR: "sha256  path" of every .arrow and .safetensors file under DIR, its manifests' time stamps blanked
+# hashes DIR: "sha256  path" of every .arrow and .safetensors file under DIR
 hashes() {
   "$PY" - "$1" <<'PY'
-import hashlib, re, sys
+import hashlib, sys
 from pathlib import Path
 
 root = Path(sys.argv[1])
-stamp = re.compile(rb'(\\*"created\\*":\s*\\*")[0-9T:Z-]+(\\*")')  # the manifest's, and an upstream one quoted in it
 for p in sorted(list(root.rglob("*.arrow")) + list(root.rglob("*.safetensors"))):
     if p.is_file():
-        data = stamp.sub(lambda m: m.group(1) + b"-" * (len(m.group(0)) - len(m.group(1)) - len(m.group(2))) + m.group(2),
-                         p.read_bytes())
-        print(hashlib.sha256(data).hexdigest(), p.relative_to(root))
+        print(hashlib.sha256(p.read_bytes()).hexdigest(), p.relative_to(root))
 PY
 }
+
+# the manifests' clock, pinned: every rlkit process of both trees finds this sitecustomize on its PYTHONPATH, which
+# makes time.gmtime() (with no argument: the manifests' "created") a fixed instant, so that the fingerprints made
+# from manifests (a checkpoint's, a table's) do not change with the time a stage ran
+mkdir -p "$WORK/clock"
+cat > "$WORK/clock/sitecustomize.py" <<'PY'
+import time
+
+_gmtime = time.gmtime
+time.gmtime = lambda secs=None: _gmtime(1_700_000_000 if secs is None else secs)
+PY
 
 # run TREE SIDE RECIPE: the recipe from TREE, in WORK/cwd with RUNS=WORK/cwd/runs (as the test runs it); its files'
 # hashes into WORK/SIDE-RECIPE.sha256, the files themselves moved to WORK/SIDE-RECIPE.runs
@@ -95,7 +104,7 @@ run() {
   rm -rf "$WORK/recipes" "$WORK/cwd"
   cp -r "$t/recipes" "$WORK/recipes"
   mkdir -p "$WORK/cwd"
-  (cd "$WORK/cwd" && eval "env ${base[*]} $(knobs "$r") RUNS='$runs' PYTHONPATH='$t' PATH='$(dirname "$PY"):$PATH' \
+  (cd "$WORK/cwd" && eval "env ${base[*]} $(knobs "$r") RUNS='$runs' PYTHONPATH='$t:$WORK/clock' PATH='$(dirname "$PY"):$PATH' \
     RLKIT_REQUIRE_SANDBOX=1 bash '$WORK/recipes/$r'") > "$WORK/$side-${r%.sh}.log" 2>&1 || rc=$?
   if [ -d "$runs" ]; then
     hashes "$runs" > "$WORK/$side-${r%.sh}.sha256"
