@@ -13,7 +13,9 @@
 # recipes copied to WORK/recipes, in the same folder WORK/cwd/runs (emptied first), so the paths recorded in the
 # files are the same, and with the manifests' clock pinned (below): a manifest's "created" and the fingerprints made
 # from it would otherwise change with the time a stage ran. A recipe that fails in either tree says so (its log in
-# WORK). Known to differ between two runs of one tree (CONTROL=1 shows it): optimizer.safetensors' rng/torch.
+# WORK). A file that differs is named with what differs in it: tensors, or a table's columns and manifest entries.
+# Known to differ between two runs of one tree (CONTROL=1 shows it): optimizer.safetensors' rng/torch, and a
+# table's policy_fingerprint (the hash of the policy's rlkit.json, which records its stage's wall times).
 set -euo pipefail
 
 [ $# -ge 2 ] || { sed -n '2,12p' "$0" >&2; exit 2; }
@@ -114,6 +116,32 @@ run() {
   return $rc
 }
 
+# columns OLD NEW: what differs between two .arrow tables: their columns, and the manifest's entries (dotted keys)
+columns() {
+  "$PY" - "$1" "$2" <<'PY'
+import json, sys
+import pyarrow as pa
+
+def read(path):
+    with pa.OSFile(path) as f:
+        try:
+            return pa.ipc.open_stream(f).read_all()
+        except pa.ArrowInvalid:
+            return pa.ipc.open_file(path).read_all()
+
+def keys(a, b, at=""):
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [k for n in sorted(set(a) | set(b)) for k in keys(a.get(n), b.get(n), f"{at}{n}.")]
+    return [] if a == b else [at[:-1]]
+
+a, b = read(sys.argv[1]), read(sys.argv[2])
+cols = [c for c in dict.fromkeys(a.column_names + b.column_names)
+        if c not in a.column_names or c not in b.column_names or a.column(c) != b.column(c)]
+meta = keys(*(json.loads((t.schema.metadata or {}).get(b"rlkit", b"{}")) for t in (a, b)))
+print(" ".join(cols + [f"manifest {k}" for k in meta]) or "layout")
+PY
+}
+
 # tensors OLD NEW: the names of the tensors that differ between two .safetensors files (their headers aside)
 tensors() {
   "$PY" - "$1" "$2" <<'PY'
@@ -159,8 +187,12 @@ for r in "${recipes[@]}"; do
     KEEP=1
     diffs=()
     while read -r f; do
-      if [[ $f == *.safetensors ]] && [ -f "$WORK/old-${r%.sh}.runs/$f" ] && [ -f "$WORK/new-${r%.sh}.runs/$f" ]; then
-        f="$f [$(tensors "$WORK/old-${r%.sh}.runs/$f" "$WORK/new-${r%.sh}.runs/$f")]"
+      if [ -f "$WORK/old-${r%.sh}.runs/$f" ] && [ -f "$WORK/new-${r%.sh}.runs/$f" ]; then
+        if [[ $f == *.safetensors ]]; then
+          f="$f [$(tensors "$WORK/old-${r%.sh}.runs/$f" "$WORK/new-${r%.sh}.runs/$f")]"
+        else
+          f="$f [$(columns "$WORK/old-${r%.sh}.runs/$f" "$WORK/new-${r%.sh}.runs/$f")]"
+        fi
       fi
       diffs+=("$f")
     done < <(diff <(sort -k2 "$WORK/old-${r%.sh}.sha256") <(sort -k2 "$WORK/new-${r%.sh}.sha256") \
