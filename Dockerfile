@@ -39,7 +39,7 @@ RUN python3 -m pip install ".[vllm,track]" \
 # on what the image installed, on the build machine's CPU, from a folder outside /opt/rlkit. The code task's
 # programs run with --sandbox none: `docker build` gives a RUN step no namespaces for bubblewrap (`docker run`
 # can, docs/install.md); the sandboxed runs are checked by `make test`.
-COPY recipes/quickstart.sh ./recipes/
+COPY recipes/quickstart.sh recipes/lib.sh ./recipes/
 COPY tests/installed/smoke.sh ./tests/installed/
 RUN SANDBOX=none RLKIT_CACHE_DIR=/tmp/rlkit-smoke/cache bash tests/installed/smoke.sh /tmp/rlkit-smoke \
     && rm -rf /tmp/rlkit-smoke

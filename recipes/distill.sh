@@ -15,23 +15,10 @@
 # A rerun skips every stage whose output is up to date with its inputs and settings.
 set -euo pipefail
 
-RUNS=${RUNS:-runs/distill}
-SEED=${SEED:-0}
-TASK=${TASK:-arithmetic}
-EVAL_NUM=${EVAL_NUM:-300}
-MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-16}
-TEACHER_ROUNDS=${TEACHER_ROUNDS:-3}
-TEACHER_PROMPTS=${TEACHER_PROMPTS:-512}
-TEACHER_N=${TEACHER_N:-8}
-ROUNDS=${ROUNDS:-3}
-PROMPTS=${PROMPTS:-512}
-N=${N:-8}
-COEF=${COEF:-1}
-LR=${LR:-5e-5}
-EPOCHS=${EPOCHS:-2}
-MINIBATCH=${MINIBATCH:-128}
-TEMPERATURE=${TEMPERATURE:-1.0}
-SAMPLED_N=${SAMPLED_N:-8}
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+defaults RUNS=runs/distill SEED=0 TASK=arithmetic EVAL_NUM=300 MAX_NEW_TOKENS=16 TEACHER_ROUNDS=3 TEACHER_PROMPTS=512
+defaults TEACHER_N=8 ROUNDS=3 PROMPTS=512 N=8 COEF=1 LR=5e-5 EPOCHS=2 MINIBATCH=128 TEMPERATURE=1.0 SAMPLED_N=8
 HERE=$(cd "$(dirname "$0")" && pwd)
 
 mkdir -p "$RUNS"
@@ -55,9 +42,8 @@ heldout="$RUNS/heldout.arrow"
 evaluate() {  # evaluate POLICY LABEL: greedy held-out accuracy into $RUNS/eval-LABEL.json, sampled into sampled-LABEL.arrow
   local out="$RUNS/eval-$2.json"
   if [ ! -s "$out" ] || [ "$1" -nt "$out" ]; then
-    rlkit eval --policy "$1" --task "$TASK" --num-prompts "$EVAL_NUM" --max-new-tokens "$MAX_NEW_TOKENS" --label "$2" \
-      --json --metrics "$RUNS/metrics.jsonl" > "$out.tmp"
-    mv "$out.tmp" "$out"
+    into "$out" rlkit eval --policy "$1" --task "$TASK" --num-prompts "$EVAL_NUM" --max-new-tokens "$MAX_NEW_TOKENS" \
+      --label "$2" --json --metrics "$RUNS/metrics.jsonl"
   fi
   if [ "$SAMPLED_N" -gt 0 ]; then
     rlkit rollout --policy "$1" --task "$TASK" --prompts "$heldout" --n "$SAMPLED_N" --max-new-tokens "$MAX_NEW_TOKENS" \
@@ -71,26 +57,23 @@ if [ "$made_teacher" = 1 ]; then
 fi
 
 knobs="student=$STUDENT teacher=$TEACHER task=$TASK prompts=$PROMPTS n=$N max_new=$MAX_NEW_TOKENS coef=$COEF lr=$LR epochs=$EPOCHS mb=$MINIBATCH temp=$TEMPERATURE seed=$SEED"
+# one round: rollout | score-ref --teacher | update --algo distill into $out
+distill_round() {
+  rlkit rollout --policy "$policy" --task "$TASK" --num-prompts "$PROMPTS" --n "$N" --max-new-tokens "$MAX_NEW_TOKENS" \
+      --temperature "$TEMPERATURE" --seed "$((SEED * 1000 + i))" \
+    | rlkit score-ref --teacher "$TEACHER" \
+    | rlkit update --policy "$policy" --out "$out" --algo distill --teacher-coef "$COEF" --lr "$LR" \
+        --epochs "$EPOCHS" --minibatch-size "$MINIBATCH" --seed "$SEED" --metrics "$RUNS/metrics.jsonl"
+}
 policy="$STUDENT"
 for i in $(seq 1 "$ROUNDS"); do
   out="$RUNS/round-$i"
-  if [ "$(cat "$out.knobs" 2>/dev/null)" = "$knobs" ] && rlkit inspect "$out" --check 2>/dev/null; then
-    echo "round $i: $out is up to date; skipping" >&2
-  else
-    rm -f "$out.knobs"
-    rlkit rollout --policy "$policy" --task "$TASK" --num-prompts "$PROMPTS" --n "$N" --max-new-tokens "$MAX_NEW_TOKENS" \
-        --temperature "$TEMPERATURE" --seed "$((SEED * 1000 + i))" \
-      | rlkit score-ref --teacher "$TEACHER" \
-      | rlkit update --policy "$policy" --out "$out" --algo distill --teacher-coef "$COEF" --lr "$LR" \
-          --epochs "$EPOCHS" --minibatch-size "$MINIBATCH" --seed "$SEED" --metrics "$RUNS/metrics.jsonl"
-    echo "$knobs" > "$out.knobs"
-  fi
+  round "round $i" "$out" distill_round
   policy="$out"
   evaluate "$out" "round-$i"
 done
 
-python3 - "$RUNS" "$ROUNDS" "$((PROMPTS * N))" "$made_teacher" "$TEACHER_ROUNDS" "$((TEACHER_PROMPTS * TEACHER_N))" <<'PY'
-import json, os, sys
+summary "$RUNS" "$ROUNDS" "$((PROMPTS * N))" "$made_teacher" "$TEACHER_ROUNDS" "$((TEACHER_PROMPTS * TEACHER_N))" <<'PY'
 import pyarrow as pa
 
 runs, rounds, per_round, made, t_rounds, t_per_round = sys.argv[1], *map(int, sys.argv[2:])

@@ -18,84 +18,40 @@
 # A rerun skips every stage whose output is up to date with its inputs and settings.
 set -euo pipefail
 
-RUNS=${RUNS:-runs/guess}
-SEED=${SEED:-0}
-MODEL=${MODEL:-tiny}
-SFT_EXAMPLES=${SFT_EXAMPLES:-12000}
-EVAL_NUM=${EVAL_NUM:-20}
-HIGH=${HIGH:-20}
-TURNS=${TURNS:-6}
-BISECT=${BISECT:-0.4}
-LINEAR=${LINEAR:-0.3}
-ROUNDS=${ROUNDS:-4}
-PROMPTS=${PROMPTS:-128}
-N=${N:-8}
-ALGO=${ALGO:-grpo}
-LR=${LR:-3e-4}
-EPOCHS=${EPOCHS:-2}
-MINIBATCH=${MINIBATCH:-128}
-BETA=${BETA:-0.01}
-KL=${KL:-k3+}
-TEMPERATURE=${TEMPERATURE:-1.0}
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+defaults RUNS=runs/guess SEED=0 MODEL=tiny SFT_EXAMPLES=12000 EVAL_NUM=20 HIGH=20 TURNS=6 BISECT=0.4 LINEAR=0.3
+defaults ROUNDS=4 PROMPTS=128 N=8 ALGO=grpo LR=3e-4 EPOCHS=2 MINIBATCH=128 BETA=0.01 KL=k3+ TEMPERATURE=1.0
 ENV="guess:high=$HIGH,turns=$TURNS"
 
 mkdir -p "$RUNS"
-TIMES="$RUNS/times.tsv"
-: > "$TIMES"
-now() { printf '%s' "$EPOCHREALTIME"; }
-since() { awk -v a="$1" -v b="$(now)" 'BEGIN{printf "%.2f", b-a}'; }
+start_times
 
 t0=$(now)
 rlkit sft --model "$MODEL" --task "$ENV,bisect=$BISECT,linear=$LINEAR" --num-examples "$SFT_EXAMPLES" \
   --eval-num "$EVAL_NUM" --seed "$SEED" --out "$RUNS/sft"
 rlkit freeze-ref --policy "$RUNS/sft" --out "$RUNS/ref" --dtype bf16
-printf 'sft\t%s\n' "$(since "$t0")" >> "$TIMES"
+log_time sft "$t0"
 
 # one round: the games of the policy going in (kept), scored by the reference, trained on
 knobs="env=$ENV prompts=$PROMPTS n=$N algo=$ALGO lr=$LR epochs=$EPOCHS mb=$MINIBATCH beta=$BETA kl=$KL temp=$TEMPERATURE seed=$SEED"
-policy="$RUNS/sft"
-for i in $(seq 1 "$ROUNDS"); do
-  out="$RUNS/round-$i"
-  if [ "$(cat "$out.knobs" 2>/dev/null)" = "$knobs" ] && [ -s "$RUNS/rollouts-$i.arrow" ] \
-      && rlkit inspect "$out" --check 2>/dev/null; then
-    echo "round $i: $out is up to date; skipping" >&2
-  else
-    rm -f "$out.knobs"
-    t0=$(now)
-    rlkit rollout --policy "$policy" --env "$ENV" --max-turns "$TURNS" --num-prompts "$PROMPTS" --n "$N" \
-        --temperature "$TEMPERATURE" --seed "$((SEED * 1000 + i))" \
-      | tee "$RUNS/rollouts-$i.arrow" \
-      | rlkit score-ref --ref "$RUNS/ref" \
-      | rlkit update --policy "$policy" --out "$out" --algo "$ALGO" --lr "$LR" --epochs "$EPOCHS" \
-          --minibatch-size "$MINIBATCH" --beta "$BETA" --kl-estimator "$KL" --seed "$SEED" --metrics "$RUNS/metrics.jsonl"
-    printf 'round-%s\t%s\n' "$i" "$(since "$t0")" >> "$TIMES"
-    echo "$knobs" > "$out.knobs"
-  fi
-  policy="$out"
-done
+env_rounds "$TURNS"
 # the final policy's games (the same secrets as round 1's: the seed is round 1's), not trained on
 final="$RUNS/rollouts-final.arrow"
 t0=$(now)
 rlkit rollout --policy "$policy" --env "$ENV" --max-turns "$TURNS" --num-prompts "$PROMPTS" --n "$N" \
   --temperature "$TEMPERATURE" --seed "$((SEED * 1000 + 1))" --out "$final"
-printf 'final\t%s\n' "$(since "$t0")" >> "$TIMES"
+log_time final "$t0"
 
 # each table's figures (rlkit inspect: mean reward/env = the share of games won, mean turns)
-for f in "$RUNS"/rollouts-*.arrow; do
-  rlkit inspect "$f" --json > "${f%.arrow}.json"
-done
-python3 - "$RUNS" "$ROUNDS" "$TURNS" <<'PY'
-import json
-import sys
-
+inspect_rollouts
+summary "$RUNS" "$ROUNDS" "$TURNS" <<'PY'
 runs, rounds, turns = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-times = dict(line.rstrip("\n").split("\t") for line in open(f"{runs}/times.tsv"))
-print(f"\n{'games of':22}{'policy':>10}{'success':>10}{'mean turns':>12}{'games':>7}{'wall s':>8}")
+times = wall_times(runs)
+games_table(22)
 rows = [(f"round {i}", "sft" if i == 1 else f"round-{i - 1}", f"rollouts-{i}", f"round-{i}") for i in range(1, rounds + 1)]
 for label, policy, name, key in rows + [("final", f"round-{rounds}", "rollouts-final", "final")]:
     fig = json.load(open(f"{runs}/{name}.json"))["multi_turn"]
-    wall = f"{float(times[key]):.1f}" if key in times else "-"
-    print(f"{label:22}{policy:>10}{fig['mean_reward_env']:>10.1%}{fig['mean_turns']:>12.2f}{fig['trajectories']:>7}"
-          f"{wall:>8}")
+    games_row(label, 22, policy, fig, f"{times[key]:.1f}" if key in times else "-")
 print(f"success: games won within {turns} turns; mean turns: per game, won or lost (a lost game is {turns})")
 PY

@@ -4,12 +4,9 @@
 # A rerun skips every stage whose output is up to date with its inputs and settings.
 set -euo pipefail
 
-RUNS=${RUNS:-runs/quickstart}
-SEED=${SEED:-0}
-TASK=${TASK:-arithmetic}
-SFT_EXAMPLES=${SFT_EXAMPLES:-24000}
-EVAL_NUM=${EVAL_NUM:-300}
-REF_DTYPE=${REF_DTYPE:-bf16}
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+defaults RUNS=runs/quickstart SEED=0 TASK=arithmetic SFT_EXAMPLES=24000 EVAL_NUM=300 REF_DTYPE=bf16
 
 mkdir -p "$RUNS"
 rlkit sft --task "$TASK" --num-examples "$SFT_EXAMPLES" --eval-num "$EVAL_NUM" --seed "$SEED" --out "$RUNS/sft"

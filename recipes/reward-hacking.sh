@@ -16,25 +16,12 @@
 # A rerun skips every stage and round that is up to date with its inputs and settings.
 set -euo pipefail
 
-RUNS=${RUNS:-runs/reward-hacking}
-SEED=${SEED:-0}
-TASK=${TASK:-arithmetic}
-SFT_EXAMPLES=${SFT_EXAMPLES:-24000}
-EVAL_NUM=${EVAL_NUM:-300}
-PREF_PROMPTS=${PREF_PROMPTS:-512}
-PREF_N=${PREF_N:-4}
-RM_EPOCHS=${RM_EPOCHS:-1}
-BETAS=${BETAS:-0.05 0.005 0}
-ROUNDS=${ROUNDS:-3}
-PROMPTS=${PROMPTS:-192}
-N=${N:-8}
-MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-64}
-PROSE=${PROSE:-0.25}
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+defaults RUNS=runs/reward-hacking SEED=0 TASK=arithmetic SFT_EXAMPLES=24000 EVAL_NUM=300 PREF_PROMPTS=512 PREF_N=4
+defaults RM_EPOCHS=1 BETAS="0.05 0.005 0" ROUNDS=3 PROMPTS=192 N=8 MAX_NEW_TOKENS=64 PROSE=0.25
 case "$TASK" in *:*) SFT_TASK="$TASK,prose=$PROSE" ;; *) SFT_TASK="$TASK:prose=$PROSE" ;; esac
-ALGO=${ALGO:-grpo}
-LR=${LR:-1e-4}
-EPOCHS=${EPOCHS:-2}
-MINIBATCH=${MINIBATCH:-128}
+defaults ALGO=grpo LR=1e-4 EPOCHS=2 MINIBATCH=128
 
 mkdir -p "$RUNS"
 rlkit sft --task "$SFT_TASK" --num-examples "$SFT_EXAMPLES" --eval-num "$EVAL_NUM" --seed "$SEED" --out "$RUNS/sft"
@@ -56,6 +43,16 @@ if [ ! -s "$sft_eval" ] || [ "$(cat "$sft_eval.knobs" 2>/dev/null)" != "$sft_kno
   echo "$sft_knobs" > "$sft_eval.knobs"
 fi
 
+# one round at $beta: rollout | score-ref --rm lenbias | update into $out, then its held-out eval
+biased_round() {
+  rlkit rollout --policy "$policy" --task "$TASK" --num-prompts "$PROMPTS" --n "$N" --max-new-tokens "$MAX_NEW_TOKENS" \
+      --seed "$((SEED * 1000 + i))" \
+    | rlkit score-ref --ref "$RUNS/ref" --rm "lenbias=$RUNS/rm-length-biased" \
+    | rlkit update --algo "$ALGO" --policy "$policy" --out "$out" --lr "$LR" --epochs "$EPOCHS" \
+        --minibatch-size "$MINIBATCH" --beta "$beta" --reward rm:lenbias=1 --seed "$SEED" --metrics "$metrics"
+  rlkit eval --policy "$out" --task "$TASK" --num-prompts "$EVAL_NUM" --max-new-tokens "$MAX_NEW_TOKENS" --rm "$RUNS/rm-length-biased" --label "round-$i" \
+    --metrics "$metrics" --json > /dev/null
+}
 report_args=()
 for beta in $BETAS; do
   run="$RUNS/beta-$beta"
@@ -70,19 +67,7 @@ for beta in $BETAS; do
   policy="$RUNS/sft"
   for i in $(seq 1 "$ROUNDS"); do
     out="$run/round-$i"
-    if [ "$(cat "$out.knobs" 2>/dev/null)" = "$knobs" ] && rlkit inspect "$out" --check 2>/dev/null; then
-      echo "beta $beta round $i: $out is up to date; skipping" >&2
-    else
-      rm -f "$out.knobs"
-      rlkit rollout --policy "$policy" --task "$TASK" --num-prompts "$PROMPTS" --n "$N" --max-new-tokens "$MAX_NEW_TOKENS" \
-          --seed "$((SEED * 1000 + i))" \
-        | rlkit score-ref --ref "$RUNS/ref" --rm "lenbias=$RUNS/rm-length-biased" \
-        | rlkit update --algo "$ALGO" --policy "$policy" --out "$out" --lr "$LR" --epochs "$EPOCHS" \
-            --minibatch-size "$MINIBATCH" --beta "$beta" --reward rm:lenbias=1 --seed "$SEED" --metrics "$metrics"
-      rlkit eval --policy "$out" --task "$TASK" --num-prompts "$EVAL_NUM" --max-new-tokens "$MAX_NEW_TOKENS" --rm "$RUNS/rm-length-biased" --label "round-$i" \
-        --metrics "$metrics" --json > /dev/null
-      echo "$knobs" > "$out.knobs"
-    fi
+    round "beta $beta round $i" "$out" biased_round
     policy="$out"
   done
   report_args+=("beta-$beta=$metrics")

@@ -17,27 +17,13 @@
 # A rerun skips every stage and round that is up to date with its inputs and settings.
 set -euo pipefail
 
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
 HERE=$(cd "$(dirname "$0")" && pwd)
-RUNS=${RUNS:-runs/rlaif}
-SEED=${SEED:-0}
-SFT_EXAMPLES=${SFT_EXAMPLES:-24000}
-JUDGE_EXAMPLES=${JUDGE_EXAMPLES:-72000}
-JUDGE_LR=${JUDGE_LR:-3e-4}
-EVAL_NUM=${EVAL_NUM:-300}
-PAIRWISE=${PAIRWISE:-$HERE/rubrics/arithmetic-pairwise.toml}
-YESNO=${YESNO:-$HERE/rubrics/arithmetic-yes-no.toml}
-PREF_PROMPTS=${PREF_PROMPTS:-4096}
-PREF_N=${PREF_N:-4}
-RM_EPOCHS=${RM_EPOCHS:-2}
-ROUNDS=${ROUNDS:-3}
-PROMPTS=${PROMPTS:-512}
-N=${N:-8}
-MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-16}
-ALGO=${ALGO:-grpo}
-LR=${LR:-5e-5}
-EPOCHS=${EPOCHS:-2}
-BETA=${BETA:-0.01}
-REWARD=${REWARD:-rm:rm=1}
+defaults RUNS=runs/rlaif SEED=0 SFT_EXAMPLES=24000 JUDGE_EXAMPLES=72000 JUDGE_LR=3e-4 EVAL_NUM=300
+defaults PAIRWISE="$HERE/rubrics/arithmetic-pairwise.toml" YESNO="$HERE/rubrics/arithmetic-yes-no.toml"
+defaults PREF_PROMPTS=4096 PREF_N=4 RM_EPOCHS=2 ROUNDS=3 PROMPTS=512 N=8 MAX_NEW_TOKENS=16 ALGO=grpo LR=5e-5 EPOCHS=2
+defaults BETA=0.01 REWARD=rm:rm=1
 reward_flags=()
 for w in $REWARD; do reward_flags+=(--reward "$w"); done
 
@@ -68,31 +54,28 @@ rlkit eval --policy "$RUNS/sft" --task arithmetic --num-prompts "$EVAL_NUM" --ma
   --json --metrics "$METRICS" > "$RUNS/eval-sft.json"
 
 knobs="judge=$JUDGE prompts=$PROMPTS n=$N max_new=$MAX_NEW_TOKENS algo=$ALGO lr=$LR epochs=$EPOCHS beta=$BETA reward=$REWARD seed=$SEED"
+# one round: rollout | score-ref --rm --judge | update into $out
+judged_round() {
+  rm -f "$RUNS/eval-round-$i.json"
+  rlkit rollout --policy "$policy" --task arithmetic --num-prompts "$PROMPTS" --n "$N" --max-new-tokens "$MAX_NEW_TOKENS" \
+      --seed "$((SEED * 1000 + i))" \
+    | rlkit score-ref --ref "$RUNS/ref" --rm "rm=$RUNS/rm" --judge "judge=$JUDGE:rubric=$YESNO" \
+    | rlkit update --algo "$ALGO" --policy "$policy" --out "$out" --lr "$LR" --epochs "$EPOCHS" --beta "$BETA" \
+        "${reward_flags[@]}" --seed "$SEED" --metrics "$METRICS"
+}
 policy="$RUNS/sft"
 for i in $(seq 1 "$ROUNDS"); do
   out="$RUNS/round-$i"
-  if [ "$(cat "$out.knobs" 2>/dev/null)" = "$knobs" ] && rlkit inspect "$out" --check 2>/dev/null; then
-    echo "round $i: $out is up to date; skipping" >&2
-  else
-    rm -f "$out.knobs" "$RUNS/eval-round-$i.json"
-    rlkit rollout --policy "$policy" --task arithmetic --num-prompts "$PROMPTS" --n "$N" --max-new-tokens "$MAX_NEW_TOKENS" \
-        --seed "$((SEED * 1000 + i))" \
-      | rlkit score-ref --ref "$RUNS/ref" --rm "rm=$RUNS/rm" --judge "judge=$JUDGE:rubric=$YESNO" \
-      | rlkit update --algo "$ALGO" --policy "$policy" --out "$out" --lr "$LR" --epochs "$EPOCHS" --beta "$BETA" \
-          "${reward_flags[@]}" --seed "$SEED" --metrics "$METRICS"
-    echo "$knobs" > "$out.knobs"
-  fi
+  round "round $i" "$out" judged_round
   policy="$out"
   if [ ! -s "$RUNS/eval-round-$i.json" ]; then
-    rlkit eval --policy "$out" --task arithmetic --num-prompts "$EVAL_NUM" --max-new-tokens "$MAX_NEW_TOKENS" \
-      --label "round-$i" --json --metrics "$METRICS" > "$RUNS/eval-round-$i.json.tmp"
-    mv "$RUNS/eval-round-$i.json.tmp" "$RUNS/eval-round-$i.json"
+    into "$RUNS/eval-round-$i.json" rlkit eval --policy "$out" --task arithmetic --num-prompts "$EVAL_NUM" \
+      --max-new-tokens "$MAX_NEW_TOKENS" --label "round-$i" --json --metrics "$METRICS"
   fi
 done
 rlkit report "$METRICS" --title "RLAIF: a judge-trained reward (arithmetic)" --out "$RUNS/report.png"
 
-python3 - "$RUNS" "$ROUNDS" <<'PY'
-import json, sys
+summary "$RUNS" "$ROUNDS" <<'PY'
 import pyarrow as pa
 
 runs, rounds = sys.argv[1], int(sys.argv[2])

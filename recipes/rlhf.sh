@@ -18,25 +18,11 @@
 # A rerun skips every stage and round that is up to date with its inputs and settings.
 set -euo pipefail
 
-RUNS=${RUNS:-runs/rlhf}
-SEED=${SEED:-0}
-TASK=${TASK:-arithmetic}
-SFT_EXAMPLES=${SFT_EXAMPLES:-24000}
-EVAL_NUM=${EVAL_NUM:-1000}
-ROUNDS=${ROUNDS:-3}
-PROMPTS=${PROMPTS:-512}
-N=${N:-4}
-PREF_PROMPTS=${PREF_PROMPTS:-$(( PROMPTS * 24 < 64 ? 64 : PROMPTS * 24 ))}
-PREF_N=${PREF_N:-4}
-RM_EPOCHS=${RM_EPOCHS:-2}
-MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-16}
-LR=${LR:-5e-5}
-EPOCHS=${EPOCHS:-1}
-MINIBATCH=${MINIBATCH:-128}
-BETA=${BETA:-0.05}
-TARGET_KL=${TARGET_KL:-}
-REWARD=${REWARD:-rm:rm=1}
-CRITIC_INIT=${CRITIC_INIT:-rm}
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+defaults RUNS=runs/rlhf SEED=0 TASK=arithmetic SFT_EXAMPLES=24000 EVAL_NUM=1000 ROUNDS=3 PROMPTS=512 N=4
+defaults PREF_PROMPTS=$(( PROMPTS * 24 < 64 ? 64 : PROMPTS * 24 )) PREF_N=4 RM_EPOCHS=2 MAX_NEW_TOKENS=16 LR=5e-5 EPOCHS=1
+defaults MINIBATCH=128 BETA=0.05 TARGET_KL= REWARD=rm:rm=1 CRITIC_INIT=rm
 critic_init=$CRITIC_INIT
 [ "$CRITIC_INIT" = rm ] && critic_init="$RUNS/rm"
 reward_flags=()
@@ -56,35 +42,31 @@ rlkit eval --policy "$RUNS/sft" --task "$TASK" --num-prompts "$EVAL_NUM" --rm "$
   --metrics "$METRICS" > "$RUNS/rlhf-eval-sft.json"
 
 knobs="task=$TASK prompts=$PROMPTS n=$N max_new=$MAX_NEW_TOKENS lr=$LR epochs=$EPOCHS mb=$MINIBATCH beta=$BETA target_kl=$TARGET_KL reward=$REWARD critic=$CRITIC_INIT seed=$SEED"
+# one round: rollout | score-ref --rm | update --algo ppo into $out; its held-out eval to be redone
+ppo_round() {
+  rlkit rollout --policy "$policy" --task "$TASK" --num-prompts "$PROMPTS" --n "$N" --max-new-tokens "$MAX_NEW_TOKENS" \
+      --seed "$((SEED * 1000 + i))" \
+    | rlkit score-ref --ref "$RUNS/ref" --rm "rm=$RUNS/rm" \
+    | rlkit update --algo ppo --policy "$policy" --out "$out" --lr "$LR" --epochs "$EPOCHS" \
+        --minibatch-size "$MINIBATCH" --beta "$BETA" "${kl_flags[@]}" "${reward_flags[@]}" --seed "$SEED" \
+        --critic-init "$critic_init" \
+        --metrics "$METRICS"
+  rm -f "$RUNS/rlhf-eval-round-$i.json"
+}
 policy="$RUNS/sft"
 for i in $(seq 1 "$ROUNDS"); do
   out="$RUNS/ppo-round-$i"
-  if [ "$(cat "$out.knobs" 2>/dev/null)" = "$knobs" ] && rlkit inspect "$out" --check 2>/dev/null; then
-    echo "round $i: $out is up to date; skipping" >&2
-  else
-    rm -f "$out.knobs"
-    rlkit rollout --policy "$policy" --task "$TASK" --num-prompts "$PROMPTS" --n "$N" --max-new-tokens "$MAX_NEW_TOKENS" \
-        --seed "$((SEED * 1000 + i))" \
-      | rlkit score-ref --ref "$RUNS/ref" --rm "rm=$RUNS/rm" \
-      | rlkit update --algo ppo --policy "$policy" --out "$out" --lr "$LR" --epochs "$EPOCHS" \
-          --minibatch-size "$MINIBATCH" --beta "$BETA" "${kl_flags[@]}" "${reward_flags[@]}" --seed "$SEED" \
-          --critic-init "$critic_init" \
-          --metrics "$METRICS"
-    rm -f "$RUNS/rlhf-eval-round-$i.json"
-    echo "$knobs" > "$out.knobs"
-  fi
+  round "round $i" "$out" ppo_round
   policy="$out"
   if [ ! -s "$RUNS/rlhf-eval-round-$i.json" ]; then  # held-out accuracy and RM score after every round
-    rlkit eval --policy "$out" --task "$TASK" --num-prompts "$EVAL_NUM" --rm "$RUNS/rm" --label "ppo-round-$i" --json \
-      --metrics "$METRICS" > "$RUNS/rlhf-eval-round-$i.json.tmp"
-    mv "$RUNS/rlhf-eval-round-$i.json.tmp" "$RUNS/rlhf-eval-round-$i.json"
+    into "$RUNS/rlhf-eval-round-$i.json" rlkit eval --policy "$out" --task "$TASK" --num-prompts "$EVAL_NUM" \
+      --rm "$RUNS/rm" --label "ppo-round-$i" --json --metrics "$METRICS"
   fi
 done
 cp "$RUNS/rlhf-eval-round-$ROUNDS.json" "$RUNS/rlhf-eval-final.json"
 rlkit report "$METRICS" --title "RLHF: PPO on a learned reward ($TASK)" --out "$RUNS/report.png"
 
-python3 - "$RUNS" "$ROUNDS" <<'PY'
-import json, sys
+summary "$RUNS" "$ROUNDS" <<'PY'
 runs, rounds = sys.argv[1], sys.argv[2]
 rm = json.load(open(f"{runs}/rm/rlkit.json"))
 before = json.load(open(f"{runs}/rlhf-eval-sft.json"))

@@ -25,30 +25,11 @@
 # already wrote) and skips a finished one; other knobs start DIR and the spool afresh.
 set -euo pipefail
 
-RUNS=${RUNS:-runs/rlvr-fleet}
-SEED=${SEED:-0}
-TASK=${TASK:-arithmetic}
-SFT_EXAMPLES=${SFT_EXAMPLES:-24000}
-EVAL_NUM=${EVAL_NUM:-300}
-ROUNDS=${ROUNDS:-3}
-PROMPTS=${PROMPTS:-512}
-N=${N:-8}
-MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-16}
-ALGO=${ALGO:-grpo}
-LR=${LR:-5e-5}
-EPOCHS=${EPOCHS:-2}
-MINIBATCH=${MINIBATCH:-128}
-BETA=${BETA:-0.01}
-KL=${KL:-k3+}
-TEMPERATURE=${TEMPERATURE:-1.0}
-DROP_DEGENERATE=${DROP_DEGENERATE:-0}
-DUAL_CLIP=${DUAL_CLIP:-3}
-LAG=${LAG:-1}
-ENGINE=${ENGINE:-auto}
-WORKERS=${WORKERS:-2}
-NPROC=${NPROC:-2}
-WORKER_TIMEOUT=${WORKER_TIMEOUT:-600}
-PYTHON=${PYTHON:-python}
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+defaults RUNS=runs/rlvr-fleet SEED=0 TASK=arithmetic SFT_EXAMPLES=24000 EVAL_NUM=300 ROUNDS=3 PROMPTS=512 N=8
+defaults MAX_NEW_TOKENS=16 ALGO=grpo LR=5e-5 EPOCHS=2 MINIBATCH=128 BETA=0.01 KL=k3+ TEMPERATURE=1.0
+defaults DROP_DEGENERATE=0 DUAL_CLIP=3 LAG=1 ENGINE=auto WORKERS=2 NPROC=2 WORKER_TIMEOUT=600 PYTHON=python
 drop_flag=()
 [ "$DROP_DEGENERATE" = 1 ] && drop_flag=(--drop-degenerate)
 if [ "$WORKERS" -lt 1 ] || [ "$NPROC" -lt 1 ] || [ "$PROMPTS" -lt "$WORKERS" ]; then
@@ -58,17 +39,7 @@ fi
 CHUNK=$((PROMPTS / WORKERS))  # a worker's share of every batch: one chunk (more where WORKERS does not divide PROMPTS)
 
 mkdir -p "$RUNS/logs"
-TIMES="$RUNS/times.tsv"
-: > "$TIMES"
-now() { printf '%s' "$EPOCHREALTIME"; }
-timed() {
-  local label=$1 t0 rc=0
-  shift
-  t0=$(now)
-  "$@" || rc=$?
-  printf '%s\t%s\n' "$label" "$(awk -v a="$t0" -v b="$(now)" 'BEGIN{printf "%.2f", b-a}')" >> "$TIMES"
-  return $rc
-}
+start_times
 
 timed sft rlkit sft --task "$TASK" --num-examples "$SFT_EXAMPLES" --eval-num "$EVAL_NUM" --seed "$SEED" --out "$RUNS/sft"
 timed freeze-ref rlkit freeze-ref --policy "$RUNS/sft" --out "$RUNS/ref" --dtype bf16
@@ -88,9 +59,8 @@ last_step() { local l; l=$(readlink "$CKPTS/latest" 2>/dev/null) || { echo 0; re
 eval_step() {
   local i=$1
   [ -s "$RUNS/eval-step-$i.json" ] && return 0
-  rlkit eval --policy "$CKPTS/$(printf 'step-%06d' "$i")" --task "$TASK" --num-prompts "$EVAL_NUM" \
-    --max-new-tokens "$MAX_NEW_TOKENS" --label "step-$i" --json --metrics "$RUNS/metrics.jsonl" > "$RUNS/eval-step-$i.json.tmp"
-  mv "$RUNS/eval-step-$i.json.tmp" "$RUNS/eval-step-$i.json"
+  into "$RUNS/eval-step-$i.json" rlkit eval --policy "$CKPTS/$(printf 'step-%06d' "$i")" --task "$TASK" \
+    --num-prompts "$EVAL_NUM" --max-new-tokens "$MAX_NEW_TOKENS" --label "step-$i" --json --metrics "$RUNS/metrics.jsonl"
 }
 
 # worker I: its share of every batch, written into the spool; batch b samples the prompts
@@ -163,28 +133,16 @@ done
 cp "$RUNS/eval-step-$ROUNDS.json" "$RUNS/eval-final.json"
 rlkit report "$RUNS/metrics.jsonl" --title "RLVR (fleet of $WORKERS, lag $LAG): $TASK" --out "$RUNS/report.png"
 
-python3 - "$RUNS" "$rl_secs" "$ROUNDS" "$LAG" "$WORKERS" "$NPROC" <<'PY'
-import json, sys
-from collections import defaultdict
+summary "$RUNS" "$rl_secs" "$ROUNDS" "$LAG" "$WORKERS" "$NPROC" <<'PY'
 runs, rl_secs, n_rounds, lag, workers, nproc = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
-before = json.load(open(f"{runs}/eval-sft.json"))
-after = json.load(open(f"{runs}/eval-final.json"))
-times = defaultdict(float)
-for line in open(f"{runs}/times.tsv"):
-    label, secs = line.rstrip("\n").split("\t")
-    times[label] += float(secs)
-print(f"\n{'':24}{'held-out accuracy':>18}{'mean tokens':>13}")
-print(f"{'SFT checkpoint':24}{before['accuracy']:>18.1%}{before['mean_response_tokens']:>13.2f}")
-print(f"{'after RL (' + str(n_rounds) + ' steps)':24}{after['accuracy']:>18.1%}{after['mean_response_tokens']:>13.2f}")
+times = wall_times(runs)
+before, after = accuracy_table(runs, f"after RL ({n_rounds} steps)")
 note = " (the run was complete; skipped)" if rl_secs == 0 else ""
-print(f"gain: {100 * (after['accuracy'] - before['accuracy']):+.1f} points; RL phase wall time {rl_secs:.1f}s{note} "
-      f"(held-out evals not counted)")
+print(f"{gain(before, after)}; RL phase wall time {rl_secs:.1f}s{note} (held-out evals not counted)")
 print(f"fleet: {workers} workers, update on {nproc} process{'es' if nproc > 1 else ''}, lag bound {lag}\n")
 if rl_secs:
-    steps = [json.loads(l) for l in open(f"{runs}/metrics.jsonl") if '"stage": "update"' in l]
     print(f"{'process':10}{'wall s':>8}   (they overlap)")
     for k in [f"worker-{i}" for i in range(workers)] + ["update"]:
         print(f"{k:10}{times[k]:>8.1f}")
-    print("steps: " + ", ".join(f"{m['step']} (lag {m.get('lag_max', 0)}, ESS {m['is_ess']:.3f})" if m.get("is_ess")
-                                else f"{m['step']} (lag {m.get('lag_max', 0)})" for m in steps[-n_rounds:]))
+    steps_line(runs, n_rounds)
 PY

@@ -15,25 +15,11 @@
 # A rerun skips every stage whose output is up to date with its inputs and settings.
 set -euo pipefail
 
-RUNS=${RUNS:-runs/rlvr}
-SEED=${SEED:-0}
-TASK=${TASK:-arithmetic}
-MODEL=${MODEL:-tiny}
-SFT_EXAMPLES=${SFT_EXAMPLES:-24000}
-EVAL_NUM=${EVAL_NUM:-300}
-ROUNDS=${ROUNDS:-3}
-PROMPTS=${PROMPTS:-512}
-N=${N:-8}
-MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-16}
-ALGO=${ALGO:-grpo}
-LR=${LR:-5e-5}
-EPOCHS=${EPOCHS:-2}
-MINIBATCH=${MINIBATCH:-128}
-BETA=${BETA:-0.01}
-KL=${KL:-k3+}
-TEMPERATURE=${TEMPERATURE:-1.0}
-DROP_DEGENERATE=${DROP_DEGENERATE:-0}
-DUAL_CLIP=${DUAL_CLIP:-3}
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+defaults RUNS=runs/rlvr SEED=0 TASK=arithmetic MODEL=tiny SFT_EXAMPLES=24000 EVAL_NUM=300 ROUNDS=3 PROMPTS=512 N=8
+defaults MAX_NEW_TOKENS=16 ALGO=grpo LR=5e-5 EPOCHS=2 MINIBATCH=128 BETA=0.01 KL=k3+ TEMPERATURE=1.0
+defaults DROP_DEGENERATE=0 DUAL_CLIP=3
 drop_flag=()
 [ "$DROP_DEGENERATE" = 1 ] && drop_flag=(--drop-degenerate)
 refill=()
@@ -46,18 +32,7 @@ track=()
 [ -n "${REPORT_TO:-}" ] && track=(--report-to "$REPORT_TO" --project "${PROJECT:-rlkit}")
 
 mkdir -p "$RUNS"
-TIMES="$RUNS/times.tsv"
-: > "$TIMES"
-now() { printf '%s' "$EPOCHREALTIME"; }
-# timed LABEL CMD...: run CMD, append "LABEL<TAB>seconds" to $TIMES (processes in a pipe overlap)
-timed() {
-  local label=$1 t0 rc=0
-  shift
-  t0=$(now)
-  "$@" || rc=$?
-  printf '%s\t%s\n' "$label" "$(awk -v a="$t0" -v b="$(now)" 'BEGIN{printf "%.2f", b-a}')" >> "$TIMES"
-  return $rc
-}
+start_times
 
 timed sft rlkit sft --model "$MODEL" --task "$TASK" --num-examples "$SFT_EXAMPLES" --eval-num "$EVAL_NUM" --seed "$SEED" \
   --out "$RUNS/sft" "${sandbox[@]}" "${track[@]}"
@@ -68,30 +43,28 @@ timed eval-sft rlkit eval --policy "$RUNS/sft" --task "$TASK" --num-prompts "$EV
 knobs="task=$TASK prompts=$PROMPTS n=$N max_new=$MAX_NEW_TOKENS algo=$ALGO lr=$LR epochs=$EPOCHS mb=$MINIBATCH beta=$BETA kl=$KL temp=$TEMPERATURE drop=$DROP_DEGENERATE dual=$DUAL_CLIP seed=$SEED${MIN_INFORMATIVE:+ refill=$MIN_INFORMATIVE/${MAX_REFILL:-4}}"
 policy="$RUNS/sft"
 rl_start=$(now)
+# one round: rollout | score-ref | update into $out, timed, its held-out eval to be redone
+rl_round() {
+  local t0
+  t0=$(now)
+  timed "round-$i:rollout" rlkit rollout --policy "$policy" --task "$TASK" --num-prompts "$PROMPTS" --n "$N" \
+      --max-new-tokens "$MAX_NEW_TOKENS" --temperature "$TEMPERATURE" --seed "$((SEED * 1000 + i))" "${sandbox[@]}" "${refill[@]}" \
+    | timed "round-$i:score-ref" rlkit score-ref --ref "$RUNS/ref" \
+    | timed "round-$i:update" rlkit update --policy "$policy" --out "$out" --algo "$ALGO" --lr "$LR" \
+        --epochs "$EPOCHS" --minibatch-size "$MINIBATCH" --beta "$BETA" --kl-estimator "$KL" --dual-clip "$DUAL_CLIP" \
+        --seed "$SEED" "${drop_flag[@]}" --metrics "$RUNS/metrics.jsonl" "${track[@]}"
+  log_time "round-$i" "$t0"
+  rm -f "$RUNS/eval-round-$i.json"
+}
 for i in $(seq 1 "$ROUNDS"); do
   out="$RUNS/round-$i"
-  if [ "$(cat "$out.knobs" 2>/dev/null)" = "$knobs" ] && rlkit inspect "$out" --check 2>/dev/null; then
-    echo "round $i: $out is up to date; skipping" >&2
-  else
-    rm -f "$out.knobs"
-    t0=$(now)
-    timed "round-$i:rollout" rlkit rollout --policy "$policy" --task "$TASK" --num-prompts "$PROMPTS" --n "$N" \
-        --max-new-tokens "$MAX_NEW_TOKENS" --temperature "$TEMPERATURE" --seed "$((SEED * 1000 + i))" "${sandbox[@]}" "${refill[@]}" \
-      | timed "round-$i:score-ref" rlkit score-ref --ref "$RUNS/ref" \
-      | timed "round-$i:update" rlkit update --policy "$policy" --out "$out" --algo "$ALGO" --lr "$LR" \
-          --epochs "$EPOCHS" --minibatch-size "$MINIBATCH" --beta "$BETA" --kl-estimator "$KL" --dual-clip "$DUAL_CLIP" \
-          --seed "$SEED" "${drop_flag[@]}" --metrics "$RUNS/metrics.jsonl" "${track[@]}"
-    printf 'round-%s\t%s\n' "$i" "$(awk -v a="$t0" -v b="$(now)" 'BEGIN{printf "%.2f", b-a}')" >> "$TIMES"
-    rm -f "$RUNS/eval-round-$i.json"
-    echo "$knobs" > "$out.knobs"
-  fi
+  round "round $i" "$out" rl_round
   policy="$out"
   # held-out accuracy after every round, beside the update's reward, KL and length in the same metrics file
   if [ ! -s "$RUNS/eval-round-$i.json" ]; then
     t0=$(now)
-    rlkit eval --policy "$out" --task "$TASK" --num-prompts "$EVAL_NUM" --max-new-tokens "$MAX_NEW_TOKENS" --label "round-$i" --json \
-      --metrics "$RUNS/metrics.jsonl" "${sandbox[@]}" "${track[@]}" > "$RUNS/eval-round-$i.json.tmp"
-    mv "$RUNS/eval-round-$i.json.tmp" "$RUNS/eval-round-$i.json"
+    into "$RUNS/eval-round-$i.json" rlkit eval --policy "$out" --task "$TASK" --num-prompts "$EVAL_NUM" \
+      --max-new-tokens "$MAX_NEW_TOKENS" --label "round-$i" --json --metrics "$RUNS/metrics.jsonl" "${sandbox[@]}" "${track[@]}"
     eval_secs=$(awk -v e="${eval_secs:-0}" -v a="$t0" -v b="$(now)" 'BEGIN{printf "%.2f", e+b-a}')
   fi
 done
@@ -100,24 +73,14 @@ rl_secs=$(awk -v a="$rl_start" -v b="$(now)" -v e="${eval_secs:-0}" 'BEGIN{print
 cp "$RUNS/eval-round-$ROUNDS.json" "$RUNS/eval-final.json"
 rlkit report "$RUNS/metrics.jsonl" --title "RLVR: $TASK" --out "$RUNS/report.png"
 
-python3 - "$RUNS" "$rl_secs" "$ROUNDS" <<'PY'
-import json, sys
-from collections import defaultdict
+summary "$RUNS" "$rl_secs" "$ROUNDS" <<'PY'
 runs, rl_secs, n_rounds = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
-before = json.load(open(f"{runs}/eval-sft.json"))
-after = json.load(open(f"{runs}/eval-final.json"))
-times = defaultdict(float)
-for line in open(f"{runs}/times.tsv"):
-    label, secs = line.rstrip("\n").split("\t")
-    times[label] += float(secs)
+times = wall_times(runs)
 rounds = sorted({k.split(":")[0] for k in times if k.startswith("round-")}, key=lambda r: int(r.split("-")[1]))
-print(f"\n{'':24}{'held-out accuracy':>18}{'mean tokens':>13}")
-print(f"{'SFT checkpoint':24}{before['accuracy']:>18.1%}{before['mean_response_tokens']:>13.2f}")
-print(f"{'after RL (' + str(n_rounds) + ' rounds)':24}{after['accuracy']:>18.1%}{after['mean_response_tokens']:>13.2f}")
+before, after = accuracy_table(runs, f"after RL ({n_rounds} rounds)")
 skipped = n_rounds - len(rounds)
 note = f" ({skipped} up-to-date rounds skipped)" if skipped else ""
-print(f"gain: {100 * (after['accuracy'] - before['accuracy']):+.1f} points; RL phase wall time {rl_secs:.1f}s{note} "
-      f"(per-round held-out evals not counted)\n")
+print(f"{gain(before, after)}; RL phase wall time {rl_secs:.1f}s{note} (per-round held-out evals not counted)\n")
 if rounds:
     print(f"{'round':8}{'wall s':>8}{'rollout':>9}{'score-ref':>11}{'update':>8}   (process wall times; they overlap in the pipe)")
     for r in rounds:

@@ -20,35 +20,18 @@
 # A rerun skips every stage whose output is up to date with its inputs and settings.
 set -euo pipefail
 
-RUNS=${RUNS:-runs/textarena}
-SEED=${SEED:-0}
-MODEL=${MODEL:-tiny}
-SFT_GAMES=${SFT_GAMES:-3000}
-GAME=${GAME:-GuessTheNumber-v0}
-TURNS=${TURNS:-6}
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+defaults RUNS=runs/textarena SEED=0 MODEL=tiny SFT_GAMES=3000 GAME=GuessTheNumber-v0 TURNS=6
 PROMPT=${PROMPT-'Guess 1-20 as [N]:\n'}
-BISECT=${BISECT:-0.4}
-LINEAR=${LINEAR:-0.3}
-ROUNDS=${ROUNDS:-6}
-PROMPTS=${PROMPTS:-128}
-N=${N:-8}
-ALGO=${ALGO:-grpo}
-LR=${LR:-3e-4}
-EPOCHS=${EPOCHS:-2}
-MINIBATCH=${MINIBATCH:-128}
-BETA=${BETA:-0.01}
-KL=${KL:-k3+}
-TEMPERATURE=${TEMPERATURE:-1.0}
-FINAL=${FINAL:-128}
+defaults BISECT=0.4 LINEAR=0.3 ROUNDS=6 PROMPTS=128 N=8 ALGO=grpo LR=3e-4 EPOCHS=2 MINIBATCH=128 BETA=0.01 KL=k3+
+defaults TEMPERATURE=1.0 FINAL=128
 # textarena's GuessTheNumber allows max_turns + 1 guesses; the game ends itself, the driver's limit is a backstop
 MAX_TURNS=$((TURNS + 1))
 ENV="textarena:game=$GAME,max_turns=$TURNS,reward=win,stop=\\n,max_new_tokens=6${PROMPT:+,prompt=$PROMPT}"
 
 mkdir -p "$RUNS"
-TIMES="$RUNS/times.tsv"
-: > "$TIMES"
-now() { printf '%s' "$EPOCHREALTIME"; }
-since() { awk -v a="$1" -v b="$(now)" 'BEGIN{printf "%.2f", b-a}'; }
+start_times
 
 # SFT transcripts: a noisy player's games against the environment itself, token for token as a rollout holds them
 t0=$(now)
@@ -87,57 +70,32 @@ with open(out, "w") as f:
 PY
 rlkit sft --model "$MODEL" --data "$RUNS/sft-games.jsonl" --seed "$SEED" --out "$RUNS/sft"
 rlkit freeze-ref --policy "$RUNS/sft" --out "$RUNS/ref" --dtype bf16
-printf 'sft\t%s\n' "$(since "$t0")" >> "$TIMES"
+log_time sft "$t0"
 
 # one round: the games of the policy going in (kept), scored by the reference, trained on
 knobs="env=$ENV prompts=$PROMPTS n=$N algo=$ALGO lr=$LR epochs=$EPOCHS mb=$MINIBATCH beta=$BETA kl=$KL temp=$TEMPERATURE seed=$SEED"
-policy="$RUNS/sft"
-for i in $(seq 1 "$ROUNDS"); do
-  out="$RUNS/round-$i"
-  if [ "$(cat "$out.knobs" 2>/dev/null)" = "$knobs" ] && [ -s "$RUNS/rollouts-$i.arrow" ] \
-      && rlkit inspect "$out" --check 2>/dev/null; then
-    echo "round $i: $out is up to date; skipping" >&2
-  else
-    rm -f "$out.knobs"
-    t0=$(now)
-    rlkit rollout --policy "$policy" --env "$ENV" --max-turns "$MAX_TURNS" --num-prompts "$PROMPTS" --n "$N" \
-        --temperature "$TEMPERATURE" --seed "$((SEED * 1000 + i))" \
-      | tee "$RUNS/rollouts-$i.arrow" \
-      | rlkit score-ref --ref "$RUNS/ref" \
-      | rlkit update --policy "$policy" --out "$out" --algo "$ALGO" --lr "$LR" --epochs "$EPOCHS" \
-          --minibatch-size "$MINIBATCH" --beta "$BETA" --kl-estimator "$KL" --seed "$SEED" --metrics "$RUNS/metrics.jsonl"
-    printf 'round-%s\t%s\n' "$i" "$(since "$t0")" >> "$TIMES"
-    echo "$knobs" > "$out.knobs"
-  fi
-  policy="$out"
-done
+env_rounds "$MAX_TURNS"
 # held-out games (seeds never trained on), greedy: the SFT policy's and the final policy's
 for who in sft final; do
   p="$RUNS/sft"; [ "$who" = final ] && p="$policy"
   t0=$(now)
   rlkit eval --policy "$p" --env "$ENV" --max-turns "$MAX_TURNS" --num-prompts "$FINAL" --label "$who" --json \
     > "$RUNS/eval-$who.json"
-  printf 'eval-%s\t%s\n' "$who" "$(since "$t0")" >> "$TIMES"
+  log_time "eval-$who" "$t0"
 done
 
-for f in "$RUNS"/rollouts-*.arrow; do
-  rlkit inspect "$f" --json > "${f%.arrow}.json"
-done
-python3 - "$RUNS" "$ROUNDS" "$TURNS" <<'PY'
-import json
-import sys
-
+inspect_rollouts
+summary "$RUNS" "$ROUNDS" "$TURNS" <<'PY'
 runs, rounds, turns = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-times = dict(line.rstrip("\n").split("\t") for line in open(f"{runs}/times.tsv"))
-print(f"\n{'games of':26}{'policy':>10}{'success':>10}{'mean turns':>12}{'games':>7}{'wall s':>8}")
+times = wall_times(runs)
+games_table(26)
 for i in range(1, rounds + 1):
     fig = json.load(open(f"{runs}/rollouts-{i}.json"))["multi_turn"]
-    wall = f"{float(times[f'round-{i}']):.1f}" if f"round-{i}" in times else "-"
-    print(f"{'round ' + str(i) + ' (sampled)':26}{'sft' if i == 1 else f'round-{i - 1}':>10}{fig['mean_reward_env']:>10.1%}"
-          f"{fig['mean_turns']:>12.2f}{fig['trajectories']:>7}{wall:>8}")
+    wall = f"{times[f'round-{i}']:.1f}" if f"round-{i}" in times else "-"
+    games_row(f"round {i} (sampled)", 26, "sft" if i == 1 else f"round-{i - 1}", fig, wall)
 for who, policy in (("sft", "sft"), ("final", f"round-{rounds}")):
     ev = json.load(open(f"{runs}/eval-{who}.json"))
     print(f"{'held-out (greedy)':26}{policy:>10}{ev['mean_reward']:>10.1%}{ev.get('mean_turns', float('nan')):>12.2f}"
-          f"{ev['n']:>7}{float(times['eval-' + who]):>8.1f}")
+          f"{ev['n']:>7}{times['eval-' + who]:>8.1f}")
 print(f"success: games won (textarena's max_turns={turns}: {turns + 1} guesses); mean turns: per game, won or lost")
 PY

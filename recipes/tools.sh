@@ -16,46 +16,21 @@
 # A rerun skips every stage whose output is up to date with its inputs and settings.
 set -euo pipefail
 
-RUNS=${RUNS:-runs/tools}
-SEED=${SEED:-0}
-MODEL=${MODEL:-tiny}
-DIGITS=${DIGITS:-2}
-TOOL=${TOOL:-0.4}
-SFT_EXAMPLES=${SFT_EXAMPLES:-20000}
-EVAL_NUM=${EVAL_NUM:-200}
-ROUNDS=${ROUNDS:-3}
-PROMPTS=${PROMPTS:-128}
-N=${N:-8}
-ALGO=${ALGO:-grpo}
-LR=${LR:-1e-4}
-EPOCHS=${EPOCHS:-2}
-MINIBATCH=${MINIBATCH:-128}
-BETA=${BETA:-0.01}
-KL=${KL:-k3+}
-TEMPERATURE=${TEMPERATURE:-1.0}
-MAX_TURNS=${MAX_TURNS:-4}
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+defaults RUNS=runs/tools SEED=0 MODEL=tiny DIGITS=2 TOOL=0.4 SFT_EXAMPLES=20000 EVAL_NUM=200 ROUNDS=3 PROMPTS=128 N=8
+defaults ALGO=grpo LR=1e-4 EPOCHS=2 MINIBATCH=128 BETA=0.01 KL=k3+ TEMPERATURE=1.0 MAX_TURNS=4
 TASK="calc:digits=$DIGITS,tool=$TOOL"  # the SFT transcripts
 ENV="calc:digits=$DIGITS"  # the same problems, the same held-out split
 env_opts=(--env "$ENV" --max-turns "$MAX_TURNS")
 [ -n "${SANDBOX:-}" ] && env_opts+=(--sandbox "$SANDBOX")  # where rollout's and eval's tool calls run
 
 mkdir -p "$RUNS"
-TIMES="$RUNS/times.tsv"
-: > "$TIMES"
-now() { printf '%s' "$EPOCHREALTIME"; }
-timed() {  # timed LABEL CMD...: run CMD, append "LABEL<TAB>seconds" to $TIMES
-  local label=$1 t0 rc=0
-  shift
-  t0=$(now)
-  "$@" || rc=$?
-  printf '%s\t%s\n' "$label" "$(awk -v a="$t0" -v b="$(now)" 'BEGIN{printf "%.2f", b-a}')" >> "$TIMES"
-  return $rc
-}
+start_times
 # evaluate POLICY LABEL: greedy trajectories on EVAL_NUM held-out problems -> $RUNS/eval-LABEL.json
 evaluate() {
-  rlkit eval --policy "$1" "${env_opts[@]}" --num-prompts "$EVAL_NUM" --label "$2" --json \
-    --metrics "$RUNS/metrics.jsonl" > "$RUNS/eval-$2.json.tmp"
-  mv "$RUNS/eval-$2.json.tmp" "$RUNS/eval-$2.json"
+  into "$RUNS/eval-$2.json" rlkit eval --policy "$1" "${env_opts[@]}" --num-prompts "$EVAL_NUM" --label "$2" --json \
+    --metrics "$RUNS/metrics.jsonl"
 }
 
 # sft's own held-out figure is single-turn (the model writes the tool's result itself, so ~0%); the evals below
@@ -68,22 +43,22 @@ evaluate "$RUNS/sft" sft
 knobs="env=$ENV sandbox=${SANDBOX:-} prompts=$PROMPTS n=$N algo=$ALGO lr=$LR epochs=$EPOCHS mb=$MINIBATCH beta=$BETA kl=$KL temp=$TEMPERATURE turns=$MAX_TURNS seed=$SEED"
 policy="$RUNS/sft"
 rl_start=$(now)
+# one round: rollout --env | score-ref | update into $out, timed; its held-out eval to be redone
+tool_round() {
+  local t0
+  rm -f "$RUNS/eval-round-$i.json"
+  t0=$(now)
+  timed "round-$i:rollout" rlkit rollout --policy "$policy" "${env_opts[@]}" --num-prompts "$PROMPTS" --n "$N" \
+      --temperature "$TEMPERATURE" --seed "$((SEED * 1000 + i))" \
+    | timed "round-$i:score-ref" rlkit score-ref --ref "$RUNS/ref" \
+    | timed "round-$i:update" rlkit update --policy "$policy" --out "$out" --algo "$ALGO" --lr "$LR" \
+        --epochs "$EPOCHS" --minibatch-size "$MINIBATCH" --beta "$BETA" --kl-estimator "$KL" --seed "$SEED" \
+        --metrics "$RUNS/metrics.jsonl"
+  log_time "round-$i" "$t0"
+}
 for i in $(seq 1 "$ROUNDS"); do
   out="$RUNS/round-$i"
-  if [ "$(cat "$out.knobs" 2>/dev/null)" = "$knobs" ] && rlkit inspect "$out" --check 2>/dev/null; then
-    echo "round $i: $out is up to date; skipping" >&2
-  else
-    rm -f "$out.knobs" "$RUNS/eval-round-$i.json"
-    t0=$(now)
-    timed "round-$i:rollout" rlkit rollout --policy "$policy" "${env_opts[@]}" --num-prompts "$PROMPTS" --n "$N" \
-        --temperature "$TEMPERATURE" --seed "$((SEED * 1000 + i))" \
-      | timed "round-$i:score-ref" rlkit score-ref --ref "$RUNS/ref" \
-      | timed "round-$i:update" rlkit update --policy "$policy" --out "$out" --algo "$ALGO" --lr "$LR" \
-          --epochs "$EPOCHS" --minibatch-size "$MINIBATCH" --beta "$BETA" --kl-estimator "$KL" --seed "$SEED" \
-          --metrics "$RUNS/metrics.jsonl"
-    printf 'round-%s\t%s\n' "$i" "$(awk -v a="$t0" -v b="$(now)" 'BEGIN{printf "%.2f", b-a}')" >> "$TIMES"
-    echo "$knobs" > "$out.knobs"
-  fi
+  round "round $i" "$out" tool_round
   policy="$out"
   t0=$(now)
   [ -s "$RUNS/eval-round-$i.json" ] || evaluate "$out" "round-$i"
@@ -92,8 +67,7 @@ done
 rl_secs=$(awk -v a="$rl_start" -v b="$(now)" -v e="${eval_secs:-0}" 'BEGIN{printf "%.1f", b-a-e}')
 rlkit report "$RUNS/metrics.jsonl" --title "Tool use: $ENV" --out "$RUNS/report.png"
 
-python3 - "$RUNS" "$rl_secs" "$ROUNDS" <<'PY'
-import json, sys
+summary "$RUNS" "$rl_secs" "$ROUNDS" <<'PY'
 runs, rl_secs, n_rounds = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
 before = json.load(open(f"{runs}/eval-sft.json"))
 after = json.load(open(f"{runs}/eval-round-{n_rounds}.json"))

@@ -67,7 +67,7 @@ from typing import Any
 
 from rlkit.envs.base import Step, on_cancel
 from rlkit.errors import RlkitError
-from rlkit.tasks.sandboxed import Workers
+from rlkit.sandbox.workers import Workers
 
 MAX_CALL_CHARS = 10_000  # a call's text longer than this is refused unparsed
 _CALL = re.compile(r"<call>(.*?)</call>", re.S)
@@ -597,11 +597,11 @@ main()
 
 
 def worker_source() -> str:
-    from rlkit.tasks.sandboxed import worker_source as reward_worker_source
+    from rlkit.sandbox.workers import worker_source as reward_worker_source
 
     head, sep, _ = reward_worker_source().rpartition('\nif __name__ == "__main__":')
     if not sep:
-        raise RlkitError("rlkit/tasks/reward_worker.py has no __main__ block: the tool worker cannot be built")
+        raise RlkitError("rlkit/sandbox/reward_worker.py has no __main__ block: the tool worker cannot be built")
     return head + "\n" + _WORKER_TOOLS
 
 

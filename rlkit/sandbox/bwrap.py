@@ -1,4 +1,4 @@
-"""The sandbox's command line and process handling: bubblewrap (`bwrap`) around the base Python interpreter.
+"""The bwrap backend (kind "bwrap"): bubblewrap around the base Python interpreter.
 
 A sandbox sees: /usr (and the /bin, /lib, /lib64 links into it) and the base interpreter's prefix, read-only;
 a fresh /proc of its own PID namespace, a minimal /dev, and a private writable tmpfs at /tmp, its working
@@ -10,8 +10,7 @@ to a process whose real uid is the host's root, user namespace or not): every ca
 SETUID/SETGID, and the launcher inside sets the limits and then drops to an unprivileged uid of its own before
 the untrusted code runs (one uid per live sandbox of this process, so that one program's fork bomb does not
 use up the next one's process count). Not root: `--unshare-all` (a user namespace, with its own process
-count). Kind "none" runs the same launcher as a plain subprocess in a temporary directory: the same limits and
-timeout, none of the isolation.
+count).
 
 Ending a sandbox (`kill`) kills its PID namespace's init, which takes every process of the namespace with it
 (double-forked daemons included), waits for bwrap to reap it, then kills the process group and waits: when
@@ -26,38 +25,52 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING
 
+from rlkit.sandbox.process import kill_group, python
 
-class Limits(Protocol):  # rlkit.sandbox.Limits (not imported: rlkit.sandbox imports this module)
-    cpu_s: int
-    memory_mb: int
-    processes: int
-    file_mb: int
-    open_files: int
+if TYPE_CHECKING:
+    from rlkit.sandbox.process import Sandbox
 
-
-class Sandbox(Protocol):  # rlkit.sandbox.Sandbox
-    kind: str
-    limits: Limits
-
-_HARNESS = Path(__file__).with_name("_harness.py")
 _uids = itertools.count()
 _uid_lock = threading.Lock()
 
+HOW = ("install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; elsewhere see docs/install.md) "
+       "or pass --sandbox none to run untrusted code without a sandbox (unsafe)")
 
-def harness_source() -> str:
-    return _HARNESS.read_text()
 
+class Bwrap:
+    """The bwrap backend (rlkit.sandbox.backends.Backend)."""
 
-def python() -> str:
-    """The base interpreter (the venv's python resolves to it): what runs inside the sandbox."""
-    return os.path.realpath(sys.executable)
+    name = "bwrap"
+    isolated = True
+    pid_namespace = True
+    how = HOW
+
+    def probe_key(self):
+        return bwrap_path(), os.geteuid()
+
+    def probe(self, sb) -> str | None:
+        return _probe(sb, bwrap_path())
+
+    def launcher_uid(self) -> str:
+        return str(_next_uid()) if os.geteuid() == 0 else "-"
+
+    def command(self, sb, argv, *, ro_binds, env, venv) -> list[str]:
+        return command(sb, argv, ro_binds=ro_binds, env=env, venv=venv)
+
+    def process_env(self, env):
+        return None, {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
+
+    def end(self, p: subprocess.Popen) -> None:
+        end(p)
+
+    def exit_signal(self, returncode: int) -> int:
+        return -returncode if returncode < 0 else returncode - 128 if returncode > 128 else 0  # 128 + signal
 
 
 def bwrap_path() -> str | None:
@@ -81,17 +94,6 @@ def uid_base() -> int:
     return 1_000_000 + (os.getpid() % 1_000_000) * 1024
 
 
-def rlimits(limits: Limits) -> dict[str, int]:
-    return {
-        "RLIMIT_CPU": int(limits.cpu_s),
-        "RLIMIT_AS": int(limits.memory_mb) << 20,
-        "RLIMIT_NPROC": int(limits.processes),
-        "RLIMIT_FSIZE": int(limits.file_mb) << 20,
-        "RLIMIT_NOFILE": int(limits.open_files),
-        "RLIMIT_CORE": 0,
-    }
-
-
 def _read_only_roots(venv: bool) -> list[str]:
     roots = ["/usr"]
     for p in (sys.base_prefix, sys.base_exec_prefix, str(Path(python()).parent.parent)):
@@ -105,9 +107,7 @@ def _read_only_roots(venv: bool) -> list[str]:
 
 def command(sb: Sandbox, argv: Sequence[str], *, ro_binds: Sequence[Path] = (), env: Mapping[str, str] = {},
             venv: bool = False, bwrap: str | None = None) -> list[str]:
-    """The full command line running argv (a command inside the sandbox) under sb's kind."""
-    if sb.kind == "none":
-        return list(argv)
+    """The full command line running argv (a command inside the sandbox) under bwrap."""
     exe = bwrap or bwrap_path() or "bwrap"
     if os.geteuid() == 0:
         ns = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
@@ -141,42 +141,6 @@ def command(sb: Sandbox, argv: Sequence[str], *, ro_binds: Sequence[Path] = (), 
     return cmd
 
 
-def launcher_argv(sb: Sandbox, mode: str, argv: Sequence[str] = ()) -> list[str]:
-    """The base interpreter running the harness's launcher: limits, then the uid dropped, then `mode`."""
-    uid = str(_next_uid()) if sb.kind == "bwrap" and os.geteuid() == 0 else "-"
-    limits = ",".join(f"{k}={v}" for k, v in rlimits(sb.limits).items())
-    return [python(), "-I", "-S", "-X", "utf8", "-c", harness_source(), mode, uid, limits, *argv]
-
-
-def popen(sb: Sandbox, inner: Sequence[str], *, ro_binds: Sequence[Path] = (), env: Mapping[str, str] = {},
-          venv: bool = False) -> subprocess.Popen:
-    """Start `inner` (a launcher command line) in sb: pipes on stdin/stdout/stderr, its own session."""
-    cwd = None
-    if sb.kind == "none":
-        cwd = tempfile.mkdtemp(prefix="rlkit-sandbox-")
-        base = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": cwd, "LANG": "C.UTF-8", "TMPDIR": cwd}
-        full_env = {**base, **env}
-    else:
-        full_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
-    p = subprocess.Popen(command(sb, inner, ro_binds=ro_binds, env=env, venv=venv), stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, cwd=cwd,
-                         env=full_env, close_fds=True)
-    p._rlkit_tmp = cwd  # type: ignore[attr-defined]  (kind none: removed by kill)
-    p._rlkit_kind = sb.kind  # type: ignore[attr-defined]
-    return p
-
-
-def spawn(sb: Sandbox, argv: Sequence[str], *, ro_binds: Sequence[Path] = (), env: Mapping[str, str] = {},
-          venv: bool = False) -> subprocess.Popen:
-    """argv run inside the sandbox (stdin, stdout and stderr pipes), in its own session and process group, with
-    sb.limits applied and (root) the uid dropped. ro_binds: host paths visible read-only at the same path
-    (e.g. the directory of a user's reward function); venv=True also binds sys.prefix (the virtual environment
-    with its site-packages) read-only, so trusted user code can import its packages; an editable install's
-    source tree is not in it: add it to ro_binds. The caller ends it with `kill(p)` (also after it exited:
-    that reaps what the sandbox left)."""
-    return popen(sb, launcher_argv(sb, "exec", argv), ro_binds=ro_binds, env=env, venv=venv)
-
-
 def _stat(pid: int) -> list[str] | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -203,11 +167,11 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def kill(p: subprocess.Popen) -> None:
+def end(p: subprocess.Popen) -> None:
     """SIGKILL the sandbox: its PID namespace (through the namespace's init, which bwrap then reaps), then its
-    process group; wait for it. No zombie, no survivor (kind none: a process that left the group survives)."""
+    process group; wait for it, and for the namespace to be empty."""
     inits = []
-    if p.returncode is None and getattr(p, "_rlkit_kind", "bwrap") == "bwrap":
+    if p.returncode is None:
         inits = [(pid, _start_time(pid)) for pid in _children(p.pid)]  # the namespace's init
         for pid, _ in inits:
             try:
@@ -219,22 +183,46 @@ def kill(p: subprocess.Popen) -> None:
                 p.wait(timeout=2)
             except subprocess.TimeoutExpired:
                 pass
-    try:
-        os.killpg(p.pid, signal.SIGKILL)  # bwrap, and an init it was starting (same group)
-    except OSError:
-        pass
-    p.wait()
+    kill_group(p)  # bwrap, and an init it was starting (same group)
     for pid, start in inits:  # an init no longer running has emptied its namespace (the kernel did first)
         deadline = time.monotonic() + 5
         while start is not None and _start_time(pid) == start and _state(pid) not in ("Z", "X", None) \
                 and time.monotonic() < deadline:
             time.sleep(0.001)
-    for f in (p.stdin, p.stdout, p.stderr):
-        if f is not None:
-            try:
-                f.close()
-            except OSError:
-                pass
-    tmp = getattr(p, "_rlkit_tmp", None)
-    if tmp:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _userns_disabled() -> bool:
+    for path, off in (("/proc/sys/kernel/unprivileged_userns_clone", "0"), ("/proc/sys/user/max_user_namespaces",
+                                                                           "0")):
+        try:
+            with open(path) as f:
+                if f.read().strip() == off:
+                    return True
+        except OSError:
+            pass
+    return False
+
+
+def _probe(sb: Sandbox, exe: str | None) -> str | None:
+    if exe is None:
+        return "bwrap (bubblewrap) not found on PATH"
+    if os.geteuid() != 0 and _userns_disabled():
+        return "user namespaces are disabled (sysctl kernel.unprivileged_userns_clone=1 or user.max_user_namespaces)"
+    from rlkit.sandbox.process import kill, launcher_argv, popen
+    from rlkit.sandbox.sandbox import Limits, Sandbox
+
+    probe = Sandbox(sb.kind, 1, Limits(wall_s=10.0))
+    p = popen(probe, launcher_argv(probe, "exec", ["/bin/sh", "-c", "echo ok"]))
+    try:
+        out, err = p.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        return "bwrap did not start within 10 s"
+    finally:
+        kill(p)
+    if p.returncode == 0 and out.strip() == b"ok":
+        return None
+    lines = [ln for ln in err.decode("utf-8", "replace").splitlines() if ln.strip()]
+    first = lines[0].strip() if lines else f"exit status {p.returncode}"
+    if "No permissions to creat" in first or "Operation not permitted" in first and os.geteuid() != 0:
+        return f"bwrap failed: {first} (user namespaces disabled or blocked by a seccomp profile?)"
+    return f"bwrap failed: {first}"

@@ -26,8 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from rlkit.errors import SandboxUnavailable
-from rlkit.sandbox import HOW, Sandbox
-from rlkit.sandbox.bwrap import kill, launcher_argv, popen
+from rlkit.sandbox.process import kill, launcher_argv, popen
+from rlkit.sandbox.sandbox import Sandbox
 
 TEST_KINDS = ("stdio", "call", "expr", "assert")
 
@@ -115,7 +115,7 @@ def _sandboxed(sb: Sandbox, program: str, mode: str, cases: list[TestCase], fn_n
             return ["timeout"] * len(cases)
         first = next((ln.strip() for ln in err.decode("utf-8", "replace").splitlines() if ln.strip()),
                      f"exit status {p.returncode}")
-        raise SandboxUnavailable(f"the sandbox did not start: {first}; {HOW}")
+        raise SandboxUnavailable(f"the sandbox did not start: {first}; {sb.backend.how}")
     reasons: list[str] = []
     for line in lines[1:]:
         if len(reasons) >= len(cases):

@@ -56,7 +56,7 @@ from rlkit.scorers.base import Rows, Scorer
 
 if TYPE_CHECKING:
     from rlkit.sandbox import Sandbox
-    from rlkit.tasks.sandboxed import Workers
+    from rlkit.sandbox.workers import Workers
 
 ROW_INPUTS = {"prompt": "prompt", "completion": "completion", "answer": "answer", "row": None, "environment": None}
 BATCH_INPUTS = {"prompts": "prompt", "completions": "completion", "answers": "answer", "rows": None,
@@ -258,7 +258,7 @@ def load(spec: str, timeout: float = DEFAULT_TIMEOUT_S, sandbox: Sandbox | None 
     batched, takes, takes_kwargs = _convention(fn, f"--reward-fn {name} ({label})")
     workers = None
     if sandbox is not None:
-        from rlkit.tasks.sandboxed import Workers
+        from rlkit.sandbox.workers import Workers
 
         workers = Workers(sandbox, ref, name, label, timeout)
     return RewardFn(name, label, fn, batched, takes, takes_kwargs, user_code.fingerprint(fn, label), timeout, workers)

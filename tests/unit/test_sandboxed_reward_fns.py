@@ -1,4 +1,4 @@
-"""`--reward-fn` in sandboxed workers (`reward_fns.load_all(..., sandbox=...)`, rlkit.tasks.sandboxed) on the real
+"""`--reward-fn` in sandboxed workers (`reward_fns.load_all(..., sandbox=...)`, rlkit.sandbox.workers) on the real
 bubblewrap: a verifier that executes the model's output changes nothing on the host; honest functions give the
 same rewards as in the stage; errors are the stage's own lines; no worker outlives `close_all`.
 

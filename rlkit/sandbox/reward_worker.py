@@ -1,4 +1,4 @@
-"""The process a sandboxed `--reward-fn` runs in (`rlkit.tasks.sandboxed`): standard library only, so the
+"""The process a sandboxed `--reward-fn` runs in (`rlkit.sandbox.workers`): standard library only, so the
 sandbox needs no view of rlkit itself. The host runs this file's text with `python -I -c TEXT`
 inside the sandbox and sends CONFIG as the first line on stdin (JSON): where the function is, and for a
 file its source text (the one the host imported; as root, the sandbox's uid may not read a 0700 folder).

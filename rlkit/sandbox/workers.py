@@ -3,7 +3,7 @@ runs the same workers unisolated) a user's reward function runs in worker proces
 `rlkit.sandbox.spawn`, not in the stage, so a verifier may execute the model's
 output without trusting it (the function itself is the user's own, trusted code).
 
-Each worker runs `rlkit/tasks/reward_worker.py` (standard library only; its text is passed with
+Each worker runs `rlkit/sandbox/reward_worker.py` (standard library only; its text is passed with
 `python -I -c`, so the sandbox needs no view of rlkit or the project) with the base interpreter. The
 sandbox shows it, read-only: the Python installation and the venv (`venv=True`: the function may import
 the venv's packages), and the function's own folder (a `FILE.py:FUNC` reference) or its top-level package
@@ -154,7 +154,7 @@ class _Worker:
         rc = self.proc.returncode
         if rc is None:
             return "stopped answering"
-        sig = -rc if rc < 0 else rc - 128 if self.sandbox.kind == "bwrap" and rc > 128 else 0  # bwrap: 128 + signal
+        sig = self.sandbox.backend.exit_signal(rc)  # bwrap: 128 + signal
         if sig in signal.Signals._value2member_map_:
             return f"was killed by {signal.Signals(sig).name}"
         return f"exited with status {rc}"
@@ -167,7 +167,7 @@ class Workers:
         self.config, self.binds = where_from(ref)
         per_call = sandbox.limits.cpu_s if not timeout else max(sandbox.limits.cpu_s, math.ceil(timeout) + 1)
         self.config["cpu_s"] = per_call
-        if sandbox.kind == "bwrap":  # a PID namespace of its own: the worker kills what a call left behind
+        if sandbox.backend.pid_namespace:  # a PID namespace of its own: the worker kills what a call left behind
             self.config["sweep"], self.config["host_pidns"] = True, os.readlink("/proc/self/ns/pid")
         self.sandbox = replace(sandbox, limits=replace(sandbox.limits, cpu_s=WORKER_CPU_S))
         self.size = sandbox.n_workers
@@ -184,7 +184,7 @@ class Workers:
         return worker_source()
 
     def _spawn(self) -> None:
-        from rlkit.sandbox import spawn
+        from rlkit.sandbox.process import spawn
 
         argv = [os.path.realpath(sys.executable), "-I", "-c", self._source()]
         proc = spawn(self.sandbox, argv, ro_binds=self.binds, venv=True)
@@ -207,7 +207,7 @@ class Workers:
         _kill_all(self.live)
 
     def _drop(self, w: _Worker) -> None:
-        from rlkit.sandbox import kill
+        from rlkit.sandbox.process import kill
 
         w.drain_stderr(self._budget)
         kill(w.proc)
@@ -310,7 +310,7 @@ class Workers:
 def _kill_all(live: list[_Worker]) -> None:
     """End every worker of `live` (emptied): end of input first (an idle worker exits at once), then
     `rlkit.sandbox.kill` (the sandbox and all in it, waited for)."""
-    from rlkit.sandbox import kill
+    from rlkit.sandbox.process import kill
 
     for w in live:
         try:
