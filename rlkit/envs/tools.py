@@ -42,7 +42,7 @@ A result longer than `max_output_chars` (1000) is cut there and marked `...[N ch
 Where the tools run: in the stage's process by default (the user's own code, trusted, as `--reward-fn`; the
 driver's --env-timeout bounds each step). With `sandbox` (the constructor keyword: an `rlkit.sandbox.Sandbox`,
 or "bwrap" / "none"; `--env NAME:sandbox=bwrap` gives it) every call runs in a sandboxed worker process instead
-(`rlkit.tasks.sandboxed`'s workers, each call in a process of its own): a tool may then run model-written code. A
+(`rlkit.sandbox.workers`'s workers, each call in a process of its own): a tool may then run model-written code. A
 sandboxed tool must be a module-level function of a file or an importable module (the worker imports it by
 name); its arguments travel as JSON (tuples arrive as lists) and each call may run `timeout` seconds (10; more
 is an error observation). The workers are shared by the instances of one class and sandbox: one worker per call
@@ -432,7 +432,7 @@ def _as_sandbox(sandbox):
         sandbox = Sandbox(sandbox)
     if not isinstance(sandbox, Sandbox):
         raise RlkitError(f"sandbox is a {type(sandbox).__name__}; expected an rlkit.sandbox.Sandbox, 'bwrap' or 'none'")
-    if sandbox.kind == "none":
+    if not sandbox.backend.isolated:
         if not _WARNED:
             from rlkit import console
 
@@ -565,7 +565,7 @@ def _pools_for(functions: dict[str, Callable], sandbox, timeout: float, owner: s
     return pools
 
 
-# The worker: rlkit.tasks.reward_worker's (the import, the per-call forked process, the limits, the JSON lines), with
+# The worker: rlkit.sandbox.reward_worker's (the import, the per-call forked process, the limits, the JSON lines), with
 # `load` returning every tool of the module and `result` calling one by name and replying with its text.
 _WORKER_TOOLS = '''
 _load_function = load
@@ -606,7 +606,7 @@ def worker_source() -> str:
 
 
 class _ToolWorkers(Workers):
-    """`rlkit.tasks.sandboxed.Workers` running the tool worker (`worker_source`)."""
+    """`rlkit.sandbox.workers.Workers` running the tool worker (`worker_source`)."""
 
     def kill(self) -> None:
         """Kill its worker processes, from any thread (the one waiting on them sees them die and cleans up)."""

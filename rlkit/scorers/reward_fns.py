@@ -27,7 +27,7 @@ call that does not return within `--reward-timeout` seconds (default 60, 0: no l
 with one line naming the function and the row, and nothing is written at --out.
 
 With a sandbox (`load_all(..., sandbox=Sandbox(...))`: `--sandbox bwrap|none`) the function runs in worker
-processes inside it instead (`rlkit.tasks.sandboxed`: a verifier may then execute the model's output), with
+processes inside it instead (`rlkit.sandbox.workers`: a verifier may then execute the model's output), with
 the same values and the same error lines; `close_all` ends the workers.
 
 `RewardFnScorer` is one function as score-ref's scorer (`reward/NAME`, on its reading of each row).
@@ -292,7 +292,7 @@ def load_all(specs: Iterable[str], taken: Iterable[str] = (), timeout: float = D
     """Load every --reward-fn, each call limited to `timeout` seconds (--reward-timeout, 0: no limit); a
     name already used by another component (`taken`, e.g. 'verifier' or the input table's) or given twice
     is an error. With `sandbox` (--sandbox bwrap|none; None: in the stage, the default) the functions run
-    in sandboxed workers (`rlkit.tasks.sandboxed`): the sandbox is checked and one worker per function
+    in sandboxed workers (`rlkit.sandbox.workers`): the sandbox is checked and one worker per function
     started (the function imported inside) now, before any sampling; `close_all` stops them."""
     specs = list(specs)
     if not (timeout >= 0 and math.isfinite(timeout)):
@@ -307,7 +307,7 @@ def load_all(specs: Iterable[str], taken: Iterable[str] = (), timeout: float = D
                 raise RlkitError(f"--reward-fn {f.name} ({f.label}): there is already a reward component named "
                                  f"{f.name!r}; name it differently (--reward-fn OTHER={f.label})")
         if sandbox is not None and out:
-            if sandbox.kind == "none":
+            if not sandbox.backend.isolated:
                 from rlkit import console
 
                 console.warn(f"--sandbox none: --reward-fn {', '.join(f.name for f in out)} run in worker processes "

@@ -55,7 +55,7 @@ def task_sandbox(task: Task | None, kind: str | None, workers: int | None = None
     if task is None or not getattr(task, "runs_code", False):
         return None
     sb = Sandbox(kind or "bwrap", workers)
-    if sb.kind == "none":
+    if not sb.backend.isolated:
         from rlkit import console
 
         console.warn(f"--sandbox none: task {task.name}'s model-written programs run as you, with resource limits "
@@ -66,11 +66,11 @@ def task_sandbox(task: Task | None, kind: str | None, workers: int | None = None
 
 
 def reward_fn_sandbox(kind: str | None, workers: int | None = None):
-    """The sandbox `--reward-fn` functions run in: only when `--sandbox bwrap` is given (then each function runs
-    in sandboxed worker processes, `rlkit.tasks.sandboxed`); without it, or with `--sandbox none`, they run in
-    the stage's own process, as the user's own code always has."""
+    """The sandbox `--reward-fn` functions run in: only when an isolated backend is given (`--sandbox bwrap`: then
+    each function runs in sandboxed worker processes, `rlkit.sandbox.workers`); without it, or with `--sandbox
+    none`, they run in the stage's own process, as the user's own code always has."""
     from rlkit.sandbox import KINDS, Sandbox
 
     if kind is not None and kind not in KINDS:
         raise RlkitError(f"--sandbox {kind!r}: expected one of {', '.join(KINDS)}")
-    return Sandbox(kind, workers) if kind == "bwrap" else None
+    return Sandbox(kind, workers) if kind is not None and Sandbox(kind).backend.isolated else None
