@@ -17,7 +17,8 @@ A model turn that contains a call is a tool call: the tool runs and its result c
 the final answer: the episode terminates with reward `score(answer_text, example)` (`example`: the
 `rlkit.tasks.Example` that `reset` received; the default score is 0.0). Tool calls earn no reward themselves.
 
-Two call formats are read, always both (the first call of the turn counts; `stop` ends the turn at its closing tag):
+The call formats of `CALL_FORMATS` are read, all in every turn (the first call of the turn counts; `stop` ends the turn at a
+closing tag; a new format is its parser and one line there):
   `<call>mul(37, 48)</call>`   NAME(ARGS), ARGS Python literals, positional or keyword (parsed with `ast`, never
                                evaluated: numbers, strings, lists, tuples, dicts, sets, True/False/None);
   `<tool_call>{"name": "mul", "arguments": {"a": 37, "b": 48}}</tool_call>`   the Hermes/Qwen chat templates'
@@ -70,8 +71,6 @@ from rlkit.errors import RlkitError
 from rlkit.sandbox.workers import Workers
 
 MAX_CALL_CHARS = 10_000  # a call's text longer than this is refused unparsed
-_CALL = re.compile(r"<call>(.*?)</call>", re.S)
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 _SIMPLE_TYPES = (int, float, str, bool)
 
 
@@ -86,15 +85,15 @@ class Call:
 
 
 def parse_call(text: str) -> Call | None:
-    """The first tool call in `text` (either format), or None when it has none."""
-    found = [m for m in (_CALL.search(text), _TOOL_CALL.search(text)) if m is not None]
+    """The first tool call in `text` (any format of `CALL_FORMATS`), or None when it has none."""
+    found = [(m, f) for f in CALL_FORMATS.values() if (m := f.pattern.search(text)) is not None]
     if not found:
         return None
-    m = min(found, key=lambda m: m.start())
+    m, f = min(found, key=lambda mf: mf[0].start())
     inner = m.group(1)
     if len(inner) > MAX_CALL_CHARS:
         return Call(None, error=f"the call is {len(inner):,} characters long; at most {MAX_CALL_CHARS:,}")
-    return _parse_simple(inner) if m.re is _CALL else _parse_json(inner)
+    return f.parse(inner)
 
 
 def _parse_simple(inner: str) -> Call:
@@ -153,6 +152,28 @@ def _parse_json(inner: str) -> Call:
     return Call(name, error=f"{name}: \"arguments\" is a {type(a).__name__}; {want}")
 
 
+@dataclass(frozen=True)
+class CallFormat:
+    """A tool-call format: the tags around a call in a model turn and the parser of the text between them (which
+    returns a `Call`, with `error` set when the text cannot be read). The closing tag ends a `Tools` turn."""
+
+    open: str
+    close: str
+    parse: Callable[[str], Call]
+
+    @property
+    def pattern(self) -> re.Pattern:
+        return re.compile(re.escape(self.open) + "(.*?)" + re.escape(self.close), re.S)
+
+
+# The tool-call formats a `Tools` environment reads, all of them in every turn: a new format is its parser and one
+# line here.
+CALL_FORMATS: dict[str, CallFormat] = {
+    "python": CallFormat("<call>", "</call>", _parse_simple),  # <call>NAME(ARGS)</call>, Python literals
+    "json": CallFormat("<tool_call>", "</tool_call>", _parse_json),  # Hermes/Qwen chat templates' JSON
+}
+
+
 class Tools:
     """An environment whose actions are tool calls (see the module docstring).
 
@@ -162,7 +183,7 @@ class Tools:
     trajectory's), `example` (the one `reset` received)."""
 
     tools: Sequence[Callable] | Mapping[str, Callable] = ()
-    stop = ("</call>", "</tool_call>")
+    stop = tuple(f.close for f in CALL_FORMATS.values())
     max_output_chars: int = 1000  # a result longer than this is cut (and marked)
     timeout: float = 10.0  # seconds per call in the sandbox (in the stage: --env-timeout bounds the whole step)
 
