@@ -123,10 +123,10 @@ def _score_prefs(cfg, reader, models: Models, tokenizer, out, inputs, reference:
     import pyarrow as pa
 
     from rlkit import console
-    from rlkit.algorithms.inputs import check_pair_lengths
     from rlkit.errors import RlkitError
     from rlkit.io import manifests, schemas, streams
     from rlkit.io.data import encode_responses
+    from rlkit.io.rows import check_pair_lengths
 
     if cfg.ref is None or cfg.rm or cfg.reward_fn:
         raise RlkitError("a prefs table is scored by the reference only (for DPO): pass --ref REF and no --rm or "
@@ -232,8 +232,8 @@ class Models:
         """Load every model once (on `dev`, in the resolved --dtype); the models themselves."""
         if self.loaded:
             return self
-        from rlkit.algorithms.inputs import Limits
         from rlkit.io import checkpoints
+        from rlkit.io.rows import Limits
         from rlkit.tasks.reward_model import load_reward_model
 
         cfg = self.cfg
@@ -509,8 +509,8 @@ def _score_stream(cfg: ScoreRefConfig, batches, writer, models: Models, tokenize
     import pyarrow as pa
 
     from rlkit import console
-    from rlkit.algorithms.inputs import check_rows
     from rlkit.errors import RlkitError
+    from rlkit.io.rows import check_rows
 
     with writer as w, console.progress("score-ref", None, unit="rows") as bar:
         for batch in batches:
