@@ -26,7 +26,13 @@ from rlkit.algorithms.batch import (  # noqa: F401 (re-exported)
 )
 from rlkit.algorithms.config import RLConfig
 from rlkit.algorithms.pi_old import batch_inputs, mismatch_metrics, recompute_logprobs  # noqa: F401 (re-exported)
-from rlkit.algorithms.shaping import Overlong, length_norm, overlong_limit, shaping  # noqa: F401 (re-exported)
+from rlkit.algorithms.shaping import (  # noqa: F401 (re-exported)
+    Overlong,
+    length_norm,
+    overlong_limit,
+    sampled_tokens,
+    shaping,
+)
 from rlkit.errors import RlkitError, non_finite_cause
 from rlkit.io.manifests import Manifest
 from rlkit.io.rows import (  # noqa: F401 (re-exported)
@@ -210,7 +216,7 @@ class Rollouts:
         # multi-turn rows: turns and tool calls a trajectory (rlkit report), and the share of the completion tokens
         # the environment wrote (loss_mask 0; read off the column, so rows --mask-truncated leaves out still count
         # their sampled tokens as sampled)
-        traj = trajectories.figures(table)
+        traj = trajectories.figures(table, sampled_tokens(rows.completions, rows.masks))
         metrics.update({k: traj[k] for k in ("mean_turns", "mean_tool_calls", "environment_token_fraction")
                         if traj and traj[k] is not None})
         train = {"temperature": temperature, "recompute": recompute, "lags": lags,
