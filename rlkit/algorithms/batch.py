@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from rlkit.algorithms.rewards import combine_rewards
 from rlkit.algorithms.shaping import Overlong, reward_columns
 from rlkit.errors import RlkitError
 from rlkit.io.rows import Limits, check_pair_lengths, loss_masks, row_name
@@ -110,8 +111,6 @@ def build_batch(table, pad_id: int, weights: dict[str, float] | None = None,
 
     A `loss_mask` column (multi-turn rows, `loss_masks`) is ANDed into the batch's `mask` here, and only here:
     everything downstream trains on and counts the tokens the policy sampled."""
-    from rlkit.algorithms.inputs import combine_rewards
-
     if rows is None:
         rows = read_rollouts(table, label, length_penalty, overlong)
     masks = rows.masks

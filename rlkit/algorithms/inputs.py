@@ -26,6 +26,7 @@ from rlkit.algorithms.batch import (  # noqa: F401 (re-exported)
 )
 from rlkit.algorithms.config import RLConfig
 from rlkit.algorithms.pi_old import batch_inputs, mismatch_metrics, recompute_logprobs  # noqa: F401 (re-exported)
+from rlkit.algorithms.rewards import combine_rewards  # noqa: F401 (re-exported: rollout and sft sum rewards with it)
 from rlkit.algorithms.shaping import (  # noqa: F401 (re-exported)
     Overlong,
     length_norm,
@@ -33,7 +34,7 @@ from rlkit.algorithms.shaping import (  # noqa: F401 (re-exported)
     sampled_tokens,
     shaping,
 )
-from rlkit.errors import RlkitError, non_finite_cause
+from rlkit.errors import RlkitError
 from rlkit.io.manifests import Manifest
 from rlkit.io.rows import (  # noqa: F401 (re-exported)
     Limits,
@@ -56,8 +57,6 @@ class Loaded(NamedTuple):
     reward_weights: dict[str, float] | None  # the reward components' weights used (for the manifest)
 
 
-
-
 def parse_weights(specs: tuple[str, ...]) -> dict[str, float] | None:
     """--reward NAME=W ... -> {NAME: W}; None when none is given (every component with weight 1)."""
     import math
@@ -76,28 +75,6 @@ def parse_weights(specs: tuple[str, ...]) -> dict[str, float] | None:
         if not eq or not name.strip():
             raise RlkitError(f"--reward {s!r}: expected NAME=WEIGHT, e.g. verifier=1.0")
     return out
-
-
-def combine_rewards(columns: dict[str, list[float]], weights: dict[str, float] | None,
-                    dtype: torch.dtype = torch.float32) -> tuple[Tensor, dict[str, float]]:
-    """Weighted sum of reward components (default: each present component with weight 1), summed in float64 and
-    returned as `dtype` (sft's --min-reward compares float64 totals: 0.7 in float32 is below 0.7)."""
-    if not columns:
-        raise RlkitError("the input has no reward/<component> columns; sample with a task that has a verifier")
-    w = dict(weights) if weights else {name: 1.0 for name in columns}
-    missing = sorted(set(w) - set(columns))
-    if missing:
-        raise RlkitError(f"--reward names {missing}, but the input only has components {sorted(columns)}")
-    total = torch.zeros(len(next(iter(columns.values()))), dtype=torch.float64)
-    for name, weight in w.items():
-        if any(v is None for v in columns[name]):
-            raise RlkitError(f"reward component {name!r} has missing values")
-        vals = torch.tensor(columns[name], dtype=torch.float64)
-        cause = non_finite_cause({f"the input table's reward/{name}": vals})
-        if cause:  # an inf reward makes every advantage of its group NaN
-            raise RlkitError(cause)
-        total += weight * vals
-    return total.to(dtype), w
 
 
 def verdict_fractions(table) -> dict[str, float]:

@@ -6,13 +6,10 @@ normaliser (`length_norm`). Also the reward components a rollouts table gives (`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from rlkit.errors import RlkitError
 from rlkit.io.schemas import token_rewards_part_of
-
-if TYPE_CHECKING:
-    from rlkit.algorithms.batch import RLBatch
 
 
 def sampled_tokens(comps: list[list[int]], masks: list[list[int] | None] | None = None) -> list[int]:
@@ -30,8 +27,6 @@ class Overlong(NamedTuple):
     max_len: int
     buffer: int
     penalty: float
-
-
 
 
 def reward_columns(table, comps: list[list[int]], length_penalty: float,
@@ -72,9 +67,10 @@ def overlong_limit(sampling, buffer: int, label: str) -> int:
     return int(most)
 
 
-def length_norm(sampling, batch: RLBatch) -> float:
+def length_norm(sampling, batch) -> float:
     """Dr. GRPO's constant normaliser: the most tokens a row's policy may sample. A single-turn rollout's
-    --max-new-tokens; with --env, the turns times the tokens a turn, at most --max-total-tokens."""
+    --max-new-tokens; with --env, the turns times the tokens a turn, at most --max-total-tokens. `batch`: the
+    `RLBatch` (its width, when the manifest records no --max-new-tokens)."""
     per_turn = sampling.get("max_new_tokens")
     if not per_turn:
         return float(batch.targets.shape[1])
