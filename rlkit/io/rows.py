@@ -40,8 +40,6 @@ def context_length(config) -> int | None:
     return None
 
 
-
-
 def row_name(table, i: int, row0: int = 0) -> str:
     """'row 3 (prompt_id 'q7', sample 1)': row `i` of `table`, row `row0 + i` of the whole table, as the user
     can find it."""
@@ -136,7 +134,6 @@ def check_not_all_empty(table, label: str) -> None:
         raise RlkitError(f"{label}: every completion is empty (0 tokens in all {table.num_rows} rows): nothing to "
                          "train on; sample again (rollout --max-new-tokens must be > 0, and the policy must not end "
                          "every answer at once)")
-
 
 
 def loss_masks(table, label: str = "the input", row0: int = 0) -> list[list[int] | None] | None:
