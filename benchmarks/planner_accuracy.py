@@ -124,7 +124,7 @@ def main() -> None:
         t0 = time.monotonic()
         measured = planner.run_traces([spec])[0]
         t1 = time.monotonic()
-        est = planner._estimate("sft", measured, planner.Hardware(), {})
+        est = planner.estimate("sft", measured, planner.Hardware(), {})
         real = measure_real(spec)
         t2 = time.monotonic()
         n = planner.parameters(spec["config"])

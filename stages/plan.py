@@ -102,122 +102,6 @@ def _given(args: tuple[str, ...], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
-# -- the shape of the work, and where each figure came from
-
-
-def _table(stage: str, s):
-    """The stage's input table, read and checked as the stage reads and checks it -> (table, label), or None
-    (no input named: the plan does not read stdin)."""
-    from rlkit.io import data, streams
-
-    if stage in ("update", "pipe"):
-        if not s.inp or s.inp == "-":
-            return None
-        from rlkit import algorithms
-
-        inp = algorithms.get(s.rl.algo).input()
-        table, reader = streams.read_table(s.inp, list(inp.kinds), require_rows=False)
-        inp.check(reader.kind, s.rl)
-        return table, f"--in {s.inp}"
-    if stage == "score-ref":
-        if not s.inp or s.inp == "-":
-            return None
-        table, _ = streams.read_table(s.inp, ["rollouts", "scored", "prefs"], require_rows=False)
-        return table, f"--in {s.inp}"
-    if stage == "train-rm":
-        if s.prefs == "-":
-            return None
-        src = data.load_source(s.prefs, "prefs", {})
-        from rlkit.tasks import prefs
-
-        t = src.table.to_pydict()
-        prefs.check_pairs(src.label, t["prompt"], t["chosen"], t["rejected"])
-        return None  # pairs of text: their lengths are the tokenizer's, --max-length bounds them
-    if stage == "sft" and s.data:
-        data.load_source(s.data, "sft", {"prompt": s.prompt_column, "completion": s.completion_column})
-    return None
-
-
-def _longest(got) -> tuple[int, int, int] | None:
-    """(longest prompt, longest completion, rows) of a token table (rollouts, scored), or None."""
-    if got is None:
-        return None
-    import pyarrow.compute as pc
-
-    table = got[0]
-    names = table.schema.names
-    if "prompt_ids" not in names or "completion_ids" not in names or not table.num_rows:
-        return None
-    p = pc.max(pc.list_value_length(table.column("prompt_ids"))).as_py() or 1
-    c = pc.max(pc.list_value_length(table.column("completion_ids"))).as_py() or 1
-    return int(p), int(c), table.num_rows
-
-
-DEFAULT_TOKENS = 256  # prompt and completion each, where nothing else gives them (at most half the model's context)
-
-
-def _work(stage: str, s, cfg: PlanConfig, config: dict, rows: tuple[int, str], limit: tuple[int, int, str] | None = None,
-          table=None):
-    """The shape planned for: prompt and completion tokens from --prompt-tokens/--completion-tokens, else the input
-    table's longest, else the stage's own limit `limit` (prompt, completion, its flag), else DEFAULT_TOKENS each
-    (half the model's context where that is shorter); `rows` (value, where from). Refused past the model's
-    context. -> planner.Work, with `origin` saying where each figure came from."""
-    from rlkit import planner
-    from rlkit.errors import RlkitError
-
-    ctx = int(config.get("max_position_embeddings") or 0)
-    got = _longest(table)
-    batch_rows = None
-    if got is not None:
-        prompt, completion = (got[0], f"{table[1]}, its longest"), (got[1], f"{table[1]}, its longest")
-        batch_rows = got[2]
-    elif limit is not None:
-        prompt, completion = (limit[0], limit[2]), (limit[1], limit[2])
-    else:
-        d = min(DEFAULT_TOKENS, ctx // 2) if ctx else DEFAULT_TOKENS
-        why = (f"the default {DEFAULT_TOKENS}" if d == DEFAULT_TOKENS else
-               f"half the model's {ctx}-token context: the default {DEFAULT_TOKENS} is longer")
-        prompt, completion = (d, why), (d, why)
-    if cfg.prompt_tokens:
-        prompt = (cfg.prompt_tokens, "--prompt-tokens")
-    if cfg.completion_tokens:
-        completion = (cfg.completion_tokens, "--completion-tokens")
-    if ctx and prompt[0] + completion[0] > ctx:
-        raise RlkitError(f"plan {stage}: a sequence of {prompt[0]:,} prompt ({prompt[1]}) + {completion[0]:,} completion "
-                         f"({completion[1]}) tokens is longer than the model's context of {ctx:,} tokens "
-                         f"(max_position_embeddings); expected at most {ctx:,} together")
-    origin = {"prompt_tokens": prompt[1], "completion_tokens": completion[1], "rows": rows[1]}
-    if batch_rows is not None:
-        origin["batch_rows"] = f"{table[1]}, its rows"
-    return planner.Work(prompt[0], completion[0], rows[0], batch_rows, origin)
-
-
-def _check_world(stage: str, work, hw, flag: str) -> None:
-    from rlkit.errors import RlkitError
-
-    if hw.gpus > work.rows:
-        raise RlkitError(f"plan {stage}: --gpus {hw.gpus} is more GPUs than the {work.rows:,} rows of one optimizer step "
-                         f"({flag}); expected at most {work.rows:,} (each GPU trains at least one row)")
-
-
-def _micro(train, work, hw) -> dict:
-    """The micro-batches a rank runs, as the trace cuts them, and where their size came from."""
-    from rlkit.training import GPU_MICRO_BATCH_TOKENS
-
-    per_rank = -(-work.rows // hw.gpus)
-    length = work.prompt + work.completion
-    if train.micro_batch_size is not None:
-        size, why = train.micro_batch_size, "--micro-batch-size"
-    else:
-        tokens = train.micro_batch_tokens or GPU_MICRO_BATCH_TOKENS
-        size = max(1, tokens // length)
-        why = (f"--micro-batch-tokens {tokens:,}" if train.micro_batch_tokens else
-               f"the GPU's default budget of {tokens:,} tokens")
-    size = min(size, per_rank)
-    return {"rows_per_gpu": per_rank, "micro_batch_rows": size, "micro_batches_per_gpu": -(-per_rank // size),
-            "micro_batch_from": why}
-
-
 def _model(path, flag: str, tiny=None) -> dict:
     from rlkit import planner
 
@@ -228,15 +112,16 @@ def plan_stage(stage: str, s, cfg: PlanConfig, hw, suggest: bool = False):
     """The estimate for one stage's config `s` (and, with `suggest`, what makes it fit)."""
     from rlkit import planner
     from rlkit.errors import RlkitError
+    from rlkit.planner.work import DEFAULT_TOKENS, check_world, micro_batches, read_input, work_of
 
-    table = _table(stage, s)
+    table = read_input(stage, s)
     if stage in ("update", "pipe"):
         from rlkit.algorithms.config import resolve
 
         rl = resolve(s.rl)
         config = _model(s.policy, "--policy")
         given = _given(cfg.args, "--minibatch-size")
-        work = _work(stage, s, cfg, config, (rl.minibatch_size, "--minibatch-size" + ("" if given else "'s default")),
+        work = work_of(stage, s, cfg, config, (rl.minibatch_size, "--minibatch-size" + ("" if given else "'s default")),
                      table=table)
         flag = "--minibatch-size"
 
@@ -247,7 +132,7 @@ def plan_stage(stage: str, s, cfg: PlanConfig, hw, suggest: bool = False):
     elif stage == "sft":
         config = _model(s.model, "--model", s.tiny)
         half = s.max_len // 2
-        work = _work(stage, s, cfg, config, (1, ""), (half, s.max_len - half, "--max-length, halved"))
+        work = work_of(stage, s, cfg, config, (1, ""), (half, s.max_len - half, "--max-length, halved"))
         rows = max(1, s.batch_tokens // (work.prompt + work.completion))
         work = replace(work, rows=rows, origin={**work.origin, "rows": "--batch-tokens / the sequence's tokens"})
         flag = "--batch-tokens"
@@ -259,7 +144,7 @@ def plan_stage(stage: str, s, cfg: PlanConfig, hw, suggest: bool = False):
     elif stage == "train-rm":
         config = _model(s.base, "--model")
         half = s.max_length // 2
-        work = _work(stage, s, cfg, config, (s.batch_size, "--batch-size"),
+        work = work_of(stage, s, cfg, config, (s.batch_size, "--batch-size"),
                      (half, s.max_length - half, "--max-length, halved"))
         flag = "--batch-size"
 
@@ -272,9 +157,9 @@ def plan_stage(stage: str, s, cfg: PlanConfig, hw, suggest: bool = False):
             raise RlkitError("plan score-ref: give --ref DIR (the reference to plan for)")
         config = _model(s.ref, "--ref")
         rms = [_model(d, "--rm") for d in _rm_dirs(s.rm)]
-        work = _work(stage, s, cfg, config, (1, "--batch-tokens"), table=table)
+        work = work_of(stage, s, cfg, config, (1, "--batch-tokens"), table=table)
         for rm in rms:
-            _work(stage, s, cfg, rm, (1, ""), table=table)  # each reward model's context too
+            work_of(stage, s, cfg, rm, (1, ""), table=table)  # each reward model's context too
         est = planner.plan_score_ref(config, work, hw, s.dtype, s.batch_tokens, s.packing, rms)
         est.settings["shape"] = _shape(work, {"rows_per_batch": est.settings["rows_per_batch"]})
         return est
@@ -290,7 +175,7 @@ def plan_stage(stage: str, s, cfg: PlanConfig, hw, suggest: bool = False):
         max_new = generation_length(task, s.max_new_tokens)  # without the flag: the task's own length
         prompt = min(DEFAULT_TOKENS, max(1, ctx - max_new)) if ctx else DEFAULT_TOKENS
         limit = (prompt, max_new, "--max-new-tokens" if s.max_new_tokens else f"task {task.name}'s length")
-        work = _work(stage, s, cfg, config, (1, ""), limit)
+        work = work_of(stage, s, cfg, config, (1, ""), limit)
         if limit is not None and not cfg.prompt_tokens:
             why = f"the default {DEFAULT_TOKENS}" if prompt == DEFAULT_TOKENS else "the model's context less --max-new-tokens"
             work = replace(work, origin={**work.origin, "prompt_tokens": why})
@@ -302,9 +187,9 @@ def plan_stage(stage: str, s, cfg: PlanConfig, hw, suggest: bool = False):
         est.settings["shape"] = _shape(work)
         return est
     train.check(distributed=hw.gpus > 1, step_rows=work.rows, step_flag=flag)
-    _check_world(stage, work, hw, flag)
+    check_world(stage, work, hw, flag)
     est = plan(train, hw)
-    est.settings["shape"] = _shape(work, _micro(train, work, hw))
+    est.settings["shape"] = _shape(work, micro_batches(train, work, hw))
     if suggest and not est.fits:
         kw = {"algo": rl.algo, "beta": rl.beta or 0.0} if stage in ("update", "pipe") else {}
         est.suggestion = planner.suggest_training("update" if stage == "pipe" else stage, config, work, hw, train, **kw)

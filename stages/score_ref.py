@@ -91,7 +91,7 @@ def _load(cfg: ScoreRefConfig, scorers: list[Scorer], dev) -> list:
     """Load every scorer's model once (on `dev`, in the resolved --dtype), when the first input batch has come, not
     when the stage starts: in the card's pipe rollout's vLLM then has started and measured its memory before these
     models take theirs. -> what the rows must fit (`Limits`) for each model that reads the policy's token ids."""
-    from rlkit.algorithms.inputs import Limits
+    from rlkit.io.rows import Limits
     from rlkit.scorers import LogProbScorer
 
     if cfg.plan:  # on a GPU: the models and one forward batch must fit what the GPU has free (rlkit.planner)
@@ -112,10 +112,10 @@ def _score_prefs(cfg, reader, scorers: list[Scorer], out, inputs, dev) -> Path |
     import pyarrow as pa
 
     from rlkit import console, devices
-    from rlkit.algorithms.inputs import check_pair_lengths
     from rlkit.errors import RlkitError
     from rlkit.io import manifests, schemas, streams
     from rlkit.io.data import encode_responses
+    from rlkit.io.rows import check_pair_lengths
     from rlkit.scorers.logprobs import score_tokens
 
     if cfg.shard:
@@ -316,8 +316,8 @@ def _score_stream(cfg: ScoreRefConfig, batches, writer, scorers: list[Scorer], r
     import pyarrow as pa
 
     from rlkit import console
-    from rlkit.algorithms.inputs import check_rows
     from rlkit.errors import RlkitError
+    from rlkit.io.rows import check_rows
     from rlkit.scorers import Rows, refuse_the_policy
 
     limits = None

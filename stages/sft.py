@@ -256,7 +256,7 @@ def _run(cfg: SftConfig, tracker) -> Path:
     from rlkit.training.supervised import CrossEntropy, fit
 
     if rollouts is not None:  # the sampled token ids as they are, with a multi-turn row's loss_mask
-        from rlkit.algorithms.inputs import Limits
+        from rlkit.io.rows import Limits
 
         rejection.check_tokenizer(rollouts[1].record, tokenizer, cfg.model, str(cfg.data))
         ids, plens, masks = rejection.training_rows(rollouts[0], kept, cfg.max_len,

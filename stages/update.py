@@ -7,7 +7,7 @@ on stdin or --in. Writes the next checkpoint: weights, `rlkit.json` (step + 1, m
 `update` resumes, so N sequential processes equal one process doing N updates.
 
 The algorithms are plug-ins (`rlkit.algorithms`: each registers its defaults and declares its input,
-advantages and loss terms) and `rlkit.training.trainer.Trainer` is the one training loop: --epochs passes of --minibatch-size
+advantages and loss terms) and `rlkit.algorithms.trainer.Trainer` is the one training loop: --epochs passes of --minibatch-size
 sequences, so one rollout batch feeds many optimizer steps. For the clipped-ratio family the loss is
 PPO's clipped surrogate on pi_theta / pi_old with asymmetric clipping and a dual clip for negative
 advantages; the KL leash to pi_ref (never pi_old) is a loss term (k3+ by default: k3's value, the
@@ -151,10 +151,12 @@ def run(cfg: UpdateConfig) -> Path:
 
 def _run(cfg: UpdateConfig) -> Path:
     from rlkit import console, devices
-    from rlkit.algorithms.inputs import Limits, parse_weights, shaping
+    from rlkit.algorithms.inputs import parse_weights
+    from rlkit.algorithms.shaping import shaping
+    from rlkit.algorithms.trainer import Trainer
     from rlkit.io import atomic, checkpoints, claims, fingerprints, manifests, metrics_log, streams, tracking
+    from rlkit.io.rows import Limits
     from rlkit.training import lora
-    from rlkit.training.trainer import Trainer
 
     weights = parse_weights(cfg.reward)
     checkpoints.check_model_dir(cfg.policy, "policy")

@@ -267,8 +267,8 @@ def updates_in_one_process(model, tok, cfg, tables: list[Path]):
     """The updates `rlkit update` runs, one per rollouts table, in this process with one Trainer (optimizer
     kept in memory): what N sequential `update` processes must equal. -> the TrainerState after them."""
     from rlkit.algorithms.inputs import build_batch
+    from rlkit.algorithms.trainer import Trainer
     from rlkit.io import streams
-    from rlkit.training.trainer import Trainer
 
     trainer = Trainer(model, cfg, tokenizer=tok)
     for src in tables:

@@ -1,4 +1,4 @@
-"""The `Algorithm` interface `rlkit.training.trainer.Trainer` drives, and the small records passed between them.
+"""The `Algorithm` interface `rlkit.algorithms.trainer.Trainer` drives, and the small records passed between them.
 
 One update, as the trainer runs it:
 

@@ -16,8 +16,9 @@ import torch
 from torch import Tensor
 
 from rlkit.algorithms.base import Algorithm, Context, Minibatch, Plan, StepOut
+from rlkit.algorithms.batch import PrefBatch
 from rlkit.algorithms.config import RLConfig
-from rlkit.algorithms.inputs import PrefBatch, Prefs
+from rlkit.algorithms.inputs import Prefs
 from rlkit.errors import RlkitError
 from rlkit.ops.logprobs import completion_logprobs
 from rlkit.ops.packing import from_padded

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from torch import Tensor
 
 from rlkit import console
+from rlkit.algorithms.batch import RLBatch
 from rlkit.algorithms.config import RLConfig
-from rlkit.algorithms.inputs import RLBatch
 from rlkit.algorithms.policy_gradient import PGPlan, PolicyGradient
 from rlkit.ops.advantages import ADVANTAGES, GROUP_BASELINE, GroupCounts
 

@@ -20,15 +20,10 @@ import torch
 from torch import Tensor
 
 from rlkit.algorithms.base import Algorithm, Context, Minibatch, Plan, StepOut
+from rlkit.algorithms.batch import RLBatch
 from rlkit.algorithms.config import RLConfig
-from rlkit.algorithms.inputs import (
-    NO_TEACHER,
-    RLBatch,
-    Rollouts,
-    batch_inputs,
-    mismatch_metrics,
-    recompute_logprobs,
-)
+from rlkit.algorithms.inputs import NO_TEACHER, Rollouts
+from rlkit.algorithms.pi_old import batch_inputs, mismatch_metrics, recompute_logprobs
 from rlkit.errors import RlkitError
 from rlkit.ops.advantages import GroupCounts, degenerate_groups, teacher_advantage, teacher_kl
 from rlkit.ops.kl import kl_per_token

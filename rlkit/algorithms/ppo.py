@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from rlkit.algorithms.batch import RLBatch
 from rlkit.algorithms.config import RLConfig
-from rlkit.algorithms.inputs import RLBatch
 from rlkit.algorithms.policy_gradient import PGPlan, PolicyGradient
 from rlkit.errors import RlkitError
 from rlkit.io.manifests import MODEL_MANIFEST

@@ -86,6 +86,13 @@ def vllm_device(spec: str):
 
 
 WAKE_TAGS = ("weights", "kv_cache")  # what vLLM's sleep mode releases and `LLM.wake_up(tags)` takes back
+# the ranks vLLM's LoRA kernels take (vllm.config.lora.MaxLoRARanks); an adapter's rank is rounded up
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_rank(rank: int) -> int | None:
+    """The smallest max_lora_rank vLLM accepts for an adapter of `rank`; None above its largest."""
+    return next((r for r in VLLM_RANKS if r >= rank), None)
 
 
 def _prompt_seed(seed: int, i: int) -> int:
@@ -110,7 +117,7 @@ class VLLMEngine:
     """`vllm.LLM` over the checkpoint directory; prompts go in as token ids, samples come back as
     token ids with the log-prob of each sampled token (`logprobs=0`: the sampled token only).
 
-    A LoRA checkpoint (`rlkit.training.lora`) runs on vLLM's LoRA support (the CPU backend's too): the engine loads
+    A LoRA checkpoint (`rlkit.io.adapters`) runs on vLLM's LoRA support (the CPU backend's too): the engine loads
     the hash-verified base and sends the adapter as a `LoRARequest` with every generate call; a reload to
     another adapter on the same base swaps the request (no weights move). With `EngineOptions.lora` "merge",
     an adapter above vLLM's largest rank (512), or an adapter on another base than the weights the engine
@@ -167,11 +174,10 @@ class VLLMEngine:
         self._lora_ids, self._tmp = 0, None  # LoRARequest ids used; the temporary merged weights held now
         self.weights, lora_kw = self.policy, {}  # the plain weights (directory) loaded into the engine
         from rlkit.io import adapters
-        from rlkit.training import lora
 
         if adapters.is_adapter_dir(self.policy):
             base, _ = adapters.verify_base(self.policy)
-            max_rank = lora.vllm_rank(adapters.adapter_rank(self.policy))
+            max_rank = vllm_rank(adapters.adapter_rank(self.policy))
             if opts.lora == "adapter" and max_rank is not None:
                 self.weights, lora_kw = base, {"enable_lora": True, "max_lora_rank": max_rank, "max_loras": 1}
             else:

@@ -1,6 +1,6 @@
 """`update --follow`'s input side: cut an unbounded stream of rollout record batches into the tables
 the trainer trains on, one per step. Arrow only (no torch at import, no model), so it is tested with a
-fake reader; `rlkit.io.follow` is the step-directory protocol and `rlkit.training.trainer` the training, neither of
+fake reader; `rlkit.io.follow` is the step-directory protocol and `rlkit.algorithms.trainer` the training, neither of
 which needs to know how a stream is cut.
 """
 

@@ -2,7 +2,7 @@
 (docs/follow.md). The input is a stream (stdin or --in FILE, cut into --batch-prompts groups by
 `rlkit.follow.batches`) or a spool directory many rollout workers write batch files into (`rlkit.io.spool`);
 `rlkit.follow.source` gives either, batch by batch, and under torchrun broadcasts what rank 0 read to every rank.
-`rlkit.io.follow` is the step-directory protocol (writer lock, publish, prune, resume), `rlkit.training.trainer.Trainer`
+`rlkit.io.follow` is the step-directory protocol (writer lock, publish, prune, resume), `rlkit.algorithms.trainer.Trainer`
 trains (FSDP2 under torchrun, the one-process update up to float summation order), and `rlkit.algorithms.record`
 checks, records and shows what one `update` does. `stages/update.py` reads the flags and calls `check_follow` and
 `run_follow`.
@@ -111,12 +111,13 @@ def _share_start(cfg, root: Path, base_fp: str, dp) -> Path:
 def _follow(cfg, inp, pending, weights, rt, start: Path, sp: Path | None, base_fp: str, base_step: int) -> Path:
     from rlkit import console, devices
     from rlkit.algorithms.config import DEFAULT_FOLLOW_TIS_CAP
-    from rlkit.algorithms.inputs import Limits, shaping
+    from rlkit.algorithms.shaping import shaping
+    from rlkit.algorithms.trainer import Trainer, free_grads
     from rlkit.errors import RlkitError
     from rlkit.follow.source import Shared, SpoolSource, StreamSource
     from rlkit.io import checkpoints, follow, manifests, metrics_log, tracking
+    from rlkit.io.rows import Limits
     from rlkit.training import distributed, lora
-    from rlkit.training.trainer import Trainer, free_grads
 
     dp, dev, root = rt.dp, rt.device, cfg.out
     main = dp is None or dp.main

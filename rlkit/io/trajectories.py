@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 
-def figures(table) -> dict[str, Any] | None:
+def figures(table, sampled: list[int] | None = None) -> dict[str, Any] | None:
     """A multi-turn rollouts/scored table's figures over all its rows: mean turns and tool calls per
     trajectory, end-reason counts, the completion tokens sampled (`loss_mask` 1) and appended by the environment
     (0) per trajectory and the environment's share of them, the mean `reward/env`. None for a table with no
@@ -15,7 +15,9 @@ def figures(table) -> dict[str, Any] | None:
 
     A trajectory cut into several rows (a chat template that renders earlier turns otherwise: every row but
     its last has `end_reason` "continued") counts once: its rows' turns and tokens are summed, its reward and
-    tool calls read from its last row. A row without `turns` (single-turn) counts one turn."""
+    tool calls read from its last row. A row without `turns` (single-turn) counts one turn. `sampled`: each row's
+    sampled tokens when the caller has read them already (`rlkit.algorithms.shaping.sampled_tokens` of a checked
+    loss_mask), else counted here."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -36,8 +38,10 @@ def figures(table) -> dict[str, Any] | None:
     per = max(1, trajs)
     comp = np.asarray(pc.list_value_length(table.column("completion_ids")).fill_null(0)
                       .to_numpy(zero_copy_only=False), dtype=np.int64)
-    sampled = comp.copy()  # a missing loss_mask, or a null row of it: every completion token sampled
-    if "loss_mask" in names:
+    given = sampled is not None
+    # a missing loss_mask, or a null row of it: every completion token sampled
+    sampled = np.asarray(sampled, dtype=np.int64) if given else comp.copy()
+    if "loss_mask" in names and not given:
         lm = table.column("loss_mask")
         lm = lm.combine_chunks() if isinstance(lm, pa.ChunkedArray) else lm
         if len(lm) and lm.null_count < len(lm):

@@ -175,7 +175,7 @@ def seq_mean_token_sum_norm(x: Tensor, mask: Tensor, norm: float | None = None) 
 
     `norm` must be the same constant for every minibatch and data-parallel rank (rlkit passes the
     rollout's `max_new_tokens`, times `max_turns` and at most `max_total_tokens` under --env:
-    `rlkit.algorithms.inputs._length_norm`); a per-minibatch length would make the weights drift, so there is no
+    `rlkit.algorithms.shaping.length_norm`); a per-minibatch length would make the weights drift, so there is no
     default. Every row counts in B, empty ones included: the divisor is a constant by design.
     """
     if norm is None or norm <= 0:

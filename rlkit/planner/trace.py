@@ -327,9 +327,9 @@ def _build(spec: Spec, cfg, opts, dp, layers: int, device: str = "cpu"):
     base = _lora_base() if opts.lora is not None else None
     if spec.stage == "update":
         from rlkit.algorithms.base import Context
+        from rlkit.algorithms.batch import RLBatch
         from rlkit.algorithms.config import RLConfig
-        from rlkit.algorithms.inputs import RLBatch
-        from rlkit.training.trainer import Trainer
+        from rlkit.algorithms.trainer import Trainer
 
         n, c = rows, spec.completion
 
@@ -340,7 +340,7 @@ def _build(spec: Spec, cfg, opts, dp, layers: int, device: str = "cpu"):
 
         with _real():
             if spec.algo == "dpo":  # `rows` preference pairs: chosen and rejected, each `length` tokens
-                from rlkit.algorithms.inputs import PrefBatch
+                from rlkit.algorithms.batch import PrefBatch
 
                 batch = PrefBatch(const(1, 2 * n, length), const(1, 2 * n, length), const(1, 2 * n, c),
                                   const(True, 2 * n, c), torch.full((2 * n,), spec.prompt - 1),

@@ -43,7 +43,7 @@ _sweep = False  # after each call, kill every other process of the sandbox (set 
 
 
 def one_line(e: BaseException) -> str:
-    """`Type: first line of the message` (rlkit.tasks.user_code.one_line)."""
+    """`Type: first line of the message` (rlkit.plugins.user_code.one_line)."""
     if isinstance(e, SyntaxError) and e.lineno:
         return f"{type(e).__name__}: {e.msg} (line {e.lineno})"
     msg = str(e).strip().splitlines()
@@ -51,7 +51,7 @@ def one_line(e: BaseException) -> str:
 
 
 def as_number(value: object):
-    """rlkit.tasks.user_code.as_number: a finite real number as a float, else None."""
+    """rlkit.plugins.user_code.as_number: a finite real number as a float, else None."""
     if not isinstance(value, numbers.Real):
         size = value.numel() if callable(getattr(value, "numel", None)) else getattr(value, "size", None)
         if size != 1 or not callable(getattr(value, "item", None)):
@@ -76,7 +76,7 @@ def load(cfg: dict):
         path, data = cfg["source"], base64.b64decode(cfg["data"])  # what the host read: the folder may be closed to us
         stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
         digest = hashlib.sha1(path.encode() + b"\0" + data).hexdigest()[:12]
-        key = f"_rlkit_user_{digest}_{stem}"  # the module name rlkit.tasks.user_code gives it on the host
+        key = f"_rlkit_user_{digest}_{stem}"  # the module name rlkit.plugins.user_code gives it on the host
         mod = importlib.util.module_from_spec(importlib.util.spec_from_loader(key, loader=None, origin=path))
         mod.__file__ = path
         folder = os.path.dirname(path)

@@ -51,7 +51,7 @@ def worker_source() -> str:
 
 def where_from(ref) -> tuple[dict, list[Path]]:
     """(the worker's CONFIG, the host paths the sandbox shows read-only) for the function that `ref` (an
-    `rlkit.tasks.user_code.Ref`, already imported on the host) names."""
+    `rlkit.plugins.user_code.Ref`, already imported on the host) names."""
     import site
 
     prefixes = [Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()]

@@ -21,9 +21,6 @@ from rlkit.io.adapters import (
     state,
 )
 
-# the ranks vLLM's LoRA kernels take (vllm.config.lora.MaxLoRARanks); an adapter's rank is rounded up
-VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
 
 def lora_options(rank: int | None, alpha: float | None, dropout: float, targets: str | None) -> LoraOptions | None:
     """The CLI's four LoRA flags -> LoraOptions (None without --lora-rank); checked by TrainOptions.check."""
@@ -146,8 +143,3 @@ def plain_state_dict(model, sd: dict | None = None) -> dict:
         else:
             out[k.replace(".modules_to_save.default.", ".")] = v
     return out
-
-
-def vllm_rank(rank: int) -> int | None:
-    """The smallest max_lora_rank vLLM accepts for an adapter of `rank`; None above its largest."""
-    return next((r for r in VLLM_RANKS if r >= rank), None)

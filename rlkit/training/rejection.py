@@ -62,7 +62,7 @@ def reject(table, *, min_reward: float | None, best_of: bool, weights: Mapping[s
            label: str) -> Kept:
     """Filter a rollouts/scored table (`select` on its total rewards). Refused in one line: missing token ids, no
     reward column, no row reaching `min_reward`, a bad loss_mask (`check_loss_mask`)."""
-    from rlkit.algorithms.inputs import check_loss_mask
+    from rlkit.io.rows import check_loss_mask
     from rlkit.rewards import combine_rewards
 
     for col in ("prompt_ids", "completion_ids"):
@@ -98,8 +98,8 @@ def training_rows(table, kept: Kept, max_len: int, limits, label: str
     """(token ids, prompt lengths, completion masks) of the kept rows, for `CrossEntropy.plan`: prompt_ids +
     completion_ids as they are, and each row's loss_mask (None: the table has none, every token was sampled).
     Refused in one line naming the row: a token id outside the model's vocabulary (`limits`,
-    `rlkit.algorithms.inputs.Limits`), a row longer than `max_len` (--max-length) or the model's context."""
-    from rlkit.algorithms.inputs import Limits, _row_name, check_rows, loss_masks
+    `rlkit.io.rows.Limits`), a row longer than `max_len` (--max-length) or the model's context."""
+    from rlkit.io.rows import Limits, check_rows, loss_masks, row_name
 
     check_rows(table, Limits(limits.vocab, None, limits.what), label)  # every row's ids: the length check is below
     sub = table.take(kept.rows)
@@ -116,7 +116,7 @@ def training_rows(table, kept: Kept, max_len: int, limits, label: str
         fix = (f"raise --max-length to {max(lengths)} (the longest kept row), or sample shorter completions "
                "(rollout --max-new-tokens)" if most == max_len else
                "sample shorter completions (rollout --max-new-tokens)")
-        raise RlkitError(f"{label}: {_row_name(table, kept.rows[k])} is {lengths[k]} tokens long (prompt {p} + "
+        raise RlkitError(f"{label}: {row_name(table, kept.rows[k])} is {lengths[k]} tokens long (prompt {p} + "
                          f"completion {lengths[k] - p}), {where}; sft trains on a kept completion whole, never cut: "
                          f"{fix}")
     ids = [[*p, *c] for p, c in zip(prompts, comps, strict=True)]

@@ -5,7 +5,7 @@ the directory written atomically at the end, and not a name `claims.clean_leftov
 
     model.safetensors       the trainable parameters by name (LoRA: the adapter and the head)
     optimizer.safetensors   AdamW moments and step per parameter name, the torch CPU RNG, and the
-                            CUDA RNG on a GPU (`rlkit.training.trainer.trainer_tensors`)
+                            CUDA RNG on a GPU (`rlkit.training.engine.trainer_tensors`)
     state.json              optimizer step and loss-scale state (`trainer.save_trainer`)
     resume.json             command, comparable config, input fingerprints, step of total, data
                             position (epoch, batch), LR scheduler, param-group LRs, running figures,

@@ -173,7 +173,8 @@ def test_inspect_shows_the_observations_the_model_saw(sft_dir, episodes):
 def test_a_cut_observation_is_marked_where_the_row_records_its_length():
     """Where a row records each observation's tokens before the cut (`observation_tokens`), the mark is exact:
     `[cut at N tokens]` on an observation that lost tokens, none on one that fit."""
-    from rlkit.stages.inspect import _conversations, _Seen
+    from rlkit.sampling.conversations import Seen as _Seen
+    from rlkit.sampling.conversations import conversations as _conversations
     from rlkit.tiny import build_tokenizer
 
     tok = build_tokenizer()

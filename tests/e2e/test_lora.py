@@ -216,7 +216,7 @@ def test_sequential_lora_ppo_updates_equal_one_process(sft_dir, rolls, tmp_path)
     """With a LoRA policy the critic is LoRA too (same settings, same base, value head trainable), kept in
     critic/ with its base recorded, and resumed exactly."""
     from rlkit.algorithms.config import RLConfig
-    from rlkit.training.trainer import Trainer
+    from rlkit.algorithms.trainer import Trainer
 
     r1, r2 = rolls
     flags = ["--algo", "ppo", "--beta", "0", "--minibatch-size", "16", "--epochs", "1", "--lr", "1e-2"]
@@ -354,4 +354,6 @@ def test_bad_lora_inputs_are_one_line_and_write_nothing(sft_dir, lora_sft, tmp_p
 
 
 def test_adapter_ranks_round_up_to_a_rank_vllm_takes():
-    assert [lora.vllm_rank(r) for r in (1, 2, 8, 9, 300, 512, 513)] == [1, 8, 8, 16, 320, 512, None]
+    from rlkit.engines.vllm import vllm_rank
+
+    assert [vllm_rank(r) for r in (1, 2, 8, 9, 300, 512, 513)] == [1, 8, 8, 16, 320, 512, None]

@@ -14,10 +14,10 @@ from safetensors.torch import load_file
 
 from rlkit.algorithms.config import RLConfig
 from rlkit.algorithms.inputs import build_batch
+from rlkit.algorithms.trainer import Trainer
 from rlkit.io import checkpoints, streams
 from rlkit.ops.logprobs import gather_logprobs
 from rlkit.training import Precision, TrainOptions
-from rlkit.training.trainer import Trainer
 
 from conftest import one_error_line, run_cli, run_cli_inproc, stage
 

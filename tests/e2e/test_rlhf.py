@@ -314,8 +314,8 @@ def test_sequential_ppo_updates_equal_one_process(sft_dir, tmp_path):
 
     from rlkit.algorithms.config import RLConfig
     from rlkit.algorithms.inputs import build_batch
+    from rlkit.algorithms.trainer import Trainer
     from rlkit.io import checkpoints
-    from rlkit.training.trainer import Trainer
 
     rolls = []
     for seed in (1, 2):
@@ -353,9 +353,9 @@ def test_ppo_drops_degenerate_groups_and_reports_the_shared_metrics(sft_dir):
 
     from rlkit.algorithms.config import RLConfig
     from rlkit.algorithms.inputs import RLBatch, recompute_logprobs
+    from rlkit.algorithms.trainer import Trainer
     from rlkit.io import checkpoints
     from rlkit.ops.logprobs import pack_sequences
-    from rlkit.training.trainer import Trainer
 
     model, tok = checkpoints.load_policy(sft_dir)
     prompts = [tok.encode(p, add_special_tokens=False) for p in ("1+2=", "1+2=", "3+4=", "3+4=")]

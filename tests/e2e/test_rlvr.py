@@ -304,7 +304,7 @@ def test_overlong_punishment_and_masking_truncated_completions(sft_dir, tmp_path
 def test_engine_choice_and_recomputed_pi_old(sft_dir, tmp_path):
     from rlkit.algorithms.config import RLConfig
     from rlkit.algorithms.inputs import build_batch
-    from rlkit.training.trainer import Trainer
+    from rlkit.algorithms.trainer import Trainer
 
     path = tmp_path / "r.arrow"
     r = run_cli("rollout", "--policy", str(sft_dir), "--num-prompts", "12", "--n", "4", "--seed", "5",

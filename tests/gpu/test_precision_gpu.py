@@ -50,9 +50,9 @@ from rlkit.io import checkpoints, streams
 from rlkit.stages.rollout import RolloutConfig
 from rlkit.stages.rollout import run as rollout
 from rlkit.training import LoraOptions, TrainOptions
-from rlkit.training.trainer import free_grads
+from rlkit.algorithms.trainer import free_grads
 from rlkit.training.runtime import Runtime
-from rlkit.training.trainer import Trainer
+from rlkit.algorithms.trainer import Trainer
 from rlkit import devices
 
 sft = Path({str(cuda_sft.dir)!r})

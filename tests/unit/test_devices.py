@@ -137,8 +137,8 @@ def _same_update(got, want, start) -> None:
 
 
 def _train(model, tok, cfg: RLConfig, batch, sft_dir, device=None, dtype: str = "fp32"):
+    from rlkit.algorithms.trainer import Trainer
     from rlkit.training import TrainOptions
-    from rlkit.training.trainer import Trainer
 
     t = Trainer(model, cfg, tokenizer=tok, device=device, train=TrainOptions(dtype=dtype))
     if cfg.algo == "ppo":

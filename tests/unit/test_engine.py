@@ -223,7 +223,7 @@ def _update(policy, cfg: RLConfig, batch, train: TrainOptions, naive: bool = Fal
     """One `update` step on `batch` (every row, one epoch: one optimizer step) -> (metrics, the policy's gradients,
     the critic's or {}). `naive`: every loss term weighs 1 whatever its share of the step (what plain gradient
     accumulation does): the check that the comparison can fail."""
-    from rlkit.training.trainer import Trainer
+    from rlkit.algorithms.trainer import Trainer
 
     model, tok, d = policy
     t = Trainer(copy.deepcopy(model), cfg, tokenizer=tok, train=train)
@@ -303,7 +303,7 @@ def test_micro_batches_and_packing_leave_dpos_gradients(policy):
 def test_recomputed_pi_old_is_the_same_in_micro_batches(policy):
     """pi_old recomputed by the trainer (forward only, in the engine's micro-batches and layout)."""
     from rlkit.algorithms.inputs import recompute_logprobs
-    from rlkit.training.trainer import Trainer
+    from rlkit.algorithms.trainer import Trainer
 
     model, tok, _ = policy
     batch = _rl_batch(model, tok)

@@ -157,10 +157,10 @@ def test_a_follow_step_leaves_no_gradients_behind(sft_dir, tmp_path):
     at --max-lag 0)."""
     from rlkit.algorithms.config import RLConfig
     from rlkit.algorithms.inputs import build_batch
+    from rlkit.algorithms.trainer import Trainer, free_grads
     from rlkit.io import checkpoints, streams
     from rlkit.stages.rollout import RolloutConfig
     from rlkit.stages.rollout import run as rollout
-    from rlkit.training.trainer import Trainer, free_grads
 
     table = rollout(RolloutConfig(policy=sft_dir, engine="hf", num_prompts=2, n=4, out=tmp_path / "r.arrow"))
     t_, _ = streams.read_table(table, ["rollouts"])

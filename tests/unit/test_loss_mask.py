@@ -126,7 +126,7 @@ def _update(policy, cfg: RLConfig, table, recompute: bool = False):
     """One `update` (the trainer `rlkit update` runs, one optimizer step) on `table` -> (metrics, policy grads,
     critic grads or {})."""
     from rlkit.algorithms.inputs import build_batch
-    from rlkit.training.trainer import Trainer
+    from rlkit.algorithms.trainer import Trainer
 
     model, tok, d = policy
     batch, _ = build_batch(table, tok.pad_token_id)

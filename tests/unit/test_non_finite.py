@@ -65,7 +65,7 @@ def _batch(sft_dir, rewards=(1.0, 0.0, 0.0, 1.0)):
 
 
 def _train(model, batch, **cfg):
-    from rlkit.training.trainer import Trainer
+    from rlkit.algorithms.trainer import Trainer
 
     cfg = RLConfig(**{"minibatch_size": 2, "epochs": 1, "lr": 1e-4, "beta": 0.0, **cfg})
     with pytest.raises(RlkitError) as e:
@@ -107,7 +107,7 @@ def test_finite_inputs_and_a_huge_lr_still_say_lower_the_lr(sft_dir):
 
 
 def test_ppo_names_nan_critic_weights(sft_dir):
-    from rlkit.training.trainer import Trainer
+    from rlkit.algorithms.trainer import Trainer
 
     model, tok, b = _batch(sft_dir)
     cfg = RLConfig(algo="ppo", beta=0.0, kl_in="reward", minibatch_size=2, epochs=1, lr=1e-4)

@@ -38,7 +38,7 @@ def test_planned_peak_agrees_with_the_real_steps_peak_rss_and_extrapolation_with
     # 8 layers from traces of 1 and 2 == a trace of all 8 (every figure is linear in the layer count)
     for key in ("passes_total", "step_total", "optimizer"):
         assert extrapolated[key] == pytest.approx(full[key], rel=0.01), key
-    est = planner._estimate("sft", extrapolated, planner.Hardware(), {})
+    est = planner.estimate("sft", extrapolated, planner.Hardware(), {})
     real = _bench().measure_real(spec)  # the real engine step, fp32 on this CPU, twice
     assert real > 2**30, real  # the model's memory dominates: a comparison that means something
     assert est.peak == pytest.approx(real, rel=0.20), (est.peak / 2**20, real / 2**20)

@@ -48,10 +48,10 @@ def test_train_on_batch_survives_padding_at_a_low_sampling_temperature(sft_dir):
     the hundreds below 0, which made k3 in the loss inf x 0 = NaN ("non-finite loss ... lower --lr"); the
     padded positions are never scored now (0 there), with or without packing."""
     from rlkit.algorithms.inputs import RLBatch
+    from rlkit.algorithms.trainer import Trainer
     from rlkit.io import checkpoints
     from rlkit.ops.logprobs import completion_logprobs, pack_sequences, padded
     from rlkit.training import TrainOptions
-    from rlkit.training.trainer import Trainer
 
     model, tok = checkpoints.load_policy(sft_dir)
     prompts = [tok.encode("12+7=", add_special_tokens=False)] * 4
@@ -201,7 +201,7 @@ def test_dr_grpos_constant_is_the_most_tokens_a_row_may_sample():
     most --max-total-tokens when the rollout set it; a table recording no --max-new-tokens: its completion width."""
     from types import SimpleNamespace
 
-    from rlkit.algorithms.inputs import _length_norm
+    from rlkit.algorithms.shaping import length_norm as _length_norm
 
     batch = SimpleNamespace(targets=torch.zeros(3, 7))
     env = {"max_new_tokens": 16, "env": "calc", "max_turns": 4}
@@ -226,10 +226,10 @@ def test_ppo_divides_every_minibatch_by_max_new_tokens(sft_dir):
     """Two minibatches of different lengths (2 and 6 tokens): each loss is its token sum over
     (2 rows x 16), the rollout's max_new_tokens, not over its own longest completion."""
     from rlkit.algorithms.inputs import RLBatch, recompute_logprobs
+    from rlkit.algorithms.trainer import Trainer
     from rlkit.io import checkpoints
     from rlkit.ops.gae import gae, kl_penalised_token_rewards
     from rlkit.ops.logprobs import pack_sequences
-    from rlkit.training.trainer import Trainer
 
     model, tok = checkpoints.load_policy(sft_dir)
     prompts = [tok.encode(p, add_special_tokens=False) for p in ("1+2=", "3+4=", "5+6=", "7+8=")]
