@@ -163,3 +163,108 @@ def test_ruff_is_clean():
         pytest.skip("ruff not installed (it is in the dev extra)")
     r = subprocess.run([ruff, "check", "."], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout
+
+
+# The floors, lowest first: a module imports only from its own floor or lower ones, at top level or inside a
+# function. A module not named here is a leaf module at the top of rlkit/ (errors, console, devices, tiny,
+# startup, config_file, rewards, plugins' own leaf helpers): the lowest floor.
+FLOORS = (
+    ("rlkit.io",),
+    ("rlkit.sandbox", "rlkit.ops"),
+    ("rlkit.engines",),
+    ("rlkit.plugins",),
+    ("rlkit.tasks",),
+    ("rlkit.envs",),
+    ("rlkit.sampling",),
+    ("rlkit.scorers",),
+    ("rlkit.training",),
+    ("rlkit.algorithms",),
+    ("rlkit.follow", "rlkit.planner"),
+    ("rlkit.options", "rlkit.stage_options", "rlkit.stages", "rlkit.cli", "rlkit.__main__"),
+)
+
+
+def _floor(module: str) -> int:
+    for i, names in enumerate(FLOORS, start=1):
+        if any(module == n or module.startswith(n + ".") for n in names):
+            return i
+    return 0
+
+
+def _package(module: str) -> str:
+    """rlkit.io.claims -> rlkit.io; rlkit.errors -> rlkit.errors (a top-level module is a package of its own)."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_every_import_runs_down_the_floors():
+    """No module imports from a floor above its own (`FLOORS`), lazy imports inside functions included: the
+    layering docs/architecture.md draws is this list."""
+    graph = _imports()
+    assert {"rlkit.sampling.driver", "rlkit.stages.rollout"} <= set(graph)  # the walk saw the modules
+    up = sorted(f"{m} -> {t}" for m, ts in graph.items() for t in ts if _floor(t) > _floor(m))
+    assert not up, "imports running up the floors:\n" + "\n".join(up)
+
+
+def test_no_private_name_crosses_a_package():
+    """`from rlkit.X import _name` and `module._name` on an rlkit module of another package are refused: what
+    one package uses of another is public."""
+    import ast
+    import importlib.util
+
+    found = []
+    for name in sorted(set(_modules()) | {"rlkit", "rlkit.stages"}):
+        spec = importlib.util.find_spec(name)
+        tree = ast.parse(Path(spec.origin).read_text())
+        package = name if spec.submodule_search_locations else name.rpartition(".")[0]
+        aliases = {}  # a local name -> the rlkit module it stands for
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.startswith("rlkit"):
+                        aliases[a.asname or a.name] = a.name
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                if not base.startswith("rlkit"):
+                    continue
+                for a in node.names:
+                    if a.name.startswith("_") and not a.name.startswith("__") and _package(base) != _package(name):
+                        found.append(f"{name} imports {base}.{a.name}")
+                    aliases[a.asname or a.name] = f"{base}.{a.name}"
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and isinstance(node.value, ast.Name) and node.value.id in aliases):
+                target = aliases[node.value.id]
+                if _package(target) != _package(name):
+                    found.append(f"{name} reads {target}.{node.attr}")
+        for part in (n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("rlkit")):
+            private = [p for p in part.module.split(".")[1:] if p.startswith("_") and not p.startswith("__")]
+            if private and _package(part.module) != _package(name):
+                found.append(f"{name} imports the private module {part.module}")
+    assert not found, "private names across packages:\n" + "\n".join(sorted(set(found)))
+
+
+def test_every_package_init_is_a_face():
+    """A package's `__init__.py` holds its face only: a docstring, imports, `__all__` (and rlkit's `__version__`);
+    the code lives in the modules a newcomer finds by name."""
+    import ast
+
+    found = []
+    for init in sorted((REPO / "rlkit").rglob("__init__.py")):
+        tree = ast.parse(init.read_text())
+        for node in tree.body:
+            face = isinstance(node, (ast.Import, ast.ImportFrom)) or (
+                isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)) or (
+                isinstance(node, ast.Assign) and all(getattr(t, "id", "") in ("__all__", "__version__")
+                                                      for t in node.targets))
+            if not face:
+                found.append(f"{init.relative_to(REPO)}:{node.lineno} {type(node).__name__}")
+    assert len(found) == 0, "code in a package's face:\n" + "\n".join(found)
+
+
+def test_a_stage_module_stays_thin():
+    """A stage is a config, a `run(cfg)` and its command: at most 350 lines, the library work below it."""
+    long = {p.name: n for p in sorted((REPO / "stages").glob("*.py"))
+            if (n := len(p.read_text().splitlines())) > 350}
+    assert not long, long
