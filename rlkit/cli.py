@@ -46,18 +46,10 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-app.command("prompts")(prompts.command)
-app.command("sft")(sft.command)
-app.command("build-prefs")(build_prefs.command)
-app.command("train-rm")(train_rm.command)
-app.command("freeze-ref")(freeze_ref.command)
-app.command("rollout")(rollout.command)
-app.command("score-ref")(score_ref.command)
-app.command("update")(update.command)
-app.command("eval")(eval_stage.command)
-app.command("inspect")(inspect.command)
-app.command("report")(report.command)
-app.command("cat")(cat.command)
+# the commands in `rlkit --help`'s order: a stage's command is its module's `command`
+for _stage in (prompts, sft, build_prefs, train_rm, freeze_ref, rollout, score_ref, update, eval_stage, inspect, report,
+               cat):
+    app.command(_stage.__name__.rpartition(".")[2].replace("_", "-"))(_stage.command)
 # the stage's own options pass through to it (parsed by the stage's command)
 app.command("plan", context_settings={"ignore_unknown_options": True})(plan.command)
 

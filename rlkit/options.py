@@ -214,6 +214,23 @@ class EnvFlags:
     env_schedule: Literal["auto", "turns", "ready"] = option("auto", EnvSchedule)
 
 
+@dataclass(frozen=True)
+class SamplerFlags:
+    """The closing options of every stage that samples a policy (rollout, eval, build-prefs), declared once: a
+    stage's config takes them as its last fields with `@stage_options.splice(SamplerFlags)` (eval's without --out
+    and --force). Never made itself."""
+
+    sandbox: str | None = option(None, SandboxKind)  # the code task's programs: bwrap unless none; --reward-fn: if given
+    sandbox_workers: int | None = option(None, SandboxWorkers)
+    seed: int = option(0, Seed)
+    device: str = option("auto", Device)  # where the policy samples (rlkit.devices); vllm's GPU is checked against it
+    out: Path | None = option(None, OutTable)
+    trust_remote_code: bool = option(False, TrustRemoteCode)
+    plan: bool = option(True, NoPlan, invert=True)  # --no-plan: no memory check before vLLM starts on a GPU
+    verify: bool = option(True, NoVerify, invert=True)  # --no-verify: no hash check of the policy (never for a reference)
+    force: bool = option(False, Force)
+
+
 # One name per concept across the commands. Old spellings keep working, hidden from --help, with one
 # deprecation line each (rlkit.cli rewrites them before parsing): command -> {old option: new option}.
 RENAMED: dict[str, dict[str, str]] = {

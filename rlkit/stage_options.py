@@ -110,10 +110,10 @@ def nested(group: Group) -> Any:
     return dataclasses.field(default_factory=group.cls, metadata={OPTION: group})
 
 
-def splice(flags: type, before: str, omit: tuple[str, ...] = ()) -> Callable[[type], type]:
+def splice(flags: type, before: str | None = None, omit: tuple[str, ...] = ()) -> Callable[[type], type]:
     """Class decorator (under `@dataclass`): the option fields of dataclass `flags`, options several stages take
-    alike and declare once there (rlkit.options.EngineFlags, EnvFlags), made fields of the decorated config, in
-    place, before its field `before`, all but `omit`. They are the config's own fields: the command, --help, the
+    alike and declare once there (rlkit.options.EngineFlags, EnvFlags, SamplerFlags), made fields of the decorated
+    config, in place, before its field `before` (None: after its last), all but `omit`. They are the config's own fields: the command, --help, the
     --config keys and the manifest's config name them as fields written in the class would be; what they resolve to
     is one function beside `flags` (`options.engine_options`: `EngineOptions`)."""
     hints = _hints(flags)
@@ -121,7 +121,7 @@ def splice(flags: type, before: str, omit: tuple[str, ...] = ()) -> Callable[[ty
 
     def deco(cls: type) -> type:
         own = dict(cls.__dict__.get("__annotations__", {}))
-        if before not in own:
+        if before is not None and before not in own:
             raise TypeError(f"splice({flags.__name__}): {cls.__name__} has no field {before!r}")
         clash = [f.name for f in given if f.name in own]
         if clash:
@@ -133,6 +133,10 @@ def splice(flags: type, before: str, omit: tuple[str, ...] = ()) -> Callable[[ty
                     annotations[f.name] = hints[f.name]
                     setattr(cls, f.name, copy.copy(f))  # a fresh Field: @dataclass makes each its class's own
             annotations[name] = t
+        if before is None:
+            for f in given:
+                annotations[f.name] = hints[f.name]
+                setattr(cls, f.name, copy.copy(f))
         cls.__annotations__ = annotations
         return cls
 

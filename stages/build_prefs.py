@@ -24,19 +24,11 @@ from pathlib import Path
 
 from rlkit import stage_options
 from rlkit.options import (
-    Device,
     EngineFlags,
-    Force,
     JudgeRubric,
-    NoPlan,
-    NoVerify,
-    OutTable,
     PromptColumn,
-    SandboxKind,
-    SandboxWorkers,
-    Seed,
+    SamplerFlags,
     Task,
-    TrustRemoteCode,
     engine_options,
 )
 from rlkit.stage_options import option, splice
@@ -44,6 +36,7 @@ from rlkit.stage_options import option, splice
 
 @dataclass(frozen=True)
 @splice(EngineFlags, before="eval_fraction", omit=("colocate",))
+@splice(SamplerFlags)
 class BuildPrefsConfig:
     policy: Path | None = option(None, "--policy", panel="Model", help="Policy to sample from (usually the SFT checkpoint).")
     task: str = option("arithmetic", Task)
@@ -63,15 +56,6 @@ class BuildPrefsConfig:
     prompt_column: str = option("prompt", PromptColumn)
     chosen_column: str = option("chosen", panel="Data", help="Column of --from holding the preferred response.")
     rejected_column: str = option("rejected", panel="Data", help="Column of --from holding the other response.")
-    sandbox: str | None = option(None, SandboxKind)  # where the code task's programs run (default bwrap)
-    sandbox_workers: int | None = option(None, SandboxWorkers)
-    seed: int = option(0, Seed)
-    device: str = option("auto", Device)  # where the policy samples (rlkit.devices)
-    out: Path | None = option(None, OutTable)
-    trust_remote_code: bool = option(False, TrustRemoteCode)
-    plan: bool = option(True, NoPlan, invert=True)  # --no-plan: no memory check before vLLM starts on a GPU
-    verify: bool = option(True, NoVerify, invert=True)  # --no-verify: no hash check of the policy (never for a reference)
-    force: bool = option(False, Force)
 
 
 def run(cfg: BuildPrefsConfig) -> Path | None:

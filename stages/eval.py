@@ -22,19 +22,13 @@ from rlkit.io.tracking import TrackingConfig
 from rlkit.options import (
     TRACKING,
     AnswerColumn,
-    Device,
     EngineFlags,
     EnvFlags,
     Metrics,
-    NoPlan,
-    NoVerify,
     PolicyDir,
     PromptColumn,
-    SandboxKind,
-    SandboxWorkers,
-    Seed,
+    SamplerFlags,
     Task,
-    TrustRemoteCode,
     engine_options,
 )
 from rlkit.stage_options import nested, option, splice
@@ -43,6 +37,7 @@ from rlkit.stage_options import nested, option, splice
 @dataclass(frozen=True)
 @splice(EnvFlags, before="engine")
 @splice(EngineFlags, before="as_json", omit=("colocate",))
+@splice(SamplerFlags, omit=("out", "force"))
 class EvalConfig:
     policy: Path = option(..., PolicyDir)
     task: str = option("arithmetic", Task)
@@ -58,13 +53,6 @@ class EvalConfig:
     label: str | None = option(None, panel="Output & tracking", help="A name recorded with the figures (e.g. 'round-3').")
     # also report the mean reward-model score of the same responses
     rm: Path | None = option(None, "--rm", panel="Model", help="Reward model DIR: also report the mean score it gives the same responses.")
-    sandbox: str | None = option(None, SandboxKind)  # where the code task's programs run (default bwrap)
-    sandbox_workers: int | None = option(None, SandboxWorkers)
-    seed: int = option(0, Seed)
-    device: str = option("auto", Device)
-    trust_remote_code: bool = option(False, TrustRemoteCode)
-    plan: bool = option(True, NoPlan, invert=True)  # --no-plan: no memory check before vLLM starts on a GPU
-    verify: bool = option(True, NoVerify, invert=True)  # --no-verify: no hash check of the policy (never for a reference)
 
 
 def run(cfg: EvalConfig) -> dict:

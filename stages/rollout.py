@@ -38,23 +38,15 @@ from typing import TYPE_CHECKING
 from rlkit import engines, stage_options
 from rlkit.options import (
     AnswerColumn,
-    Device,
     EngineFlags,
     EnvFlags,
-    Force,
-    NoPlan,
-    NoVerify,
-    OutTable,
     PolicyDir,
     PromptColumn,
     Reads,
     RewardFn,
     RewardTimeout,
-    SandboxKind,
-    SandboxWorkers,
-    Seed,
+    SamplerFlags,
     Task,
-    TrustRemoteCode,
     engine_options,
 )
 from rlkit.stage_options import option, splice
@@ -67,6 +59,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 @splice(EnvFlags, before="engine")
 @splice(EngineFlags, before="shard")
+@splice(SamplerFlags)
 class RolloutConfig:
     policy: Path = option(..., PolicyDir)
     # the task named (None: arithmetic's prompts, without --env its verifier too); recorded as resolved: its spec, or
@@ -99,15 +92,6 @@ class RolloutConfig:
     reward_fn: tuple[str, ...] = option((), RewardFn)  # NAME=FILE.py:FUNC user reward functions, each adds reward/NAME
     reward_timeout: float = option(60.0, RewardTimeout)  # seconds one --reward-fn call may run (0: no limit)
     reads: tuple[str, ...] = option((), Reads)  # NAME=READING: the text of a multi-turn row a component reads
-    sandbox: str | None = option(None, SandboxKind)  # code task: bwrap unless none; --reward-fn: only when given
-    sandbox_workers: int | None = option(None, SandboxWorkers)
-    seed: int = option(0, Seed)
-    device: str = option("auto", Device)  # vllm runs on its own GPU, checked against this
-    out: Path | None = option(None, OutTable)
-    trust_remote_code: bool = option(False, TrustRemoteCode)
-    plan: bool = option(True, NoPlan, invert=True)  # --no-plan: no memory check before vLLM starts on a GPU
-    verify: bool = option(True, NoVerify, invert=True)  # --no-verify: no hash check of the policy (never for a reference)
-    force: bool = option(False, Force)
 
 
 def run(cfg: RolloutConfig) -> Path | None:
