@@ -7,7 +7,8 @@
 #   bash benchmarks/same_results.sh OLD NEW [RECIPE...]      e.g. bash benchmarks/same_results.sh 95e73ab .
 # OLD, NEW: a git revision of this repository (checked out into a temporary worktree) or a checkout's folder.
 # RECIPE: names under recipes/ (default: every recipe). Knobs: WORK [a temporary folder] where the runs are made,
-# KEEP [0] 1: leave WORK and the worktrees; RLKIT_PYTHON [python3 on PATH] the interpreter with rlkit's dependencies;
+# KEEP [0] 1: leave WORK and the worktrees (kept anyway when a recipe fails or differs: its logs and files are there;
+# remove WORK and run `git worktree prune` when done); RLKIT_PYTHON [python3 on PATH] the interpreter with rlkit's dependencies;
 # CONTROL [0] 1: a recipe that differs runs in OLD once more, to tell which files differ between two runs of one tree.
 # Each tree runs with PYTHONPATH at it (its rlkit; `rlkit/stages` linked to its `stages/` when missing) and its
 # recipes copied to WORK/recipes, in the same folder WORK/cwd/runs (emptied first), so the paths recorded in the
@@ -18,7 +19,7 @@
 # table's policy_fingerprint (the hash of the policy's rlkit.json, which records its stage's wall times).
 set -euo pipefail
 
-[ $# -ge 2 ] || { sed -n '2,12p' "$0" >&2; exit 2; }
+[ $# -ge 2 ] || { sed -n '2,13p' "$0" >&2; exit 2; }
 OLD=$1 NEW=$2
 shift 2
 REPO=$(cd "$(dirname "$0")/.." && pwd)
