@@ -54,6 +54,12 @@ class EnvSpec:
             return self
         return replace(self, options={**self.options, "sandbox": kind})
 
+    def read_by(self, fns) -> EnvSpec:
+        """With the `--reward-fn` functions that will read its instances when their episodes end (rollout): an
+        adapter whose reward depends on them (a TRL class: `rlkit.envs.trl`) says so through its `read_by(fns)`."""
+        hook = getattr(self.factory, "read_by", None)
+        return replace(self, factory=hook(fns)) if callable(hook) and fns else self
+
     def tool_schemas(self) -> list | None:
         """The JSON schemas of the environment's tools, for chat-template prompts (`tools=`), when its class gives
         them without an instance (a TRL environment class; a `Tools` class's own `tools`); None otherwise."""

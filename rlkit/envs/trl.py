@@ -20,10 +20,17 @@ a class (a `reset` and no `step`) and runs it through `TrlEnvironment`, which ma
   a tool that raises: `{'error': '...'}` fed back  `error: NAME raised ...` fed back; the episode goes on
   the loop ends when the model calls no tool       the same: that turn ends the episode (terminated)
   `max_tool_calling_iterations`                    `--max-turns` (a trajectory that reaches it is truncated)
-  reward: `get_reward()`, or the user's reward     `get_reward()` when the class has it, else the instance's
-  function reading `env.reward`                    `reward` attribute (a number), read when the episode ends;
-                                                   neither: one line naming the class; a `--reward-fn` taking
-                                                   `environments` gets the class's own instances (`wrapped`)
+  reward: `get_reward()` (a reward source of its  reward/env: `get_reward()` when the class has it, read when
+  own), and each reward function, which may       the episode ends; each `--reward-fn` its own reward/NAME, one
+  read the instances (`environments`): summed      taking `environments` getting the class's own instances
+                                                   (`wrapped`); `update` sums them (`read_by`, below)
+
+Where a class without `get_reward()` keeps its reward is its reward functions' business in TRL (grpo_2048 keeps
+it in `env.score`, TRL's docs in `env.reward`), so reward/env follows what reads the instances (`read_by`): a
+`--reward-fn` that names `environment(s)` scores them, and reward/env is 0 (the `reward` attribute such a function
+reads is not counted twice); otherwise the instance's `reward` attribute (a number) is reward/env, so a class runs
+alone; with neither, reward/env is 0 when a function takes the instances through `**kwargs` (TRL's way too), and
+else the episode's end is one line naming the class and what to add.
 
 The tools' JSON schemas (transformers' `get_json_schema` of each public method, as TRL builds them) go to the chat
 template as `tools=` wherever rlkit renders through it: chat-formatted `--prompts` (a `messages` column) and the
@@ -39,6 +46,7 @@ import functools
 import inspect
 import json
 import math
+from typing import NamedTuple
 
 from rlkit.envs.base import EnvError
 from rlkit.envs.tools import Tools
@@ -65,7 +73,7 @@ def tool_methods(obj, label: str) -> dict:
 class TrlEnvironment(Tools):
     """One instance of a TRL environment class, run as an rlkit environment (see the module docstring)."""
 
-    def __init__(self, cls, label: str, options: dict) -> None:
+    def __init__(self, cls, label: str, options: dict, read_by: ReadBy | None = None) -> None:
         try:
             self.inner = cls(**options)
         except RlkitError:
@@ -76,6 +84,7 @@ class TrlEnvironment(Tools):
             raise EnvError(f"environment {label}: its constructor raised {one_line(e)}") from e
         self.label = label
         self.cls = cls
+        self.read_by = read_by or ReadBy()
         super().__init__(functions=tool_methods(self.inner, label))
 
     def tool_schemas(self) -> tuple[dict, ...]:
@@ -129,15 +138,27 @@ class TrlEnvironment(Tools):
         get = getattr(self.inner, "get_reward", None)
         if callable(get):
             value, what = get(), "get_reward()"
+        elif self.read_by.naming:  # the functions that name the instances score them (TRL: the class owns no reward)
+            return 0.0
         elif hasattr(self.inner, "reward"):
             value, what = self.inner.reward, "its reward attribute"
+        elif self.read_by.kwargs:
+            return 0.0
         else:
-            raise EnvError(f"environment {self.label} has neither get_reward() nor a reward attribute; rlkit reads the "
-                           "trajectory's reward from one of them when the episode ends")
+            raise EnvError(f"environment {self.label} has neither get_reward() nor a reward attribute, and no "
+                           "--reward-fn reads its instances; add get_reward() or set self.reward, or pass its reward "
+                           "function (TRL's reward_funcs): --reward-fn FILE.py:FUNC taking `environments`")
         v = as_number(value)
         if v is None or not math.isfinite(v):
             raise EnvError(f"environment {self.label}: {what} is {value!r:.60}; expected a finite number")
         return v
+
+
+class ReadBy(NamedTuple):
+    """The `--reward-fn` functions that read a TRL class's instances when its episodes end (`read_by`)."""
+
+    naming: tuple[str, ...] = ()  # name `environment(s)`: they score the instances (reward/env is 0)
+    kwargs: tuple[str, ...] = ()  # get them through **kwargs only (TRL's way): the class may keep no reward
 
 
 _SENTINEL = object()
@@ -156,15 +177,20 @@ def tool_schemas(cls) -> tuple[dict, ...]:
                  if not name.startswith("_") and name not in RESERVED)
 
 
-def factory(cls, label: str):
-    """A callable making one `TrlEnvironment` of `cls` per trajectory, with the class's keyword options."""
+def factory(cls, label: str, read_by: ReadBy | None = None):
+    """A callable making one `TrlEnvironment` of `cls` per trajectory, with the class's keyword options; its
+    `read_by(fns)` is the same factory told which `--reward-fn` functions read the instances (`EnvSpec.read_by`,
+    rollout: where reward/env comes from, the module docstring)."""
 
     def make(**options):
-        return TrlEnvironment(cls, label, options)
+        return TrlEnvironment(cls, label, options, read_by)
 
     make.__name__ = getattr(cls, "__name__", label)
     make.__wrapped__ = cls  # inspect.signature reads the class's constructor (options typed as for any class)
     make.stop = TrlEnvironment.stop  # what the driver reads off the class: a turn ends at a call's closing tag
     make.trl = True
     make.tool_schemas = functools.partial(tool_schemas, cls)  # for chat-template prompts (stages' --prompts)
+    make.read_by = lambda fns: factory(cls, label, ReadBy(
+        tuple(f.name for f in fns if f.takes_environments),
+        tuple(f.name for f in fns if f.reads_environments and not f.takes_environments)))
     return make

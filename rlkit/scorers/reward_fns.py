@@ -9,13 +9,15 @@ A function says what it wants by its parameter names, and whether it takes one r
   (a dict of every column of the row: prompt_id, group_id, sample_idx, finish_reason, prompt_ids,
   completion_ids, other rewards ...); it returns a number;
 - a batch per call: the same names in the plural, `prompts`, `completions`, `answers`, `rows`; it
-  returns a sequence of numbers, one per row, in order (TRL's `def f(completions, **kwargs)` works);
+  returns a sequence of numbers, one per row, in order (TRL's `def f(completions, **kwargs)` works), and
+  `completion_ids` (each row's completion_ids column, as TRL passes its token ids) is one of them;
 - `**kwargs` receives every column by its own name (values, or lists in the batched form);
 - under `rollout --env`, `environment` (one row) or `environments` (a batch; TRL's `reward_funcs(...,
   environments=)`) receives the trajectories' environment instances, as they are when the episode has ended (the
   object a TRL class's adapter wraps: the user's own instance), and `**kwargs` gets `environments` too. They exist
-  only while rollout runs: a function that names them is refused by score-ref, by rollout without --env and in a
-  sandbox (`check_environments`).
+  only while rollout runs: a function that names them is refused by score-ref and by rollout without --env
+  (`check_environments`), and runs in the stage even with a sandbox (an instance cannot travel to a worker; the
+  stage says so when it starts).
 
 What text `completion` is on a multi-turn row (the final turn, the model's turns or the whole conversation) is the
 function's reading (`rlkit.tasks.multi_turn`; `--reads NAME=READING`, default the whole conversation).
@@ -27,7 +29,7 @@ call that does not return within `--reward-timeout` seconds (default 60, 0: no l
 with one line naming the function and the row, and nothing is written at --out.
 
 With a sandbox (`load_all(..., sandbox=Sandbox(...))`: `--sandbox bwrap|none`) the function runs in worker
-processes inside it instead (`rlkit.sandbox.workers`: a verifier may then execute the model's output), with
+processes inside it instead (unless it names `environment(s)`, above) (`rlkit.sandbox.workers`: a verifier may then execute the model's output), with
 the same values and the same error lines; `close_all` ends the workers.
 
 `RewardFnScorer` is one function as score-ref's scorer (`reward/NAME`, on its reading of each row).
@@ -60,7 +62,7 @@ if TYPE_CHECKING:
 
 ROW_INPUTS = {"prompt": "prompt", "completion": "completion", "answer": "answer", "row": None, "environment": None}
 BATCH_INPUTS = {"prompts": "prompt", "completions": "completion", "answers": "answer", "rows": None,
-                "environments": None}
+                "environments": None, "completion_ids": "completion_ids"}
 ENVIRONMENT_INPUTS = ("environment", "environments")  # not columns: the trajectories' instances (rollout --env)
 _NAME = re.compile(r"^[A-Za-z0-9_][\w.:-]*$")
 DEFAULT_TIMEOUT_S = 60.0  # --reward-timeout: seconds one call may run (0: no limit)
@@ -81,6 +83,7 @@ class RewardFn:
     fingerprint: str
     timeout: float = DEFAULT_TIMEOUT_S  # seconds per call (0: no limit)
     workers: Workers | None = field(default=None, compare=False, repr=False)  # sandboxed: where the calls run
+    unboxed: str | None = None  # the --sandbox it does not run in (it names the environment instances)
 
     @property
     def needs_all_columns(self) -> bool:
@@ -257,11 +260,13 @@ def load(spec: str, timeout: float = DEFAULT_TIMEOUT_S, sandbox: Sandbox | None 
         raise RlkitError(f"--reward-fn {name}: {label} is a {type(fn).__name__}, not a function")
     batched, takes, takes_kwargs = _convention(fn, f"--reward-fn {name} ({label})")
     workers = None
-    if sandbox is not None:
+    if sandbox is not None and not any(p in ENVIRONMENT_INPUTS for p in takes):  # instances stay in the stage
         from rlkit.sandbox.workers import Workers
 
         workers = Workers(sandbox, ref, name, label, timeout)
-    return RewardFn(name, label, fn, batched, takes, takes_kwargs, user_code.fingerprint(fn, label), timeout, workers)
+    unboxed = sandbox.backend.name if sandbox is not None and workers is None else None
+    return RewardFn(name, label, fn, batched, takes, takes_kwargs, user_code.fingerprint(fn, label), timeout, workers,
+                    unboxed)
 
 
 def _convention(fn: Callable, where: str) -> tuple[bool, tuple[str, ...], bool]:
@@ -306,17 +311,18 @@ def load_all(specs: Iterable[str], taken: Iterable[str] = (), timeout: float = D
             if f.name in taken or any(g.name == f.name for g in out[:-1]):
                 raise RlkitError(f"--reward-fn {f.name} ({f.label}): there is already a reward component named "
                                  f"{f.name!r}; name it differently (--reward-fn OTHER={f.label})")
-        if sandbox is not None and out:
+        boxed = [f for f in out if f.workers is not None]
+        if boxed:
             if not sandbox.backend.isolated:
                 from rlkit import console
 
-                console.warn(f"--sandbox none: --reward-fn {', '.join(f.name for f in out)} run in worker processes "
+                console.warn(f"--sandbox none: --reward-fn {', '.join(f.name for f in boxed)} run in worker processes "
                              "with resource limits but no isolation (unsafe for code that executes model output)")
             else:
                 sandbox.check()
-            for f in out:
+            for f in boxed:
                 f.workers.begin()  # all import at once
-            for f in out:
+            for f in boxed:
                 f.workers.start()
     except BaseException:
         close_all(out)
@@ -347,16 +353,19 @@ def fingerprints(fns: Sequence[RewardFn]) -> dict[str, str]:
 
 def check_environments(fns: Sequence[RewardFn], where: str | None) -> None:
     """A function that names `environment(s)` runs only where the instances exist: `where` says why they do not
-    (score-ref, rollout without --env; None: they do); nor in a sandbox (rows travel to it as JSON). One line."""
+    (score-ref, rollout without --env; None: they do). One line. Where they exist, a sandbox does not hold the
+    function (an instance cannot travel to a worker): it runs in the stage, and a warning says so."""
     for f in fns:
-        if not f.takes_environments:
-            continue
-        if where is not None:
+        if f.takes_environments and where is not None:
             raise RlkitError(f"--reward-fn {f.name} ({f.label}) takes the trajectories' environment instances "
                              f"(environment/environments), which exist only while `rollout --env` runs; {where}")
-        if f.workers is not None:
-            raise RlkitError(f"--reward-fn {f.name} ({f.label}) takes the trajectories' environment instances, which "
-                             "cannot travel to a sandboxed worker (rows go to it as JSON); run it without --sandbox")
+    for f in fns:
+        if f.unboxed is not None:
+            from rlkit import console
+
+            console.warn(f"--sandbox {f.unboxed}: --reward-fn {f.name} ({f.label}) takes the trajectories' environment "
+                         "instances, which cannot travel to a sandboxed worker: it runs in the stage, as your own code "
+                         "(it must not execute the model's output)")
 
 
 def columns_of(batch, fns: Sequence[RewardFn]) -> dict[str, list]:
@@ -365,7 +374,9 @@ def columns_of(batch, fns: Sequence[RewardFn]) -> dict[str, list]:
     if any(f.needs_all_columns for f in fns):
         want = names
     else:
-        want = [c for c in ("prompt_id", "sample_idx", "prompt", "completion", "answer") if c in names]
+        named = {BATCH_INPUTS.get(p) for f in fns for p in f.takes}
+        want = [c for c in ("prompt_id", "sample_idx", "prompt", "completion", "answer", "completion_ids")
+                if c in names and (c != "completion_ids" or c in named)]
     return {c: batch.column(c).to_pylist() for c in want}
 
 
