@@ -118,27 +118,29 @@ def reward_func(environments, **kwargs):  # TRL's docs: return [env.reward for e
     return [env.reward for env in environments]
 
 
-def length(completions, **kwargs):  # a reward function that reads the text only
-    return [0.25 for _ in completions]
+def tokens(completion_ids, **kwargs):  # reads no instance: the completions' token ids, as TRL passes them
+    return [float(len(ids)) for ids in completion_ids]
 '''
 
 
 def test_a_reward_attribute_read_by_a_function_counts_once(sft_dir, tmp_path):
     """A class whose `reward` attribute its reward function reads (TRL's docs): the function's column carries it and
     reward/env is 0, so update's sum counts it once, as TRL's; the class alone (or with a function that names no
-    instances) keeps it as reward/env."""
+    instances, here one taking TRL's `completion_ids`) keeps it as reward/env."""
     f = tmp_path / "counter.py"
     f.write_text(COUNTER)
-    got = {}
-    for name, fns in (("alone", ()), ("text", ("--reward-fn", f"{f}:length")), ("read", ("--reward-fn", f"{f}:reward_func"))):
+    got, ids = {}, {}
+    for name, fns in (("alone", ()), ("text", ("--reward-fn", f"{f}:tokens")), ("read", ("--reward-fn", f"{f}:reward_func"))):
         out = tmp_path / f"{name}.arrow"
         r = run_cli_inproc("rollout", "--policy", str(sft_dir), "--env", f"{f}:Counter", "--num-prompts", "1", "--n",
                            "2", "--max-turns", "1", "--max-new-tokens", "4", *fns, "--out", str(out))
         assert r.returncode == 0, r.stderr.decode()[-3000:]
         t = streams.read_table(out, ["rollouts"])[0]
         got[name] = {c: t.column(c).to_pylist() for c in t.column_names if c.startswith("reward/")}
+        ids[name] = t.column("completion_ids").to_pylist()
     assert got["alone"] == {"reward/env": [0.5, 0.5]}
-    assert got["text"] == {"reward/env": [0.5, 0.5], "reward/length": [0.25, 0.25]}
+    assert got["text"] == {"reward/env": [0.5, 0.5], "reward/tokens": [float(len(x)) for x in ids["text"]]}
+    assert all(ids["text"])
     assert got["read"] == {"reward/env": [0.0, 0.0], "reward/reward_func": [0.5, 0.5]}
 
 
