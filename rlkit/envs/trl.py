@@ -20,9 +20,9 @@ a class (a `reset` and no `step`) and runs it through `TrlEnvironment`, which ma
   a tool that raises: `{'error': '...'}` fed back  `error: NAME raised ...` fed back; the episode goes on
   the loop ends when the model calls no tool       the same: that turn ends the episode (terminated)
   `max_tool_calling_iterations`                    `--max-turns` (a trajectory that reaches it is truncated)
-  reward: `get_reward()` (a reward source of its  reward/env: `get_reward()` when the class has it, read when
-  own), and each reward function, which may       the episode ends; each `--reward-fn` its own reward/NAME, one
-  read the instances (`environments`): summed      taking `environments` getting the class's own instances
+  reward: `get_reward()` (a source of its own)     reward/env: `get_reward()` when the class has it, read when
+  and each reward function, which may read the     the episode ends; each `--reward-fn` its own reward/NAME, one
+  instances (`environments=`); all summed          taking `environments` getting the class's own instances
                                                    (`wrapped`); `update` sums them (`read_by`, below)
 
 Where a class without `get_reward()` keeps its reward is its reward functions' business in TRL (grpo_2048 keeps

@@ -10,7 +10,8 @@ A function says what it wants by its parameter names, and whether it takes one r
   completion_ids, other rewards ...); it returns a number;
 - a batch per call: the same names in the plural, `prompts`, `completions`, `answers`, `rows`; it
   returns a sequence of numbers, one per row, in order (TRL's `def f(completions, **kwargs)` works), and
-  `completion_ids` (each row's completion_ids column, as TRL passes its token ids) is one of them;
+  `completion_ids` (each row's completion_ids column, as TRL passes its token ids) is one of them; a None in
+  the sequence is a row the function does not score (TRL's convention, e.g. another environment's row): 0.0;
 - `**kwargs` receives every column by its own name (values, or lists in the batched form);
 - under `rollout --env`, `environment` (one row) or `environments` (a batch; TRL's `reward_funcs(...,
   environments=)`) receives the trajectories' environment instances, as they are when the episode has ended (the
@@ -116,7 +117,7 @@ class RewardFn:
             if isinstance(out, str | bytes) or not hasattr(out, "__len__") or len(out) != n:
                 got = f"{len(out)} values" if hasattr(out, "__len__") and not isinstance(out, str | bytes) else repr(out)[:60]
                 raise self._bad_length(got, row0, n)
-            values = list(out)
+            values = [0.0 if v is None else v for v in out]  # TRL's None: not this function's row (NaN, left out)
         else:
             with alarm_handler(self.timeout) as limit:  # the handler once for these rows, a timer per call
                 values = [self._call(self._inputs(cols, i, environments), _row_label(cols, i, row0), limit)
@@ -218,6 +219,8 @@ class RewardFn:
             else:
                 died = reply.get("died", "its sandboxed call sent a malformed reply")
                 raise RlkitError(f"--reward-fn {self.name} ({self.label}): {died} on {where}")
+        if self.batched:  # None (the worker's {"bad": "None"}): not this function's row, as in the stage
+            values = [0.0 if v == {"bad": "None"} else v for v in values]
         for i, v in enumerate(values):
             if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
                 raise self._not_a_number(v["bad"] if isinstance(v, dict) and "bad" in v else repr(v), cols, i, row0)

@@ -157,3 +157,37 @@ def test_a_function_reading_the_instances_runs_in_the_stage_under_a_sandbox(sft_
            "which cannot travel to a sandboxed worker: it runs in the stage, as your own code" in err, err[-2000:]
     rows = streams.read_table(out, ["rollouts"])[0].to_pylist()
     assert [row["reward/reward_score"] for row in rows] == [_last_score(row) for row in rows]
+
+
+MULTI = '''
+def wordle_reward(environments, **kwargs):  # TRL's examples/scripts/openenv/multi_env.py, as it ships
+    return [env.reward if env.active == "wordle" else None for env in environments]
+
+
+def long_ones(completions, **kwargs):  # None: a row this function does not score
+    return [float(len(c)) if len(c) > 2 else None for c in completions]
+'''
+
+
+def test_none_is_a_row_the_function_does_not_score(tmp_path):
+    """TRL's convention for a reward function's list (multi_env.py's functions return None for the other
+    environment's rows; TRL leaves them out of its sum): the row's value is 0.0, in the stage and in a sandboxed
+    worker alike; a one-row function's None is still an error (a missing return)."""
+    from types import SimpleNamespace
+
+    from rlkit.errors import RlkitError
+    from rlkit.sandbox import Sandbox
+    from rlkit.sandbox.bwrap import bwrap_path
+    from rlkit.scorers import reward_fns
+
+    f = tmp_path / "multi.py"
+    f.write_text(MULTI + "\n\ndef one(completion):\n    return None\n")
+    cols = {"prompt": ["p"] * 3, "completion": ["abcd", "x", "abc"]}
+    envs = [SimpleNamespace(active=a, reward=r) for a, r in (("wordle", 1.0), ("catch", 1.0), ("wordle", 0.5))]
+    assert reward_fns.load(f"{f}:wordle_reward").score(cols, environments=envs) == [1.0, 0.0, 0.5]
+    assert reward_fns.load(f"{f}:long_ones").score(cols) == [4.0, 0.0, 3.0]
+    with pytest.raises(RlkitError, match="returned None for row 0; expected a finite number"):
+        reward_fns.load(f"{f}:one").score(cols)
+    if bwrap_path() is not None:
+        with reward_fns.closing(reward_fns.load_all([f"{f}:long_ones"], sandbox=Sandbox("bwrap", workers=1))) as fns:
+            assert fns[0].workers is not None and fns[0].score(cols) == [4.0, 0.0, 3.0]
