@@ -184,7 +184,8 @@ def _run(cfg: RolloutConfig) -> Path | None:
     with reward_fns.closing(fns):
         reward_fns.check_environments(fns, None if env is not None else
                                       "pass --env, or score the rows with another function")
-        env = env and env.read_by([f for f in fns if f.reads_environments])  # a TRL class: its reward's source
+        if env is not None:  # a TRL class's reward/env depends on the functions that read its instances
+            env = env.read_by([f for f in fns if f.reads_environments])
         verifier = Verifier(task, sandbox, cfg.max_new_tokens, env, scorer, max_turns=cfg.max_turns)
         verifier.reads = verifier.readings(cfg.reads, fns)
         if cfg.follow is not None:

@@ -30,8 +30,9 @@ call that does not return within `--reward-timeout` seconds (default 60, 0: no l
 with one line naming the function and the row, and nothing is written at --out.
 
 With a sandbox (`load_all(..., sandbox=Sandbox(...))`: `--sandbox bwrap|none`) the function runs in worker
-processes inside it instead (unless it names `environment(s)`, above) (`rlkit.sandbox.workers`: a verifier may then execute the model's output), with
-the same values and the same error lines; `close_all` ends the workers.
+processes inside it instead (`rlkit.sandbox.workers`: a verifier may then execute the model's output), with
+the same values and the same error lines; `close_all` ends the workers. A function that names `environment(s)`
+stays in the stage (above).
 
 `RewardFnScorer` is one function as score-ref's scorer (`reward/NAME`, on its reading of each row).
 
