@@ -181,7 +181,7 @@ def run(cfg: ScoreRefConfig) -> Path | None:
         # checked before models load (and, with --sandbox bwrap, their sandboxed workers started)
         fns = reward_fns.load_all(cfg.reward_fn, taken=rms, timeout=cfg.reward_timeout,
                                   sandbox=reward_fn_sandbox(cfg.sandbox, cfg.sandbox_workers))
-        with reward_fns.closing(fns):
+        with reward_fns.closing(fns, "score-ref"):
             reward_fns.check_environments(fns, "score-ref reads a finished table: pass the function to rollout "
                                                "--env instead")
             return _run_loaded(cfg, rms, fns)

@@ -13,6 +13,11 @@ A function says what it wants by its parameter names, and whether it takes one r
   `completion_ids` (each row's completion_ids column, as TRL passes its token ids) is one of them; a None in
   the sequence is a row the function does not score (TRL's convention, e.g. another environment's row): 0.0;
 - `**kwargs` receives every column by its own name (values, or lists in the batched form);
+- TRL's trainer hooks, in either form, by name or in `**kwargs` (TRL passes them to every call): `trainer_state`
+  (`PolicyState`: `global_step`, the sampling policy's optimizer steps, the rows' policy_step), `log_metric(name,
+  value)` (the stage's closing lines give each name's mean) and `log_extra(column, values)` (accepted; the table's
+  columns are fixed when it starts, so the stage names the columns it did not keep). A sandboxed worker gets
+  none of them (rows travel as JSON): one that names them without a default is refused there;
 - under `rollout --env`, `environment` (one row) or `environments` (a batch; TRL's `reward_funcs(...,
   environments=)`) receives the trajectories' environment instances, as they are when the episode has ended (the
   object a TRL class's adapter wraps: the user's own instance), and `**kwargs` gets `environments` too. They exist
@@ -52,7 +57,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from rlkit.errors import RlkitError
 from rlkit.plugins.timer import TimedOut, alarm_handler, timed
@@ -66,10 +71,18 @@ ROW_INPUTS = {"prompt": "prompt", "completion": "completion", "answer": "answer"
 BATCH_INPUTS = {"prompts": "prompt", "completions": "completion", "answers": "answer", "rows": None,
                 "environments": None, "completion_ids": "completion_ids"}
 ENVIRONMENT_INPUTS = ("environment", "environments")  # not columns: the trajectories' instances (rollout --env)
+TRAINER_INPUTS = ("trainer_state", "log_metric", "log_extra")  # TRL's trainer hooks: in the stage only
 _NAME = re.compile(r"^[A-Za-z0-9_][\w.:-]*$")
 DEFAULT_TIMEOUT_S = 60.0  # --reward-timeout: seconds one call may run (0: no limit)
 CONVENTION = ("name its parameters prompt, completion, answer, row (one row per call, returning a number) or "
               "prompts, completions, answers, rows (a batch per call, returning a list)")
+
+
+class PolicyState(NamedTuple):
+    """What a function's `trainer_state` (TRL's `TrainerState`) is in rlkit, which has no trainer while it scores:
+    `global_step`, the optimizer steps of the policy that sampled the rows (their `policy_step`; 0 without it)."""
+
+    global_step: int
 
 
 @dataclass(frozen=True)
@@ -86,6 +99,9 @@ class RewardFn:
     timeout: float = DEFAULT_TIMEOUT_S  # seconds per call (0: no limit)
     workers: Workers | None = field(default=None, compare=False, repr=False)  # sandboxed: where the calls run
     unboxed: str | None = None  # the --sandbox it does not run in (it names the environment instances)
+    hooks: tuple[str, ...] = ()  # the TRAINER_INPUTS it names
+    logged: dict = field(default_factory=dict, compare=False, repr=False)  # log_metric: name -> values
+    unkept: dict = field(default_factory=dict, compare=False, repr=False)  # log_extra: the columns not kept
 
     @property
     def needs_all_columns(self) -> bool:
@@ -149,7 +165,29 @@ class RewardFn:
             kw.update({c: col(c) for c in cols if c not in kw})
             if environments is not None:  # TRL's reward functions read kwargs["environments"]
                 kw.setdefault("environments", list(environments))
+        if self.workers is None:
+            for p in TRAINER_INPUTS:
+                if p in self.hooks or self.takes_kwargs:
+                    kw[p] = self._hook(p, cols, i)
         return kw
+
+    def _hook(self, name: str, cols: Mapping[str, Sequence], i: int | None):
+        """TRL's trainer hook `name` for row i (the batch's first row when i is None)."""
+        from rlkit.plugins.user_code import as_number
+
+        if name == "trainer_state":
+            steps = cols.get("policy_step")
+            return PolicyState(int(steps[i or 0]) if steps and steps[i or 0] is not None else 0)
+        if name == "log_metric":
+            def log_metric(metric: str, value) -> None:
+                v = as_number(value)
+                if v is not None:
+                    self.logged.setdefault(str(metric), []).append(v)
+            return log_metric
+
+        def log_extra(column: str, values) -> None:  # noqa: ARG001 (TRL's signature)
+            self.unkept[str(column)] = None
+        return log_extra
 
     def _call(self, kwargs: dict, where: str, limit: float = 0):
         """The function's value on `kwargs`, stopped after `limit` seconds (0: no limit; see `rlkit.plugins.timer`)."""
@@ -263,6 +301,12 @@ def load(spec: str, timeout: float = DEFAULT_TIMEOUT_S, sandbox: Sandbox | None 
     if not callable(fn):
         raise RlkitError(f"--reward-fn {name}: {label} is a {type(fn).__name__}, not a function")
     batched, takes, takes_kwargs = _convention(fn, f"--reward-fn {name} ({label})")
+    params = inspect.signature(fn).parameters
+    hooks = tuple(p for p in TRAINER_INPUTS if p in params)
+    needed = [p for p in hooks if params[p].default is params[p].empty]
+    if sandbox is not None and needed and not any(p in ENVIRONMENT_INPUTS for p in takes):
+        raise RlkitError(f"--reward-fn {name} ({label}) takes {needed[0]}, which a sandboxed worker cannot receive "
+                         f"(rows go to it as JSON); give it a default ({needed[0]}=None) or run it without --sandbox")
     workers = None
     if sandbox is not None and not any(p in ENVIRONMENT_INPUTS for p in takes):  # instances stay in the stage
         from rlkit.sandbox.workers import Workers
@@ -270,7 +314,7 @@ def load(spec: str, timeout: float = DEFAULT_TIMEOUT_S, sandbox: Sandbox | None 
         workers = Workers(sandbox, ref, name, label, timeout)
     unboxed = sandbox.backend.name if sandbox is not None and workers is None else None
     return RewardFn(name, label, fn, batched, takes, takes_kwargs, user_code.fingerprint(fn, label), timeout, workers,
-                    unboxed)
+                    unboxed, hooks)
 
 
 def _convention(fn: Callable, where: str) -> tuple[bool, tuple[str, ...], bool]:
@@ -288,7 +332,7 @@ def _convention(fn: Callable, where: str) -> tuple[bool, tuple[str, ...], bool]:
         raise RlkitError(f"{where}: its parameters mix one row ({', '.join(row)}) and a batch ({', '.join(batch)}); "
                          f"{CONVENTION}")
     unknown = [p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
-               and p.name not in ROW_INPUTS and p.name not in BATCH_INPUTS]
+               and p.name not in ROW_INPUTS and p.name not in BATCH_INPUTS and p.name not in TRAINER_INPUTS]
     if unknown:
         raise RlkitError(f"{where}: rlkit cannot fill its parameter {unknown[0]!r} (signature {sig}); {CONVENTION}")
     if not row and not batch:
@@ -342,12 +386,28 @@ def close_all(fns: Iterable[RewardFn]) -> None:
 
 
 @contextmanager
-def closing(fns: Sequence[RewardFn]) -> Iterator[Sequence[RewardFn]]:
-    """`with closing(load_all(...)) as fns:` the workers are stopped when the block ends, however."""
+def closing(fns: Sequence[RewardFn], stage: str = "rollout") -> Iterator[Sequence[RewardFn]]:
+    """`with closing(load_all(...)) as fns:` the workers are stopped when the block ends, however; when it ends
+    well, `stage`'s closing lines give what the functions logged (`say_logged`)."""
     try:
         yield fns
     finally:
         close_all(fns)
+    say_logged(fns, stage)
+
+
+def say_logged(fns: Sequence[RewardFn], stage: str) -> None:
+    """One line per function that called TRL's `log_metric` (each name's mean over its calls) or `log_extra` (the
+    columns, which a table whose columns are fixed when it starts does not keep)."""
+    from rlkit import console
+
+    for f in fns:
+        if f.logged:
+            console.info(f"{stage}: --reward-fn {f.name} logged " + ", ".join(
+                f"{k} {sum(v) / len(v):.4g}" for k, v in f.logged.items()) + " (each the mean over its calls)")
+        if f.unkept:
+            console.info(f"{stage}: --reward-fn {f.name}'s log_extra columns {', '.join(f.unkept)} are not kept (the "
+                         "table's columns are fixed when it starts)")
 
 
 def fingerprints(fns: Sequence[RewardFn]) -> dict[str, str]:
@@ -379,8 +439,10 @@ def columns_of(batch, fns: Sequence[RewardFn]) -> dict[str, list]:
         want = names
     else:
         named = {BATCH_INPUTS.get(p) for f in fns for p in f.takes}
-        want = [c for c in ("prompt_id", "sample_idx", "prompt", "completion", "answer", "completion_ids")
-                if c in names and (c != "completion_ids" or c in named)]
+        if any("trainer_state" in f.hooks for f in fns):
+            named.add("policy_step")
+        want = [c for c in ("prompt_id", "sample_idx", "prompt", "completion", "answer", "completion_ids",
+                            "policy_step") if c in names and (c not in ("completion_ids", "policy_step") or c in named)]
     return {c: batch.column(c).to_pylist() for c in want}
 
 

@@ -191,3 +191,47 @@ def test_none_is_a_row_the_function_does_not_score(tmp_path):
     if bwrap_path() is not None:
         with reward_fns.closing(reward_fns.load_all([f"{f}:long_ones"], sandbox=Sandbox("bwrap", workers=1))) as fns:
             assert fns[0].workers is not None and fns[0].score(cols) == [4.0, 0.0, 3.0]
+
+
+HOOKS = '''
+def reward_func(completions, ground_truth=None, log_extra=None, log_metric=None, **kwargs):  # TRL's docs, Example 6
+    rewards = [float(len(c) > 0) for c in completions]
+    if log_extra:
+        log_extra("golden_answer", list(kwargs["answer"]))
+    if log_metric:
+        log_metric("accuracy", sum(rewards) / len(rewards))
+    return rewards
+
+
+def curriculum(completions, trainer_state, **kwargs):  # TRL's dynamic reward shaping on the training step
+    assert callable(kwargs["log_metric"]) and callable(kwargs["log_extra"])  # TRL's **kwargs carry them too
+    return [float(trainer_state.global_step) + 0.5 for _ in completions]
+'''
+
+
+def test_trls_trainer_hooks_reach_the_functions(sft_dir, tmp_path):
+    """TRL passes every reward function `trainer_state`, `log_extra` and `log_metric`: a function naming them runs
+    (the step is the sampling policy's, the metrics' means are said at the end, log_extra's columns are named as not
+    kept); in a sandboxed worker, which cannot receive them, one without a default is refused in one line."""
+    from rlkit.errors import RlkitError
+    from rlkit.sandbox import Sandbox
+    from rlkit.scorers import reward_fns
+
+    f = tmp_path / "hooks.py"
+    f.write_text(HOOKS)
+    out = tmp_path / "r.arrow"
+    r = run_cli_inproc("rollout", "--policy", str(sft_dir), "--num-prompts", "2", "--n", "2", "--max-new-tokens", "4",
+                       "--reward-fn", f"docs={f}:reward_func", "--reward-fn", f"step={f}:curriculum", "--out", str(out))
+    err = r.stderr.decode()
+    assert r.returncode == 0, err[-3000:]
+    t = streams.read_table(out, ["rollouts"])[0]
+    steps = t.column("policy_step").to_pylist()
+    assert t.column("reward/step").to_pylist() == [s + 0.5 for s in steps]
+    docs = t.column("reward/docs").to_pylist()
+    assert f"rollout: --reward-fn docs logged accuracy {sum(docs) / len(docs):.4g} (each the mean over its calls)" in err
+    assert "rollout: --reward-fn docs's log_extra columns golden_answer are not kept" in err
+    with pytest.raises(RlkitError, match="takes trainer_state, which a sandboxed worker cannot receive"):
+        reward_fns.load(f"{f}:curriculum", sandbox=Sandbox("bwrap"))
+    boxed = reward_fns.load(f"{f}:reward_func", sandbox=Sandbox("bwrap"))  # its defaults stand in for them there
+    assert boxed.workers is not None and boxed.hooks == ("log_metric", "log_extra")
+    boxed.close()
