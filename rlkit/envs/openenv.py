@@ -3,33 +3,51 @@ own small client of OpenEnv's WebSocket protocol (the `websockets` package, extr
 package itself is not needed).
 
 The protocol (OpenEnv's `/ws` endpoint; JSON text frames `{"type": ..., "data": ...}`): one connection is one
-session with its own environment instance on the server. The client sends `{"type": "reset", "data": {"seed":
-S}}`, then `{"type": "step", "data": {FIELD: ACTION}}` per model turn, and `{"type": "close"}`; the server answers
+session with its own environment instance on the server. The client sends `{"type": "reset", "data": {"seed": S,
+...}}`, then `{"type": "step", "data": {FIELD: ACTION}}` per model turn, and `{"type": "close"}`; the server answers
 each reset and step with `{"type": "observation", "data": {"observation": {...}, "reward": R, "done": D}}`, or
-`{"type": "error", "data": {"message": ..., "code": ...}}`.
+`{"type": "error", "data": {"message": ..., "code": ..., "errors": [...]}}` (`errors`: pydantic's reasons, for a
+VALIDATION_ERROR), and passes reset's data to the environment's `reset` as the keywords it declares (all of them when
+it takes `**kwargs`).
 
 How a trajectory maps onto it (one connection per trajectory, opened by `reset`, closed by `close`):
   - the prompts are the server's: the environment brings its own examples (`iter_examples`), one reset seed each,
     drawn from disjoint ranges for the train and held-out splits (a server whose episodes do not depend on the
     seed gives the same episode for every prompt); the `n` samples of a prompt share its seed, so a group starts
-    from one state;
-  - the text the model sees is the observation's `text=FIELD` (default: the first non-empty of its `prompt`,
-    `message`, `text` and `content` fields, else its first non-empty text field; none: the observation as JSON); reset's is the prompt, every step's is appended to the
-    trajectory (a newline is put first when the model's turn did not end with one);
+    from one state. With `--prompts`, the rows are the prompts instead: a row whose answer is a JSON object sends its
+    keys in reset's data (the row's columns, as TRL's classes get them in `reset(**row)`), and its prompt comes
+    first, the server's reset text after it;
+  - reset's data is the seed, the `reset.KEY=VALUE` options (a value that parses as JSON, a number, `true`, `null`,
+    a list, is sent as that value, anything else as text), then the row's keys;
+  - the text the model sees: reset's is the prompt, every step's is appended to the trajectory (a newline is put
+    first when the model's turn did not end with one). `text=PATH` names it: field names joined by dots, integer
+    indices in brackets (`feedback`, `messages[-1].content`); a list of messages there is read as below, anything
+    else not text as JSON. By default, an observation whose `messages` hold the text (a list of objects with a text
+    `content`, or of strings: OpenEnv's textarena and chat servers) is read as a conversation: reset's text is its
+    `prompt` and messages (one that another repeats, once), a step's the messages new since the last observation
+    (of a server that keeps the whole conversation, those added and the lines added to the last one; of a server
+    that sends each step's messages alone, all of them), without the server's echo of the model's own turn (a
+    message with the role `assistant`, or the turn itself at the start of a message, alone or after a `[SPEAKER]`
+    tag). Otherwise the first non-empty of its `prompt`, `message`, `text` and `content` fields, else its first
+    non-empty text field; none: the observation as JSON. When every step of the run's first trajectories appended
+    the same text, or nothing, a warning (once) names the field read and `text=PATH`;
   - the model's turn, decoded, is the action's `action=FIELD` (default `message`); other fields of the action
-    can be fixed with `action.KEY=VALUE` options (sent as text);
+    can be fixed with `action.KEY=VALUE` options (sent as text; the server's pydantic model converts them);
   - a step's reward is the server's `reward` (null: 0.0), the trajectory's the sum; `done` ends it (terminated).
 Options: `url` (ws:// or wss://; an http(s):// URL is turned into its /ws endpoint, `http://HOST:PORT` and
 `http://HOST:PORT/ws` alike), `action`, `text`, `timeout` (seconds per call, 30), `seed` (a base added to every
 reset seed, 0), `max_new_tokens` (the turn's length), `stop` (a string that ends a turn, e.g. `stop=\\n`, in the
-text's escapes), `max_sessions` (sessions open at once; default `--env-workers`).
+text's escapes), `max_sessions` (sessions open at once; default `--env-workers`), `action.KEY=VALUE`,
+`reset.KEY=VALUE`.
 Sessions are resources (`max_sessions = True`, rlkit.envs.base): at most `--env-workers` (or `max_sessions=N`) are
 open at once, a trajectory's from its reset to its end, and the other trajectories queue for one. A server at
 capacity (OpenEnv serves one session unless started with `max_concurrent_envs`) is waited for: its refusal is `Busy`,
-the trajectory tries again (rlkit then opens no more sessions than it holds), for up to `timeout` seconds.
-A server that refuses the connection, answers with an error, closes mid-trajectory, overruns `timeout` or stays at
-capacity that long is one line naming the URL and the trajectory (`--env-errors end`: that trajectory ends with
-reward 0 instead; a refused connection, which every trajectory would meet, does not suggest it).
+the trajectory tries again (rlkit then opens no more sessions than it holds), for up to `timeout` seconds. A
+connection ends after the server's own close (its session is free when the next trajectory asks for one).
+A server that refuses the connection, answers with an error (a validation error with its reasons, per field),
+closes mid-trajectory, overruns `timeout` or stays at capacity that long is one line naming the URL and the
+trajectory (`--env-errors end`: that trajectory ends with reward 0 instead; a refused connection, which every
+trajectory would meet, does not suggest it).
 """
 
 from __future__ import annotations
