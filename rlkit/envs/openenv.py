@@ -486,7 +486,7 @@ class OpenEnv:
                 value = at_path(obs, self.text_path)
             except LookupError as e:
                 raise EnvError(f"{self.where}: text={self.text_field}: {e}") from None
-            msgs = messages_of(value) if isinstance(value, list) and value else None
+            msgs = messages_of(value)
             if msgs is not None:
                 return self._messages_text(msgs, action, None)
             return value if isinstance(value, str) else json.dumps(value)

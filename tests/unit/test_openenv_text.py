@@ -135,3 +135,37 @@ def test_a_validation_error_names_each_field_and_its_reason():
                                          "message: Field required; and 1 more")
     assert validation_detail(errors[3:]) == 'moves[0].row: Input should be a valid integer (got "x")'
     assert validation_detail(None) == "" and validation_detail("bad") == ""
+
+
+def test_the_default_text_of_each_observation_shape():
+    """What the adapter shows of observations as OpenEnv's servers send them (the `data` of an observation message)."""
+    env = get_env("openenv:url=ws://127.0.0.1:1/ws").make()
+
+    def show(obs, action=None):
+        return env._text({"observation": obs, "reward": None, "done": False}, action)
+
+    # the chat server's shape: a list that grows, the model's own message among it
+    sys_msg = {"role": "system", "content": "Answer briefly."}
+    assert show({"messages": [sys_msg, {"role": "user", "content": "2+2?"}], "tokens": [1, 2]}) == \
+        "Answer briefly.\n2+2?"
+    assert show({"messages": [sys_msg, {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+                              {"role": "user", "content": "Right. 3+3?"}], "tokens": []}, "4") == "Right. 3+3?"
+    # textarena's server: the rules in `prompt` and in the first message, once; then the transcript's new lines
+    rules = "\n[GAME] Guess 1-20."
+    env._episode()
+    assert show({"prompt": "Guess 1-20.", "messages": [{"sender_id": -1, "content": rules, "category": "MESSAGE"}]}) \
+        == "[GAME] Guess 1-20."
+    assert env.chosen == "the new messages of the observation's messages"
+    step = {"prompt": "GuessTheNumber-v0", "messages": [{"sender_id": -1, "content": rules + "\n[Player] [5]\n[GAME] "
+                                                          "The target number is higher.", "category": "MESSAGE"}]}
+    assert show(step, "[5]") == "[GAME] The target number is higher."
+    # no messages: the first non-empty of prompt, message, text, content, then any text field, then JSON
+    env._episode()
+    assert show({"prompt": "", "feedback": "yes"}) == "yes" and env.chosen == "the observation's feedback"
+    assert show({"board": [[0, 1]]}, "x") == '{"board":[[0,1]]}'
+    # text=: a nested field as it is; a path to a list of messages is read as messages
+    env = get_env("openenv:url=ws://127.0.0.1:1/ws,text=info.hint").make()
+    assert show({"info": {"hint": "warmer"}}) == "warmer" and env.chosen == "text=info.hint"
+    env = get_env("openenv:url=ws://127.0.0.1:1/ws,text=history").make()
+    assert show({"history": []}) == ""
+    assert show({"history": ["You are in a maze."]}, "go north") == "You are in a maze."
