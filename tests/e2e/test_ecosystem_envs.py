@@ -5,6 +5,7 @@ WebSocket client), textarena's single-player games, and a class written for TRL'
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -23,6 +24,7 @@ from conftest import run_cli
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 SERVER = REPO / "tests" / "servers" / "openenv_echo.py"
+SHAPED = REPO / "tests" / "servers" / "openenv_shaped.py"  # OpenEnv's server shapes, one app each under a path
 P, N = 3, 2
 
 
@@ -33,17 +35,17 @@ def _free_port() -> int:
 
 
 class Server:
-    """tests/servers/openenv_echo.py in a process of its own, ready once /health answers."""
+    """tests/servers/openenv_echo.py (or `script`) in a process of its own, ready once `health` answers."""
 
-    def __init__(self, sessions: int, peak: Path | None = None) -> None:
+    def __init__(self, sessions: int, peak: Path | None = None, script: Path = SERVER, health: str = "/health") -> None:
         self.port = _free_port()
-        self.proc = subprocess.Popen([sys.executable, str(SERVER), str(self.port), str(sessions),
+        self.proc = subprocess.Popen([sys.executable, str(script), str(self.port), str(sessions),
                                       *([str(peak)] if peak else [])],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 120
         while True:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{health}", timeout=2) as r:
                     if r.status == 200:
                         break
             except OSError:
@@ -67,6 +69,15 @@ class Server:
 @pytest.fixture(scope="module")
 def server():
     s = Server(sessions=16)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def shaped():
+    """tests/servers/openenv_shaped.py: `shaped.url + "/guess/ws"` and its other paths."""
+    s = Server(sessions=0, script=SHAPED, health="/guess/health")
+    s.url = f"ws://127.0.0.1:{s.port}"
     yield s
     s.stop()
 
@@ -199,6 +210,120 @@ def test_openenv_server_at_capacity_is_waited_for_and_gone_mid_trajectory(sft_di
     with pytest.raises(EnvError, match="the server closed the connection during step|step failed"):
         env.step("1")
     env.close()
+
+
+def _guess_feedback(guess: str, target: int) -> str:
+    """What tests/servers/openenv_shaped.py's game says to a guess."""
+    m = re.search(r"\d+", guess)
+    if m is None:
+        return "Invalid move: guess as [N]."
+    n = int(m.group())
+    if n == target:
+        return "Congratulations! You guessed the number."
+    return f"You guessed {n}. The target number is {'higher' if n < target else 'lower'}."
+
+
+@pytest.mark.parametrize("path, tag", [("guess", "[GAME] "), ("guess-raw", "")])
+def test_openenv_messages_feedback_reaches_the_model(shaped, path, tag, sft_dir, tmp_path):
+    """A server whose feedback is in its messages (OpenEnv's textarena server: the whole transcript in one message, or
+    each step's messages alone): the prompt is the rules once, and after each turn the model sees what the game said
+    to it, without the echo of its own guess, the transcript again or the `prompt` field (the game's id)."""
+    out = tmp_path / "r.arrow"
+    r = run_cli("rollout", "--policy", str(sft_dir), "--env", f"openenv:url={shaped.url}/{path}/ws,stop=\\n,"
+                "max_new_tokens=4", "--num-prompts", "2", "--n", "2", "--max-turns", "4", "--seed", "5",
+                "--out", str(out))
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    assert "warning: environment openenv" not in r.stderr.decode()  # the feedback differs from turn to turn
+    rows = _rows(out)
+    assert len(rows) == 4
+    for row in rows:
+        target = int(row["answer"]) % 20 + 1
+        users = [m["content"] for m in row["messages"] if m["role"] == "user"]
+        guesses = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        assert users[0] == tag + "Guess the number between 1 and 20 as [N]."
+        assert [u.strip() for u in users[1:]] == [tag + _guess_feedback(g, target) for g in guesses[:-1]]
+        won = [_guess_feedback(g, target).startswith("Congratulations") for g in guesses]
+        assert row["reward/env"] == float(won[-1]) and not any(won[:-1])
+
+
+def test_openenv_a_text_that_never_changes_is_warned_about(shaped, sft_dir, tmp_path):
+    """text= picks a field that repeats every step (textarena's `prompt`, the game's id): one warning naming the field
+    and text=PATH; a path into the messages reaches the newest message's content."""
+    out = tmp_path / "r.arrow"
+    base = ["rollout", "--policy", str(sft_dir), "--num-prompts", "2", "--n", "2", "--max-turns", "4", "--seed", "5"]
+    r = run_cli(*base, "--env", f"openenv:url={shaped.url}/guess-raw/ws,stop=\\n,max_new_tokens=4,text=prompt",
+                "--out", str(out))
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    warnings = [x for x in r.stderr.decode().splitlines() if x.startswith("warning: environment openenv")]
+    assert len(warnings) == 1, warnings
+    assert "appended the same text 'GuessTheNumber-v0-raw' (read from text=prompt)" in warnings[0]
+    assert "pick its text with text=PATH" in warnings[0] and "prompt, messages, current_player_id" in warnings[0]
+    assert all(u.strip() == "GuessTheNumber-v0-raw" for row in _rows(out)
+               for u in [m["content"] for m in row["messages"] if m["role"] == "user"][1:])
+    r = run_cli(*base, "--env", f"openenv:url={shaped.url}/guess-raw/ws,stop=\\n,max_new_tokens=4,"
+                "text=messages[-1].content", "--out", str(out), "--force")
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    for row in _rows(out):
+        target = int(row["answer"]) % 20 + 1
+        users = [m["content"] for m in row["messages"] if m["role"] == "user"]
+        guesses = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        assert [u.strip() for u in users[1:]] == [_guess_feedback(g, target) for g in guesses[:-1]]
+
+
+def test_openenv_one_session_server_runs_a_whole_batch(shaped, sft_dir, tmp_path):
+    """A server that serves one session (OpenEnv's default cap; its environment not marked concurrency-safe, so the
+    cap cannot be raised) under the default --env-workers: a whole GRPO batch, the trajectories taking the session in
+    turn, each one its own game from the start."""
+    out = tmp_path / "r.arrow"
+    r = run_cli("rollout", "--policy", str(sft_dir), "--env", f"openenv:url={shaped.url}/guess-one/ws,stop=\\n,"
+                "max_new_tokens=4", "--num-prompts", "3", "--n", "4", "--max-turns", "3", "--seed", "2",
+                "--out", str(out))
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    rows = _rows(out)
+    assert len(rows) == 12 and len({x["answer"] for x in rows}) == 3
+    assert all(len({x["answer"] for x in rows[4 * i:4 * i + 4]}) == 1 for i in range(3))  # a group: one game
+    for row in rows:
+        target = int(row["answer"]) % 20 + 1
+        users = [m["content"] for m in row["messages"] if m["role"] == "user"]
+        guesses = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        assert row["end_reason"] in ("terminated", "max_turns") and 1 <= len(guesses) <= 3
+        assert [u.strip() for u in users[1:]] == ["[GAME] " + _guess_feedback(g, target) for g in guesses[:-1]]
+
+
+def test_openenv_validation_error_names_the_field_and_the_reason(shaped, sft_dir, tmp_path):
+    """A strict action (an enum field) that the model's turn does not fit: the server's own reason, per field."""
+    out = tmp_path / "r.arrow"
+    r = run_cli("rollout", "--policy", str(sft_dir), "--env", f"openenv:url={shaped.url}/move/ws,action=direction,"
+                "action.speed=fast,max_new_tokens=3", "--num-prompts", "1", "--n", "1", "--out", str(out))
+    line = _error_line(r)
+    assert f"environment openenv {shaped.url}/move/ws: the server answered step with an error: Invalid message " \
+           "(VALIDATION_ERROR): direction: Input should be 'UP', 'DOWN', 'LEFT' or 'RIGHT' (got \"" in line, line
+    assert "; speed: Extra inputs are not permitted (got \"fast\")" in line and "on prompt " in line
+    assert not out.exists()
+
+
+def test_openenv_reset_options_and_per_row_reset_arguments(shaped, sft_dir, tmp_path):
+    """reset.KEY=VALUE options reach the environment's reset typed (numbers and booleans as JSON); with --prompts, a
+    row's columns (a JSON object answer, as TRL's classes get them) reach it too, over the options, and the row's
+    prompt comes first, then the server's reset text."""
+    out = tmp_path / "r.arrow"
+    env = f"openenv:url={shaped.url}/quiz/ws,max_new_tokens=4,reset.size=2,reset.hard=true,reset.topic=mul"
+    r = run_cli("rollout", "--policy", str(sft_dir), "--env", env, "--num-prompts", "2", "--n", "1", "--out", str(out))
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    prompts = [x["prompt"] for x in _rows(out)]
+    assert all(p.startswith("[topic=mul (str) size=2 (int) hard=True (bool)] 1") for p in prompts), prompts
+    table = tmp_path / "prompts.jsonl"
+    table.write_text("".join(json.dumps({"prompt": p, "answer": json.dumps(a)}) + "\n" for p, a in [
+        ("Answer with the number.", {"topic": "add", "size": 3}),
+        ("", {"hard": False}),
+    ]))
+    r = run_cli("rollout", "--policy", str(sft_dir), "--env", env, "--prompts", str(table), "--n", "2",
+                "--out", str(out), "--force")
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    rows = _rows(out)
+    assert len(rows) == 4 and rows[0]["prompt"] == rows[1]["prompt"] and rows[2]["prompt"] == rows[3]["prompt"]
+    assert rows[0]["prompt"].startswith("Answer with the number.\n[topic=add (str) size=3 (int) hard=True (bool)] 10")
+    assert rows[2]["prompt"].startswith("[topic=mul (str) size=2 (int) hard=False (bool)] 1")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
