@@ -1,0 +1,120 @@
+"""The built-in `python` tool (a sandboxed Python interpreter) and the `python` environment: products too large to
+compute in one's head, with the interpreter to compute them.
+
+The tool, by name in any `Tools` environment: `Tools(functions=[mul, "python"])`, `tools = ["python"]`, or
+configured, `tools = [PythonTool(timeout=5, memory=512, max_output=2000)]`. The model calls it as any tool,
+`<tool_call>{"name": "python", "arguments": {"code": "print(12345 * 6789)"}}</tool_call>` or
+`<call>python("print(12345 * 6789)")</call>`; the code runs in a sandboxed interpreter (`rlkit.sandbox.interpreter`:
+bubblewrap, the code task's limits, no network, writes only to its private /tmp) and the observation is the call's
+stdout, stderr and exit status (`CodeRun.text`), cut at `max_output` characters. Each trajectory (each `Tools`
+instance) has an interpreter of its own, started at its first call and killed when the trajectory ends
+(`close()`): names defined by one call are there in the next (`state=0`: a fresh interpreter for every call).
+The interpreter runs in the sandbox of the environment's `sandbox` (`--sandbox KIND`), bwrap when none is given.
+
+`--env python[:digits=5,heldout=0.1,timeout=10,memory=1024,max_output=1000,state=1,sandbox=...]` (`PythonEnv`)
+brings the `calc` problems at a larger size (`<12345*67890>=`, products of two `digits`-digit numbers, split as
+`calc`'s) and the tool; the final answer (a turn without a call) earns 1.0 when its last integer is the product.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from rlkit.envs.base import on_cancel
+from rlkit.envs.tools import Tools
+from rlkit.errors import RlkitError
+from rlkit.tasks.base import Example, last_integer
+
+
+def python(code: str) -> str:
+    """Run Python code in a sandboxed interpreter; returns its stdout, stderr and exit status.
+
+    Args:
+        code: the Python source to run (the value of a final expression is shown, as in a notebook)
+    """
+    from rlkit.sandbox.interpreter import run_code
+
+    return run_code(code).text()  # called directly: a fresh interpreter (a Tools environment keeps one per trajectory)
+
+
+class PythonTool:
+    """The `python` tool with its limits: `timeout` (wall-clock seconds per call), `memory` (MB of address space per
+    process), `max_output` (characters of stdout, and of stderr, shown), `state` (keep the interpreter across the
+    calls of a trajectory), `sandbox` (a kind or an `rlkit.sandbox.Sandbox`; None: the environment's, else bwrap).
+
+    A `Tools` session tool: `name`, `function` (whose signature and docstring are the tool's schema) and
+    `session(sandbox)`, an object per trajectory with `call(*args, **kwargs) -> (ok, text)`, `kill()` and
+    `close()`."""
+
+    name = "python"
+    function = staticmethod(python)
+
+    def __init__(self, timeout: float = 10.0, memory: int = 1024, max_output: int = 1000, state: bool = True,
+                 sandbox=None) -> None:
+        from rlkit.sandbox import Limits
+
+        try:
+            self.limits = Limits(memory_mb=int(memory))
+        except ValueError as e:
+            raise RlkitError(f"python tool: memory={memory}: {e}") from None
+        checks = ((timeout > 0, f"timeout={timeout:g}", "timeout > 0 (seconds)"),
+                  (isinstance(max_output, int) and max_output > 0, f"max_output={max_output}", "max_output >= 1"))
+        for ok, got, want in checks:
+            if not ok:
+                raise RlkitError(f"python tool: {got}; expected {want}")
+        self.timeout, self.max_output, self.state, self.sandbox = float(timeout), max_output, bool(state), sandbox
+
+    def session(self, sandbox=None) -> _Session:
+        """A fresh interpreter for one trajectory (started at its first call), its sandbox checked now."""
+        from dataclasses import replace
+
+        from rlkit.sandbox import Sandbox
+        from rlkit.sandbox.interpreter import Interpreter
+
+        sb = self.sandbox if self.sandbox is not None else sandbox
+        sb = Sandbox(sb or "bwrap") if sb is None or isinstance(sb, str) else sb
+        py = Interpreter(replace(sb, limits=self.limits), self.timeout, self.max_output, self.state)
+        py.check()
+        return _Session(py)
+
+
+class _Session:
+    """One trajectory's interpreter as a `Tools` session."""
+
+    def __init__(self, py) -> None:
+        self.py = py
+
+    def call(self, code: str) -> tuple[bool, str]:
+        with on_cancel(self.py.kill):  # the driver gave the call up (--env-timeout): the sandbox dies now
+            run = self.py.run(code)
+        return run.ok, run.text(self.py.timeout)
+
+    def kill(self) -> None:
+        self.py.kill()
+
+    def close(self) -> None:
+        self.py.close()
+
+
+class PythonEnv(Tools):
+    """`--env python`: the `calc` problems at `digits` (5) with the `python` tool; reward 1.0 when the final
+    answer's last integer is the product (see the module docstring)."""
+
+    tools = ["python"]
+    max_new_tokens = 96  # one turn: a call (the JSON form with a short program) or the answer
+
+    def __init__(self, digits: int = 5, heldout: float = 0.1, timeout: float = 10.0, memory: int = 1024,
+                 max_output: int = 1000, state: int = 1, sandbox=None) -> None:
+        from rlkit.envs.calc import Calc
+
+        self.problems = Calc(digits, heldout).checked()  # before any sandbox starts: a bad option is one line
+        if state not in (0, 1):
+            raise RlkitError(f"python: state={state}; expected 1 (one interpreter per trajectory) or 0 (one per call)")
+        tool = PythonTool(timeout, memory, max_output, bool(state))
+        super().__init__(functions=[tool], sandbox=sandbox)
+
+    def iter_examples(self, split: str, seed: int, unique: bool = False) -> Iterator[Example]:
+        return self.problems.iter_examples(split, seed, unique)
+
+    def score(self, answer: str, example) -> float:
+        return last_integer(answer, example.answer)
