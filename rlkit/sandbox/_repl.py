@@ -2,12 +2,12 @@
 `python -I -S -X utf8 -c SOURCE MAX_OUTPUT CPU_S` through `rlkit.sandbox.spawn` (the limits set and the uid dropped
 before it runs).
 
-Protocol: the host's requests come on stdin, one JSON line each, `{"code": SOURCE}`; the replies go to stdout, one
-JSON line each: `{"ready": 1}` first, then per request `{"out": TEXT, "out_cut": N, "err": TEXT, "err_cut": N,
-"status": S}` (the call's stdout, its first MAX_OUTPUT characters, and stderr, its last MAX_OUTPUT characters, with how many
-characters of each were cut; S the
-exit status: 0, 1 for an uncaught exception, SystemExit's code). At the start the protocol's pipes move to
-descriptors of their own, and fds 0/1/2 become /dev/null; during a call fds 1 and 2 are anonymous in-memory files
+Protocol: the host's requests come on stdin, one JSON line each, `{"code": SOURCE, "id": K}`; the replies go
+to stdout, one JSON line each: `{"ready": 1}` first, then per request `{"id": K, "out": TEXT, "out_cut": N,
+"err": TEXT, "err_cut": N, "status": S}` (the call's stdout, its first MAX_OUTPUT characters, and stderr, its last
+MAX_OUTPUT characters, with how many characters of each were cut; S the exit status: 0, 1 for an uncaught
+exception, SystemExit's code). At the start the protocol's pipes move to descriptors of their own, and fds
+0/1/2 become /dev/null; during a call fds 1 and 2 are anonymous in-memory files
 (bounded by RLIMIT_FSIZE), read back after it.
 
 State: every call runs in one namespace (a module `__main__`), so names defined by one call are there in the next.
@@ -108,7 +108,8 @@ def main():
                 return
             buf += chunk
         line, _, buf = buf.partition(b"\n")
-        code = json.loads(line)["code"]
+        req = json.loads(line)
+        code = req["code"]
         out, err = _memfd("stdout"), _memfd("stderr")
         os.dup2(out, 1)
         os.dup2(err, 2)
@@ -130,7 +131,7 @@ def main():
         e, e_cut = _read_back(err, limit, tail=True)
         os.close(out)
         os.close(err)
-        reply({"out": o, "out_cut": o_cut, "err": e, "err_cut": e_cut,
+        reply({"id": req["id"], "out": o, "out_cut": o_cut, "err": e, "err_cut": e_cut,
                "status": status if isinstance(status, int) else 1})
 
 

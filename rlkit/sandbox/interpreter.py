@@ -96,6 +96,7 @@ class Interpreter:
         self.cpu_s = max(sb.limits.cpu_s, math.ceil(self.timeout) + 1)
         self.sandbox = replace(sb, limits=replace(sb.limits, cpu_s=CPU_HARD_S))
         self._proc = None
+        self._calls = 0  # requests sent: each reply names its request's (a line the code forged for another is skipped)
         self._lock = threading.Lock()  # _proc between run() and kill() from another thread (this one's only)
         self._live: list = []  # the process, for the finalizer (an interpreter dropped without close())
         weakref.finalize(self, _end_all, self._live)
@@ -122,11 +123,12 @@ class Interpreter:
             started = self._start()
             if isinstance(started, CodeRun):
                 return started
+        self._calls += 1
         try:
-            payload = json.dumps({"code": code}).encode() + b"\n"
+            payload = json.dumps({"code": code, "id": self._calls}).encode() + b"\n"
         except (TypeError, ValueError) as e:  # a lone surrogate, say
             return CodeRun(stderr=f"the code cannot be sent: {e}", status=1)
-        reply = self._exchange(payload, time.monotonic() + self.timeout)
+        reply = self._exchange(payload, time.monotonic() + self.timeout, self._calls)
         if not self.stateful:
             self.close()
         if isinstance(reply, CodeRun):
@@ -164,14 +166,15 @@ class Interpreter:
         with self._lock:
             self._proc = p
             self._live.append(p)
-        reply = self._exchange(None, time.monotonic() + START_S)
+        reply = self._exchange(None, time.monotonic() + START_S, None)
         if isinstance(reply, CodeRun):
             return CodeRun(stderr=f"the interpreter did not start: {reply.ended}", ended=reply.ended)
         return None
 
-    def _exchange(self, payload: bytes | None, deadline: float) -> dict | CodeRun:
-        """Send payload (None: nothing) and read one reply line before the deadline; a CodeRun with `ended` when
-        none comes (the sandbox is then ended)."""
+    def _exchange(self, payload: bytes | None, deadline: float, ident: int | None) -> dict | CodeRun:
+        """Send payload (None: nothing) and read the reply to request `ident` (None: the first line) before the
+        deadline, skipping other lines (what the code wrote on the pipe itself); a CodeRun with `ended` when none
+        comes (the sandbox is then ended)."""
         p = self._proc
         assert p is not None
         if payload is not None:
@@ -181,7 +184,16 @@ class Interpreter:
             except (BrokenPipeError, OSError, ValueError):
                 return self._died(p)
         buf = p._rlkit_buf
-        while b"\n" not in buf:
+        while True:
+            while b"\n" in buf:
+                line, _, rest = bytes(buf).partition(b"\n")
+                buf[:] = rest
+                try:
+                    msg = json.loads(line)
+                except (ValueError, RecursionError):
+                    continue
+                if isinstance(msg, dict) and (ident is None or msg.get("id") == ident):
+                    return msg
             left = deadline - time.monotonic()
             if left <= 0:
                 self.close()
@@ -203,15 +215,6 @@ class Interpreter:
             buf += chunk
             if len(buf) > REPLY_CAP:
                 return self._died(p, "sent a reply too long")
-        line, _, rest = bytes(buf).partition(b"\n")
-        buf[:] = rest
-        try:
-            msg = json.loads(line)
-            if not isinstance(msg, dict):
-                raise ValueError
-        except (ValueError, RecursionError):
-            return self._died(p, "sent an unreadable reply")
-        return msg
 
     def _died(self, p, how: str | None = None) -> CodeRun:
         import signal
