@@ -96,6 +96,17 @@ class _Session:
         self.py.close()
 
 
+def _checked(digits: int = 5, heldout: float = 0.1, timeout: float = 10.0, memory: int = 1024,
+             max_output: int = 1000, state: int = 1):
+    """(the problems, the tool) of `PythonEnv`'s options; RlkitError (one line) for a bad one. Starts nothing."""
+    from rlkit.envs.calc import Calc
+
+    problems = Calc(digits, heldout).checked()
+    if state not in (0, 1):
+        raise RlkitError(f"python: state={state}; expected 1 (one interpreter per trajectory) or 0 (one per call)")
+    return problems, PythonTool(timeout, memory, max_output, bool(state))
+
+
 class PythonEnv(Tools):
     """`--env python`: the `calc` problems at `digits` (5) with the `python` tool; reward 1.0 when the final
     answer's last integer is the product (see the module docstring)."""
@@ -105,13 +116,13 @@ class PythonEnv(Tools):
 
     def __init__(self, digits: int = 5, heldout: float = 0.1, timeout: float = 10.0, memory: int = 1024,
                  max_output: int = 1000, state: int = 1, sandbox=None) -> None:
-        from rlkit.envs.calc import Calc
-
-        self.problems = Calc(digits, heldout).checked()  # before any sandbox starts: a bad option is one line
-        if state not in (0, 1):
-            raise RlkitError(f"python: state={state}; expected 1 (one interpreter per trajectory) or 0 (one per call)")
-        tool = PythonTool(timeout, memory, max_output, bool(state))
+        self.problems, tool = _checked(digits, heldout, timeout, memory, max_output, state)
         super().__init__(functions=[tool], sandbox=sandbox)
+
+    @classmethod
+    def check_options(cls, options: dict) -> None:
+        """The options checked when the spec is read, before any model loads (one line for a bad one)."""
+        _checked(**{k: v for k, v in options.items() if k != "sandbox"})
 
     def iter_examples(self, split: str, seed: int, unique: bool = False) -> Iterator[Example]:
         return self.problems.iter_examples(split, seed, unique)

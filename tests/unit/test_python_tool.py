@@ -364,7 +364,7 @@ def test_the_tool_by_name_in_any_tools_environment():
 ])
 def test_bad_options_are_one_line(spec, error):
     with pytest.raises(RlkitError, match=re.escape(error)):
-        get_env(spec).make()
+        get_env(spec)  # when the spec is read, before any model loads
 
 
 def test_get_env_python_brings_large_products():
