@@ -403,7 +403,7 @@ def _items(functions, owner: str) -> list[tuple]:
         tools = [_builtin(f, owner) for f in functions]
         return [(f.name if _is_session(f) else getattr(f, "__name__", None), f) for f in tools]
     raise RlkitError(f"environment {owner}: tools is a {type(functions).__name__}; expected a list of functions "
-                     "(or built-in tools' names) or a dict name -> function")
+                     f"or a dict name -> function (a built-in tool by its name in the list: {', '.join(BUILTIN_TOOLS)})")
 
 
 def _session_tools(functions, owner: str) -> list[tuple]:

@@ -331,6 +331,18 @@ def test_calls_of_different_trajectories_run_at_once():
         e.close()
 
 
+def test_an_interpreter_outlives_the_thread_of_its_first_call():
+    """The driver runs a trajectory's calls on whichever of its threads is free, and gives a thread up after a call's
+    time limit: the interpreter a thread started keeps its names when that thread has ended."""
+    e = env()
+    th = threading.Thread(target=lambda: call(e, "x = 41"))
+    th.start()
+    th.join()
+    time.sleep(0.3)
+    assert call(e, "x + 1") == "42"
+    e.close()
+
+
 # -- by name, options, and a user's own tool ---------------------------------------------------------------------
 
 def test_the_tool_by_name_in_any_tools_environment():
