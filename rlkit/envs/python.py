@@ -96,6 +96,19 @@ class _Session:
         self.py.close()
 
 
+IDLE_MB = 15  # an idle interpreter's sandbox, resident (bwrap twice and python -I -S; about 6 MB of it private)
+
+
+def python_resources(memory: int, trajectories: int, env_workers: int, state: int = 1) -> list[str]:
+    """The python tool's cost for a rollout: sandboxes alive at once, memory, concurrent calls (see `rlkit plan`)."""
+    live = trajectories if state else min(trajectories, env_workers)
+    held = "one per trajectory, alive from its first call to its end" if state else "one per call running"
+    return [f"up to {live:,} sandboxed Python interpreters at once ({held}), about {IDLE_MB} MB of host memory each "
+            f"when idle ({live * IDLE_MB / 1024:.1f} GiB), each process up to {memory:,} MB of address space",
+            f"at most {min(trajectories, env_workers):,} tool calls run at once (--env-workers), each using up to a "
+            "CPU core: size --env-workers to the host's cores"]
+
+
 def _checked(digits: int = 5, heldout: float = 0.1, timeout: float = 10.0, memory: int = 1024,
              max_output: int = 1000, state: int = 1):
     """(the problems, the tool) of `PythonEnv`'s options; RlkitError (one line) for a bad one. Starts nothing."""
@@ -123,6 +136,11 @@ class PythonEnv(Tools):
     def check_options(cls, options: dict) -> None:
         """The options checked when the spec is read, before any model loads (one line for a bad one)."""
         _checked(**{k: v for k, v in options.items() if k != "sandbox"})
+
+    @classmethod
+    def resources(cls, options: dict, trajectories: int, env_workers: int) -> list[str]:
+        """What a rollout of `trajectories` trajectories holds beside the GPU (`rlkit plan rollout --env python`)."""
+        return python_resources(options.get("memory", 1024), trajectories, env_workers, options.get("state", 1))
 
     def iter_examples(self, split: str, seed: int, unique: bool = False) -> Iterator[Example]:
         return self.problems.iter_examples(split, seed, unique)

@@ -410,3 +410,18 @@ def test_the_docs_example_of_a_users_own_tool(tmp_path):
     assert out.startswith("timeout:")
     assert e.step("ok").reward == 1.0
     e.close()
+
+
+def test_plan_says_what_the_interpreters_cost():
+    from conftest import run_cli_inproc
+
+    r = run_cli_inproc("plan", "rollout", "--policy", "qwen2.5-0.5b", "--engine", "vllm", "--env",
+                       "python:memory=512", "--num-prompts", "32", "--n", "8", "--env-workers", "16")
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    out = r.stdout.decode()
+    assert ("note: environment PythonEnv: up to 256 sandboxed Python interpreters at once (one per trajectory, alive "
+            "from its first call to its end), about 15 MB of host memory each when idle (3.8 GiB), each process up to "
+            "512 MB of address space") in out
+    assert "note: environment PythonEnv: at most 16 tool calls run at once (--env-workers)" in out
+    assert PythonEnv.resources({"state": 0}, 256, 16)[0].startswith("up to 16 sandboxed Python interpreters at once "
+                                                                    "(one per call running)")
