@@ -142,4 +142,5 @@ def _dup_high(fd):
     return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, min(_FIRST_FD, max(3, top - 4)))
 
 
-main()
+if __name__ == "__main__":
+    main()
