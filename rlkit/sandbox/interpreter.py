@@ -126,15 +126,19 @@ class Interpreter:
         self._calls += 1
         try:
             payload = json.dumps({"code": code, "id": self._calls}).encode() + b"\n"
-        except (TypeError, ValueError) as e:  # a lone surrogate, say
+        except (TypeError, ValueError) as e:  # not text
             return CodeRun(stderr=f"the code cannot be sent: {e}", status=1)
         reply = self._exchange(payload, time.monotonic() + self.timeout, self._calls)
+        if isinstance(reply, CodeRun):
+            if not self.stateful:
+                self.close()
+            return reply
+        fields = (reply.get("out"), reply.get("err"), reply.get("status"), reply.get("out_cut"), reply.get("err_cut"))
+        if not all(isinstance(v, str) for v in fields[:2]) or not all(type(v) is int for v in fields[2:]):
+            return self._died(self._proc, "sent a malformed reply")  # the code wrote it on the pipe itself
         if not self.stateful:
             self.close()
-        if isinstance(reply, CodeRun):
-            return reply
-        return CodeRun(str(reply.get("out", "")), str(reply.get("err", "")), int(reply.get("status", 1)),
-                       int(reply.get("out_cut", 0)), int(reply.get("err_cut", 0)))
+        return CodeRun(*fields)
 
     def kill(self) -> None:
         """End the sandbox now, from any thread (the call waiting on it returns `ended`)."""

@@ -298,6 +298,20 @@ print(sum(p.isdigit() for p in os.listdir('/proc')) < 10, found)"""
                       "        pass")
         assert out == "(no output)"  # a line without its request's id is not the reply
         assert call(e, "print(6 * 7)") == "42"  # and the next call's reply is its own
+        # one with its request's id (read from the interpreter's frames) but not a reply's shape: a restart, no crash
+        forge = """import json, os, stat, sys
+f = sys._getframe()
+while f is not None and 'req' not in f.f_locals:
+    f = f.f_back
+line = json.dumps({"id": f.f_locals['req']['id'], "out": "x", "err": "", "status": "zero", "out_cut": 0, "err_cut": 0})
+for fd in range(3, 64):
+    try:
+        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+            os.write(fd, line.encode() + b"\\n")
+    except OSError:
+        pass"""
+        assert call(e, forge) == "the interpreter sent a malformed reply; it was restarted (its names are lost)"
+        assert call(e, "print(6 * 7)") == "42"
         assert e.step("I give up: 1").reward == 0.0  # the reward reads the final answer only
     finally:
         listener.close()
