@@ -171,7 +171,7 @@ def plan_stage(stage: str, s, cfg: PlanConfig, hw, suggest: bool = False):
         ctx = int(config.get("max_position_embeddings") or 0)
         from rlkit.tasks import generation_length, get_task
 
-        task = get_task(s.task)
+        task = get_task(s.task or "arithmetic")  # rollout's default task
         max_new = generation_length(task, s.max_new_tokens)  # without the flag: the task's own length
         prompt = min(DEFAULT_TOKENS, max(1, ctx - max_new)) if ctx else DEFAULT_TOKENS
         limit = (prompt, max_new, "--max-new-tokens" if s.max_new_tokens else f"task {task.name}'s length")
@@ -184,6 +184,7 @@ def plan_stage(stage: str, s, cfg: PlanConfig, hw, suggest: bool = False):
                                 n=s.n, prompts=s.num_prompts or 64)
         if s.engine == "auto":
             est.notes.insert(0, "--engine auto: planned as vLLM, what auto picks on a GPU where vLLM imports")
+        est.notes += _env_notes(s)
         est.settings["shape"] = _shape(work)
         return est
     train.check(distributed=hw.gpus > 1, step_rows=work.rows, step_flag=flag)
@@ -194,6 +195,20 @@ def plan_stage(stage: str, s, cfg: PlanConfig, hw, suggest: bool = False):
         kw = {"algo": rl.algo, "beta": rl.beta or 0.0} if stage in ("update", "pipe") else {}
         est.suggestion = planner.suggest_training("update" if stage == "pipe" else stage, config, work, hw, train, **kw)
     return est
+
+
+def _env_notes(s) -> list[str]:
+    """What the rollout's environment holds beside the GPU: its class's `resources(options, trajectories,
+    env_workers)` lines (the python tool's sandboxes), if it says."""
+    if getattr(s, "env", None) is None:
+        return []
+    from rlkit.envs import get_env
+
+    env = get_env(s.env).sandboxed(getattr(s, "sandbox", None))
+    fn = getattr(env.factory, "resources", None)
+    if not callable(fn):
+        return []
+    return [f"environment {env.name}: {line}" for line in fn(env.options, (s.num_prompts or 64) * s.n, s.env_workers)]
 
 
 def _shape(work, more: dict | None = None) -> dict:

@@ -50,6 +50,12 @@ is an error observation). The workers are shared by the instances of one class a
 running at once (at most the sandbox's `workers`, by default the CPU count; the others wait for one), kept for
 later calls and stopped when the last instance is closed (`close()`). A call the driver gives up (--env-timeout) has
 its worker killed at once.
+
+Built-in tools are named by a string in `tools` (or `functions`): `"python"`, a sandboxed Python interpreter
+(`rlkit.envs.python`), one list of `BUILTIN_TOOLS`. Such a tool is a session tool: an object with `name`, `function`
+(its schema and signature) and `session(sandbox)`, which `Tools` opens per instance (per trajectory) and closes in
+`close()`; it runs its own sandbox (the environment's `sandbox` kind, bwrap when none is given) and cuts its own
+output. A configured one is given as the object (`PythonTool(timeout=5)`).
 """
 
 from __future__ import annotations
@@ -71,6 +77,8 @@ from rlkit.errors import RlkitError
 from rlkit.sandbox.workers import Workers
 
 MAX_CALL_CHARS = 10_000  # a call's text longer than this is refused unparsed
+# The built-in tools, by the name a `tools` list gives them: a new one is a session tool class and one line here.
+BUILTIN_TOOLS: dict[str, str] = {"python": "rlkit.envs.python:PythonTool"}
 _SIMPLE_TYPES = (int, float, str, bool)
 
 
@@ -189,14 +197,24 @@ class Tools:
 
     def __init__(self, functions: Sequence[Callable] | Mapping[str, Callable] | None = None,
                  sandbox: Any = None) -> None:
-        self.functions = _named(self.tools if functions is None else functions, type(self).__name__)
+        given = self.tools if functions is None else functions
+        self.functions = _named(given, type(self).__name__)
         self.example = None
         self.tool_calls = 0
         self.tool_errors = 0
         self._sandbox = _as_sandbox(sandbox)
+        self._sessions: dict[str, Any] = {}  # a session tool's name -> this instance's session (see BUILTIN_TOOLS)
         self._pools: list[_Pool] | None = None
+        own = {name: spec for name, spec in _session_tools(given, type(self).__name__)}
+        try:
+            for name, spec in own.items():
+                self._sessions[name] = spec.session(self._sandbox)
+        except BaseException:
+            self.close()
+            raise
         if self._sandbox is not None:
-            self._pools = _pools_for(self.functions, self._sandbox, self.timeout, type(self).__name__)
+            plain = {name: fn for name, fn in self.functions.items() if name not in own}
+            self._pools = _pools_for(plain, self._sandbox, self.timeout, type(self).__name__)
 
     # -- the environment protocol -----------------------------------------------------------------------------------
     def reset(self, example):
@@ -245,6 +263,9 @@ class Tools:
         pools, self._pools = self._pools, None
         for p in pools or ():
             p.release()
+        sessions, self._sessions = self._sessions, {}
+        for s in sessions.values():
+            s.close()  # a session tool's sandbox (the python interpreter) dies with its trajectory
 
     # -- what a subclass may change --------------------------------------------------------------------------------
     def prompt(self, example):
@@ -279,6 +300,9 @@ class Tools:
             args, kwargs = check_arguments(fn, call.name, call.args, call.kwargs)
         except ValueError as e:
             return False, f"error: {e}"
+        session = self._sessions.get(call.name)
+        if session is not None:
+            return session.call(*args, **kwargs)  # (ok, text), cut by the tool itself
         if self._pools is not None:
             ok, out = _pool_of(self._pools, call.name).call(call.name, args, kwargs)
             if not ok:
@@ -351,15 +375,46 @@ def json_schema(fn: Callable, name: str) -> dict:
     return schema
 
 
-def _named(functions, owner: str) -> dict[str, Callable]:
-    """{tool name: function} from a list of functions (named after them) or a mapping; checked."""
+def _builtin(item, owner: str):
+    """`item` as a tool: a name of BUILTIN_TOOLS becomes that session tool (with its defaults); anything else is
+    returned as it is (a function, or a session tool object)."""
+    if not isinstance(item, str):
+        return item
+    if item not in BUILTIN_TOOLS:
+        raise RlkitError(f"environment {owner}: no built-in tool {item!r}; built-in tools: "
+                         f"{', '.join(BUILTIN_TOOLS)} (or pass a function)")
+    import importlib
+
+    module, _, attr = BUILTIN_TOOLS[item].partition(":")
+    return getattr(importlib.import_module(module), attr)()
+
+
+def _is_session(item) -> bool:
+    """Whether `item` is a session tool (`name`, `function`, `session(sandbox)`; see BUILTIN_TOOLS)."""
+    return not inspect.isroutine(item) and not isinstance(item, type) and isinstance(getattr(item, "name", None), str) \
+        and callable(getattr(item, "function", None)) and callable(getattr(item, "session", None))
+
+
+def _items(functions, owner: str) -> list[tuple]:
+    """[(name, function or session tool)] of a `tools` list or mapping, built-in tools' names resolved."""
     if isinstance(functions, Mapping):
-        items = list(functions.items())
-    elif isinstance(functions, Sequence) and not isinstance(functions, str):
-        items = [(getattr(f, "__name__", None), f) for f in functions]
-    else:
-        raise RlkitError(f"environment {owner}: tools is a {type(functions).__name__}; expected a list of functions "
-                         "or a dict name -> function")
+        return [(name, _builtin(f, owner)) for name, f in functions.items()]
+    if isinstance(functions, Sequence) and not isinstance(functions, str):
+        tools = [_builtin(f, owner) for f in functions]
+        return [(f.name if _is_session(f) else getattr(f, "__name__", None), f) for f in tools]
+    raise RlkitError(f"environment {owner}: tools is a {type(functions).__name__}; expected a list of functions "
+                     f"or a dict name -> function (a built-in tool by its name in the list: {', '.join(BUILTIN_TOOLS)})")
+
+
+def _session_tools(functions, owner: str) -> list[tuple]:
+    """[(name, session tool)] of a `tools` list or mapping."""
+    return [(name, item) for name, item in _items(functions, owner) if _is_session(item)]
+
+
+def _named(functions, owner: str) -> dict[str, Callable]:
+    """{tool name: function} from a list of functions (named after them; a built-in tool's name or object gives its
+    schema function) or a mapping; checked."""
+    items = [(name, item.function if _is_session(item) else item) for name, item in _items(functions, owner)]
     out: dict[str, Callable] = {}
     for name, fn in items:
         if not callable(fn):

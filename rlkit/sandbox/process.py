@@ -6,10 +6,12 @@ ending it (`kill`: the backend's way, then the pipes closed).
 from __future__ import annotations
 
 import os
+import queue
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -62,15 +64,65 @@ def launcher_argv(sb: Sandbox, mode: str, argv: Sequence[str] = ()) -> list[str]
 
 def popen(sb: Sandbox, inner: Sequence[str], *, ro_binds: Sequence[Path] = (), env: Mapping[str, str] = {},
           venv: bool = False) -> subprocess.Popen:
-    """Start `inner` (a launcher command line) in sb: pipes on stdin/stdout/stderr, its own session."""
+    """Start `inner` (a launcher command line) in sb: pipes on stdin/stdout/stderr, its own session. Started from
+    the process's spawner thread (`_spawned`), whatever thread asks."""
     backend = sb.backend
     cwd, full_env = backend.process_env(env)
-    p = subprocess.Popen(backend.command(sb, inner, ro_binds=ro_binds, env=env, venv=venv), stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, cwd=cwd,
-                         env=full_env, close_fds=True)
+    argv = backend.command(sb, inner, ro_binds=ro_binds, env=env, venv=venv)
+    p = _spawned(lambda: subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          start_new_session=True, cwd=cwd, env=full_env, close_fds=True))
     p._rlkit_tmp = cwd  # type: ignore[attr-defined]  (a working directory of the backend's: removed by kill)
     p._rlkit_kind = sb.kind  # type: ignore[attr-defined]
     return p
+
+
+# bwrap's --die-with-parent (PR_SET_PDEATHSIG) kills a sandbox when the *thread* that started it ends, not the
+# process: a sandbox started from an environment call's thread (the driver's --env-workers pool gives a thread up
+# after a timeout) or a benchmark's would die with that thread while a trajectory or a worker pool still uses it.
+# Every sandbox is therefore started from one daemon thread that lives as long as the process: it dies with rlkit.
+_spawner: queue.SimpleQueue | None = None
+_spawner_lock = threading.Lock()
+
+
+def _serve(q: queue.SimpleQueue) -> None:
+    while True:
+        fn, box, done = q.get()
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 (handed to the thread that asked)
+            box["error"] = e
+        done.set()
+
+
+def _spawned(fn):
+    """fn() (a Popen) run on the spawner thread; its value, or its exception raised here."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(_spawner,), name="rlkit-sandbox-spawner", daemon=True).start()
+        q = _spawner
+    box: dict = {}
+    done = threading.Event()
+    q.put((fn, box, done))
+    try:
+        done.wait()
+    except BaseException:  # interrupted while it starts (^C, the driver's time limit): the sandbox is not kept
+        done.wait()
+        if "value" in box:
+            kill(box["value"])
+        raise
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _forget_spawner() -> None:  # in a forked child: the parent's spawner thread is not there
+    global _spawner, _spawner_lock
+    _spawner, _spawner_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_spawner)
 
 
 def spawn(sb: Sandbox, argv: Sequence[str], *, ro_binds: Sequence[Path] = (), env: Mapping[str, str] = {},

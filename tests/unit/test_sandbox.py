@@ -346,6 +346,31 @@ def test_spawn_runs_a_command_with_read_only_binds(tmp_path):
     assert_clean()
 
 
+@needs_bwrap
+def test_a_sandbox_outlives_the_thread_that_started_it():
+    """bwrap's --die-with-parent follows the thread that started it: a sandbox started from a thread that then ends
+    (an environment call's thread the driver gave up, a tool worker shared by trajectories) must live on until it is
+    killed; it dies with the process (every sandbox is started from one thread that lives as long as it)."""
+    import threading
+
+    sb = Sandbox("bwrap", limits=LIMITS)
+    box = []
+
+    def start() -> None:  # the thread starts the sandbox, sees it up, and ends
+        p = spawn(sb, ["/bin/sh", "-c", "echo up; read line; echo got $line"])
+        box.append((p, p.stdout.readline()))
+
+    th = threading.Thread(target=start)
+    th.start()
+    th.join()
+    ((p, up),) = box
+    time.sleep(0.3)
+    out, _ = p.communicate(b"it\n", timeout=10)
+    kill(p)
+    assert up == b"up\n" and out == b"got it\n" and p.returncode == 0
+    assert_clean()
+
+
 def test_kind_none_has_the_limits_and_timeout():
     sb = Sandbox("none", workers=2, limits=Limits(wall_s=1.5, cpu_s=1, memory_mb=256))
     out = run_programs(sb, [("n = int(input())\nprint(n * n)", STDIO), ("while True:\n    pass", STDIO),

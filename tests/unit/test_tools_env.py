@@ -475,6 +475,89 @@ def test_driver_runs_calc_on_the_tiny_model_token_exact(calc_policy):
             assert re.fullmatch(r"<call>mul\([^<]*\)</call><tool>[^<]+</tool>[^<]*(<eos>)?", tok.decode(c)), tok.decode(c)
 
 
+SESSION_TOOL = '''
+from rlkit.envs.calc import CalcEnv
+from rlkit.sandbox.interpreter import Interpreter
+
+
+def mul(a: int, b: int) -> int:
+    """Multiply two integers."""
+
+
+class _Session:  # one trajectory's: a sandboxed interpreter that computes the product and counts the calls
+    def __init__(self, sandbox):
+        self.py = Interpreter(sandbox or "bwrap", timeout=5)
+
+    def call(self, a, b):
+        run = self.py.run(f"calls = globals().get('calls', 0) + 1\\nprint({a} * {b}, calls)")
+        return run.ok, run.text()
+
+    def kill(self):
+        self.py.kill()
+
+    def close(self):
+        self.py.close()
+
+
+class SandboxedMul:
+    name = "mul"
+    function = staticmethod(mul)
+
+    def session(self, sandbox):
+        return _Session(sandbox)
+
+
+class PyCalc(CalcEnv):
+    tools = [SandboxedMul()]
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bwrap_path() is None and not os.environ.get("RLKIT_REQUIRE_SANDBOX"),
+                    reason="bwrap (bubblewrap) not installed; RLKIT_REQUIRE_SANDBOX unset")
+def test_driver_runs_a_session_tool_in_sandboxed_interpreters(calc_policy, tmp_path):
+    """The calc model's calls answered by a session tool (as the built-in python tool is one): a sandboxed interpreter
+    per trajectory, its state kept across the trajectory's calls, through the driver's threads; every interpreter
+    gone when run_episodes returns."""
+    from rlkit import engines
+    from rlkit.engines import EngineOptions
+    from rlkit.sampling.driver import Prompts, Sampling, run_episodes
+
+    (tmp_path / "pycalc.py").write_text(SESSION_TOOL)
+    eng = engines.create("hf", calc_policy, EngineOptions(device="cpu"))
+    tok = eng.tokenizer
+    env = get_env(f"{tmp_path / 'pycalc.py'}:PyCalc")
+    ex = list(itertools.islice(get_env("calc").make().iter_examples("heldout", 0), 12))
+    prompt_ids = [tok(e.prompt)["input_ids"] for e in ex]
+    prompts = Prompts(0, [e.prompt_id for e in ex], [e.answer for e in ex], [e.prompt for e in ex], prompt_ids)
+    s = Sampling(n=1, temperature=0, max_new_tokens=CalcEnv.max_new_tokens, max_turns=3)
+    kids = _children()
+    cols = run_episodes(eng, tok, env, prompts, s, seed=1).columns
+    assert _children() <= kids  # no trajectory's interpreter outlives its trajectory
+    seen = 0
+    for ids, n in zip(cols["completion_ids"], cols["tool_calls"], strict=True):
+        text = tok.decode(ids)
+        found = re.findall(r"<call>mul\((-?\d+), ?(-?\d+)\)</call><tool>([^<]*)</tool>", text)
+        assert len(found) <= n  # (a call in the last turn gets no result appended)
+        for k, (a, b, result) in enumerate(found):
+            assert result == f"{int(a) * int(b)} {k + 1}", text  # the product, and the trajectory's own call count
+        seen += len(found)
+    assert seen >= 1, "\n".join(tok.decode(c) for c in cols["completion_ids"])  # (its operands are often wrong)
+
+
+def _children() -> set[int]:
+    me, out = os.getpid(), set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text().rpartition(")")[2].split()
+            except OSError:
+                continue
+            if int(stat[1]) == me and stat[0] != "Z":
+                out.add(int(d.name))
+    return out
+
+
 def test_the_stages_sandbox_reaches_an_environment_that_takes_one(tmp_path):
     """`rollout --sandbox bwrap --env SPEC` builds the environment with sandbox=bwrap when its constructor takes a
     `sandbox` keyword and the spec set none; a spec's own sandbox= wins; an environment without the keyword is
