@@ -72,6 +72,7 @@ Task = Annotated[
     str,
     typer.Option("--task", rich_help_panel="Data", help="Task spec NAME[:key=value,...] (built-in arithmetic, math or code, or an `rlkit.tasks` entry point), path/to/file.py:CLASS[:key=value,...] or package.module:CLASS[:...]; e.g. 'arithmetic:terms=2-5,max=20', 'math:data=gsm8k.jsonl', 'my_tasks.py:Countdown:max=50'. See docs/tasks-rewards.md."),
 ]
+TrustVerifier = Annotated[bool, typer.Option("--trust-verifier", rich_help_panel="Data", help="Use the task's verifier even though it pays junk. Before a stage rewards, trains or evaluates with a task's verifier it checks it on a small fixed sample of the task's own examples: each gold answer must score full marks (a warning counts those it rejects) and junk (the empty answer, a nonsense word, another example's gold answer) must not; a verifier that pays junk is refused (exit 65) unless this is given. See docs/tasks-rewards.md#the-verifier-check.")]
 RewardFn = Annotated[
     list[str] | None,
     typer.Option("--reward-fn", rich_help_panel="Data", help="User reward function NAME=path/to/file.py:FUNC or NAME=package.module:FUNC (repeatable): adds a reward/NAME column. Parameters prompt, completion, answer, row: one row per call, returns a number; prompts, completions, answers, rows: a batch per call, returns a list. See docs/tasks-rewards.md."),

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Literal
 
 from rlkit import stage_options
 from rlkit.io.tracking import TrackingConfig
@@ -45,6 +46,7 @@ from rlkit.options import (
     SaveSteps,
     Seed,
     TrustRemoteCode,
+    TrustVerifier,
 )
 from rlkit.stage_options import Group, nested, option
 from rlkit.tiny import TinyConfig
@@ -74,6 +76,8 @@ class SftConfig:
     min_reward: float | None = option(None, panel="Data", help="With --data a rollouts or scored table (rlkit rollout / score-ref): train on the completions whose total reward (the reward/* columns summed, or weighed by --reward) is at least this, on their sampled token ids (DeepSeek-R1's rejection-sampling SFT). The held-out evaluation is then the rollout's task unless --task is given.")
     best_of: bool = option(False, "--best-of", panel="Data", help="With --data a rollouts or scored table: keep at most one completion a prompt group, its highest-reward one (ties: the lowest sample_idx), among those reaching --min-reward when given; alone, every group's best whatever its reward (RAFT's best-of-n).")
     reward: tuple[str, ...] = option((), panel="Data", help="With --min-reward/--best-of: reward component weight NAME=W (repeatable), e.g. verifier=1 rm:helpful=0.7; default: the sum of all components.")
+    trust_verifier: bool = option(False, TrustVerifier)  # use a verifier that pays junk (rlkit.tasks.trust)
+    rejected_targets: Literal["refuse", "drop", "keep"] = option("refuse", panel="Data", help="A task's SFT targets that its own verifier rejects (sft scores every distinct target with it before training; a task whose verifier runs programs: the verifier check's sample only): refuse (one line, exit 65, nothing trained), drop (train on the others; the count is said and recorded) or keep (train on them anyway, with a warning).")
     num_examples: int = option(24_000, min=1, panel="Data", help="Train examples drawn from the task (without --data).")
     epochs: int = option(1, min=1, panel="Optimization", help="Passes over the training data.")
     lr: float = option(1e-3, panel="Optimization", help="Peak learning rate (AdamW).")
@@ -180,7 +184,7 @@ def _run(cfg: SftConfig, tracker) -> Path:
     from rlkit.errors import RlkitError
     from rlkit.io import atomic, checkpoints, claims, data, fingerprints, manifests, metrics_log, tracking
     from rlkit.sampling.evaluate import greedy_eval
-    from rlkit.tasks import generation_length, get_task, task_inputs, task_sandbox
+    from rlkit.tasks import generation_length, get_task, heldout_examples, task_inputs, task_sandbox
 
     rollouts = _open_rollouts(cfg)  # rejection sampling (rlkit.training.rejection); None: text data or a task
     kept = None
@@ -230,6 +234,20 @@ def _run(cfg: SftConfig, tracker) -> Path:
         inputs["data"] = source.fingerprint
     if manifests.skip_if_current(cfg.out, "sft", cfg, inputs):
         return cfg.out
+    checks, checked, examples, completions = {}, None, None, None
+    if task is not None:  # its verifier scores the held-out evaluation and judges the targets (rlkit.tasks.trust)
+        from rlkit.tasks.trust import check_targets, trusted
+
+        checked = trusted(task, "sft", sandbox=sandbox, trust=cfg.trust_verifier)
+        checks["verifier_check"] = checked.entry()
+    if rollouts is None and source is None:  # a task's targets, checked against its verifier before any model loads
+        examples = task.examples("train", cfg.num_examples, cfg.seed)
+        completions = [task.completion(e) for e in examples]
+        targets = check_targets(task, examples, completions, cfg.rejected_targets, checked, sandbox)
+        checks["verifier_check"] = {**checks["verifier_check"], "targets": targets.entry}
+        if len(targets.keep) < len(examples):
+            examples = [examples[i] for i in targets.keep]
+            completions = [completions[i] for i in targets.keep]
 
     if cfg.plan and dev.type == "cuda":  # before any weight is read: refused (exit 71) when it cannot fit (rlkit.planner)
         from rlkit import planner
@@ -268,9 +286,7 @@ def _run(cfg: SftConfig, tracker) -> Path:
             completions = source.table.column("completion").to_pylist()
             chat = source.chat
         else:
-            examples = task.examples("train", cfg.num_examples, cfg.seed)
-            prompts = [e.prompt for e in examples]
-            completions = [task.completion(e) for e in examples]
+            prompts = [e.prompt for e in examples]  # the task's, checked above
             chat = False
         prompt_ids = data.encode_prompts(tokenizer, prompts, chat)
         # a task's trajectory targets (`rlkit.tasks.Transcript`: calc's, guess's) train on the model's turns only
@@ -314,7 +330,7 @@ def _run(cfg: SftConfig, tracker) -> Path:
         metrics.update(loss_scale=prec.scaler.get_scale(), skipped_steps=prec.skipped)
     metrics.update(devices.peak_memory(dev))
     if task is not None:
-        held = task.examples("heldout", cfg.eval_num, cfg.seed)
+        held = heldout_examples(task, cfg.eval_num, cfg.seed, "sft", "--eval-num")  # a smaller split: all of it
         with distributed.root_gathered(model):  # under torchrun: generate goes around the FSDP root unit
             ev = greedy_eval(model, tokenizer, [e.prompt for e in held], [e.answer for e in held], task, sandbox=sandbox,
                              max_new_tokens=max(cfg.max_new_tokens, max(len(x) - p for x, p in zip(ids, plens, strict=True)) + 8))
@@ -325,7 +341,7 @@ def _run(cfg: SftConfig, tracker) -> Path:
     if distributed.stand_down(dp, metrics):
         return cfg.out
     manifest = manifests.make_manifest("model", "sft", cfg, inputs, step=0, metrics=metrics, **devices.manifest_entry(dev),
-                                       **tracker.manifest_entry(),
+                                       **tracker.manifest_entry(), **checks,
                                        **({"reward_weights": kept.weights} if kept is not None else {}))
     row = {"stage": "sft", "out": str(cfg.out), "step": 0, **metrics}
     # the row first, taken back out if the checkpoint is not written: never one without the other

@@ -47,6 +47,7 @@ from rlkit.tasks.base import (
     check,
     check_split,
     generation_length,
+    heldout_examples,
     is_heldout,
     last_integer,
     span,
@@ -65,5 +66,5 @@ from rlkit.tasks.user import UserTask, as_example
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "ENTRY_POINT_GROUP", "SPLITS", "TASKS", "TRUNCATED", "VERBOSE", "VERIFIERS",
            "Arithmetic", "Example", "Problem", "Scores", "Task", "TaskBase", "Transcript", "UserTask", "as_bool",
-           "as_example", "check", "check_split", "generation_length", "get_task", "is_heldout", "last_integer",
+           "as_example", "check", "check_split", "generation_length", "get_task", "heldout_examples", "is_heldout", "last_integer",
            "parse_options", "reward_fn_sandbox", "span", "task_inputs", "task_sandbox", "truncation_warning", "verify"]
