@@ -76,6 +76,14 @@ def _names() -> list[str]:
     return sorted(library().factory.DATASETS)
 
 
+@functools.cache
+def _scorer(name: str):
+    """The library's scorer of generator `name` (`get_score_answer_fn`), made once: the library builds a dataset of
+    the generator's default config for it each time it is asked, which for some generators reads their data
+    files (arc_agi: a second or more a call)."""
+    return library().get_score_answer_fn(name)
+
+
 # ---------------------------------------------------------------------------------------------
 # The entry as JSON: tuples survive (some generators' scorers compare them)
 
@@ -302,8 +310,7 @@ class ReasoningGym(TaskBase):
             got = response.strip()
         try:
             with contextlib.redirect_stdout(sys.stderr):  # a scorer's prints (tower_of_hanoi's) never reach stdout
-                s = float(library().get_score_answer_fn(entry.get("metadata", {}).get("source_dataset", self.dataset))(
-                    got, entry))
+                s = float(_scorer(entry.get("metadata", {}).get("source_dataset", self.dataset))(got, entry))
         except Exception:
             return 0.0, "scorer_error"
         if not s == s or s <= 0:  # NaN or nothing
