@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
 
 from rlkit import stage_options
 from rlkit.io.tracking import TrackingConfig
@@ -40,6 +39,7 @@ from rlkit.options import (
     NoPlan,
     NoVerify,
     OutDir,
+    RejectedTargets,
     Resume,
     SandboxKind,
     SandboxWorkers,
@@ -77,7 +77,7 @@ class SftConfig:
     best_of: bool = option(False, "--best-of", panel="Data", help="With --data a rollouts or scored table: keep at most one completion a prompt group, its highest-reward one (ties: the lowest sample_idx), among those reaching --min-reward when given; alone, every group's best whatever its reward (RAFT's best-of-n).")
     reward: tuple[str, ...] = option((), panel="Data", help="With --min-reward/--best-of: reward component weight NAME=W (repeatable), e.g. verifier=1 rm:helpful=0.7; default: the sum of all components.")
     trust_verifier: bool = option(False, TrustVerifier)  # use a verifier that pays junk (rlkit.tasks.trust)
-    rejected_targets: Literal["refuse", "drop", "keep"] = option("refuse", panel="Data", help="A task's SFT targets that its own verifier rejects (sft scores every distinct target with it before training; a task whose verifier runs programs: the verifier check's sample only): refuse (one line, exit 65, nothing trained), drop (train on the others; the count is said and recorded) or keep (train on them anyway, with a warning).")
+    rejected_targets: str = option("refuse", RejectedTargets)  # refuse|drop|keep: targets the verifier rejects
     num_examples: int = option(24_000, min=1, panel="Data", help="Train examples drawn from the task (without --data).")
     epochs: int = option(1, min=1, panel="Optimization", help="Passes over the training data.")
     lr: float = option(1e-3, panel="Optimization", help="Peak learning rate (AdamW).")
@@ -185,6 +185,7 @@ def _run(cfg: SftConfig, tracker) -> Path:
     from rlkit.io import atomic, checkpoints, claims, data, fingerprints, manifests, metrics_log, tracking
     from rlkit.sampling.evaluate import greedy_eval
     from rlkit.tasks import generation_length, get_task, heldout_examples, task_inputs, task_sandbox
+    from rlkit.tasks.trust import sft_targets
 
     rollouts = _open_rollouts(cfg)  # rejection sampling (rlkit.training.rejection); None: text data or a task
     kept = None
@@ -234,20 +235,7 @@ def _run(cfg: SftConfig, tracker) -> Path:
         inputs["data"] = source.fingerprint
     if manifests.skip_if_current(cfg.out, "sft", cfg, inputs):
         return cfg.out
-    checks, checked, examples, completions = {}, None, None, None
-    if task is not None:  # its verifier scores the held-out evaluation and judges the targets (rlkit.tasks.trust)
-        from rlkit.tasks.trust import check_targets, trusted
-
-        checked = trusted(task, "sft", sandbox=sandbox, trust=cfg.trust_verifier)
-        checks["verifier_check"] = checked.entry()
-    if rollouts is None and source is None:  # a task's targets, checked against its verifier before any model loads
-        examples = task.examples("train", cfg.num_examples, cfg.seed)
-        completions = [task.completion(e) for e in examples]
-        targets = check_targets(task, examples, completions, cfg.rejected_targets, checked, sandbox)
-        checks["verifier_check"] = {**checks["verifier_check"], "targets": targets.entry}
-        if len(targets.keep) < len(examples):
-            examples = [examples[i] for i in targets.keep]
-            completions = [completions[i] for i in targets.keep]
+    examples, completions, checks = sft_targets(task, cfg, sandbox, own=rollouts is None and source is None)  # checked: no model yet
 
     if cfg.plan and dev.type == "cuda":  # before any weight is read: refused (exit 71) when it cannot fit (rlkit.planner)
         from rlkit import planner
@@ -286,8 +274,7 @@ def _run(cfg: SftConfig, tracker) -> Path:
             completions = source.table.column("completion").to_pylist()
             chat = source.chat
         else:
-            prompts = [e.prompt for e in examples]  # the task's, checked above
-            chat = False
+            prompts, chat = [e.prompt for e in examples], False  # the task's, checked above
         prompt_ids = data.encode_prompts(tokenizer, prompts, chat)
         # a task's trajectory targets (`rlkit.tasks.Transcript`: calc's, guess's) train on the model's turns only
         ids, plens, truncated, masks = data.encode_sft_masked(tokenizer, prompt_ids, completions, cfg.max_len)

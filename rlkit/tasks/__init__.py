@@ -24,8 +24,9 @@ hash of the prompt text, `is_heldout`), so a held-out prompt can never be drawn 
 whatever the seeds. User tasks should split the same way.
 
 The files: `base` (the vocabulary, and `TaskBase`, the built-ins' base class: examples, the split, the options),
-`registry` (`TASKS`, `get_task`, through `rlkit.plugins.resolve`), `user` (`UserTask`), and one file a built-in
-task (`arithmetic`, `math`, `code`, `reasoning_gym`; `calc` and `guess` live with their environments in
+`registry` (`TASKS`, `get_task`, through `rlkit.plugins.resolve`), `user` (`UserTask`), `trust` (the verifier
+check every stage runs before it trusts a task's verifier: gold answers must pass, junk must not), and one file a
+built-in task (`arithmetic`, `math`, `code`, `reasoning_gym`; `calc` and `guess` live with their environments in
 `rlkit.envs`).
 """
 

@@ -2,9 +2,10 @@
 fixed sample of the task's own examples (`check_verifier`), so a verifier that pays anything, or rejects its own
 gold answers, is found before the first sample is drawn.
 
-The sample: the first `SAMPLE` distinct train examples (prompt and gold answer) at seed 0 (the held-out split's when the task has no train
-examples; `CODE_SAMPLE` for a task whose verifier runs programs in the sandbox), the same for every stage and seed.
-On each example the verifier scores, at once (one `verify` batch):
+The sample: the first `SAMPLE` distinct train examples (prompt and gold answer) at seed 0 (the held-out split's when
+the task has no train examples; `CODE_SAMPLE` for a task whose verifier runs programs in the sandbox; a task's own
+`verifier_sample(n)` when it has one: reasoning-gym's is one small dataset at a fixed library seed), the same for
+every stage and seed. On each example the verifier scores, at once (one `verify` batch):
 
 - the gold answer: the task's SFT target (`completion(example)`), which must score full marks (1.0);
 - junk, which must not: the empty answer, a nonsense word (`NONSENSE`), and another example's gold answer: the
@@ -16,7 +17,8 @@ reasoning-gym `partial=1`) is not a payment. Examples without a gold answer (a r
 checks each solution, a code problem without a reference solution) are skipped for the gold answer and the other
 example's gold, and still get the empty answer and the nonsense word; a task with no example at all is skipped
 with the reason. A task whose SFT targets are demonstrations, not gold answers (`guess`'s noisy player, who may
-lose), says so with `targets_are_gold = False`: its targets are not held to full marks.
+lose), says so with `targets_are_gold = False`: its targets are not held to full marks, nor tried on another
+example (a demonstration may win another game).
 
 The outcome (`Outcome`): junk paid is refused in one line naming the task, the junk and the example
 (`UntrustedVerifier`, exit 65) unless the stage's `--trust-verifier`; gold answers rejected are a warning line
@@ -265,3 +267,20 @@ def check_targets(task, examples: Sequence, completions: Sequence[str], mode: st
         return Targets([r for r in rows if r not in gone], entry)
     console.warn(f"{line}: trained on anyway (--rejected-targets keep)")
     return Targets(rows, entry)
+
+
+def sft_targets(task, cfg, sandbox=None, own: bool = True) -> tuple[list | None, list | None, dict]:
+    """sft's checks (`cfg`: its config): the verifier check of `task` (`trusted`; none without a task), and when sft
+    trains on the task's own targets (`own`; not on --data) its first --num-examples train examples and their
+    targets, checked against the verifier (`check_targets`, by --rejected-targets). -> (the examples and targets
+    kept, None when not `own`; the manifest's entries: `verifier_check`)."""
+    if task is None:
+        return None, None, {}
+    sample = trusted(task, "sft", sandbox=sandbox, trust=cfg.trust_verifier)
+    if not own:
+        return None, None, {"verifier_check": sample.entry()}
+    examples = task.examples("train", cfg.num_examples, cfg.seed)
+    completions = [task.completion(e) for e in examples]
+    targets = check_targets(task, examples, completions, cfg.rejected_targets, sample, sandbox)
+    return ([examples[i] for i in targets.keep], [completions[i] for i in targets.keep],
+            {"verifier_check": {**sample.entry(), "targets": targets.entry}})
