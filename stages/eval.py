@@ -191,6 +191,8 @@ def _run(cfg: EvalConfig) -> dict:
         if "verdicts" in result:
             summary.add_row("verdicts", ", ".join(f"{k} {v}" for k, v in result["verdicts"].items()))
         summary.add_row("prompts", result["prompts"])
+        if checked is not None:
+            summary.add_row("verifier check", checked.summary())
         samples = Table(title="samples")
         if env is None:
             for col in ("prompt", "response", "answer"):

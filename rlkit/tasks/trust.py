@@ -91,6 +91,15 @@ class Outcome:
             out["notes"] = list(self.notes)
         return out
 
+    def summary(self) -> str:
+        """The outcome in a few words (eval's table)."""
+        if self.skipped:
+            return f"skipped: {self.skipped}"
+        gold = (f"{self.golds - self.rejected} of {self.golds} gold answers pass" if self.golds else
+                "no gold answers to try")
+        junk = (f"junk paid {len(self.paid)} times (--trust-verifier)" if self.paid else "no junk paid")
+        return f"{self.examples} examples: {gold}, {junk}"
+
     def refusal(self, stage: str) -> str:
         """The one line of a verifier that pays junk."""
         p = self.paid[0]

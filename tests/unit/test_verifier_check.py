@@ -140,6 +140,9 @@ def test_rollout_eval_and_build_prefs_refuse_a_user_task_that_pays_everything(sf
     assert r.returncode == 0, r.stderr.decode()
     assert manifests.read_manifest(tmp_path / "ok.arrow")["verifier_check"] == {
         "examples": SAMPLE, "gold_scored": SAMPLE, "gold_rejected": 0, "junk_paid": []}
+    r = run_cli_inproc("eval", "--policy", str(sft_dir), "--task", f"{doubles}:Doubles", "--num-prompts", "2")
+    assert r.returncode == 0, r.stderr.decode()
+    assert "verifier check" in r.stderr.decode() and "no junk paid" in r.stderr.decode()
 
 
 def test_sft_refuses_targets_its_verifier_rejects_unless_told(tmp_path):
