@@ -247,8 +247,9 @@ class TaskBase:
       (endless (key, problem) pairs, `problem(rng) -> (prompt, answer)` keyed by the prompt unless a task says
       otherwise), split by the `is_heldout` partition of the key at `heldout_fraction`. Held-out examples are
       always unique, a train stream when asked; a generator whose held-out split runs out of new prompts (many
-      draws without one) ends it there: that is the whole split (`heldout_examples`). The draws are seeded by `problems_spec` (what decides the prompts),
-      the split and the seed. `examples` is the first n of `iter_examples`.
+      draws without one) ends it there: that is the whole split (`heldout_examples`). The draws are seeded by
+      `problems_spec` (what decides the prompts), the split and the seed. `examples` is the first n of
+      `iter_examples`.
     """
 
     OPTIONS: ClassVar[dict[str, tuple]] = {}
