@@ -29,6 +29,7 @@ from rlkit.options import (
     PromptColumn,
     SamplerFlags,
     Task,
+    TrustVerifier,
     engine_options,
 )
 from rlkit.stage_options import option, splice
@@ -40,6 +41,7 @@ from rlkit.stage_options import option, splice
 class BuildPrefsConfig:
     policy: Path | None = option(None, "--policy", panel="Model", help="Policy to sample from (usually the SFT checkpoint).")
     task: str = option("arithmetic", Task)
+    trust_verifier: bool = option(False, TrustVerifier)  # use a verifier that pays junk (rlkit.tasks.trust)
     num_prompts: int = option(512, min=1, panel="Data", help="Train prompts to build pairs for.")
     n: int = option(4, "--n", min=1, panel="Data", help="Samples per prompt to find correct and wrong answers.")
     temperature: float = option(1.0, panel="Sampling", help="Sampling temperature.")
@@ -94,7 +96,8 @@ def _run(cfg: BuildPrefsConfig) -> Path | None:
         engines.check(cfg.engine, engine_options(cfg))  # a known name; a named engine takes these options
         if not 0 < cfg.top_p <= 1:
             raise RlkitError(f"--top-p {cfg.top_p:g}: expected a number in (0, 1]")
-    rows, inputs, cfg, engine, judged = _imported(cfg) if cfg.source else _sampled(cfg, judge)
+    checks: dict = {}  # the verifier check's outcome (rlkit.tasks.trust), for the manifest
+    rows, inputs, cfg, engine, judged = _imported(cfg) if cfg.source else _sampled(cfg, judge, checks)
     if manifests.skip_if_current(out, "build-prefs", cfg, inputs):
         return out
     if not rows["prompt"] and judged:
@@ -105,7 +108,7 @@ def _run(cfg: BuildPrefsConfig) -> Path | None:
         raise RlkitError("no preference pairs came out; sample more prompts (--num-prompts) or check the input")
     held = rows["split"].count("heldout")
     manifest = manifests.make_manifest("prefs", "build-prefs", cfg, inputs, **({"engine": engine} if engine else {}),
-                                       **({"judge": judged} if judged else {}))
+                                       **({"judge": judged} if judged else {}), **checks)
     with streams.write_table("prefs", out, manifest) as w:
         w.write(rows)
     kinds: dict[str, int] = {}
@@ -170,7 +173,7 @@ def _judged_pairs(judge, ex, samples: list[list[str]], rewards: list[list[float]
     return kept, figures
 
 
-def _sampled(cfg: BuildPrefsConfig, judge=None):
+def _sampled(cfg: BuildPrefsConfig, judge=None, checks: dict | None = None):
     import random
 
     from rlkit import console, engines, sampling, startup
@@ -188,6 +191,12 @@ def _sampled(cfg: BuildPrefsConfig, judge=None):
 
     task = get_task(cfg.task)
     sandbox = task_sandbox(task, cfg.sandbox, cfg.sandbox_workers)  # the code task's: checked before sampling
+    if cfg.bias != "length":  # the verifier labels the samples: checked before the policy loads
+        from rlkit.tasks.trust import trusted
+
+        checked = trusted(task, "build-prefs", sandbox=sandbox, trust=cfg.trust_verifier)
+        if checks is not None:
+            checks["verifier_check"] = checked.entry()
     cfg = replace(cfg, task=task.spec, max_new_tokens=generation_length(task, cfg.max_new_tokens))  # in force, recorded
     inputs = task_inputs(task)
     if cfg.policy is not None:

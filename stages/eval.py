@@ -29,6 +29,7 @@ from rlkit.options import (
     PromptColumn,
     SamplerFlags,
     Task,
+    TrustVerifier,
     engine_options,
 )
 from rlkit.stage_options import nested, option, splice
@@ -41,6 +42,7 @@ from rlkit.stage_options import nested, option, splice
 class EvalConfig:
     policy: Path = option(..., PolicyDir)
     task: str = option("arithmetic", Task)
+    trust_verifier: bool = option(False, TrustVerifier)  # use a verifier that pays junk (rlkit.tasks.trust)
     prompts: str | None = option(None, panel="Data", help="Prompts file (.arrow/.parquet/.jsonl), '-' for a table on stdin, or a datasets spec, instead of the task's held-out split.")
     prompt_column: str = option("prompt", PromptColumn)
     answer_column: str = option("answer", AnswerColumn)
@@ -76,7 +78,7 @@ def _run(cfg: EvalConfig) -> dict:
     from rlkit.errors import RlkitError
     from rlkit.io import checkpoints, data, metrics_log, tracking
     from rlkit.sampling.evaluate import engine_eval, env_eval
-    from rlkit.tasks import generation_length, get_task, task_sandbox, truncation_warning
+    from rlkit.tasks import generation_length, get_task, heldout_examples, task_sandbox, truncation_warning
 
     env = None
     if cfg.env is not None:
@@ -103,6 +105,11 @@ def _run(cfg: EvalConfig) -> dict:
     source = None
     if cfg.prompts:
         source = data.load_source(cfg.prompts, "prompts", {"prompt": cfg.prompt_column, "answer": cfg.answer_column})
+    checked = None
+    if env is None:  # the verifier that scores the responses: checked before the model loads (rlkit.tasks.trust)
+        from rlkit.tasks.trust import trusted
+
+        checked = trusted(task, "eval", sandbox=sandbox, trust=cfg.trust_verifier)
     chosen, why = engines.choose(cfg.engine)
     engine = engines.create(chosen, cfg.policy, engine_options(cfg))
     try:
@@ -116,7 +123,7 @@ def _run(cfg: EvalConfig) -> dict:
             answers = t.column("answer").to_pylist() if "answer" in t.column_names else [None] * t.num_rows
             ids = t.column("prompt_id").to_pylist()
         else:
-            held = task.examples("heldout", cfg.num, cfg.seed)
+            held = heldout_examples(task, cfg.num, cfg.seed, "eval", "--num-prompts")  # a smaller split: all of it
             prompts, answers, ids = [e.prompt for e in held], [e.answer for e in held], [e.prompt_id for e in held]
         console.info(f"eval: engine {chosen} ({why})")  # once the checkpoint and the prompts are good
         devices.announce("eval", engine.device, getattr(engine, "dtype", None))
@@ -150,10 +157,11 @@ def _run(cfg: EvalConfig) -> dict:
         "engine": chosen,
         **({"env": env.spec, "max_turns": cfg.max_turns} if env is not None else {}),
         **ev,
+        **({"verifier_check": checked.entry()} if checked is not None else {}),
     }
     if cfg.label:
         result["label"] = cfg.label
-    row = {"stage": "eval", **{k: v for k, v in result.items() if k != "samples"},
+    row = {"stage": "eval", **{k: v for k, v in result.items() if k not in ("samples", "verifier_check")},
            # the verdicts as fractions too, scalars a tracker plots beside the accuracy
            **{f"verdict/{k}": v / max(1, result["n_scored"]) for k, v in result.get("verdicts", {}).items()}}
     metrics_log.write(row, cfg.metrics)
@@ -183,6 +191,8 @@ def _run(cfg: EvalConfig) -> dict:
         if "verdicts" in result:
             summary.add_row("verdicts", ", ".join(f"{k} {v}" for k, v in result["verdicts"].items()))
         summary.add_row("prompts", result["prompts"])
+        if checked is not None:
+            summary.add_row("verifier check", checked.summary())
         samples = Table(title="samples")
         if env is None:
             for col in ("prompt", "response", "answer"):

@@ -49,8 +49,10 @@ def _run(cfg: PromptsConfig) -> Path | None:
 
     examples = itertools.islice(task.iter_examples(cfg.split, cfg.seed), cfg.num)
     kind = "sft" if cfg.sft else "prompts"
+    written = 0
     with streams.write_table(kind, out, manifests.make_manifest(kind, "prompts", cfg, inputs)) as w:
         while chunk := list(itertools.islice(examples, 4096)):
+            written += len(chunk)
             cols = {
                 "prompt_id": [e.prompt_id for e in chunk],
                 "prompt": [e.prompt for e in chunk],
@@ -61,6 +63,11 @@ def _run(cfg: PromptsConfig) -> Path | None:
             else:
                 cols["answer"] = [e.answer for e in chunk]
             w.write(cols)
+    if cfg.split == "heldout" and 0 < written < cfg.num:  # a smaller held-out split is written whole (one rule)
+        from rlkit import console
+
+        console.info(f"prompts: the held-out split of task {task.spec} holds {written} example"
+                     f"{'s' * (written > 1)}, fewer than --num-prompts {cfg.num}: wrote {'all ' * (written > 1)}of them")
     return out
 
 

@@ -47,6 +47,7 @@ from rlkit.options import (
     RewardTimeout,
     SamplerFlags,
     Task,
+    TrustVerifier,
     engine_options,
 )
 from rlkit.stage_options import option, splice
@@ -65,6 +66,7 @@ class RolloutConfig:
     # the task named (None: arithmetic's prompts, without --env its verifier too); recorded as resolved: its spec, or
     # under --env the verifier's task (None: no verifier), `env:SPEC` when the environment brings the prompts
     task: str | None = option(None, Task)
+    trust_verifier: bool = option(False, TrustVerifier)  # use a verifier that pays junk (rlkit.tasks.trust)
     prompts: str | None = option(None, panel="Data", help="Prompts file (.arrow/.parquet/.jsonl), '-' for stdin, or datasets spec; default: the task's train split.")
     prompt_column: str = option("prompt", PromptColumn)
     answer_column: str = option("answer", AnswerColumn)
@@ -176,6 +178,11 @@ def _run(cfg: RolloutConfig) -> Path | None:
 
         if (low := turn_limit_warning("rollout", env, cfg.max_turns)) is not None:
             console.warn(low)
+    checked = None
+    if scorer is not None:  # the verifier that writes reward/verifier: checked before the engine starts
+        from rlkit.tasks.trust import trusted
+
+        checked = trusted(scorer, "rollout", sandbox=sandbox, trust=cfg.trust_verifier)
     recorded = task.spec if env is None or (own and not named) else getattr(scorer, "spec", None)
     cfg = replace(cfg, task=recorded, max_new_tokens=generation_length(task, cfg.max_new_tokens))  # in force, recorded
     # --reward-fn: checked (and, with --sandbox bwrap, their sandboxed workers started) before any sampling
@@ -186,7 +193,7 @@ def _run(cfg: RolloutConfig) -> Path | None:
                                       "pass --env, or score the rows with another function")
         if env is not None:  # a TRL class's reward/env depends on the functions that read its instances
             env = env.read_by([f for f in fns if f.reads_environments])
-        verifier = Verifier(task, sandbox, cfg.max_new_tokens, env, scorer, max_turns=cfg.max_turns)
+        verifier = Verifier(task, sandbox, cfg.max_new_tokens, env, scorer, max_turns=cfg.max_turns, checked=checked)
         verifier.reads = verifier.readings(cfg.reads, fns)
         if cfg.follow is not None:
             return _run_follow(cfg, verifier, out, fns)

@@ -39,12 +39,14 @@ from rlkit.options import (
     NoPlan,
     NoVerify,
     OutDir,
+    RejectedTargets,
     Resume,
     SandboxKind,
     SandboxWorkers,
     SaveSteps,
     Seed,
     TrustRemoteCode,
+    TrustVerifier,
 )
 from rlkit.stage_options import Group, nested, option
 from rlkit.tiny import TinyConfig
@@ -74,6 +76,8 @@ class SftConfig:
     min_reward: float | None = option(None, panel="Data", help="With --data a rollouts or scored table (rlkit rollout / score-ref): train on the completions whose total reward (the reward/* columns summed, or weighed by --reward) is at least this, on their sampled token ids (DeepSeek-R1's rejection-sampling SFT). The held-out evaluation is then the rollout's task unless --task is given.")
     best_of: bool = option(False, "--best-of", panel="Data", help="With --data a rollouts or scored table: keep at most one completion a prompt group, its highest-reward one (ties: the lowest sample_idx), among those reaching --min-reward when given; alone, every group's best whatever its reward (RAFT's best-of-n).")
     reward: tuple[str, ...] = option((), panel="Data", help="With --min-reward/--best-of: reward component weight NAME=W (repeatable), e.g. verifier=1 rm:helpful=0.7; default: the sum of all components.")
+    trust_verifier: bool = option(False, TrustVerifier)  # use a verifier that pays junk (rlkit.tasks.trust)
+    rejected_targets: str = option("refuse", RejectedTargets)  # refuse|drop|keep: targets the verifier rejects
     num_examples: int = option(24_000, min=1, panel="Data", help="Train examples drawn from the task (without --data).")
     epochs: int = option(1, min=1, panel="Optimization", help="Passes over the training data.")
     lr: float = option(1e-3, panel="Optimization", help="Peak learning rate (AdamW).")
@@ -180,7 +184,8 @@ def _run(cfg: SftConfig, tracker) -> Path:
     from rlkit.errors import RlkitError
     from rlkit.io import atomic, checkpoints, claims, data, fingerprints, manifests, metrics_log, tracking
     from rlkit.sampling.evaluate import greedy_eval
-    from rlkit.tasks import generation_length, get_task, task_inputs, task_sandbox
+    from rlkit.tasks import generation_length, get_task, heldout_examples, task_inputs, task_sandbox
+    from rlkit.tasks.trust import sft_targets
 
     rollouts = _open_rollouts(cfg)  # rejection sampling (rlkit.training.rejection); None: text data or a task
     kept = None
@@ -230,6 +235,7 @@ def _run(cfg: SftConfig, tracker) -> Path:
         inputs["data"] = source.fingerprint
     if manifests.skip_if_current(cfg.out, "sft", cfg, inputs):
         return cfg.out
+    examples, completions, checks = sft_targets(task, cfg, sandbox, own=rollouts is None and source is None)  # checked: no model yet
 
     if cfg.plan and dev.type == "cuda":  # before any weight is read: refused (exit 71) when it cannot fit (rlkit.planner)
         from rlkit import planner
@@ -268,10 +274,7 @@ def _run(cfg: SftConfig, tracker) -> Path:
             completions = source.table.column("completion").to_pylist()
             chat = source.chat
         else:
-            examples = task.examples("train", cfg.num_examples, cfg.seed)
-            prompts = [e.prompt for e in examples]
-            completions = [task.completion(e) for e in examples]
-            chat = False
+            prompts, chat = [e.prompt for e in examples], False  # the task's, checked above
         prompt_ids = data.encode_prompts(tokenizer, prompts, chat)
         # a task's trajectory targets (`rlkit.tasks.Transcript`: calc's, guess's) train on the model's turns only
         ids, plens, truncated, masks = data.encode_sft_masked(tokenizer, prompt_ids, completions, cfg.max_len)
@@ -314,7 +317,7 @@ def _run(cfg: SftConfig, tracker) -> Path:
         metrics.update(loss_scale=prec.scaler.get_scale(), skipped_steps=prec.skipped)
     metrics.update(devices.peak_memory(dev))
     if task is not None:
-        held = task.examples("heldout", cfg.eval_num, cfg.seed)
+        held = heldout_examples(task, cfg.eval_num, cfg.seed, "sft", "--eval-num")  # a smaller split: all of it
         with distributed.root_gathered(model):  # under torchrun: generate goes around the FSDP root unit
             ev = greedy_eval(model, tokenizer, [e.prompt for e in held], [e.answer for e in held], task, sandbox=sandbox,
                              max_new_tokens=max(cfg.max_new_tokens, max(len(x) - p for x, p in zip(ids, plens, strict=True)) + 8))
@@ -325,7 +328,7 @@ def _run(cfg: SftConfig, tracker) -> Path:
     if distributed.stand_down(dp, metrics):
         return cfg.out
     manifest = manifests.make_manifest("model", "sft", cfg, inputs, step=0, metrics=metrics, **devices.manifest_entry(dev),
-                                       **tracker.manifest_entry(),
+                                       **tracker.manifest_entry(), **checks,
                                        **({"reward_weights": kept.weights} if kept is not None else {}))
     row = {"stage": "sft", "out": str(cfg.out), "step": 0, **metrics}
     # the row first, taken back out if the checkpoint is not written: never one without the other

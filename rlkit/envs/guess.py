@@ -193,6 +193,7 @@ class Guess(TaskBase):
     middle and lowest guesses (the rest random in the range still possible)."""
 
     name = "guess"
+    targets_are_gold = False  # the noisy player's games, some lost: demonstrations (rlkit.tasks.trust)
 
     high: int = 20
     turns: int = 6

@@ -30,6 +30,7 @@ class Verifier:
     refills: list = field(default_factory=list)  # --min-informative-groups: each batch's `rlkit.sampling.refill.Refill`
     max_turns: int = 0  # --env: --max-turns (the closing line's warning)
     trajectories: object = None  # --env: the run's `rlkit.sampling.tally.TrajectoryTally`
+    checked: object = None  # the verifier check's `rlkit.tasks.trust.Outcome` (the manifest's verifier_check)
 
     def __post_init__(self) -> None:
         if self.env is not None:
@@ -74,11 +75,11 @@ class Verifier:
 
     def manifest_entry(self, fns) -> dict:
         """The manifest's `reward`: the composition, each component's reading of a multi-turn row (under --env),
-        and what `token_rewards` are a share of."""
+        and what `token_rewards` are a share of; and `verifier_check`, the verifier check's outcome."""
         entry = {"composition": self.composition(fns)}
         if self.env is not None:
             entry.update(reads=dict(self.reads), token_rewards="env")
-        return {"reward": entry}
+        return {"reward": entry, **({"verifier_check": self.checked.entry()} if self.checked is not None else {})}
 
     def announce(self, fns, prompts: str | None) -> None:
         """rollout's line under --env on what its reward is: `reward = env` (the environment's prompts, a task's or

@@ -24,8 +24,9 @@ hash of the prompt text, `is_heldout`), so a held-out prompt can never be drawn 
 whatever the seeds. User tasks should split the same way.
 
 The files: `base` (the vocabulary, and `TaskBase`, the built-ins' base class: examples, the split, the options),
-`registry` (`TASKS`, `get_task`, through `rlkit.plugins.resolve`), `user` (`UserTask`), and one file a built-in
-task (`arithmetic`, `math`, `code`, `reasoning_gym`; `calc` and `guess` live with their environments in
+`registry` (`TASKS`, `get_task`, through `rlkit.plugins.resolve`), `user` (`UserTask`), `trust` (the verifier
+check every stage runs before it trusts a task's verifier: gold answers must pass, junk must not), and one file a
+built-in task (`arithmetic`, `math`, `code`, `reasoning_gym`; `calc` and `guess` live with their environments in
 `rlkit.envs`).
 """
 
@@ -47,6 +48,7 @@ from rlkit.tasks.base import (
     check,
     check_split,
     generation_length,
+    heldout_examples,
     is_heldout,
     last_integer,
     span,
@@ -65,5 +67,5 @@ from rlkit.tasks.user import UserTask, as_example
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "ENTRY_POINT_GROUP", "SPLITS", "TASKS", "TRUNCATED", "VERBOSE", "VERIFIERS",
            "Arithmetic", "Example", "Problem", "Scores", "Task", "TaskBase", "Transcript", "UserTask", "as_bool",
-           "as_example", "check", "check_split", "generation_length", "get_task", "is_heldout", "last_integer",
+           "as_example", "check", "check_split", "generation_length", "get_task", "heldout_examples", "is_heldout", "last_integer",
            "parse_options", "reward_fn_sandbox", "span", "task_inputs", "task_sandbox", "truncation_warning", "verify"]

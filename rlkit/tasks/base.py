@@ -121,6 +121,23 @@ def truncation_warning(stage: str, cut: int, n: int, max_new_tokens: int, task=N
             f"model's context) before they ended, so their rewards score cut-off text{own}; raise --max-new-tokens")
 
 
+def heldout_examples(task, n: int, seed: int, stage: str, flag: str) -> list[Example]:
+    """The first `n` examples of the task's held-out split; a split that holds fewer (a small data file, a generator
+    with few distinct held-out prompts) is taken whole, with one line saying so (`flag`: the option that asked for
+    `n`). Every stage that evaluates on a task's held-out split takes it here: one rule for every task."""
+    from rlkit import console
+
+    held = list(itertools.islice(task.iter_examples("heldout", seed), n))
+    name = getattr(task, "spec", None) or task.name
+    if len(held) < n:
+        if not held:
+            raise RlkitError(f"{stage}: the held-out split of task {name} is empty; nothing to evaluate")
+        some = f"{len(held)} example" + ("s" if len(held) > 1 else "")
+        console.info(f"{stage}: the held-out split of task {name} holds {some}, fewer than {flag} {n}: "
+                     f"evaluating {'all ' * (len(held) > 1)}{some}")
+    return held
+
+
 def _hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
@@ -229,8 +246,10 @@ class TaskBase:
       `prompt_id`, `prompt` and `answer`) in passes shuffled by the seed, or a generator's `draws(rng, split, seed)`
       (endless (key, problem) pairs, `problem(rng) -> (prompt, answer)` keyed by the prompt unless a task says
       otherwise), split by the `is_heldout` partition of the key at `heldout_fraction`. Held-out examples are
-      always unique, a train stream when asked. The draws are seeded by `problems_spec` (what decides the prompts),
-      the split and the seed. `examples` is the first n of `iter_examples`.
+      always unique, a train stream when asked; a generator whose held-out split runs out of new prompts (many
+      draws without one) ends it there: that is the whole split (`heldout_examples`). The draws are seeded by
+      `problems_spec` (what decides the prompts), the split and the seed. `examples` is the first n of
+      `iter_examples`.
     """
 
     OPTIONS: ClassVar[dict[str, tuple]] = {}
@@ -301,6 +320,8 @@ class TaskBase:
             if is_heldout(key, self.heldout_fraction) != want_heldout or (unique and key in seen):
                 misses += 1
                 if misses > 10_000 + 200 * i:
+                    if want_heldout and i:  # the held-out split is whole: a stage asking more takes all of it
+                        return
                     raise RlkitError(self.exhausted(split, i))
                 continue
             if unique:  # only a unique stream remembers its prompts: an endless one stays flat in memory

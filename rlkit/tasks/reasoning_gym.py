@@ -18,7 +18,7 @@ library's own scores include partial credit (for some generators, a response tha
 answer scores above 0), which a policy learns to exploit; `partial=1` passes the library's score through. The
 answer read is the whole response, stripped, or with `answer_tags=1` the content of its last `<answer>` tags
 (none: 0.0, verdict `no_answer_tags`). A scorer that raises on a response is a reward of 0.0, verdict
-`scorer_error`, never a crash. Verdicts: passed, partial, wrong_answer, no_answer_tags, scorer_error.
+`scorer_error`, never a crash; what a scorer prints goes to stderr, never into a stage's output on stdout. Verdicts: passed, partial, wrong_answer, no_answer_tags, scorer_error.
 
 Splits. Train and held-out examples come from disjoint seeds of the generator and are kept apart by a stable
 hash of the question text (`heldout=F`, default 0.1, as the arithmetic task): a question in the held-out
@@ -30,11 +30,13 @@ library's version (`fingerprint`: a new version reruns the stages that depend on
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import itertools
 import json
+import sys
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -72,6 +74,14 @@ def library():
 
 def _names() -> list[str]:
     return sorted(library().factory.DATASETS)
+
+
+@functools.cache
+def _scorer(name: str):
+    """The library's scorer of generator `name` (`get_score_answer_fn`), made once: the library builds a dataset of
+    the generator's default config for it each time it is asked, which for some generators reads their data
+    files (arc_agi: a second or more a call)."""
+    return library().get_score_answer_fn(name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,6 +257,18 @@ class ReasoningGym(TaskBase):
         for entry in self._entries(split, seed):
             yield entry["question"], entry
 
+    def verifier_sample(self, n: int) -> list[Example]:
+        """The verifier check's sample (`rlkit.tasks.trust`): the distinct questions of one small dataset of the
+        generator at a fixed library seed, its first `n` distinct questions (of 4n entries at most), not a whole
+        chunk of `CHUNK`: some generators take a tenth of a second an entry."""
+        seen: dict[str, Example] = {}
+        for i, entry in enumerate(self._dataset(_seed(self._problems, "verifier-check"), 4 * n)):
+            prompt, answer = self.make(entry)
+            seen.setdefault(prompt, Example(f"check-{i}", prompt, answer, "train"))
+            if len(seen) == n:
+                break
+        return list(seen.values())
+
     def make(self, entry: dict) -> tuple[str, str]:
         return self.prompt(entry["question"]), encode_entry(entry)
 
@@ -287,8 +309,8 @@ class ReasoningGym(TaskBase):
         else:
             got = response.strip()
         try:
-            s = float(library().get_score_answer_fn(entry.get("metadata", {}).get("source_dataset", self.dataset))(
-                got, entry))
+            with contextlib.redirect_stdout(sys.stderr):  # a scorer's prints (tower_of_hanoi's) never reach stdout
+                s = float(_scorer(entry.get("metadata", {}).get("source_dataset", self.dataset))(got, entry))
         except Exception:
             return 0.0, "scorer_error"
         if not s == s or s <= 0:  # NaN or nothing

@@ -47,9 +47,12 @@ def test_spec_round_trips_and_bad_specs_fail():
             get_task(bad)
 
 
-def test_too_many_unique_prompts_is_a_clear_error():
-    with pytest.raises(RlkitError, match="ran out of distinct heldout prompts"):
-        get_task("arithmetic:terms=1-1,max=9").examples("heldout", 50, 0)
+def test_too_many_unique_prompts_is_a_clear_error_and_a_smaller_heldout_split_is_whole():
+    t = get_task("arithmetic:terms=1-1,max=9,heldout=0.5")
+    with pytest.raises(RlkitError, match="ran out of distinct train prompts"):
+        t.examples("train", 50, 0, unique=True)
+    held = t.examples("heldout", 50, 0)  # asked for more than the split holds: all of it
+    assert 0 < len(held) < 10 and len({e.prompt for e in held}) == len(held)
 
 
 def test_each_task_carries_its_generation_length_and_a_flag_wins(tmp_path):
@@ -187,5 +190,5 @@ def test_a_builtin_task_is_a_taskbase_class_and_one_registry_line(tmp_path, monk
         with pytest.raises(RlkitError) as e:
             get_task(spec)
         assert str(e.value) == line
-    with pytest.raises(RlkitError, match=r"ran out of distinct heldout prompts after \d+ \(problem space 40\); ask for fewer or widen the task"):
-        t.examples("heldout", 40, 0)
+    with pytest.raises(RlkitError, match=r"ran out of distinct train prompts after \d+ \(problem space 40\); ask for fewer or widen the task"):
+        t.examples("train", 40, 0, unique=True)
