@@ -18,7 +18,8 @@ from rlkit.tasks.base import DEFAULT_MAX_NEW_TOKENS, TaskBase, check_split
 from rlkit.tasks.user import as_example
 
 ENVS: dict[str, str] = {"calc": "rlkit.envs.calc:CalcEnv", "guess": "rlkit.envs.guess:GuessNumber",
-                        "textarena": "rlkit.envs.textarena:TextArena", "openenv": "rlkit.envs.openenv:OpenEnv"}
+                        "textarena": "rlkit.envs.textarena:TextArena", "openenv": "rlkit.envs.openenv:OpenEnv",
+                        "openenv-mcp": "rlkit.envs.openenv_mcp:OpenEnvMCP"}
 ENTRY_POINT_GROUP = "rlkit.envs"
 
 
@@ -103,6 +104,9 @@ def get_env(spec: str) -> EnvSpec:
     check = getattr(factory, "check_options", None)
     if callable(check):  # an adapter's own check before any model loads (textarena: the game starts here)
         check(dict(opts))
+    chosen = getattr(factory, "dispatch", None)
+    if found.builtin and callable(chosen):  # an adapter that picks its class from its server (openenv: MCP tools)
+        factory = chosen(dict(opts)) or factory
     shown = name + (":" + ",".join(f"{k}={v}" for k, v in found.options.items()) if found.rest else "")
     return EnvSpec(factory, opts, shown, getattr(factory, "__name__", label), fp)
 
