@@ -53,11 +53,21 @@ def is_mcp_server(ws_url: str, timeout: float) -> bool:
     except (OSError, ValueError):
         return False
     action = schema.get("action") if isinstance(schema, dict) else None
-    props = action.get("properties") if isinstance(action, dict) else None
-    if not isinstance(props, dict):
+    if not isinstance(action, dict):
         return False
-    kind = props.get("type")
-    return "tool_name" in props or (isinstance(kind, dict) and kind.get("const") in ("call_tool", "list_tools"))
+    defs = action.get("$defs") if isinstance(action.get("$defs"), dict) else {}
+    # the action itself, or the members of a union of actions (agent_world_model_env's ListToolsAction | CallToolAction)
+    members = [action, *(m for k in ("oneOf", "anyOf") for m in action.get(k) or () if isinstance(m, dict))]
+    for m in members:
+        ref = m.get("$ref")
+        if isinstance(ref, str):
+            m = defs.get(ref.rsplit("/", 1)[-1], {})
+        props = m.get("properties") if isinstance(m, dict) else None
+        kind = props.get("type") if isinstance(props, dict) else None
+        if isinstance(props, dict) and ("tool_name" in props or (isinstance(kind, dict) and kind.get("const") in
+                                                                  ("call_tool", "list_tools"))):
+            return True
+    return False
 
 
 def dispatch(cls, options: dict):
