@@ -10,8 +10,9 @@ endpoint, as OpenEnv's own `MCPToolClient` does:
     `{"type": "step", "data": {"type": "list_tools"}}` (a server whose action class takes only calls is asked with
     the MCP JSON-RPC message `{"type": "mcp", "data": {"method": "tools/list", ...}}` instead); their JSON schemas go
     to the chat template as `tools=` (`tool_schemas()`). The prompt: the reset observation's text as a user message
-    (through the chat template, with the tools); an example from `--prompts` keeps its own prompt. A server whose
-    reset observation carries no text (OpenEnv's echo_env: `{}`) needs `--prompts`: one line says so.
+    (through the chat template, with the tools); an example from `--prompts` keeps its own prompt (then the server's
+    reset text, when it has one). A server whose reset observation carries no text (OpenEnv's echo_env: `{}`) needs
+    `--prompts`: one line says so.
   - a model turn with a call (`rlkit.envs.tools.CALL_FORMATS`: `<tool_call>{"name": ..., "arguments": {...}}
     </tool_call>` or `<call>NAME(ARGS)</call>`; positional arguments take the schema's parameters in order) is sent as
     `{"type": "step", "data": {"type": "call_tool", "tool_name": NAME, "arguments": {...}}}`; the result's text
@@ -104,20 +105,22 @@ class OpenEnvMCP(OpenEnv):
         self.tools: list[dict] = []
         self._reset_data: dict = {}
         own = str(example.prompt).startswith(f"openenv {self.url} seed ")  # iter_examples' own: the server's prompt
-        text = super().reset(example)  # connects, resets (OpenEnv.reset passes the reply through _text)
         self.where = f"environment openenv (MCP) {self.url}"
+        text = super().reset(example)  # connects, resets (OpenEnv.reset passes the reply through _text)
         self.tools = self._list_tools()
-        if not own:
-            return example.prompt
-        if not _has_text(self._reset_data.get("observation")):
+        said = _has_text(self._reset_data.get("observation"))
+        if not own:  # a --prompts row: its prompt, then the server's reset text when it has one
+            prompt = str(example.prompt)
+            return prompt + ("\n" if prompt and said and not prompt.endswith("\n") else "") + (text if said else "")
+        if not said:
             raise EnvError(f"{self.where}: the server's reset observation has no text to prompt with (it is "
                            f"{json.dumps(self._reset_data.get('observation'))[:80]}); give the prompts with --prompts "
                            "FILE", every_trajectory=True)
         return [{"role": "user", "content": text}]
 
-    def _text(self, data: dict) -> str:
-        self._reset_data = data
-        return super()._text(data)
+    def _text(self, data: dict, *args, **kwargs) -> str:
+        self._reset_data = data  # OpenEnv.reset's reply, for reset above
+        return super()._text(data, *args, **kwargs)
 
     def tool_schemas(self) -> tuple[dict, ...]:
         """The session's tools as the chat template's `tools=` (OpenAI's function form)."""

@@ -5,6 +5,7 @@ openenv-core's own app on 127.0.0.1, through rollout | score-ref | update on the
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 from test_ecosystem_envs import REPO, Server, _error_line, _rows
@@ -55,7 +56,9 @@ def test_an_mcp_server_is_driven_as_tools(mcp_server):
         env.close()
     env = spec.make()
     try:
-        assert env.reset(Example("p0", "a prompt of the table's", "5", "train")) == "a prompt of the table's"
+        rng = random.Random(5)  # the row's answer is the reset seed; the server draws the numbers from it
+        assert env.reset(Example("p0", "a prompt of the table's", "5", "train")) == \
+            f"a prompt of the table's\nAdd {rng.randint(1, 9)} and {rng.randint(1, 9)}, then submit the sum."
         step = env.step("12")  # no call: the final answer ends the episode; the server pays nothing for it
         assert step.terminated and step.reward == 0.0 and step.observation is None
     finally:
@@ -120,3 +123,21 @@ def test_mcp_bad_options_are_one_line(mcp_server, sft_dir, tmp_path):
     line = _error_line(r)
     assert "is an MCP tool server: its actions are the model's tool calls, so action= and action.KEY=VALUE do not " \
            "apply" in line and not out.exists()
+
+
+def test_an_mcp_server_whose_action_takes_only_calls_lists_its_tools_by_json_rpc():
+    """An action class that is a CallToolAction subclass (finqa_env's) refuses a list_tools step: the tools come from
+    MCP's tools/list over the same session, and calls go through as before."""
+    from rlkit.envs import get_env
+
+    s = Server(sessions=2, script=MCP, extra=("calls-only",))
+    try:
+        env = get_env(f"openenv:url={s.url}").make()
+        try:
+            env.reset(next(env.iter_examples("train", 0)))
+            assert [t["name"] for t in env.tools] == ["add", "submit"]
+            assert env.step("<call>add(2, 3)</call>").observation == [{"role": "tool", "content": "5"}]
+        finally:
+            env.close()
+    finally:
+        s.stop()

@@ -2,12 +2,13 @@
 (as OpenEnv's echo_env), served by the package's own app (`create_app` with `CallToolAction`, as echo_env is) under
 uvicorn on 127.0.0.1.
 
-    python tests/servers/openenv_mcp_tools.py PORT [MAX_CONCURRENT_ENVS [quiet]]
+    python tests/servers/openenv_mcp_tools.py PORT [MAX_CONCURRENT_ENVS [quiet|calls-only]]
 
 The game: reset(seed) asks for the sum of two numbers drawn from the seed ("Add 3 and 4, then submit the sum.").
 `add(a, b)` returns a + b (no reward); `submit(answer)` ends the episode with reward 1.0 when `answer` is the sum,
 else 0.0 (as finqa_env's submit_answer). With QUIET (a third argument `quiet`), reset's observation carries no text (as
-echo_env's: `{}`), so the prompts must come from elsewhere.
+echo_env's: `{}`), so the prompts must come from elsewhere. With `calls-only`, the app's action class is a subclass of
+`CallToolAction` (as finqa_env's), which takes no `list_tools` step: the tools are listed by MCP's JSON-RPC message.
 """
 
 from __future__ import annotations
@@ -98,6 +99,10 @@ if __name__ == "__main__":
 
     port, envs = int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 1
     QUIET = sys.argv[3:4] == ["quiet"]
-    app = create_app(AddAndSubmit, CallToolAction, CallToolObservation, env_name="add_and_submit",
-                     max_concurrent_envs=envs)
+
+    class CallsOnly(CallToolAction):
+        pass
+
+    action = CallsOnly if sys.argv[3:4] == ["calls-only"] else CallToolAction
+    app = create_app(AddAndSubmit, action, CallToolObservation, env_name="add_and_submit", max_concurrent_envs=envs)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
