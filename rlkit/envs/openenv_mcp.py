@@ -174,8 +174,9 @@ class OpenEnvMCP(OpenEnv):
                 raise
             tools = self._rpc_tools()  # an action class that takes only calls (finqa_env's): MCP's own tools/list
         if not isinstance(tools, list) or not tools:
-            raise EnvError(f"{self.where}: the server lists no tools; is it an MCP server? (--env openenv:url=... "
-                           "runs a text server)", every_trajectory=True)
+            obs = self._reset_data.get("observation")
+            said = f"; its reset answered {json.dumps(obs)[:160]}" if obs else ""
+            raise EnvError(f"{self.where}: the server lists no tools{said}", every_trajectory=True)
         return [{"name": t.get("name"), "description": t.get("description"),
                  "input_schema": t.get("input_schema", t.get("inputSchema"))} for t in tools if isinstance(t, dict)]
 
