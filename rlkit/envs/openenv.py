@@ -89,14 +89,6 @@ class OpenEnv:
         """Before any model loads: the options and the websockets package (no connection is made)."""
         cls(**options)
 
-    @classmethod
-    def dispatch(cls, options: dict):
-        """The class to run instead, from what the server says it is: an MCP tool server's (`rlkit.envs.openenv_mcp`;
-        its /schema is read); None: this one."""
-        from rlkit.envs.openenv_mcp import dispatch
-
-        return dispatch(cls, options)
-
     def __init__(self, url: str = "", action: str = "message", text: str = "", timeout: float = 30.0,
                  seed: int = 0, max_new_tokens: int = 0, stop: str = "", max_sessions: int = 0,
                  **action_fields: str) -> None:
