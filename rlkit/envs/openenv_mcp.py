@@ -2,7 +2,10 @@
 tool calls become the server's `call_tool` actions, their results the tool messages.
 
 Selected by `--env openenv:url=...` when the server's `/schema` says its action is a tool call (a `type` of
-`call_tool` or `list_tools`, or a `tool_name` field), or always by `--env openenv-mcp:url=...` (no probe). Same
+`call_tool` or `list_tools`, or a `tool_name` field; `dispatch`, through `rlkit.envs.registry.DISPATCH`), or always by
+`--env openenv-mcp:url=...` (no probe). Why both: the probe makes OpenEnv's MCP servers run under the one spec users
+already write, and costs one HTTP GET before any model loads; the name runs one without that request (a server behind
+a proxy that serves only /ws) and records in the manifest which client ran. Same
 connection, sessions, options and errors as `rlkit.envs.openenv` (`OpenEnvMCP` is its subclass), over the same /ws
 endpoint, as OpenEnv's own `MCPToolClient` does:
 
