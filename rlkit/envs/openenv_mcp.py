@@ -109,7 +109,8 @@ class OpenEnvMCP(OpenEnv):
         self._reset_data: dict = {}
         own = str(example.prompt).startswith(f"openenv {self.url} seed ")  # iter_examples' own: the server's prompt
         self.where = f"environment openenv (MCP) {self.url}"
-        text = super().reset(example)  # connects, resets (OpenEnv.reset passes the reply through _text)
+        super().reset(example)  # connects, resets (OpenEnv.reset passes the reply through _text, below)
+        text = self._reset_text
         self.tools = self._list_tools()
         said = _has_text(self._reset_data.get("observation"))
         if not own:  # a --prompts row: its prompt, then the server's reset text when it has one
@@ -122,8 +123,10 @@ class OpenEnvMCP(OpenEnv):
         return [{"role": "user", "content": text}]
 
     def _text(self, data: dict, *args, **kwargs) -> str:
-        self._reset_data = data  # OpenEnv.reset's reply, for reset above
-        return super()._text(data, *args, **kwargs)
+        """OpenEnv's text of an observation, kept with the reply for `reset` above (which builds its own prompt)."""
+        self._reset_data = data
+        self._reset_text = super()._text(data, *args, **kwargs)
+        return self._reset_text
 
     def tool_schemas(self) -> tuple[dict, ...]:
         """The session's tools as the chat template's `tools=` (OpenAI's function form)."""
