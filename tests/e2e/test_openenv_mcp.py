@@ -125,14 +125,18 @@ def test_mcp_bad_options_are_one_line(mcp_server, sft_dir, tmp_path):
            "apply" in line and not out.exists()
 
 
-def test_an_mcp_server_whose_action_takes_only_calls_lists_its_tools_by_json_rpc():
+@pytest.mark.parametrize("action", ["calls-only", "union"])
+def test_mcp_servers_of_other_action_classes(action):
     """An action class that is a CallToolAction subclass (finqa_env's) refuses a list_tools step: the tools come from
-    MCP's tools/list over the same session, and calls go through as before."""
+    MCP's tools/list over the same session. A union of ListToolsAction and CallToolAction (agent_world_model_env's)
+    is found from its /schema too. Calls go through as before."""
     from rlkit.envs import get_env
 
-    s = Server(sessions=2, script=MCP, extra=("calls-only",))
+    s = Server(sessions=2, script=MCP, extra=(action,))
     try:
-        env = get_env(f"openenv:url={s.url}").make()
+        spec = get_env(f"openenv:url={s.url}")
+        assert spec.name == "OpenEnvMCP"
+        env = spec.make()
         try:
             env.reset(next(env.iter_examples("train", 0)))
             assert [t["name"] for t in env.tools] == ["add", "submit"]

@@ -2,13 +2,15 @@
 (as OpenEnv's echo_env), served by the package's own app (`create_app` with `CallToolAction`, as echo_env is) under
 uvicorn on 127.0.0.1.
 
-    python tests/servers/openenv_mcp_tools.py PORT [MAX_CONCURRENT_ENVS [quiet|calls-only]]
+    python tests/servers/openenv_mcp_tools.py PORT [MAX_CONCURRENT_ENVS [quiet|calls-only|union]]
 
 The game: reset(seed) asks for the sum of two numbers drawn from the seed ("Add 3 and 4, then submit the sum.").
 `add(a, b)` returns a + b (no reward); `submit(answer)` ends the episode with reward 1.0 when `answer` is the sum,
 else 0.0 (as finqa_env's submit_answer). With QUIET (a third argument `quiet`), reset's observation carries no text (as
 echo_env's: `{}`), so the prompts must come from elsewhere. With `calls-only`, the app's action class is a subclass of
 `CallToolAction` (as finqa_env's), which takes no `list_tools` step: the tools are listed by MCP's JSON-RPC message.
+With `union`, the action class is the union `ListToolsAction | CallToolAction` (as agent_world_model_env's), whose
+/schema lists both.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import random
 import sys
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
 from fastmcp import FastMCP
 from openenv.core.env_server import Observation, State, create_app
@@ -103,6 +105,21 @@ if __name__ == "__main__":
     class CallsOnly(CallToolAction):
         pass
 
-    action = CallsOnly if sys.argv[3:4] == ["calls-only"] else CallToolAction
+    from openenv.core.env_server.mcp_types import ListToolsAction
+    from openenv.core.env_server.types import Action
+    from pydantic import Field, TypeAdapter
+
+    either = TypeAdapter(Annotated[ListToolsAction | CallToolAction, Field(discriminator="type")])
+
+    class Union(Action):  # agent_world_model_env's AWMAction
+        @classmethod
+        def model_validate(cls, obj: Any, **kwargs: Any) -> Action:
+            return either.validate_python(obj)
+
+        @classmethod
+        def model_json_schema(cls, **kwargs: Any) -> dict[str, Any]:
+            return either.json_schema(**kwargs)
+
+    action = {"calls-only": CallsOnly, "union": Union}.get(sys.argv[3] if len(sys.argv) > 3 else "", CallToolAction)
     app = create_app(AddAndSubmit, action, CallToolObservation, env_name="add_and_submit", max_concurrent_envs=envs)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
