@@ -13,14 +13,17 @@ from typing import Any
 
 from rlkit.envs.base import EnvError
 from rlkit.errors import RlkitError
-from rlkit.plugins import one_line, resolve, typed_options
+from rlkit.plugins import load_builtin, one_line, resolve, typed_options
 from rlkit.tasks.base import DEFAULT_MAX_NEW_TOKENS, TaskBase, check_split
 from rlkit.tasks.user import as_example
 
 ENVS: dict[str, str] = {"calc": "rlkit.envs.calc:CalcEnv", "guess": "rlkit.envs.guess:GuessNumber",
                         "textarena": "rlkit.envs.textarena:TextArena", "openenv": "rlkit.envs.openenv:OpenEnv",
-                        "python": "rlkit.envs.python:PythonEnv"}
+                        "openenv-mcp": "rlkit.envs.openenv_mcp:OpenEnvMCP", "python": "rlkit.envs.python:PythonEnv"}
 ENTRY_POINT_GROUP = "rlkit.envs"
+# A built-in adapter whose class depends on the server it reaches: name -> "module:function(cls, options)" giving the
+# class to run instead (None: `cls`), called once its options are checked, before any model loads.
+DISPATCH: dict[str, str] = {"openenv": "rlkit.envs.openenv_mcp:dispatch"}
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,8 @@ def get_env(spec: str) -> EnvSpec:
     check = getattr(factory, "check_options", None)
     if callable(check):  # an adapter's own check before any model loads (textarena: the game starts here)
         check(dict(opts))
+    if found.builtin and name in DISPATCH:  # an adapter whose class depends on its server (openenv: MCP tools)
+        factory = load_builtin(DISPATCH[name])(factory, dict(opts)) or factory
     shown = name + (":" + ",".join(f"{k}={v}" for k, v in found.options.items()) if found.rest else "")
     return EnvSpec(factory, opts, shown, getattr(factory, "__name__", label), fp)
 

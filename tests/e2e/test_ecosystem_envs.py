@@ -35,12 +35,14 @@ def _free_port() -> int:
 
 
 class Server:
-    """tests/servers/openenv_echo.py (or `script`) in a process of its own, ready once `health` answers."""
+    """tests/servers/openenv_echo.py (or another server script of tests/servers/, taking PORT SESSIONS [EXTRA]) in a
+    process of its own, ready once `health` answers."""
 
-    def __init__(self, sessions: int, peak: Path | None = None, script: Path = SERVER, health: str = "/health") -> None:
+    def __init__(self, sessions: int, peak: Path | None = None, script: Path = SERVER, health: str = "/health",
+                 extra: tuple[str, ...] = ()) -> None:
         self.port = _free_port()
         self.proc = subprocess.Popen([sys.executable, str(script), str(self.port), str(sessions),
-                                      *([str(peak)] if peak else [])],
+                                      *([str(peak)] if peak else []), *extra],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 120
         while True:
