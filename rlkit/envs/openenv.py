@@ -31,7 +31,8 @@ How a trajectory maps onto it (one connection per trajectory, opened by `reset`,
     tag). Otherwise the first non-empty of its `prompt`, `message`, `text` and `content` fields, else its first
     non-empty text field; none: the observation as JSON. When every step of the run's first trajectories appended
     the same text, or nothing, a warning (once) names the field read and `text=PATH`;
-  - the model's turn, decoded, is the action's `action=FIELD` (default `message`); other fields of the action
+  - the model's turn, decoded, less the `stop` string that ended it, is the action's `action=FIELD` (default
+    `message`); other fields of the action
     can be fixed with `action.KEY=VALUE` options (sent as text; the server's pydantic model converts them);
   - a step's reward is the server's `reward` (null: 0.0), the trajectory's the sum; `done` ends it (terminated).
 Options: `url` (ws:// or wss://; an http(s):// URL is turned into its /ws endpoint, `http://HOST:PORT` and
@@ -371,7 +372,12 @@ class OpenEnv:
     def step(self, action: str) -> Step:
         if self.ws is None:
             raise EnvError("environment openenv: step() before reset()")
-        data = self._call({"type": "step", "data": {**self.fixed, self.action_field: action}})
+        sent = action
+        for s in getattr(self, "stop", ()):  # the stop string ends the turn; it is not part of the action
+            if s and sent.endswith(s):
+                sent = sent[:-len(s)]
+                break
+        data = self._call({"type": "step", "data": {**self.fixed, self.action_field: sent}})
         reward = data.get("reward")
         if reward is None or isinstance(reward, bool):  # OpenEnv's rewards may be null or a bool
             reward = float(bool(reward))

@@ -478,3 +478,27 @@ def test_a_trl_class_tools_reach_the_chat_template(sft_dir, tmp_path):
     driver._observe(t, tok, step.observation, s, None)
     assert not t.done and tok.decode(t.ids[len(tok(call, add_special_tokens=False)["input_ids"]):]) == \
         "\n<tool>3\n<assistant>"
+
+
+def test_openenv_the_stop_string_is_not_part_of_the_action(shaped):
+    """A turn ended by `stop=\\n` keeps its newline in the trajectory, but the action sent is the turn without it: a
+    strict action (an enum) takes `UP\\n` as `UP`. Without `stop`, the newline is the model's and is sent."""
+    from rlkit.envs.base import EnvError
+    from rlkit.envs.openenv import OpenEnv
+    from rlkit.tasks.base import Example
+
+    url = f"{shaped.url}/move/ws"
+    env = OpenEnv(url=url, action="direction", stop="\\n")
+    try:
+        env.reset(Example("p0", "", "7", "train"))
+        step = env.step("UP\n")
+        assert step.reward == 1.0 and step.terminated
+    finally:
+        env.close()
+    env = OpenEnv(url=url, action="direction")
+    try:
+        env.reset(Example("p0", "", "7", "train"))
+        with pytest.raises(EnvError, match=r"direction: Input should be 'UP', 'DOWN', 'LEFT' or 'RIGHT' \(got \"UP\\n\"\)"):
+            env.step("UP\n")
+    finally:
+        env.close()
