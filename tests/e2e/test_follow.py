@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlkit.errors import RlkitError
+from rlkit.follow import snapshots
 from rlkit.io import follow, manifests, streams
 
 from conftest import fast_rlkit_cmd, one_error_line, rlkit_cmd, run_cli, run_cli_inproc, stage
@@ -202,7 +203,11 @@ def test_k1_pipe_resumes_without_losing_or_repeating_a_step(sft_dir, ref_dir, tm
     assert [m["step"] for m in rows] == [1, 2, 3]
     assert [s.step for s in follow.scan(root)[0]] == [1, 2, 3]  # --keep is at least --max-lag + 2
     m = manifests.read_manifest(root / "step-000003")
-    assert m["step"] == 3 and json.loads((root / "step-000003/trainer/state.json").read_text())["updates"] == 3
+    # a step is what a worker loads (weights, config, tokenizer); the optimizer is in the snapshot (every step on a
+    # stream), of which --keep leaves the newest
+    assert m["step"] == 3 and not (root / "step-000003/trainer").exists()
+    assert sorted(p.name for p in (root / "snapshots").iterdir()) == ["snapshot-000003"]
+    assert json.loads((root / "snapshots/snapshot-000003/resume.json").read_text())["trainer"]["updates"] == 3
     assert m["tracking"]["run_name"] == "k1"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -243,10 +248,13 @@ def test_sigkill_while_a_step_is_written_leaves_no_step_that_looks_complete(sft_
         follow.verify_step(s.path)
     assert not partial and [s.step for s in steps] == list(range(1, len(steps) + 1))
     left = [n for n in os.listdir(root) if n.startswith(".step-")]
+    snapped = max([len(steps), *(s for s, _ in snapshots.scan(root))])
     r = subprocess.run(upd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert ("unfinished step" in r.stderr) == bool(left)
-    assert [s.step for s in follow.scan(root)[0]] == list(range(1, len(steps) + 4))  # resumed: three more
+    # resumed from the newest snapshot (every step on a stream, saved before the step is published): the step caught
+    # in its publish is published from it, then three more
+    assert [s.step for s in follow.scan(root)[0]] == list(range(1, snapped + 4))
     assert not [n for n in os.listdir(root) if n.startswith(".step-")]
 
 
