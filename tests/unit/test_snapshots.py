@@ -76,3 +76,33 @@ def test_the_published_weights_are_in_the_served_dtype(policy):  # noqa: F811
     assert {v.dtype for v in sd.values() if v.is_floating_point()} == {torch.bfloat16}
     assert sum(v.numel() * v.element_size() for v in sd.values()) * 2 == pytest.approx(
         sum(p.numel() * p.element_size() for p in model.parameters()), rel=0.01)
+
+
+def test_a_bf16_step_is_what_a_worker_loads_and_reloads(policy, tmp_path):  # noqa: F811
+    """The step a GPU trainer publishes (bf16): weights, config naming the dtype, tokenizer, hashes; no optimizer. A
+    worker's HF engine reloads it in place (its model keeps its own dtype), bit for bit the bf16 weights."""
+    from types import SimpleNamespace
+
+    from safetensors import safe_open
+
+    from rlkit.engines.hf import HFEngine
+    from rlkit.follow.update import _write_step
+    from rlkit.io import follow, manifests
+
+    model, tok, _ = policy
+    t = SimpleNamespace(model=model, tokenizer=tok, device=torch.device("cpu"))
+    man = manifests.make_manifest("model", "update", {}, {}, step=1)
+    path = follow.publish(tmp_path, 1, lambda tmp: _write_step(t, tmp, man, None, "bf16"))
+    assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"
+    assert not (path / "trainer").exists() and follow.verify_step(path)["weights_dtype"] == "bf16"
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    assert {v.dtype for v in stored.values()} == {torch.bfloat16}
+    params = sum(p.numel() for p in model.parameters())
+    assert (path / "model.safetensors").stat().st_size < 2 * params + 16_384  # 2 bytes a parameter, and a header
+    live = HFEngine.__new__(HFEngine)  # the live engine's model (fp32) and its reload, without a start
+    live.model = copy.deepcopy(model)
+    live.reload(path)
+    sd = live.model.state_dict()
+    for k, v in stored.items():
+        assert sd[k].dtype == torch.float32 and torch.equal(sd[k], v.float()), k
