@@ -118,7 +118,7 @@ def verify(path: Path) -> dict:
 
 
 def _root(model):
-    from rlkit.training.distributed import _root as fsdp_root
+    from rlkit.training.distributed import fsdp_root
 
     return fsdp_root(model)
 

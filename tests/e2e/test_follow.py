@@ -275,6 +275,10 @@ def test_follow_bad_input_one_line_each(sft_dir, ref_dir, tmp_path):
     assert "'notes.txt' is not an rlkit step directory" in one_error_line(
         run_cli_inproc("rollout", "--follow", str(junk), "--policy", str(sft_dir), "--out", str(tmp_path / "x.arrow")))
     assert (junk / "notes.txt").read_text() == "mine" and sorted(os.listdir(junk)) == ["notes.txt"]
+    # a stream cannot be read again: a snapshot of every step, or no exact resume
+    r = run_cli_inproc(*update, "--out", str(tmp_path / "k2"), "--in", str(scored), "--snapshot-every", "2")
+    assert r.returncode == 2 and "--snapshot-every 2: a stream cannot be read again" in one_error_line(r)
+    assert not (tmp_path / "k2").exists()
 
     # upstream dying mid-stream: the first full batch is a step, the partial second one is not
     cut = tmp_path / "cut.arrow"
