@@ -113,6 +113,26 @@ def test_prune_keeps_the_newest(tmp_path):
     assert follow.newest(root).step == 5
 
 
+def test_keep_never_prunes_a_step_after_the_newest_snapshot_nor_that_snapshot(tmp_path):
+    """update --follow --keep 1 with its newest snapshot at step 2: steps 3 and 4 stay (a restart trains them again
+    from the batch files their manifests name), and of the snapshots only the newest does; a snapshots/ directory
+    is not a foreign entry for the workers' scan."""
+    root = tmp_path / "run"
+    root.mkdir()
+    for s in range(1, 5):
+        follow.publish(root, s, _fake_step)
+    for s in (1, 2):
+        d = root / "snapshots" / snapshots.name(s)
+        d.mkdir(parents=True)
+        (d / "resume.json").write_text("{}")
+    (root / "snapshots" / ".snapshot-000003.tmp").mkdir()  # a killed save's leftover
+    assert follow.prune(root, 1, newest=2) == [1, 2]
+    assert [s.step for s in follow.scan(root)[0]] == [3, 4]
+    assert snapshots.prune(root, 1) == [1] and [s for s, _ in snapshots.scan(root)] == [2]
+    assert snapshots.clean_stale(root) == [".snapshot-000003.tmp"]
+    assert sorted(os.listdir(root / "snapshots")) == ["snapshot-000002"]
+
+
 def test_lock_refuses_a_second_writer_and_dies_with_its_holder(tmp_path):
     root = tmp_path / "run"
     holder = subprocess.Popen(
