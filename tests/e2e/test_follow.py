@@ -244,6 +244,25 @@ def test_k1_pipe_resumes_without_losing_or_repeating_a_step(sft_dir, ref_dir, tm
 
 
 @pytest.mark.slow
+def test_ppo_resumes_its_critic_from_the_snapshot(sft_dir, ref_dir, tmp_path):
+    """--algo ppo trains a critic beside the policy: it goes into each snapshot (extra/critic), not into the steps the
+    workers load, and a run of 2 steps taken on to 3 ends with the weights of 3 steps at once."""
+    ppo = "--algo ppo --beta 0 --length-penalty 0.1 --lr 1e-3"  # lengths vary: rewards, so a gradient
+    for root, steps in ((tmp_path / "resumed", 2), (tmp_path / "resumed", 3), (tmp_path / "whole", 3)):
+        r = _pipe(sft_dir, ref_dir, root, lag=0, steps=steps, extra_update=ppo)
+        assert r.returncode == 0, r.stderr[-3000:]
+        if steps == 3 and root.name == "resumed":
+            assert "critic resumed" in r.stderr and "from its snapshot of step 2" in r.stderr
+    snap = tmp_path / "resumed" / "snapshots" / "snapshot-000003"
+    assert (snap / "extra" / "critic" / "model.safetensors").is_file()
+    assert not (tmp_path / "resumed" / "step-000003" / "critic").exists()
+    a, b = (_weights(tmp_path / d / "step-000003") for d in ("resumed", "whole"))
+    assert max(float((a[k] - _weights(sft_dir)[k]).abs().max()) for k in a) > 1e-4
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+
+
+@pytest.mark.slow
 def test_sigkill_while_a_step_is_written_leaves_no_step_that_looks_complete(sft_dir, ref_dir, tmp_path):
     """Kill `update --follow` (SIGKILL) the moment a step's hidden directory appears, then resume."""
     root = tmp_path / "ckpts"
