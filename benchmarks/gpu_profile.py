@@ -531,6 +531,48 @@ def run_modes(a, work: Path) -> dict:
             "runner_wall_s": wall, "modes": modes, "workdir": str(work)}
 
 
+def follow_step(a, res: dict, work: Path) -> dict | None:
+    """`--follow-steps N`: the fleet's step on the first mode that finished, as one pipe
+    `rollout --follow D --engine hf | update --follow --out D` at --max-lag 0 for N steps from that mode's sft: what a
+    step publishes (the weights the workers load: bf16 on a GPU) and in how many seconds, the snapshot (fp32 weights
+    and AdamW, `--snapshot-every 1` on a stream) and the worker's in-place reload."""
+    import re
+
+    done = next((r for r in res["modes"] if r["status"] == "ok"), None)
+    if not a.follow_steps or done is None:
+        return None
+    size, mode = SIZES[a.size], done["mode"]
+    root = work / a.size
+    runs, d = root / "runs" / mode, root / "runs" / f"{mode}-follow"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    files = {"prompts": root / "data" / "prompts.jsonl", "reward": root / "data" / "reward.py"}
+    train = [f.format(lora_rank=size.lora_rank) for f in MODES[mode].train]
+    cmd = shlex.join(RLKIT)
+    roll = shlex.join(["rollout", "--follow", str(d / "ck"), "--policy", str(runs / "sft"), "--engine", "hf",
+                       "--prompts", str(files["prompts"]), "--n", str(size.n), "--batch-prompts", str(size.prompts),
+                       "--max-new-tokens", str(size.completion_len), "--seed", "0", "--reward-fn",
+                       f"coin={files['reward']}:coin", "--device", a.device, "--max-lag", "0",
+                       "--max-steps", str(a.follow_steps)])
+    upd = shlex.join(["update", "--follow", "--policy", str(runs / "sft"), "--out", str(d / "ck"), "--epochs", "1",
+                      "--minibatch-size", str(size.minibatch), "--seed", "0", "--beta", "0", "--device", a.device,
+                      "--max-lag", "0", "--max-steps", str(a.follow_steps), *train])
+    t0 = time.monotonic()
+    r = subprocess.run(["bash", "-c", f"set -o pipefail\n{cmd} {roll} | {cmd} {upd}"], capture_output=True, text=True,
+                       env={**os.environ, "RLKIT_DEBUG": "0"})
+    (d / "follow.log").write_text(r.stderr)
+    out = {"mode": mode, "steps": a.follow_steps, "wall_s": round(time.monotonic() - t0, 1), "log": str(d / "follow.log")}
+    if r.returncode != 0:
+        return {**out, "status": f"failed (exit {r.returncode}): {error_line(d / 'follow.log')}"}
+    pub = re.findall(r"in ([\d.]+)s \(([\d.]+) MiB (\w+) weights; snapshot in ([\d.]+)s, ([\d.]+) MiB", r.stderr)
+    rel = re.findall(r"weight reloads, median ([\d.]+)s", r.stderr)
+    med = lambda xs: sorted(xs)[len(xs) // 2] if xs else None  # noqa: E731
+    return {**out, "status": "ok", "publish_s": med([float(p[0]) for p in pub]),
+            "publish_mib": float(pub[0][1]) if pub else None, "publish_dtype": pub[0][2] if pub else None,
+            "snapshot_s": med([float(p[3]) for p in pub]), "snapshot_mib": float(pub[0][4]) if pub else None,
+            "reload_s": float(rel[0]) if rel else None}
+
+
 # ------------------------------------------------------------------------------------------------
 # The report
 
@@ -590,6 +632,13 @@ def report(res: dict) -> None:
     lines = sorted({s["device_line"] for r in res["modes"] for s in r["stages"].values() if s.get("device_line")})
     if lines:
         print("device lines the stages printed: " + "; ".join(lines))
+    f = res.get("follow")
+    if f is not None:
+        print(f"follow ({f['mode']}, {f['steps']} steps, rollout --follow --engine hf | update --follow, --max-lag 0): "
+              + (f"a step publishes {fmt(f['publish_mib'], '.1f')} MiB of {f['publish_dtype']} weights in "
+                 f"{fmt(f['publish_s'], '.3f')} s; its snapshot {fmt(f['snapshot_mib'], '.1f')} MiB in "
+                 f"{fmt(f['snapshot_s'], '.3f')} s; the worker reloads in {fmt(f['reload_s'], '.3f')} s (medians); "
+                 f"wall {f['wall_s']} s" if f["status"] == "ok" else f"NOT FINISHED: {f['status']}"))
     print(f"whole run: {res['runner_wall_s']} s (the model {'built' if res['model']['built'] else 'reused'}); "
           f"work folder {res['workdir']}")
 
@@ -603,6 +652,8 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, help="Keep the model, data and every stage's output here (the model is "
                     "reused by a rerun); default: a temporary folder, removed at the end.")
     ap.add_argument("--json", type=Path, help="Write the results as JSON to this file.")
+    ap.add_argument("--follow-steps", type=int, default=0, help="Then N steps of the fleet's pipe (rollout --follow | "
+                    "update --follow) from the first mode's sft: publish, snapshot and reload seconds (default 0: none).")
     ap.add_argument("--runner", type=Path, help=argparse.SUPPRESS)  # internal: the process that forks the modes
     a = ap.parse_args()
     if a.runner:
@@ -612,13 +663,15 @@ def main() -> None:
     work = (a.workdir or Path(tmp.name)).resolve()
     try:
         res = run_modes(a, work)
+        res["follow"] = follow_step(a, res, work)
     finally:
         if tmp is not None:
             tmp.cleanup()
     report(res)
     if a.json:
         a.json.write_text(json.dumps(res, indent=2) + "\n")
-    failed = [r["mode"] for r in res["modes"] if r["status"] != "ok"]
+    failed = [r["mode"] for r in res["modes"] if r["status"] != "ok"] + (
+        ["follow"] if (res["follow"] or {}).get("status", "ok") != "ok" else [])
     if failed:
         sys.exit(f"gpu_profile: {len(failed)} mode(s) did not finish: {', '.join(failed)} (their error lines are above)")
 

@@ -21,7 +21,7 @@
 # Sized for a CPU. On a GPU machine every process sees every GPU: the update's ranks take cuda:0..NPROC-1 (NPROC at
 # most the GPUs) and every worker cuda:0, where vLLM takes a fixed share of the memory per worker (docs/gpu.md): use
 # ENGINE=hf there, or the Slurm form's layout, one GPU a worker (recipes/slurm/rlvr-fleet.sbatch).
-# A rerun with the same knobs resumes an unfinished run from DIR/latest (the workers skip the batches they
+# A rerun with the same knobs resumes an unfinished run from its newest snapshot (the workers skip the batches they
 # already wrote) and skips a finished one; other knobs start DIR and the spool afresh.
 set -euo pipefail
 

@@ -11,7 +11,7 @@
 #        ENGINE [auto] rollout engine (hf, vllm, auto)
 #        EVAL_LIVE [0] 1: a separate process evaluates DIR/latest while the pipe runs (it shares the cores, so
 #                  the RL wall time then includes its load); 0: every step is evaluated after the pipe ends
-# A rerun with the same knobs resumes an unfinished run from DIR/latest and skips a finished one; other
+# A rerun with the same knobs resumes an unfinished run from its newest snapshot and skips a finished one; other
 # knobs start DIR afresh.
 set -euo pipefail
 

@@ -103,15 +103,17 @@ class UpdateConfig:
     max_drift: float = option(DEFAULT_MAX_DRIFT, min=0.0, panel="KL", help="Warn when the policy's relative weight distance from the reference exceeds this.")
     # --follow: --out is a directory of step-NNNNNN/ checkpoints, one per --batch-prompts prompts of an
     # unbounded input stream (see rlkit.io.follow)
-    follow: bool = option(False, "--follow", panel="Follow", help="Persistent: read an unbounded rollouts stream and write one checkpoint per --batch-prompts prompts as --out/step-NNNNNN/ (atomic; --out/latest names the newest); a rerun resumes from --out/latest. See docs/follow.md.")
+    follow: bool = option(False, "--follow", panel="Follow", help="Persistent: read an unbounded rollouts stream and publish one step per --batch-prompts prompts as --out/step-NNNNNN/ (the weights the workers load, atomic; --out/latest names the newest); a rerun resumes from the newest snapshot (--snapshot-every). See docs/follow.md.")
     # None: the upstream `rollout --follow`'s
     batch_prompts: int | None = option(None, min=1, panel="Follow", help="--follow: prompts (whole groups) per update step; default: the upstream `rollout --follow`'s.")
     # steps after --policy's at which the run ends
     max_steps: int | None = option(None, min=1, panel="Follow", help="--follow: end the run cleanly once --out holds this many steps after --policy's.")
     # prune all but the newest K steps (never fewer than the lag bound needs)
-    keep: int | None = option(None, min=1, panel="Follow", help="--follow: prune all but the newest K steps (at least --max-lag + 2 are kept: rollout may be loading them).")
+    keep: int | None = option(None, min=1, panel="Follow", help="--follow: prune all but the newest K steps (at least --max-lag + 2 are kept: rollout may be loading them; none after the newest snapshot) and all but the newest snapshot.")
     # --follow --in SPOOL: many workers' batch files (rlkit.io.spool)
     worker_timeout: float = option(600.0, panel="Follow", help="--follow --in SPOOL: seconds a worker's heartbeat (its lock file's mtime, moved every second while it runs) may stand still while the update waits for its file of the batch a step trains; then the worker is named and the step trains on the other workers' files (none at all: an error). A live worker is waited for however long its batch takes.")
+    # None: every 10 steps with a spool --in, every step with a stream (rlkit.follow.snapshots)
+    snapshot_every: int | None = option(None, min=1, panel="Follow", help="--follow: every K steps (and at a clean end) save a resume snapshot, DIR/snapshots/snapshot-NNNNNN/ (the fp32 weights and AdamW state, written by every rank at once): a rerun resumes from the newest one and trains the steps since again from their batch files, with the weights of an uninterrupted run. Default: 10 with a spool --in (which keeps the batch files until a snapshot covers them), 1 with a stream (which cannot be read again).")
     keep_batches: bool = option(False, "--keep-batches", panel="Follow", help="--follow --in SPOOL: keep each trained batch file in SPOOL/done/ instead of deleting it.")
     max_lag: int = option(DEFAULT_MAX_LAG, min=0, panel="Follow", help="--follow: drop (and count) rows sampled more than this many steps before the policy they would train; lagged rows get pi_old recomputed (the proximal policy) and a truncated importance weight (--tis-cap, default 2 here).")
     device: str = option("auto", Device)

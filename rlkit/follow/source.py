@@ -3,9 +3,10 @@ spool directory that many rollout workers write batch files into (`rlkit.io.spoo
 every rank gets the batch rank 0 read (`Shared`).
 
 A source gives `header()` (the input's kind, manifest, label and fingerprint, known before the first step) and
-`next(step)`: the `Batch` that trains step + 1, or None when the input has ended. `trained(batch)` is called once
-that step is published (a spool's files are then deleted or kept); `close(step)` when the run ends cleanly. Arrow
-and the filesystem only, torch for the lag vector.
+`next(step)`: the `Batch` that trains step + 1, or None when the input has ended. `covered(step)` is called once a
+snapshot of `step` is written (`rlkit.follow.snapshots`): a spool's files of the steps up to it are then deleted or
+kept, and until then they wait in claimed/, to be trained again by an update restarted from that snapshot;
+`close(step)` when the run ends cleanly. Arrow and the filesystem only, torch for the lag vector.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class StreamSource:
         left = self.batcher.leftover if self.batcher is not None else 0
         return f" ({left} rows of an unfinished batch left untrained)" if left else ""
 
-    def trained(self, batch: Batch) -> None:
+    def covered(self, step: int) -> None:
         pass
 
     def close(self, step: int) -> None:
@@ -85,7 +86,8 @@ class SpoolSource:
     rename into claimed/ before it is read. A worker whose file is awaited and whose heartbeat (`spool.heartbeat`)
     has not moved for `timeout` seconds is gone: it is named, and the step trains on the other workers' files; a
     batch no worker wrote is an error. A worker that is alive is waited for, however long its batch takes. Files of
-    batches already past (a late worker's) are dropped and counted."""
+    batches already past (a late worker's) are dropped and counted. A step trained again after a restart (`replay`:
+    step -> the names of the files it trained on, from its manifest) takes exactly those files, from claimed/."""
 
     def __init__(self, root: Path, base_step: int, timeout: float, keep: bool, poll: float | None = None) -> None:
         from rlkit.io import spool
@@ -95,22 +97,28 @@ class SpoolSource:
         self.workers: int | None = None
         self.max_lag = 0
         self.same: dict | None = None
+        self.replay: dict[int, list[str]] = {}
 
-    def recover(self, step: int) -> tuple[int, int]:
-        """With the spool's lock held, after a killed update: its claimed files of batches already trained (or
-        dropped) are disposed of, the others put back. -> (disposed, put back)."""
+    def recover(self, step: int, replay: dict[int, list[str]] | None = None) -> tuple[int, int, int]:
+        """With the spool's lock held, after a killed update resumed from (a snapshot of) `step`: its claimed files of
+        batches that snapshot covers are disposed of, those the steps published since trained on (`replay`: step ->
+        file names) stay claimed to be trained again, the others are put back. -> (disposed, kept, put back)."""
         from rlkit.io import spool
 
-        gone = back = 0
+        self.replay = dict(replay or {})
+        again = {n for names in self.replay.values() for n in names}
+        gone = back = kept = 0
         for f in spool.claimed(self.root):
             if f.batch < step - self.base:
                 spool.dispose(self.root, f, self.keep)
                 gone += 1
-            else:
+            elif f.path.name not in again:
                 spool.unclaim(self.root, f)
                 back += 1
+            else:
+                kept += 1
         (self.root / spool.UPDATE_END).unlink(missing_ok=True)
-        return gone, back
+        return gone, kept, back
 
     def header(self) -> Header:
         """The manifest of the first batch file to appear (waited for, up to the worker timeout)."""
@@ -119,7 +127,7 @@ class SpoolSource:
         seen = time.monotonic()
         beats = spool.heartbeats(self.root)
         while True:
-            files = spool.scan(self.root)
+            files = [f for f in spool.claimed(self.root) if f.path.name in self._again()] or spool.scan(self.root)
             now = spool.heartbeats(self.root)
             if now != beats:  # a worker started or beat: alive, its first batch on the way
                 beats, seen = now, time.monotonic()
@@ -165,6 +173,29 @@ class SpoolSource:
                              f"step {step}: its worker follows another directory than --out")
         return t.replace_schema_metadata(None)
 
+    def _again(self) -> set[str]:
+        return {n for names in self.replay.values() for n in names}
+
+    def _replay(self, step: int) -> Batch:
+        """The batch step + 1 trained on before a restart: the claimed files its manifest names."""
+        import numpy as np
+        import pyarrow as pa
+        import torch
+
+        from rlkit.io import spool
+
+        tables, lags, taken = [], [], []
+        for name in self.replay.pop(step + 1):
+            f = spool.parse(self.root / spool.CLAIMED / name)
+            if f is None or not f.path.is_file():
+                raise RlkitError(f"spool {self.root}: {spool.CLAIMED}/{name}, a batch file step {step + 1} was trained "
+                                 "on, is gone; the step cannot be trained again (restore the file, or start a new --out)")
+            t = self._read(f, step)
+            taken.append(f)
+            tables.append(t)
+            lags.append(np.full(t.num_rows, step - f.step, dtype=np.int64))
+        return Batch(pa.concat_tables(tables), torch.from_numpy(np.concatenate(lags)), 0, taken)
+
     def next(self, step: int) -> Batch | None:
         import numpy as np
         import pyarrow as pa
@@ -172,6 +203,8 @@ class SpoolSource:
 
         from rlkit.io import spool
 
+        if step + 1 in self.replay:
+            return self._replay(step)
         b = step - self.base
         t0 = time.monotonic()
         dropped = 0
@@ -239,11 +272,13 @@ class SpoolSource:
     def ended(self) -> str:
         return " (every worker ended its stream)"
 
-    def trained(self, batch: Batch) -> None:
+    def covered(self, step: int) -> None:
+        """A snapshot of `step` is written: the claimed files of the batches it covers are deleted (or kept)."""
         from rlkit.io import spool
 
-        for f in batch.files:
-            spool.dispose(self.root, f, self.keep)
+        for f in spool.claimed(self.root):
+            if f.batch < step - self.base:
+                spool.dispose(self.root, f, self.keep)
 
     def close(self, step: int) -> None:
         from rlkit.io import spool
@@ -299,9 +334,9 @@ class Shared:
     def ended(self) -> str:
         return getattr(self, "_ended", "")
 
-    def trained(self, batch: Batch) -> None:
+    def covered(self, step: int) -> None:
         if self.inner is not None:
-            self.inner.trained(batch)
+            self.inner.covered(step)
 
     def close(self, step: int) -> None:
         if self.inner is not None:

@@ -190,14 +190,15 @@ def save_model(model, tokenizer, tmp: Path, manifest: dict[str, Any], state_dict
     from rlkit.io import adapters
 
     quiet_transformers()
+    # before the save: save_pretrained empties a state dict it is given as it writes it
+    dtype = _weights_dtype(state_dict if state_dict is not None else model.state_dict())
     if adapters.state(model) is not None:
         manifest = {**manifest, "lora": adapters.save(model, tmp, state_dict)}
     else:
         model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": state_dict} if state_dict is not None else {}))
     tokenizer.save_pretrained(tmp)
     per_file, digest = hash_weights(tmp)
-    manifest = {**manifest, "weights_sha256": per_file, "weights_digest": digest,
-                "weights_dtype": _weights_dtype(state_dict if state_dict is not None else model.state_dict())}
+    manifest = {**manifest, "weights_sha256": per_file, "weights_digest": digest, "weights_dtype": dtype}
     if write_manifest:
         (tmp / MODEL_MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest

@@ -3,8 +3,10 @@
 
 Layout of DIR::
 
-    step-000001/  step-000002/ ...   complete checkpoints (weights, rlkit.json, trainer/)
+    step-000001/  step-000002/ ...   complete steps: what a worker loads (weights in the dtype the
+                                     engines serve, config, tokenizer, rlkit.json); no optimizer state
     latest -> step-000002            symlink to the newest complete step, replaced atomically
+    snapshots/snapshot-000010/       update's resume snapshots (`rlkit.follow.snapshots`)
     .lock                            flock'ed by the one `update --follow` writing DIR (the kernel
                                      drops the lock when that process dies, so it never goes stale)
     .step-000003.tmp-PID-XXXXXX      a step being written: hidden, never read
@@ -37,6 +39,7 @@ from rlkit.io.manifests import MODEL_MANIFEST
 STEP_RE = re.compile(r"^step-(\d{6,})$")
 LATEST = "latest"
 LOCK = ".lock"
+SNAPSHOTS = "snapshots"  # update's resume snapshots (`rlkit.follow.snapshots`); never loaded by a worker
 POLL_SECONDS = 0.05
 
 
@@ -79,6 +82,8 @@ def scan(root: Path) -> tuple[list[Step], list[Path]]:
         if e.name.startswith("."):
             continue
         if e.name == LATEST and e.is_symlink():
+            continue
+        if e.name == SNAPSHOTS and e.is_dir(follow_symlinks=False):
             continue
         m = STEP_RE.match(e.name)
         if m is None or not e.is_dir(follow_symlinks=False):
@@ -202,12 +207,15 @@ def publish(root: Path, step: int, write: Callable[[Path], dict]) -> Path:
     return final
 
 
-def prune(root: Path, keep: int) -> list[int]:
-    """Delete all but the newest `keep` (>= 1) complete steps; returns the steps removed.
-    Each is renamed to a hidden name first, so no reader sees a step half-deleted."""
+def prune(root: Path, keep: int, newest: int | None = None) -> list[int]:
+    """Delete all but the newest `keep` (>= 1) complete steps, and none after step `newest` (`update --follow`: its
+    newest snapshot, after which a restart trains the steps again from the batch files their manifests name);
+    returns the steps removed. Each is renamed to a hidden name first, so no reader sees a step half-deleted."""
     steps, _ = scan(root)
     gone = []
     for s in steps[: max(0, len(steps) - max(1, keep))]:
+        if newest is not None and s.step > newest:
+            continue
         hidden = root / f".{s.path.name}.del-{os.getpid()}-{secrets.token_hex(3)}"
         try:
             os.rename(s.path, hidden)

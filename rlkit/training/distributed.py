@@ -242,6 +242,12 @@ def _root(model):
     return getattr(model, "_rlkit_fsdp_root", model)
 
 
+def fsdp_root(model):
+    """The module FSDP2 sharded as `model`'s root (the function wrapper of `shard_model(fn=...)`, whose parameter
+    names carry `ROOT_PREFIX`), or the model itself: what torch's state-dict helpers take."""
+    return _root(model)
+
+
 @contextmanager
 def root_gathered(model):
     """With `shard_model(model, dp, fn)`, the model's own forward (`generate`, sft's held-out eval) goes around

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlkit.follow import snapshots
 from rlkit.io import follow, manifests, spool
 
 from conftest import fast_rlkit_cmd, one_error_line
@@ -60,15 +62,16 @@ def _scoring_worker(sft, ref, root: Path, sp: Path, i: int, m: int) -> subproces
                             stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True)
 
 
-def _fleet(sft, tmp: Path, name: str, *, workers: int = 2, nproc: int = 1, extra=(), ref=None) -> tuple[Path, str]:
+def _fleet(sft, tmp: Path, name: str, *, workers: int = 2, nproc: int = 1, extra=(), ref=None,
+           steps: int = STEPS) -> tuple[Path, str]:
     """`workers` workers (with `ref`: each a pipe through score-ref) and one update (`nproc` processes) at --max-lag
     0 for STEPS steps. -> (ckpts, update stderr)."""
     root, sp = tmp / f"{name}-ckpts", tmp / f"{name}-spool"
     sp.mkdir()
-    ws = [_worker(sft, root, sp, i, workers) if ref is None else _scoring_worker(sft, ref, root, sp, i, workers)
+    ws = [_worker(sft, root, sp, i, workers, steps=steps) if ref is None else _scoring_worker(sft, ref, root, sp, i, workers)
           for i in range(workers)]
     try:
-        r = subprocess.run(_update_cmd(sft, root, sp, nproc=nproc, extra=extra), capture_output=True, text=True,
+        r = subprocess.run(_update_cmd(sft, root, sp, nproc=nproc, extra=extra, steps=steps), capture_output=True, text=True,
                            timeout=300, env=_env())
         assert r.returncode == 0, r.stderr[-3000:]
         for w in ws:
@@ -98,6 +101,35 @@ def _weights(root: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
 
 def _batches(root: Path, step: int) -> list[str]:
     return manifests.read_manifest(root / follow.step_name(step))["follow"].get("batches", [])
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (torchrun's ranks run in sessions of their own: a signal to its group misses them)."""
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            out.append(k)
+            todo.append(k)
+    return out
+
+
+def _kill_all(p: subprocess.Popen) -> None:
+    """SIGKILL `p`, its group and every process below it, at once: the update killed whole, as a node is lost."""
+    below = _descendants(p.pid)
+    os.killpg(p.pid, signal.SIGKILL)
+    for k in below:
+        try:
+            os.kill(k, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _wait(pred, timeout: float = 120, what: str = "") -> None:
@@ -136,6 +168,18 @@ def test_two_workers_give_the_weights_one_worker_gives(fleet, sft_dir, tmp_path)
     t, man = streams.read_table(sp / spool.DONE / _batches(root, 1)[1], ["scored"])  # scored by the worker's pipe
     assert t.column("group_id").to_pylist() == [g for g in range(4, 8) for _ in range(N)]
     assert set(t.column("policy_step").to_pylist()) == {0} and "ref_logprobs" in t.column_names
+    # a step is what a worker loads: fp32 weights on a CPU, config, tokenizer; the optimizer is in the snapshot taken
+    # at the clean end, written as torch's distributed checkpoint
+    step = root / "step-000002"
+    assert not (step / "trainer").exists() and not list(step.glob("*.distcp"))
+    assert json.loads((step / "config.json").read_text())["dtype"] == "float32"
+    m = manifests.read_manifest(step)["metrics"]
+    assert m["publish_dtype"] == "fp32"
+    snap = root / "snapshots" / "snapshot-000002"
+    assert sorted(p.name for p in snap.iterdir()) == [".metadata", "__0_0.distcp", "resume.json", "rng-rank0.safetensors"]
+    weights = (step / "model.safetensors").stat().st_size
+    # AdamW's two fp32 moments and the fp32 weights: three times what a worker reads
+    assert (snap / "__0_0.distcp").stat().st_size > 2.9 * weights
 
 
 def test_update_follow_under_torchrun_matches_one_process(fleet, sft_dir, tmp_path):
@@ -214,6 +258,50 @@ def test_update_killed_mid_step_resumes_without_training_a_batch_twice(fleet, sf
     assert len(trained) == len(set(trained)) == 4
     assert sorted(p.name for p in (sp / spool.DONE).iterdir()) == sorted(trained) and spool.claimed(sp) == []
     a, b = _weights(root), _weights(fleet[0])
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_update_killed_between_snapshots_ends_with_the_uninterrupted_weights(sft_dir, tmp_path, nproc):
+    """--snapshot-every 2, 4 steps, in one process and on 2 (torchrun, gloo): the update is SIGKILLed once step 3 is
+    published, its newest snapshot step 2's. Rerun, it resumes from that snapshot, trains step 3 again from the
+    claimed files its manifest names (not publishing it twice), then step 4: the weights of the same run
+    uninterrupted, bit for bit."""
+    steps, extra = 4, ("--snapshot-every", "2", "--keep-batches")
+    whole, _ = _fleet(sft_dir, tmp_path, "whole", nproc=nproc, extra=extra, steps=steps)
+    root, sp = tmp_path / "ckpts", tmp_path / "spool"
+    sp.mkdir()
+    cmd = _update_cmd(sft_dir, root, sp, extra=(*extra, "--metrics", str(tmp_path / "m.jsonl")), steps=steps,
+                      nproc=nproc)
+    upd = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           text=True, env=_env(), start_new_session=True)
+    ws = [_worker(sft_dir, root, sp, i, 2, steps=steps) for i in (0, 1)]
+    try:
+        log = tmp_path / "m.jsonl"  # step 3 published and logged (its row follows its publish)
+        _wait(lambda: log.is_file() and len(log.read_text().splitlines()) == 3, timeout=300, what="step 3")
+        _kill_all(upd)
+        upd.wait(timeout=30)
+        assert [s for s, _ in snapshots.scan(root)] == [2]
+        assert sorted(f.path.name for f in spool.claimed(sp)) >= sorted(_batches(root, 3))  # kept: not covered yet
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env())
+        assert r.returncode == 0, r.stderr[-3000:]
+        for w in ws:
+            assert w.wait(timeout=60) == 0, w.stderr.read()[-2000:]
+    finally:
+        for p in (upd, *ws):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert "from its snapshot of step 2" in r.stderr and "step 3 trained again" in r.stderr
+    assert r.stderr.count("update: wrote ") == 1  # step 4 only
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in rows] == [1, 2, 3, 4]  # one row a step: step 3's is not logged twice
+    assert rows[1]["snapshot_bytes"] > 0 and "snapshot_bytes" not in rows[2]
+    trained = [f for s in range(1, steps + 1) for f in _batches(root, s)]
+    assert len(trained) == len(set(trained)) == 2 * steps
+    assert sorted(p.name for p in (sp / spool.DONE).iterdir()) == sorted(trained) and spool.claimed(sp) == []
+    assert [s for s, _ in snapshots.scan(root)] == [2, 4]
+    a, b = _weights(root, steps), _weights(whole, steps)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
 

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlkit.errors import RlkitError
+from rlkit.follow import snapshots
 from rlkit.io import follow, manifests, streams
 
 from conftest import fast_rlkit_cmd, one_error_line, rlkit_cmd, run_cli, run_cli_inproc, stage
@@ -112,6 +113,26 @@ def test_prune_keeps_the_newest(tmp_path):
     assert follow.newest(root).step == 5
 
 
+def test_keep_never_prunes_a_step_after_the_newest_snapshot_nor_that_snapshot(tmp_path):
+    """update --follow --keep 1 with its newest snapshot at step 2: steps 3 and 4 stay (a restart trains them again
+    from the batch files their manifests name), and of the snapshots only the newest does; a snapshots/ directory
+    is not a foreign entry for the workers' scan."""
+    root = tmp_path / "run"
+    root.mkdir()
+    for s in range(1, 5):
+        follow.publish(root, s, _fake_step)
+    for s in (1, 2):
+        d = root / "snapshots" / snapshots.name(s)
+        d.mkdir(parents=True)
+        (d / "resume.json").write_text("{}")
+    (root / "snapshots" / ".snapshot-000003.tmp").mkdir()  # a killed save's leftover
+    assert follow.prune(root, 1, newest=2) == [1, 2]
+    assert [s.step for s in follow.scan(root)[0]] == [3, 4]
+    assert snapshots.prune(root, 1) == [1] and [s for s, _ in snapshots.scan(root)] == [2]
+    assert snapshots.clean_stale(root) == [".snapshot-000003.tmp"]
+    assert sorted(os.listdir(root / "snapshots")) == ["snapshot-000002"]
+
+
 def test_lock_refuses_a_second_writer_and_dies_with_its_holder(tmp_path):
     root = tmp_path / "run"
     holder = subprocess.Popen(
@@ -202,7 +223,11 @@ def test_k1_pipe_resumes_without_losing_or_repeating_a_step(sft_dir, ref_dir, tm
     assert [m["step"] for m in rows] == [1, 2, 3]
     assert [s.step for s in follow.scan(root)[0]] == [1, 2, 3]  # --keep is at least --max-lag + 2
     m = manifests.read_manifest(root / "step-000003")
-    assert m["step"] == 3 and json.loads((root / "step-000003/trainer/state.json").read_text())["updates"] == 3
+    # a step is what a worker loads (weights, config, tokenizer); the optimizer is in the snapshot (every step on a
+    # stream), of which --keep leaves the newest
+    assert m["step"] == 3 and not (root / "step-000003/trainer").exists()
+    assert sorted(p.name for p in (root / "snapshots").iterdir()) == ["snapshot-000003"]
+    assert json.loads((root / "snapshots/snapshot-000003/resume.json").read_text())["trainer"]["updates"] == 3
     assert m["tracking"]["run_name"] == "k1"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -216,6 +241,25 @@ def test_k1_pipe_resumes_without_losing_or_repeating_a_step(sft_dir, ref_dir, tm
     r = _pipe(sft_dir, ref_dir, root, lag=1, steps=3, extra_rollout="--max-steps 3")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "nothing to sample" in r.stderr and "engine hf" not in r.stderr and follow.newest(root).step == 3
+
+
+@pytest.mark.slow
+def test_ppo_resumes_its_critic_from_the_snapshot(sft_dir, ref_dir, tmp_path):
+    """--algo ppo trains a critic beside the policy: it goes into each snapshot (extra/critic), not into the steps the
+    workers load, and a run of 2 steps taken on to 3 ends with the weights of 3 steps at once."""
+    ppo = "--algo ppo --beta 0 --length-penalty 0.1 --lr 1e-3"  # lengths vary: rewards, so a gradient
+    for root, steps in ((tmp_path / "resumed", 2), (tmp_path / "resumed", 3), (tmp_path / "whole", 3)):
+        r = _pipe(sft_dir, ref_dir, root, lag=0, steps=steps, extra_update=ppo)
+        assert r.returncode == 0, r.stderr[-3000:]
+        if steps == 3 and root.name == "resumed":
+            assert "critic resumed" in r.stderr and "from its snapshot of step 2" in r.stderr
+    snap = tmp_path / "resumed" / "snapshots" / "snapshot-000003"
+    assert (snap / "extra" / "critic" / "model.safetensors").is_file()
+    assert not (tmp_path / "resumed" / "step-000003" / "critic").exists()
+    a, b = (_weights(tmp_path / d / "step-000003") for d in ("resumed", "whole"))
+    assert max(float((a[k] - _weights(sft_dir)[k]).abs().max()) for k in a) > 1e-4
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
 
 
 @pytest.mark.slow
@@ -243,10 +287,13 @@ def test_sigkill_while_a_step_is_written_leaves_no_step_that_looks_complete(sft_
         follow.verify_step(s.path)
     assert not partial and [s.step for s in steps] == list(range(1, len(steps) + 1))
     left = [n for n in os.listdir(root) if n.startswith(".step-")]
+    snapped = max([len(steps), *(s for s, _ in snapshots.scan(root))])
     r = subprocess.run(upd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert ("unfinished step" in r.stderr) == bool(left)
-    assert [s.step for s in follow.scan(root)[0]] == list(range(1, len(steps) + 4))  # resumed: three more
+    # resumed from the newest snapshot (every step on a stream, saved before the step is published): the step caught
+    # in its publish is published from it, then three more
+    assert [s.step for s in follow.scan(root)[0]] == list(range(1, snapped + 4))
     assert not [n for n in os.listdir(root) if n.startswith(".step-")]
 
 
@@ -267,6 +314,10 @@ def test_follow_bad_input_one_line_each(sft_dir, ref_dir, tmp_path):
     assert "'notes.txt' is not an rlkit step directory" in one_error_line(
         run_cli_inproc("rollout", "--follow", str(junk), "--policy", str(sft_dir), "--out", str(tmp_path / "x.arrow")))
     assert (junk / "notes.txt").read_text() == "mine" and sorted(os.listdir(junk)) == ["notes.txt"]
+    # a stream cannot be read again: a snapshot of every step, or no exact resume
+    r = run_cli_inproc(*update, "--out", str(tmp_path / "k2"), "--in", str(scored), "--snapshot-every", "2")
+    assert r.returncode == 2 and "--snapshot-every 2: a stream cannot be read again" in one_error_line(r)
+    assert not (tmp_path / "k2").exists()
 
     # upstream dying mid-stream: the first full batch is a step, the partial second one is not
     cut = tmp_path / "cut.arrow"

@@ -13,7 +13,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from safetensors.torch import load_file
+
+from rlkit.follow import snapshots
 
 from .conftest import auto_dtype, device_line, on_cuda
 from conftest import run_cli
@@ -122,6 +125,17 @@ def test_a_fleet_two_gpu_workers_and_a_two_gpu_update_match_one_worker_and_one_p
     m = json.loads((two / "step-000002/rlkit.json").read_text())
     on_cuda(m, gpus=2)
     assert m["metrics"]["world_size"] == 2 and len(m["follow"]["batches"]) == 2
+    # a step is what the workers load, bf16 on a GPU whatever --dtype trains in; the fp32 masters and AdamW are in
+    # the snapshot, each rank's shards written by that rank
+    assert m["metrics"]["publish_dtype"] == "bf16" and not (two / "step-000002/trainer").exists()
     a, b = (load_file(str(d / "step-000002/model.safetensors")) for d in (one, two))
-    assert _max_diff(a, b) < 1e-4
+    assert {t.dtype for t in (*a.values(), *b.values())} == {torch.bfloat16}
+    assert _max_diff(a, b) < 2e-2  # bf16 roundings of masters equal up to float summation order
+    snap = two / "snapshots" / "snapshot-000002"
+    assert {p.name for p in snap.glob("__*_0.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
+    ma, mb = (snapshots.read_weights(d / "snapshots" / "snapshot-000002") for d in (one, two))
+    assert {t.dtype for t in ma.values()} == {torch.float32}
+    assert _max_diff(ma, mb) < 1e-4
+    pub = [ln for ln in r2.stderr.decode().splitlines() if "update: wrote" in ln]
+    print("\n" + "\n".join(pub))  # publish (and snapshot) seconds and bytes a step, as `make gpu-checks` shows them
     shutil.rmtree(sp)

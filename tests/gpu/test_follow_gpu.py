@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from safetensors.torch import load_file
 
 from .conftest import bash, device_line, metrics_rows, on_cuda
 from conftest import rlkit_cmd
@@ -45,6 +46,16 @@ def test_follow_pipe_on_one_gpu(vllm_ok, cuda_sft, cuda_ref, lag, tmp_path):
     assert max(u["lag_max"] for u in rows) <= lag
     # the live engine took the new weights between batches (batch b waits for step >= b - lag)
     assert err.count("weights reloaded") >= STEPS - 1 - lag
+    # each step is the weights vLLM serves, bf16 (2 bytes a parameter), taken in place in that dtype; the fp32 masters
+    # and AdamW go into the snapshot (every step: the input is a stream)
+    for s in steps:
+        assert json.loads((root / s / "config.json").read_text())["dtype"] == "bfloat16"
+        assert not (root / s / "trainer").exists()
+    n = sum(p.numel() for p in load_file(str(sft / "model.safetensors")).values())
+    assert all(u["publish_dtype"] == "bf16" and u["publish_bytes"] < 2.2 * n for u in rows)
+    assert all(u["snapshot_bytes"] > 5 * u["publish_bytes"] for u in rows)  # fp32 weights and two moments: 12 B/param
+    reloads = [ln for ln in err.splitlines() if "weights reloaded in" in ln or "update: wrote" in ln]
+    print("\n" + "\n".join(reloads))  # publish, snapshot and reload seconds, as `make gpu-checks` shows them
 
     assert "stays awake" not in err  # what rollout says where sleep mode is unavailable (vLLM's CPU backend)
     if lag == 0:

@@ -61,10 +61,31 @@ def test_a_killed_updates_claims_are_disposed_of_or_put_back(tmp_path):
             (tmp_path / spool.CLAIMED / spool.batch_name(b, i, 2, 10 + b)).write_bytes(b"")
     spool.mark_update_end(tmp_path, 11)
     src = SpoolSource(tmp_path, base_step=10, timeout=1, keep=True)
-    assert src.recover(12) == (2, 2)
+    assert src.recover(12) == (2, 0, 2)
     assert [f.path.name for f in spool.scan(tmp_path)] == [spool.batch_name(2, i, 2, 12) for i in (0, 1)]
     assert sorted(p.name for p in (tmp_path / spool.DONE).iterdir()) == [spool.batch_name(1, i, 2, 11) for i in (0, 1)]
     assert spool.update_ended(tmp_path) is None  # a running update again
+
+
+def test_claims_wait_for_the_snapshot_that_covers_them(tmp_path):
+    """Resumed from the snapshot of step 12 of a run based at step 10: batches 0 and 1 are covered (disposed of);
+    step 13, published after the snapshot, trained on batch 2's files (they stay claimed, to train it again, and are
+    what step 13 takes again); batch 3 was claimed but not trained (put back). A snapshot of step 13 then covers
+    batch 2."""
+    (tmp_path / spool.CLAIMED).mkdir()
+    for b in (1, 2, 3):
+        for i in (0, 1):
+            (tmp_path / spool.CLAIMED / spool.batch_name(b, i, 2, 10 + b)).write_bytes(b"")
+    again = [spool.batch_name(2, i, 2, 12) for i in (0, 1)]
+    src = SpoolSource(tmp_path, base_step=10, timeout=1, keep=True)
+    assert src.recover(12, {13: again}) == (2, 2, 2)
+    assert [f.path.name for f in spool.claimed(tmp_path)] == again
+    assert [f.path.name for f in spool.scan(tmp_path)] == [spool.batch_name(3, i, 2, 13) for i in (0, 1)]
+    src.covered(12)  # covers batches 0 and 1 only
+    assert [f.path.name for f in spool.claimed(tmp_path)] == again
+    src.covered(13)
+    assert spool.claimed(tmp_path) == [] and sorted(p.name for p in (tmp_path / spool.DONE).iterdir()) == sorted(
+        [spool.batch_name(1, i, 2, 11) for i in (0, 1)] + again)
 
 
 def test_the_writer_publishes_each_batch_whole_and_skips_one_written_before(tmp_path):
@@ -143,7 +164,7 @@ def test_a_slow_worker_that_beats_is_waited_for_and_a_silent_one_is_not(tmp_path
         th.join()
         assert time.monotonic() - t0 > 3.0 and got.note == ""
         assert [f.worker for f in got.files] == [0, 1] and got.table.column("group_id").to_pylist() == [0, 0, 1, 1]
-        src.trained(got)
+        src.covered(1)  # a snapshot of step 1: batch 0 is disposed of
         w0.write(_rows([2], step=1))
         got = src.next(1)  # worker 1 is gone: its lock's mtime stands still
         assert [f.worker for f in got.files] == [0]
