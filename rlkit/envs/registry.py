@@ -18,7 +18,8 @@ from rlkit.tasks.base import DEFAULT_MAX_NEW_TOKENS, TaskBase, check_split
 from rlkit.tasks.user import as_example
 
 ENVS: dict[str, str] = {"calc": "rlkit.envs.calc:CalcEnv", "guess": "rlkit.envs.guess:GuessNumber",
-                        "textarena": "rlkit.envs.textarena:TextArena", "openenv": "rlkit.envs.openenv:OpenEnv"}
+                        "textarena": "rlkit.envs.textarena:TextArena", "openenv": "rlkit.envs.openenv:OpenEnv",
+                        "code-feedback": "rlkit.envs.code_feedback:CodeFeedbackEnv"}
 ENTRY_POINT_GROUP = "rlkit.envs"
 
 
