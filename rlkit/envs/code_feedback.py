@@ -11,7 +11,7 @@ hidden. After each program:
 - it does not compile: the observation is the SyntaxError (its last lines), and the model tries again;
 - a visible test fails: the observation is that test as a programmer would see it, the first failing one, in
   order: its input (the call, the expression, the assertion or stdin), the expected and the actual output, or
-  the error's last traceback lines (`FEEDBACK_TB_LINES`), and the model tries again;
+  the error's traceback, its last `FEEDBACK_TB_FRAMES` frames in the program, and the model tries again;
 - every visible test passes, or this was attempt `attempts`: the episode ends, and the reward is the code task's
   on the final program against all tests, visible and hidden (`reward=all`: 1.0 when every test passes;
   `reward=fraction`: the share passed), times `discount` ** (attempts used - 1) (default 1: no discount).
@@ -50,7 +50,7 @@ from rlkit.tasks.code import Code, chain_program, extract_program
 
 FEEDBACK_CHARS = 1000  # an observation's length at most (then cut, with "...")
 FEEDBACK_VALUE_CHARS = 200  # one shown value (an input, an expected or actual output) at most
-FEEDBACK_TB_LINES = 4  # the last lines of an error's traceback shown (its frames in the program, and the error)
+FEEDBACK_TB_FRAMES = 2  # an error's traceback is shown with its last frames in the program (and the error)
 STOP = "\n"  # the generated task's model turn: one line
 
 # The feedback run, inside the sandbox (`python -I -S -c RUNNER`, under the code task's limits): the program against
@@ -64,13 +64,13 @@ res = os.dup(1)
 null = os.open(os.devnull, os.O_RDWR)
 for fd in (0, 1, 2):
     os.dup2(null, fd)
-write, dumps, cap, keep = os.write, json.dumps, job["cap"], job["tb_lines"]
+write, dumps, cap, keep = os.write, json.dumps, job["cap"], job["tb_frames"]
 def emit(obj):
     write(res, (dumps(obj) + "\n").encode())
 def tail(e):
-    frames = [f for f in traceback.extract_tb(e.__traceback__)[-50:] if f.filename in ("main.py", "<test>")]
+    frames = [f for f in traceback.extract_tb(e.__traceback__)[-50:] if f.filename in ("main.py", "<test>")][-keep:]
     lines = "".join(traceback.format_list(frames) + traceback.format_exception_only(type(e), e)).splitlines()
-    lines = [ln for ln in lines if ln.strip()][-keep:]
+    lines = [ln for ln in lines if ln.strip() and not set(ln.strip()) <= set("~^")]  # no caret lines
     return "\n".join(["Traceback (most recent call last):"] * bool(frames) + lines)[:4 * cap]
 src = job["program"]
 linecache.cache["main.py"] = (len(src), None, src.splitlines(True), "main.py")
@@ -179,7 +179,10 @@ def feedback_text(case, fn_name: str | None, result: dict) -> str:
     got = _cut(str(result.get("stdout", "")).rstrip("\n")) if case.kind == "stdio" else _cut(str(result.get("repr")))
     if case.kind == "stdio":
         return _fit(f"{head}Expected output:\n{_shown(case, case.expected)}\nGot:\n{got}\n")
-    return _fit(f"{head}Expected: {_shown(case, case.expected)}\nGot: {got}\n")
+    expected = case.expected  # APPS wraps a return value in a list: shown bare beside a value that is not a list
+    if type(expected) is list and len(expected) == 1 and type(result.get("value")) is not list:
+        expected = expected[0]
+    return _fit(f"{head}Expected: {_shown(case, expected)}\nGot: {got}\n")
 
 
 def syntax_feedback(error: str) -> str:
@@ -217,7 +220,7 @@ def first_failure(sb, program: str, cases: Sequence, fn_name: str | None) -> str
     lim = sb.limits
     cap = FEEDBACK_VALUE_CHARS
     mode = "stdio" if cases and all(c.kind == "stdio" for c in cases) else "fn"
-    payload = {"program": program, "mode": mode, "fn_name": fn_name, "cap": cap, "tb_lines": FEEDBACK_TB_LINES,
+    payload = {"program": program, "mode": mode, "fn_name": fn_name, "cap": cap, "tb_frames": FEEDBACK_TB_FRAMES,
                "cases": [c.input for c in cases] if mode == "stdio" else [[c.kind, c.input] for c in cases]}
     sb.check()
     p = spawn(sb, [python(), "-I", "-S", "-X", "utf8", "-c", RUNNER])
