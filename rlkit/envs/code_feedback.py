@@ -52,6 +52,7 @@ FEEDBACK_CHARS = 1000  # an observation's length at most (then cut, with "...")
 FEEDBACK_VALUE_CHARS = 200  # one shown value (an input, an expected or actual output) at most
 FEEDBACK_TB_FRAMES = 2  # an error's traceback is shown with its last frames in the program (and the error)
 STOP = "\n"  # the generated task's model turn: one line
+SANDBOX_MB = 10  # a sandboxed run's resident memory, Python and the feedback runner (max RSS measured: 10.3 MB)
 
 # The feedback run, inside the sandbox (`python -I -S -c RUNNER`, under the code task's limits): the program against
 # the visible tests only, in order, to the first that errs; one JSON line per test on a private descriptor, with what
@@ -276,6 +277,18 @@ class CodeFeedbackEnv:
         if name == "max_turns" and options.get("attempts"):
             return int(options["attempts"])
         return None
+
+    @classmethod
+    def resources(cls, options: dict, trajectories: int, env_workers: int) -> list[str]:
+        """What a rollout of `trajectories` trajectories holds beside the GPU (`rlkit plan rollout --env code-feedback`):
+        a sandbox per program run, alive while it runs, at most one per environment call running."""
+        at_once = min(trajectories, env_workers)
+        memory, attempts = int(options.get("memory", 1024)), int(options.get("attempts", 3))
+        return [f"up to {at_once:,} sandboxed programs at once (one per --env-workers call running; a sandbox lives "
+                f"while its program runs), about {SANDBOX_MB} MB of host memory each for Python itself "
+                f"({at_once * SANDBOX_MB / 1024:.1f} GiB), each process up to {memory:,} MB of address space",
+                f"up to {attempts} programs a trajectory, 1-2 sandboxed runs each (the visible tests; all tests at "
+                f"the last), each using up to a CPU core: size --env-workers to the host's cores"]
 
     def __init__(self, attempts: int = 3, visible: int = 2, reward: str = "all", discount: float = 1.0,
                  messages: bool = False, data: str = "", question: str = "question", tests: str = "",

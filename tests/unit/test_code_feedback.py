@@ -119,6 +119,9 @@ def test_options_attempts_discount_messages_and_bad_ones_in_one_line():
     data = get_env("code-feedback:data=sample")
     assert not data.attribute("stop") and data.attribute("max_new_tokens") == 512
     assert len(list(data.make().iter_examples("heldout", 0))) >= 1
+    lines = spec.factory.resources(spec.options, 64 * 8, 16)  # what `rlkit plan rollout --env code-feedback` says
+    assert lines[0].startswith("up to 16 sandboxed programs at once") and "1,024 MB of address space" in lines[0]
+    assert lines[1].startswith("up to 4 programs a trajectory")
     for bad, words in (("attempts=0", "attempts=0: expected 1 <= attempts <= 20"),
                        ("discount=2", "discount=2: expected 0 < discount <= 1"), ("ops=x", "ops='x'"),
                        ("reward=best", "reward=best: expected all or fraction")):
