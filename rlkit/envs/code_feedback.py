@@ -287,8 +287,8 @@ class CodeFeedbackEnv:
         return [f"up to {at_once:,} sandboxed programs at once (one per --env-workers call running; a sandbox lives "
                 f"while its program runs), about {SANDBOX_MB} MB of host memory each for Python itself "
                 f"({at_once * SANDBOX_MB / 1024:.1f} GiB), each process up to {memory:,} MB of address space",
-                f"up to {attempts} programs a trajectory, 1-2 sandboxed runs each (the visible tests; all tests at "
-                f"the last), each using up to a CPU core: size --env-workers to the host's cores"]
+                f"up to {attempts} programs a trajectory: a sandboxed run of the visible tests for each but the "
+                f"last, and one of all the tests for the final program; each run uses up to a CPU core: size --env-workers to the host's cores"]
 
     def __init__(self, attempts: int = 3, visible: int = 2, reward: str = "all", discount: float = 1.0,
                  messages: bool = False, data: str = "", question: str = "question", tests: str = "",
@@ -325,8 +325,8 @@ class CodeFeedbackEnv:
         self.turn += 1
         program = extract_program(action)
         shown, _ = split_tests(self.suite, self.visible)
-        note = first_failure(self.sandbox, program, shown, self.suite.fn_name)
-        if note is not None and self.turn < self.attempts:
+        note = first_failure(self.sandbox, program, shown, self.suite.fn_name) if self.turn < self.attempts else None
+        if note is not None:  # the last attempt gets no feedback: only its reward's run
             if self.messages:
                 return Step([{"role": "user", "content": note}], 0.0)
             return Step(("" if action.endswith("\n") else "\n") + note, 0.0)
