@@ -46,7 +46,7 @@ from functools import cached_property
 from rlkit.envs.base import Step, on_cancel
 from rlkit.errors import RlkitError
 from rlkit.tasks.base import Example, Scores, TaskBase, Transcript, check, span
-from rlkit.tasks.code import Code, chain_program, extract_program
+from rlkit.tasks.code import Code, chain_program, extract_program, parse_tests
 
 FEEDBACK_CHARS = 1000  # an observation's length at most (then cut, with "...")
 FEEDBACK_VALUE_CHARS = 200  # one shown value (an input, an expected or actual output) at most
@@ -212,11 +212,42 @@ def split_tests(suite, visible: int):
     return suite.cases[:v], suite.cases[v:]
 
 
+def _exchange(p, data: bytes, deadline: float, cap: int) -> tuple[bytes, bool]:
+    """Write `data` to p's stdin (from a thread: the runner reads it whole first), read its stdout up to `cap` bytes
+    until it closes or the deadline passes; (stdout, timed out). stderr is not read (the runner writes none)."""
+    import os
+    import selectors
+    import threading
+
+    def feed():
+        try:
+            p.stdin.write(data)
+            p.stdin.close()
+        except (OSError, ValueError):
+            pass
+
+    threading.Thread(target=feed, daemon=True).start()
+    out = bytearray()
+    fd = p.stdout.fileno()
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while len(out) < cap:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return bytes(out), True
+            if not sel.select(left):
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            out += chunk
+    return bytes(out[:cap]), False
+
+
 def first_failure(sb, program: str, cases: Sequence, fn_name: str | None) -> str | None:
     """Run `program` against the visible `cases` in the sandbox `sb` (one sandbox, the code task's limits): the
     feedback on its syntax error or its first failing case, or None when it compiles and every case passes."""
     from rlkit.sandbox.process import kill, python, spawn
-    from rlkit.sandbox.programs import _communicate
 
     lim = sb.limits
     cap = FEEDBACK_VALUE_CHARS
@@ -227,8 +258,8 @@ def first_failure(sb, program: str, cases: Sequence, fn_name: str | None) -> str
     p = spawn(sb, [python(), "-I", "-S", "-X", "utf8", "-c", RUNNER])
     try:
         with on_cancel(lambda: kill(p)):
-            out, _, timed_out = _communicate(p, marshal.dumps(payload), time.monotonic() + lim.wall_s,
-                                             (len(cases) + 2) * (8 * cap + 256) + 4096)
+            out, timed_out = _exchange(p, marshal.dumps(payload), time.monotonic() + lim.wall_s,
+                                       (len(cases) + 2) * (8 * cap + 256) + 4096)
     finally:
         kill(p)
     lines = []
@@ -315,7 +346,11 @@ class CodeFeedbackEnv:
         return self.task.iter_examples(split, seed, unique)
 
     def reset(self, example):
-        self.suite = self.task._suite(example.answer)
+        try:
+            self.suite = parse_tests(example.answer)
+        except ValueError as e:
+            raise RlkitError(f"environment code-feedback: the example's tests {example.answer[:80]!r} are not a test "
+                             f"set: {e}") from None
         self.turn = 0
         return [{"role": "user", "content": example.prompt}] if self.messages else example.prompt
 
@@ -429,11 +464,11 @@ class CodeFeedback(TaskBase):
     def completion(self, ex: Example) -> Transcript:
         """The SFT target: for a `fix` share of the prompts (fixed per prompt) a wrong program, the environment's
         feedback on its first failing visible test, and the right program; else the right program alone."""
-        right = self._code._solution_of_prompt(ex.prompt)
+        right = self._code.completion(ex)
         rng = random.Random(f"code-feedback|{ex.prompt}")
         if rng.random() >= self.fix:
             return Transcript.turns(right + STOP)
-        suite = self._code._suite(ex.answer)
+        suite = parse_tests(ex.answer)
         shown, _ = split_tests(suite, self.visible)
         chain = [(part[0], int(part[1:])) for part in ex.prompt.removeprefix("# f(x): ").strip().split(", ")]
         for wrong in _wrong_programs(chain, self.max_constant, rng):
