@@ -50,6 +50,7 @@ from rlkit.tasks.code import Code, chain_program, extract_program, parse_tests
 
 FEEDBACK_CHARS = 1000  # an observation's length at most (then cut, with "...")
 FEEDBACK_VALUE_CHARS = 200  # one shown value (an input, an expected or actual output) at most
+JUDGED_CHARS = 1 << 20  # a visible test's output (stdout, a value as JSON) compared at most: longer is wrong
 FEEDBACK_TB_FRAMES = 2  # an error's traceback is shown with its last frames in the program (and the error)
 STOP = "\n"  # the generated task's model turn: one line
 SANDBOX_MB = 10  # a sandboxed run's resident memory, Python and the feedback runner (max RSS measured: 10.3 MB)
@@ -65,7 +66,7 @@ res = os.dup(1)
 null = os.open(os.devnull, os.O_RDWR)
 for fd in (0, 1, 2):
     os.dup2(null, fd)
-write, dumps, cap, keep = os.write, json.dumps, job["cap"], job["tb_frames"]
+write, dumps, cap, keep, big = os.write, json.dumps, job["cap"], job["tb_frames"], job["judged"]
 def emit(obj):
     write(res, (dumps(obj) + "\n").encode())
 def tail(e):
@@ -93,7 +94,7 @@ if job["mode"] == "stdio":
                 err = "SystemExit: %r" % (e.code,)
         except BaseException as e:
             err = tail(e)
-        r = {"i": i, "stdout": out.getvalue()[:cap + 1]}
+        r = {"i": i, "stdout": out.getvalue()[:big + 1]}
         if err:
             r["error"] = err
         emit(r)
@@ -127,7 +128,9 @@ else:
             break
         r = {"i": i, "repr": repr(v)[:cap + 1]}
         try:
-            r["value"] = json.loads(dumps(v))
+            text = dumps(v)
+            if len(text) <= big:
+                r["value"] = json.loads(text)
         except Exception:
             pass
         emit(r)
@@ -142,7 +145,7 @@ def _cut(text: str, n: int = FEEDBACK_VALUE_CHARS) -> str:
     return text if len(text) <= n else text[:n] + "..."
 
 
-def test_line(case, fn_name: str | None) -> str:
+def shown_test(case, fn_name: str | None) -> str:
     """A test as the feedback names it: the call `f(2)`, the expression or assertion, or its stdin."""
     if case.kind == "call":
         args = case.input if isinstance(case.input, list) else [case.input]
@@ -168,7 +171,7 @@ def feedback_text(case, fn_name: str | None, result: dict) -> str:
         Expected: 7
         Got: 8
     """
-    head = f"Failed test: {test_line(case, fn_name)}\n"
+    head = f"Failed test: {shown_test(case, fn_name)}\n"
     if "error" in result:
         return _fit(head + str(result["error"]) + "\n")
     if "timeout" in result:
@@ -253,13 +256,14 @@ def first_failure(sb, program: str, cases: Sequence, fn_name: str | None) -> str
     cap = FEEDBACK_VALUE_CHARS
     mode = "stdio" if cases and all(c.kind == "stdio" for c in cases) else "fn"
     payload = {"program": program, "mode": mode, "fn_name": fn_name, "cap": cap, "tb_frames": FEEDBACK_TB_FRAMES,
+               "judged": JUDGED_CHARS,
                "cases": [c.input for c in cases] if mode == "stdio" else [[c.kind, c.input] for c in cases]}
     sb.check()
     p = spawn(sb, [python(), "-I", "-S", "-X", "utf8", "-c", RUNNER])
     try:
         with on_cancel(lambda: kill(p)):
             out, timed_out = _exchange(p, marshal.dumps(payload), time.monotonic() + lim.wall_s,
-                                       (len(cases) + 2) * (8 * cap + 256) + 4096)
+                                       (len(cases) + 2) * (6 * JUDGED_CHARS + 8 * cap + 256))
     finally:
         kill(p)
     lines = []

@@ -74,6 +74,14 @@ def test_a_program_that_passes_the_visible_tests_ends_the_episode_and_the_hidden
     env.reset(_ex(tests))
     st = env.step("def add(a, b):\n    return 3 if a == 1 else 10\n")  # visible ones pass, the hidden one fails
     assert st.terminated and st.observation is None and st.reward == 0.0 and env.turn == 1
+    long = {"inputs": ["300\n", "400\n", "5\n"], "outputs": ["\n".join(map(str, range(n))) for n in (300, 400, 6)]}
+    env.reset(_ex(long))  # a long right output is judged whole (the feedback shows at most 200 characters)
+    st = env.step("for i in range(int(input())):\n    print(i)\n")  # visible ones pass; the hidden test: 5 lines, not 6
+    assert st.terminated and st.observation is None and st.reward == 0.0
+    env.reset(_ex(long))
+    st = env.step("for i in range(int(input())):\n    print(i + 1)\n")
+    assert st.observation.startswith("Failed test: input:\n300\nExpected output:\n0\n1\n2\n")
+    assert st.observation.count("...") == 2 and len(st.observation) < 500
     frac = _env("code-feedback:reward=fraction")
     frac.reset(_ex(tests))
     assert frac.step("def add(a, b):\n    return 3 if a == 1 else 10\n").reward == pytest.approx(2 / 3)
