@@ -293,6 +293,21 @@ def first_failure(sb, program: str, cases: Sequence, fn_name: str | None) -> str
 # The environment
 
 
+def _problems(attempts: int = 3, visible: int = 2, reward: str = "all", discount: float = 1.0,
+              messages: bool = False, data: str = "", question: str = "question", tests: str = "",  # noqa: ARG001
+              heldout: float = 0.1, ops: str = "2-3", max: int = 9, timeout: float = 10.0,  # noqa: A002
+              memory: int = 1024) -> Code:
+    """The code task whose problems `CodeFeedbackEnv` poses, its options checked (one line for a bad one)."""
+    check("environment code-feedback", (1 <= attempts <= 20, f"attempts={attempts}", "1 <= attempts <= 20"),
+          (visible >= 0, f"visible={visible}", "visible >= 0 (tests shown as feedback)"),
+          (0 < discount <= 1, f"discount={discount:g}", "0 < discount <= 1"))
+    try:
+        lo, hi = span(ops)
+    except ValueError:
+        raise RlkitError(f"environment code-feedback: ops={ops!r}: expected LO-HI (integers)") from None
+    return Code(data or None, question, tests or None, None, heldout, reward, timeout, memory, lo, hi, max).checked()
+
+
 class CodeFeedbackEnv:
     """`--env code-feedback`: write a program; on failure read the first failing visible test (or the error) and
     try again, up to `attempts` programs; reward: the final program's on all tests (see the module docstring)."""
@@ -323,7 +338,13 @@ class CodeFeedbackEnv:
                 f"while its program runs), about {SANDBOX_MB} MB of host memory each for Python itself "
                 f"({at_once * SANDBOX_MB / 1024:.1f} GiB), each process up to {memory:,} MB of address space",
                 f"up to {attempts} programs a trajectory: a sandboxed run of the visible tests for each but the "
-                f"last, and one of all the tests for the final program; each run uses up to a CPU core: size --env-workers to the host's cores"]
+                f"last, and one of all the tests for the final program; each run uses up to a CPU core: size "
+                "--env-workers to the host's cores"]
+
+    @staticmethod
+    def check_options(options: dict) -> None:
+        """The options checked when the spec is read, before any model loads (one line for a bad one)."""
+        _problems(**{k: v for k, v in options.items() if k != "sandbox"})
 
     def __init__(self, attempts: int = 3, visible: int = 2, reward: str = "all", discount: float = 1.0,
                  messages: bool = False, data: str = "", question: str = "question", tests: str = "",
@@ -331,18 +352,13 @@ class CodeFeedbackEnv:
                  memory: int = 1024, sandbox: str = "bwrap") -> None:
         from rlkit.sandbox import Sandbox
 
-        check("environment code-feedback", (1 <= attempts <= 20, f"attempts={attempts}", "1 <= attempts <= 20"),
-              (visible >= 0, f"visible={visible}", "visible >= 0 (tests shown as feedback)"),
-              (0 < discount <= 1, f"discount={discount:g}", "0 < discount <= 1"),
-              (sandbox in ("bwrap", "none"), f"sandbox={sandbox}", "bwrap or none"))
-        try:
-            lo, hi = span(ops)
-        except ValueError:
-            raise RlkitError(f"environment code-feedback: ops={ops!r}: expected LO-HI (integers)") from None
-        self.task = Code(data or None, question, tests or None, None, heldout, reward, timeout, memory, lo, hi,
-                         max).checked()
+        self.task = _problems(attempts, visible, reward, discount, messages, data, question, tests, heldout, ops, max,
+                              timeout, memory)
+        if sandbox not in ("bwrap", "none"):
+            raise RlkitError(f"environment code-feedback: sandbox={sandbox}: expected bwrap or none")
         self.attempts, self.visible, self.discount, self.messages = attempts, visible, discount, messages
         self.sandbox = Sandbox(sandbox, limits=self.task.limits())
+        self.sandbox.check()  # once a process: no bubblewrap is one line before any sampling
         self.suite = None
         self.turn = 0
 

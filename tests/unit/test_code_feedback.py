@@ -134,7 +134,7 @@ def test_options_attempts_discount_messages_and_bad_ones_in_one_line():
                        ("discount=2", "discount=2: expected 0 < discount <= 1"), ("ops=x", "ops='x'"),
                        ("reward=best", "reward=best: expected all or fraction")):
         with pytest.raises(RlkitError, match=words):
-            get_env(f"code-feedback:{bad}").make()
+            get_env(f"code-feedback:{bad}")  # when the spec is read, before any model loads
 
 
 def test_programs_of_different_trajectories_run_at_once():
