@@ -40,7 +40,7 @@ evaluate() {
   done
 }
 
-timed sft rlkit sft --model "$MODEL" --task "code-feedback:attempts=$ATTEMPTS,visible=$VISIBLE,fix=$FIX" "${sb[@]}" \
+timed sft rlkit sft --model "$MODEL" --task "code-feedback:visible=$VISIBLE,fix=$FIX" "${sb[@]}" \
   --num-examples "$SFT_EXAMPLES" --eval-num 50 --seed "$SEED" --out "$RUNS/sft"
 timed freeze-ref rlkit freeze-ref --policy "$RUNS/sft" --out "$RUNS/ref" --dtype bf16
 evaluate "$RUNS/sft" sft

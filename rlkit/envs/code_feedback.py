@@ -26,7 +26,7 @@ at eos (512 tokens).
 Every program runs in its own sandbox (`--sandbox`, bwrap unless `none`), with the code task's limits; the calls of
 different trajectories run at once (`--env-workers` threads; nothing here holds a lock while a program runs).
 
-`--task code-feedback[:attempts=3,visible=2,fix=0.5,ops=2-3,max=9,heldout=0.1]` (`CodeFeedback`) has the generated
+`--task code-feedback[:visible=2,fix=0.5,ops=2-3,max=9,heldout=0.1]` (`CodeFeedback`) has the generated
 code task's prompts and split, and as SFT target a `fix` share (fixed per prompt) of transcripts with a wrong first
 program, the environment's feedback on it (masked from the loss) and the right program, exactly as a rollout
 against `CodeFeedbackEnv` tokenises them (no chat template); the others write the right program at once. As a
@@ -425,14 +425,14 @@ def _value(program: str, x: int) -> int:
 @dataclass(frozen=True)
 class CodeFeedback(TaskBase):
     """`--task code-feedback`: the generated code task's prompts with repair transcripts as SFT targets (see the
-    module docstring). Knobs: `attempts`, `visible` as the environment's; `fix` the share of transcripts with a
-    wrong first program; `ops`, `max`, `heldout`, `timeout`, `memory` as the code task's."""
+    module docstring). Knobs: `visible` as the environment's; `fix` the share of transcripts with a wrong first
+    program (two attempts: they fit any `attempts` of 2 or more); `ops`, `max`, `heldout`, `timeout`, `memory` as
+    the code task's."""
 
     name = "code-feedback"
     runs_code = True
     widen = "widen the task (ops=, max=)"
 
-    attempts: int = 3
     visible: int = 2
     fix: float = 0.5
     heldout_fraction: float = 0.1
@@ -441,14 +441,13 @@ class CodeFeedback(TaskBase):
     max_constant: int = 9
     timeout_s: float = 10.0
     memory_mb: int = 1024
-    OPTIONS = {"attempts": ("attempts", int, "N"), "visible": ("visible", int, "N"), "fix": ("fix", float, "F"),
+    OPTIONS = {"visible": ("visible", int, "N"), "fix": ("fix", float, "F"),
                "heldout": ("heldout_fraction", float, "F"), "ops": (("min_ops", "max_ops"), span, "LO-HI"),
                "max": ("max_constant", int, "N"), "timeout": ("timeout_s", float, "S"),
                "memory": ("memory_mb", int, "MB")}
 
     def checked(self) -> CodeFeedback:
-        check("--task code-feedback", (2 <= self.attempts <= 20, f"attempts={self.attempts}", "2 <= attempts <= 20"),
-              (1 <= self.visible, f"visible={self.visible}", "visible >= 1 (the feedback needs a visible test)"),
+        check("--task code-feedback", (1 <= self.visible, f"visible={self.visible}", "visible >= 1 (the feedback needs a visible test)"),
               (0 <= self.fix <= 1, f"fix={self.fix:g}", "0 <= fix <= 1"))
         self.code.checked()
         return self
@@ -460,7 +459,7 @@ class CodeFeedback(TaskBase):
 
     @property
     def spec(self) -> str:
-        return (f"code-feedback:attempts={self.attempts},visible={self.visible},fix={self.fix},"
+        return (f"code-feedback:visible={self.visible},fix={self.fix},"
                 + self.code.spec.removeprefix("code:").replace(",reward=all", ""))
 
     @property

@@ -234,7 +234,7 @@ def test_every_recipe_runs_scaled_down(recipe, tmp_path, request):
         assert "tool calls/answer" in out and "after RL (1 rounds)" in out
     if recipe == "code-agent.sh":  # sft on repair transcripts; feedback RL and single-turn RL at equal samples
         sft = json.loads((runs / "sft" / "rlkit.json").read_text())
-        assert sft["config"]["task"].startswith("code-feedback:attempts=3,visible=2,fix=0.5,ops=2-3")
+        assert sft["config"]["task"].startswith("code-feedback:visible=2,fix=0.5,ops=2-3")
         rows = [json.loads(x) for x in (runs / "metrics.jsonl").read_text().splitlines()]
         assert [r["sequences"] for r in rows if r["stage"] == "update"] == [8 * 2, 8 * 2]
         out = r.stdout.decode()
