@@ -15,6 +15,7 @@
 # Knobs (environment), defaults in brackets:
 #   RUNS [runs/code-agent]  SEED [0]  MODEL [tiny]  SFT_EXAMPLES [12000]  FIX [0.5]  EVAL_NUM [200]
 #   ATTEMPTS [3]  VISIBLE [2] tests shown as feedback (of 7)  ROUNDS [3]  PROMPTS [128]  N [8]  ALGO [grpo]
+#   DISCOUNT [1] the feedback run's reward for a fix at attempt a is DISCOUNT**(a-1) (evals: pass or fail)
 #   LR [1e-4]  EPOCHS [2]  MINIBATCH [128]  BETA [0.01]  KL [k3+]  TEMPERATURE [1.0]  SANDBOX [bwrap]
 #   ENV_WORKERS [CPU count] programs run at once (trajectories' environment calls)
 # A rerun skips every stage whose output is up to date with its inputs and settings.
@@ -24,7 +25,7 @@ set -euo pipefail
 
 defaults RUNS=runs/code-agent SEED=0 MODEL=tiny SFT_EXAMPLES=12000 FIX=0.5 EVAL_NUM=200 ATTEMPTS=3 VISIBLE=2
 defaults ROUNDS=3 PROMPTS=128 N=8 ALGO=grpo LR=1e-4 EPOCHS=2 MINIBATCH=128 BETA=0.01 KL=k3+ TEMPERATURE=1.0
-defaults SANDBOX=bwrap ENV_WORKERS="$(nproc)"
+defaults SANDBOX=bwrap ENV_WORKERS="$(nproc)" DISCOUNT=1
 ENV="code-feedback:visible=$VISIBLE"
 sb=(--sandbox "$SANDBOX")
 
@@ -49,7 +50,7 @@ evaluate "$RUNS/sft" sft
 run() {
   local arm=$1 attempts=$2 i out t0 policy="$RUNS/sft"
   mkdir -p "$RUNS/$arm"
-  knobs="env=$ENV attempts=$attempts sandbox=$SANDBOX prompts=$PROMPTS n=$N algo=$ALGO lr=$LR epochs=$EPOCHS mb=$MINIBATCH beta=$BETA kl=$KL temp=$TEMPERATURE seed=$SEED"
+  knobs="env=$ENV attempts=$attempts discount=$DISCOUNT sandbox=$SANDBOX prompts=$PROMPTS n=$N algo=$ALGO lr=$LR epochs=$EPOCHS mb=$MINIBATCH beta=$BETA kl=$KL temp=$TEMPERATURE seed=$SEED"
   for i in $(seq 1 "$ROUNDS"); do
     out="$RUNS/$arm/round-$i"
     if up_to_date "$out"; then
@@ -57,7 +58,7 @@ run() {
     else
       rm -f "$out.knobs" "$RUNS/eval-$arm-a1.json"
       t0=$(now)
-      rlkit rollout --policy "$policy" --env "$ENV,attempts=$attempts" --max-turns "$attempts" "${sb[@]}" \
+      rlkit rollout --policy "$policy" --env "$ENV,attempts=$attempts,discount=$DISCOUNT" --max-turns "$attempts" "${sb[@]}" \
           --env-workers "$ENV_WORKERS" --num-prompts "$PROMPTS" --n "$N" --temperature "$TEMPERATURE" \
           --seed "$((SEED * 1000 + i))" \
         | rlkit score-ref --ref "$RUNS/ref" \
