@@ -12,6 +12,9 @@
 #   -> greedy held-out evals of the SFT checkpoint and of each run's final policy: pass at attempt 1, pass at
 #   attempt ATTEMPTS (the held-out problems, with the feedback), and the share of attempt-1 failures repaired.
 # Every program runs against its tests in its own bubblewrap sandbox (SANDBOX=none: a plain subprocess, UNSAFE).
+# At the defaults (2 shared CPU cores, ~25-40 min): SEED 0 SFT 66.5% at attempt 1 / 69.5% at attempt 3, feedback RL
+# 73.5% / 76.0%, single-turn RL 77.0% / 80.0%; SEED 1 87.0 / 88.5, 88.0 / 90.0, 92.5 / 94.0. Feedback RL does not
+# beat single-turn RL on pass at attempt 3 at this size (DISCOUNT=0.5: 77.5% and 91.0%); docs/benchmarks.md.
 # Knobs (environment), defaults in brackets:
 #   RUNS [runs/code-agent]  SEED [0]  MODEL [tiny]  SFT_EXAMPLES [12000]  FIX [0.5]  EVAL_NUM [200]
 #   ATTEMPTS [3]  VISIBLE [2] tests shown as feedback (of 7)  ROUNDS [3]  PROMPTS [128]  N [8]  ALGO [grpo]
