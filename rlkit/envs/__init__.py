@@ -11,6 +11,8 @@ Python functions into a tool-calling environment; docs/environments.md has the w
 Built in:
   calc       multi-digit products with a `calc` tool (rlkit.envs.calc)
   guess      guess the number with higher/lower feedback (rlkit.envs.guess)
+  code-feedback  the code task, a program a turn, a failing visible test's output as feedback, up to `attempts`
+             programs (rlkit.envs.code_feedback)
   textarena  textarena's single-player games, `textarena:game=ID` (extra rlkit[textarena]; rlkit.envs.textarena)
   openenv    an OpenEnv server over its WebSocket protocol, `openenv:url=ws://...` (extra rlkit[openenv];
              rlkit.envs.openenv)

@@ -19,7 +19,8 @@ from rlkit.tasks.user import as_example
 
 ENVS: dict[str, str] = {"calc": "rlkit.envs.calc:CalcEnv", "guess": "rlkit.envs.guess:GuessNumber",
                         "textarena": "rlkit.envs.textarena:TextArena", "openenv": "rlkit.envs.openenv:OpenEnv",
-                        "openenv-mcp": "rlkit.envs.openenv_mcp:OpenEnvMCP", "python": "rlkit.envs.python:PythonEnv"}
+                        "openenv-mcp": "rlkit.envs.openenv_mcp:OpenEnvMCP", "python": "rlkit.envs.python:PythonEnv",
+                        "code-feedback": "rlkit.envs.code_feedback:CodeFeedbackEnv"}
 ENTRY_POINT_GROUP = "rlkit.envs"
 # A built-in adapter whose class depends on the server it reaches: name -> "module:function(cls, options)" giving the
 # class to run instead (None: `cls`), called once its options are checked, before any model loads.

@@ -19,6 +19,7 @@ TASKS: dict[str, str] = {
     "code": "rlkit.tasks.code:Code",  # the sandbox and the data reader load only when a stage uses it
     "calc": "rlkit.envs.calc:Calc",  # the calc environment's problems, with tool-use transcripts
     "guess": "rlkit.envs.guess:Guess",  # games of guess-the-number as transcripts (the `guess` environment's)
+    "code-feedback": "rlkit.envs.code_feedback:CodeFeedback",  # code repair transcripts (the `code-feedback` env's)
     "reasoning-gym": "rlkit.tasks.reasoning_gym:ReasoningGym",  # the optional extra rlkit[reasoning-gym], on use
     "judge": "rlkit.tasks.judge:JudgeTask",  # a judge's training data: judgments of another task's problems
 }

@@ -90,7 +90,8 @@ def _run_recipe(name: str, runs: Path, **knobs: str):
 
 def test_every_recipe_is_tested():
     assert set(RECIPES) == {"rlvr.sh", "rlhf.sh", "reward-hacking.sh", "math.sh", "config.sh", "code.sh",
-                            "guess.sh", "tools.sh", "reasoning-gym.sh", "textarena.sh", "distill.sh", "rlaif.sh"}, \
+                            "guess.sh", "tools.sh", "reasoning-gym.sh", "textarena.sh", "distill.sh", "rlaif.sh",
+                            "code-agent.sh"}, \
         "a new recipe needs a test here"
     assert {p.name for p in (REPO / "recipes").glob("*.sh")} - set(RECIPES) == {*OWN_TESTS, SHARED}
     assert {p.name for p in (REPO / "recipes" / "slurm").iterdir()} == {"rlvr-fleet.sbatch"}, "a Slurm form needs a test"
@@ -109,6 +110,8 @@ def test_every_recipe_runs_scaled_down(recipe, tmp_path, request):
                          "SANDBOX_WORKERS": "2"},
              "guess.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "300", "PROMPTS": "8", "N": "4", "TURNS": "4"},
              "tools.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "300", "PROMPTS": "8", "N": "2", "EVAL_NUM": "12"},
+             "code-agent.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "300", "PROMPTS": "8", "N": "2", "EVAL_NUM": "12",
+                               "ENV_WORKERS": "2"},
              "reasoning-gym.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "300", "PROMPTS": "8", "N": "2", "EVAL_NUM": "12"},
              "textarena.sh": {"ROUNDS": "1", "SFT_GAMES": "100", "PROMPTS": "4", "N": "4", "FINAL": "6"},
              "rlaif.sh": {"ROUNDS": "1", "SFT_EXAMPLES": "300", "EVAL_NUM": "12", "PREF_PROMPTS": "48", "PROMPTS": "8",
@@ -229,6 +232,19 @@ def test_every_recipe_runs_scaled_down(recipe, tmp_path, request):
             assert ev["n"] == 12 and 0 <= ev["mean_tool_calls"] <= 4 and 0 <= ev["mean_reward"] <= 1
         out = r.stdout.decode()
         assert "tool calls/answer" in out and "after RL (1 rounds)" in out
+    if recipe == "code-agent.sh":  # sft on repair transcripts; feedback RL and single-turn RL at equal samples
+        sft = json.loads((runs / "sft" / "rlkit.json").read_text())
+        assert sft["config"]["task"].startswith("code-feedback:visible=2,fix=0.5,ops=2-3")
+        rows = [json.loads(x) for x in (runs / "metrics.jsonl").read_text().splitlines()]
+        assert [r["sequences"] for r in rows if r["stage"] == "update"] == [8 * 2, 8 * 2]
+        out = r.stdout.decode()
+        for who, label in (("sft", "SFT checkpoint"), ("feedback", "feedback RL (1 rounds)"),
+                           ("single", "single-turn RL (1 rounds)")):
+            one, three = (json.loads((runs / f"eval-{who}-a{a}.json").read_text()) for a in (1, 3))
+            assert one["n"] == three["n"] == 12 and one["mean_turns"] == 1 and 1 <= three["mean_turns"] <= 3
+            (line,) = [x for x in out.splitlines() if x.startswith(label)]
+            assert f"{one['mean_reward']:.1%}" in line and f"{three['mean_reward']:.1%}" in line, line
+        assert "pass at attempt 3: feedback RL" in out
     if recipe == "config.sh":  # settings from recipes/rlvr.toml, the knobs' flags over them, written back
         opts = json.loads((runs / "round-1" / "rlkit.json").read_text())["options"]
         assert opts["lr"] == 5e-5 and opts["minibatch_size"] == 128 and opts["kl_estimator"] == "k3+"  # the file's
