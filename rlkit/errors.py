@@ -22,6 +22,12 @@ class SandboxUnavailable(RlkitError):
     exit_code = 69  # EX_UNAVAILABLE
 
 
+class UntrustedVerifier(RlkitError):
+    """A task's verifier pays junk, or sft's targets are answers its verifier rejects (`rlkit.tasks.trust`)."""
+
+    exit_code = 65  # EX_DATAERR
+
+
 class DownstreamClosed(Exception):  # noqa: N818 (a signal, not a failure)
     """The stage reading our output has ended: in a `--follow` pipe the normal way for a run to end."""
 

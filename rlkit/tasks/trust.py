@@ -34,7 +34,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from rlkit.errors import RlkitError
+from rlkit.errors import RlkitError, UntrustedVerifier
 
 SAMPLE = 8  # examples a verifier is checked on
 CODE_SAMPLE = 2  # ... when it runs programs in the sandbox (each answer is a sandboxed program)
@@ -42,12 +42,6 @@ DRAWS = 4  # draws per sampled example at most, to find SAMPLE distinct prompts
 SEED = 0
 NONSENSE = "xyzzy"
 FULL = 1.0  # full marks
-
-
-class UntrustedVerifier(RlkitError):
-    """A task's verifier pays junk, or sft's targets are answers its verifier rejects."""
-
-    exit_code = 65  # EX_DATAERR
 
 
 def _norm(text: str) -> str:
