@@ -431,6 +431,9 @@ class CodeFeedback(TaskBase):
 
     name = "code-feedback"
     runs_code = True
+    # a repair transcript's first program fails by design, and the single-turn verifier scores that first program:
+    # the targets are demonstrations, not gold answers (rlkit.tasks.trust)
+    targets_are_gold = False
     widen = "widen the task (ops=, max=)"
 
     visible: int = 2
