@@ -125,8 +125,11 @@ def _sample(task, n: int) -> list:
     for split in SPLITS:
         try:
             drawn = list(itertools.islice(task.iter_examples(split, SEED), DRAWS * n))
-        except RlkitError:  # an empty split
-            continue
+        except RlkitError as e:  # an empty split is skipped; anything else (a data file that cannot be read) is
+            empty = getattr(task, "empty", None)  # the stage's own error, said once, not a skipped check
+            if str(e) == (empty(split) if callable(empty) else None) or "empty" in str(e):
+                continue
+            raise
         seen: dict[tuple[str, str], object] = {}
         for ex in drawn:
             seen.setdefault((ex.prompt, ex.answer), ex)
