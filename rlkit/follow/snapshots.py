@@ -195,7 +195,19 @@ def save(t, root: Path, step: int, info: dict) -> tuple[Path, float, int]:
         tmp.mkdir()
     distributed.barrier(dp)
     with _one_process(dp):
-        dcp.save(_state_dicts(t.model, t.opt), checkpoint_id=str(tmp))
+        try:
+            dcp.save(_state_dicts(t.model, t.opt), checkpoint_id=str(tmp))
+        except dcp.api.CheckpointException as e:  # a rank's own failure (out of space: exit 74), not the wrapper
+            shutil.rmtree(tmp, ignore_errors=True)
+            if main:
+                try:
+                    d.rmdir()  # the snapshots folder this run made, when it holds no snapshot
+                except OSError:
+                    pass
+            failure = next(iter(e.failures.values()), None)
+            if isinstance(failure, tuple) and isinstance(failure[0], BaseException):
+                raise failure[0] from None
+            raise
     save_file({"rng": torch.get_rng_state()}, str(tmp / f"rng-rank{rank}.safetensors"))
     extra = t.algo.gather(t) if t.algo.trained() else None  # collectives under torchrun: every rank
     if main and t.algo.trained():
