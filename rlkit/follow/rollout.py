@@ -12,6 +12,7 @@ ends the stream after `--max-steps` or when the downstream stage ends. See docs/
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -43,6 +44,11 @@ def run(cfg, task, source, inputs: dict, out: Path | None, stage: Stage) -> Path
     """Serve `cfg.follow` (a `RolloutConfig`) until --max-steps or the downstream stage ends; rows go to `out`.
     `task` gives the prompts (unless `source`, a --prompts file's `rlkit.io.data` source, does), `inputs` are the
     run's input fingerprints (with "policy")."""
+    with contextlib.ExitStack() as held:  # a --spool worker's shard, held from before its engine starts to the end
+        return _serve(cfg, task, source, inputs, out, stage, held)
+
+
+def _serve(cfg, task, source, inputs: dict, out: Path | None, stage: Stage, held: contextlib.ExitStack) -> Path | None:
     import time
 
     from rlkit import console, devices, engines
@@ -83,6 +89,8 @@ def run(cfg, task, source, inputs: dict, out: Path | None, stage: Stage) -> Path
     if done:
         console.info(f"rollout: {root} already has --max-steps {cfg.max_steps} steps; nothing to sample")
     t0 = time.monotonic()
+    if cfg.spool is not None:  # the shard's lock and heartbeat first: a worker loading its engine is alive to update
+        held.enter_context(spool.worker(cfg.spool, shard.index, shard.count))
     if done:  # an empty, complete stream: downstream sees the run is over without an engine start
         tokenizer = checkpoints.load_tokenizer(start, cfg.trust_remote_code)
         engine = None
@@ -124,7 +132,7 @@ def run(cfg, task, source, inputs: dict, out: Path | None, stage: Stage) -> Path
     asleep = False
     try:
         if cfg.spool is not None:
-            writer = spool.writing(cfg.spool, "rollouts", manifest, extra, spool.Geometry.of(manifest["follow"], "rollout"))
+            writer = spool.writer(cfg.spool, "rollouts", manifest, extra, spool.Geometry.of(manifest["follow"], "rollout"))
         else:
             writer = streams.write_table("rollouts", out, manifest, extra)
         with writer as w:

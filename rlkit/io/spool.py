@@ -322,33 +322,48 @@ class SpoolWriter:
 
 
 @contextmanager
-def writing(root: Path, kind_name: str, manifest: dict, extra, geometry: Geometry) -> Iterator[SpoolWriter]:
-    """Write a follow stream into the spool `root` as worker `geometry.index`/`geometry.count`: holds that worker's
-    lock (a second worker on the same shard is refused, exit 75) and removes what a killed one left unfinished."""
+def worker(root: Path, index: int, count: int) -> Iterator[None]:
+    """Be worker `index`/`count` of the spool `root` for the block: hold its lock (a second worker on the same shard
+    is refused, exit 75), remove what a killed one left unfinished, and keep its heartbeat moving from the start, so
+    a worker still loading its engine is alive to the update (`heartbeat`)."""
     from rlkit import console
 
     check_root(root, "--spool")
-    me = worker_name(geometry.index, geometry.count)
-    with held(root, f".{me}.lock", f"--spool {root}: shard {geometry.index}/{geometry.count} is being written by "
-                                   "another worker; one worker per shard"):
-        others = {f.workers for f in scan(root)} - {geometry.count}
+    me = worker_name(index, count)
+    with held(root, f".{me}.lock", f"--spool {root}: shard {index}/{count} is being written by another worker; one "
+                                   "worker per shard"):
+        others = {f.workers for f in scan(root)} - {count}
         if others:
             raise RlkitError(f"--spool {root} holds batches of {sorted(others)[0]} workers; this one is shard "
-                             f"{geometry.index}/{geometry.count} (every worker of a run takes --shard I/M with one M)")
-        gone = clean_worker(root, geometry.index, geometry.count)
+                             f"{index}/{count} (every worker of a run takes --shard I/M with one M)")
+        gone = clean_worker(root, index, count)
         if gone:
             console.info(f"spool: removed {len(gone)} unfinished batch file(s) a killed {me} left")
         (root / f"{me}.end").unlink(missing_ok=True)
-        w = SpoolWriter(root, kind_name, manifest, extra, geometry)
         beat = _Heartbeat(root / f".{me}.lock")
         try:
-            yield w
-            w.close()
-        except BaseException:
-            w.abort()
-            raise
+            yield
         finally:
             beat.stop()
+
+
+@contextmanager
+def writer(root: Path, kind_name: str, manifest: dict, extra, geometry: Geometry) -> Iterator[SpoolWriter]:
+    """Write a follow stream into the spool `root` as worker `geometry.index`/`geometry.count` (inside `worker`)."""
+    w = SpoolWriter(root, kind_name, manifest, extra, geometry)
+    try:
+        yield w
+        w.close()
+    except BaseException:
+        w.abort()
+        raise
+
+
+@contextmanager
+def writing(root: Path, kind_name: str, manifest: dict, extra, geometry: Geometry) -> Iterator[SpoolWriter]:
+    """`writer` inside `worker`: one worker's whole stream."""
+    with worker(root, geometry.index, geometry.count), writer(root, kind_name, manifest, extra, geometry) as w:
+        yield w
 
 
 HEARTBEAT_SECONDS = 1.0

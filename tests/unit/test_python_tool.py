@@ -155,6 +155,7 @@ def test_names_persist_across_the_calls_of_a_trajectory_and_state_0_forgets_them
 
 
 def test_the_interpreter_is_gone_when_the_trajectory_ends(tmp_path):
+    before = {int(x.split()[0]) for x in leftovers()}  # this worker's processes from other tests are not ours
     e = env()
     late = tmp_path / "late"  # a daemon of the model's would write this, had it survived and seen the host
     call(e, f"""import os, time
@@ -171,7 +172,7 @@ print(os.getpid())""")
     assert pid is not None and Path(f"/proc/{pid}").exists()
     e.close()  # the driver closes every instance as its trajectory ends
     assert not Path(f"/proc/{pid}").exists()
-    assert not leftovers()
+    assert not leftovers(before)
     time.sleep(1.2)
     assert not late.exists()
 
