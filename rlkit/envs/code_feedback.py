@@ -401,9 +401,9 @@ def _wrong_programs(chain: list[tuple[str, int]], top: int, rng: random.Random) 
     one left out, the parentheses forgotten."""
     out = []
     for j, (op, k) in enumerate(chain):
-        for k2 in {max(1, k - 1), min(top, k + 1), rng.randint(1, top)} - {k}:
+        for k2 in sorted({max(1, k - 1), min(top, k + 1), rng.randint(1, top)} - {k}):
             out.append(chain_program([*chain[:j], (op, k2), *chain[j + 1:]]))
-        for op2 in {"+", "-", "*"} - {op}:
+        for op2 in sorted({"+", "-", "*"} - {op}):  # sorted: a set of str iterates by PYTHONHASHSEED
             out.append(chain_program([*chain[:j], (op2, k), *chain[j + 1:]]))
         if len(chain) > 1:
             out.append(chain_program(chain[:j] + chain[j + 1:]))

@@ -186,3 +186,17 @@ def test_sft_transcripts_are_the_environments_own_feedback_tokenised_as_a_rollou
     assert task.reward(t.parts[2][0], ex.answer) == 1.0 and task.reward(t.parts[0][0] + t.parts[2][0], ex.answer) == 0.0
     with pytest.raises(RlkitError, match="fix=2: expected 0 <= fix <= 1"):
         get_task("code-feedback:fix=2")
+
+
+def test_sft_transcripts_are_the_same_in_every_process():
+    """The transcripts at a seed do not depend on the process's string hashing (PYTHONHASHSEED): a recipe's SFT data,
+    and so its figures, are the same on every run."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from rlkit.tasks import get_task\nt = get_task('code-feedback:fix=1')\n"
+            "print(repr([str(t.completion(e)) for e in t.examples('train', 300, 0)]))")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": h}).stdout for h in ("1", "2", "3")}
+    assert len(outs) == 1 and "Failed test" in outs.pop()
