@@ -19,6 +19,7 @@
 #   RUNS [runs/code-agent]  SEED [0]  MODEL [tiny]  SFT_EXAMPLES [12000]  FIX [0.5]  EVAL_NUM [200]
 #   ATTEMPTS [3]  VISIBLE [2] tests shown as feedback (of 7)  ROUNDS [3]  PROMPTS [128]  N [8]  ALGO [grpo]
 #   DISCOUNT [1] the feedback run's reward for a fix at attempt a is DISCOUNT**(a-1) (evals: pass or fail)
+#   CREDIT [all] the feedback run's programs a trajectory's reward trains: all, or final (the earlier ones' loss_mask 0)
 #   LR [1e-4]  EPOCHS [2]  MINIBATCH [128]  BETA [0.01]  KL [k3+]  TEMPERATURE [1.0]  SANDBOX [bwrap]
 #   ENV_WORKERS [CPU count] programs run at once (trajectories' environment calls)
 # A rerun skips every stage whose output is up to date with its inputs and settings.
@@ -28,7 +29,7 @@ set -euo pipefail
 
 defaults RUNS=runs/code-agent SEED=0 MODEL=tiny SFT_EXAMPLES=12000 FIX=0.5 EVAL_NUM=200 ATTEMPTS=3 VISIBLE=2
 defaults ROUNDS=3 PROMPTS=128 N=8 ALGO=grpo LR=1e-4 EPOCHS=2 MINIBATCH=128 BETA=0.01 KL=k3+ TEMPERATURE=1.0
-defaults SANDBOX=bwrap ENV_WORKERS="$(nproc)" DISCOUNT=1
+defaults SANDBOX=bwrap ENV_WORKERS="$(nproc)" DISCOUNT=1 CREDIT=all
 ENV="code-feedback:visible=$VISIBLE"
 sb=(--sandbox "$SANDBOX")
 
@@ -54,6 +55,7 @@ run() {
   local arm=$1 attempts=$2 i out t0 policy="$RUNS/sft"
   mkdir -p "$RUNS/$arm"
   knobs="env=$ENV attempts=$attempts discount=$DISCOUNT sandbox=$SANDBOX prompts=$PROMPTS n=$N algo=$ALGO lr=$LR epochs=$EPOCHS mb=$MINIBATCH beta=$BETA kl=$KL temp=$TEMPERATURE seed=$SEED"
+  [ "$attempts" = 1 ] || knobs+=" credit=$CREDIT"  # one program a trajectory: it is the final one either way
   for i in $(seq 1 "$ROUNDS"); do
     out="$RUNS/$arm/round-$i"
     if up_to_date "$out"; then
@@ -61,7 +63,7 @@ run() {
     else
       rm -f "$out.knobs" "$RUNS/eval-$arm-a1.json"
       t0=$(now)
-      rlkit rollout --policy "$policy" --env "$ENV,attempts=$attempts,discount=$DISCOUNT" --max-turns "$attempts" "${sb[@]}" \
+      rlkit rollout --policy "$policy" --env "$ENV,attempts=$attempts,discount=$DISCOUNT,credit=$CREDIT" --max-turns "$attempts" "${sb[@]}" \
           --env-workers "$ENV_WORKERS" --num-prompts "$PROMPTS" --n "$N" --temperature "$TEMPERATURE" \
           --seed "$((SEED * 1000 + i))" \
         | rlkit score-ref --ref "$RUNS/ref" \

@@ -1,7 +1,8 @@
 """The built-in `code-feedback` environment and task: the code task as a multi-turn environment, where the model
 reads what its failing program did and tries again.
 
-`--env code-feedback[:attempts=3,visible=2,reward=all,discount=1,messages=0,data=FILE,...]` (`CodeFeedbackEnv`)
+`--env code-feedback[:attempts=3,visible=2,reward=all,discount=1,credit=all,messages=0,data=FILE,...]`
+(`CodeFeedbackEnv`)
 brings the code task's prompts (`rlkit.tasks.code`: the generated task without `data`, `data=FILE|sample` and its
 column options `question`, `tests`, `heldout`, `ops`, `max`, `timeout`, `memory` as the code task reads them). A model
 turn is a program (extracted as the code task extracts it). Each problem's tests are split: the first `visible`
@@ -15,6 +16,11 @@ hidden. After each program:
 - every visible test passes, or this was attempt `attempts`: the episode ends, and the reward is the code task's
   on the final program against all tests, visible and hidden (`reward=all`: 1.0 when every test passes;
   `reward=fraction`: the share passed), times `discount` ** (attempts used - 1) (default 1: no discount).
+
+`credit=final` trains only the final program of a trajectory: the environment's `credit` attribute tells the rollout
+driver to set the earlier programs' `loss_mask` to 0 (`rlkit.sampling.driver`), so the reward of a repaired
+trajectory reinforces its fix and not the wrong first program it repaired; a trajectory right at attempt 1 trains
+that attempt. `credit=all` (default): every program of the trajectory is trained with the trajectory's reward.
 
 A hidden test's input and expected value never reach the model: only its pass or fail, through the reward. The
 feedback runs only visible tests; the reward's run is the code task's (`rlkit.sandbox.programs`: the expected values
@@ -53,6 +59,7 @@ FEEDBACK_VALUE_CHARS = 200  # one shown value (an input, an expected or actual o
 JUDGED_CHARS = 1 << 20  # a visible test's output (stdout, a value as JSON) compared at most: longer is wrong
 FEEDBACK_TB_FRAMES = 2  # an error's traceback is shown with its last frames in the program (and the error)
 STOP = "\n"  # the generated task's model turn: one line
+CREDITS = ("all", "final")  # the programs of a trajectory its reward trains (`CodeFeedbackEnv.credit`)
 SANDBOX_MB = 10  # a sandboxed run's resident memory, Python and the feedback runner (max RSS measured: 10.3 MB)
 
 # The feedback run, inside the sandbox (`python -I -S -c RUNNER`, under the code task's limits): the program against
@@ -293,14 +300,15 @@ def first_failure(sb, program: str, cases: Sequence, fn_name: str | None) -> str
 # The environment
 
 
-def _problems(attempts: int = 3, visible: int = 2, reward: str = "all", discount: float = 1.0,
+def _problems(attempts: int = 3, visible: int = 2, reward: str = "all", discount: float = 1.0, credit: str = "all",
               messages: bool = False, data: str = "", question: str = "question", tests: str = "",  # noqa: ARG001
               heldout: float = 0.1, ops: str = "2-3", max: int = 9, timeout: float = 10.0,  # noqa: A002
               memory: int = 1024) -> Code:
     """The code task whose problems `CodeFeedbackEnv` poses, its options checked (one line for a bad one)."""
     check("environment code-feedback", (1 <= attempts <= 20, f"attempts={attempts}", "1 <= attempts <= 20"),
           (visible >= 0, f"visible={visible}", "visible >= 0 (tests shown as feedback)"),
-          (0 < discount <= 1, f"discount={discount:g}", "0 < discount <= 1"))
+          (0 < discount <= 1, f"discount={discount:g}", "0 < discount <= 1"),
+          (credit in CREDITS, f"credit={credit}", " or ".join(CREDITS)))
     try:
         lo, hi = span(ops)
     except ValueError:
@@ -347,16 +355,17 @@ class CodeFeedbackEnv:
         _problems(**{k: v for k, v in options.items() if k != "sandbox"})
 
     def __init__(self, attempts: int = 3, visible: int = 2, reward: str = "all", discount: float = 1.0,
-                 messages: bool = False, data: str = "", question: str = "question", tests: str = "",
+                 credit: str = "all", messages: bool = False, data: str = "", question: str = "question", tests: str = "",
                  heldout: float = 0.1, ops: str = "2-3", max: int = 9, timeout: float = 10.0,  # noqa: A002
                  memory: int = 1024, sandbox: str = "bwrap") -> None:
         from rlkit.sandbox import Sandbox
 
-        self.task = _problems(attempts, visible, reward, discount, messages, data, question, tests, heldout, ops, max,
+        self.task = _problems(attempts, visible, reward, discount, credit, messages, data, question, tests, heldout, ops, max,
                               timeout, memory)
         if sandbox not in ("bwrap", "none"):
             raise RlkitError(f"environment code-feedback: sandbox={sandbox}: expected bwrap or none")
         self.attempts, self.visible, self.discount, self.messages = attempts, visible, discount, messages
+        self.credit = credit  # "final": the rollout driver trains only the final program's tokens
         self.sandbox = Sandbox(sandbox, limits=self.task.limits())
         self.sandbox.check()  # once a process: no bubblewrap is one line before any sampling
         self.suite = None
@@ -431,9 +440,6 @@ class CodeFeedback(TaskBase):
 
     name = "code-feedback"
     runs_code = True
-    # a repair transcript's first program fails by design, and the single-turn verifier scores that first program:
-    # the targets are demonstrations, not gold answers (rlkit.tasks.trust)
-    targets_are_gold = False
     widen = "widen the task (ops=, max=)"
 
     visible: int = 2
@@ -448,6 +454,12 @@ class CodeFeedback(TaskBase):
                "heldout": ("heldout_fraction", float, "F"), "ops": (("min_ops", "max_ops"), span, "LO-HI"),
                "max": ("max_constant", int, "N"), "timeout": ("timeout_s", float, "S"),
                "memory": ("memory_mb", int, "MB")}
+
+    @property
+    def targets_are_gold(self) -> bool:
+        """A repair transcript's first program is wrong by design, and the verifier scores the first program: with a
+        `fix` share the targets are demonstrations, not gold answers (`rlkit.tasks.trust`)."""
+        return self.fix == 0
 
     def checked(self) -> CodeFeedback:
         check("--task code-feedback", (1 <= self.visible, f"visible={self.visible}", "visible >= 1 (the feedback needs a visible test)"),

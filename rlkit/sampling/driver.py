@@ -27,6 +27,10 @@ row of a trajectory has its group and sample index and the trajectory's reward; 
 trajectory's last row. A tokenizer without a chat
 template renders a message as `<ROLE>content</ROLE>` (a tool result: `<tool>408</tool>`).
 
+Credit. An environment instance whose `credit` attribute is "final" has only its trajectory's final turn trained:
+when the trajectory ends, the earlier turns' tokens get `loss_mask` 0 (as the observations' have) and the rows cut
+off before its last are left out (they hold earlier turns only); "all" (or no attribute) trains every turn.
+
 Limits: `max_turns` model turns; `max_new_tokens` per turn; `max_total_tokens` completion tokens over all turns
 (and never past the model's context); `max_env_tokens` per observation, of which the first are kept (the end is
 cut). A limit reached is `truncated`, not a loss. Each `reset`/`step`/`close` call may run `env_timeout` seconds
@@ -40,7 +44,7 @@ the method and the trajectory; with `env_errors="end"` the trajectory ends there
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from rlkit.engines.base import CONSERVATIVE, Generated
@@ -644,6 +648,15 @@ class _Row:
     observed: list[int]  # each observation appended: its tokens before the --max-env-tokens cut
 
 
+def credit(t: _Traj) -> str:
+    """The turns of trajectory `t` its reward trains, as its environment instance says (`credit`): "all" (default),
+    or "final", the last turn only (the earlier turns' `loss_mask` 0, the rows cut off before it left out)."""
+    c = getattr(t.env, "credit", "all")
+    if c not in ("all", "final"):
+        raise EnvError(f"environment {type(t.env).__name__}: credit={c!r} ({t.label}): expected 'all' or 'final'")
+    return c
+
+
 def _columns(trajs: list[_Traj]) -> Episodes:
     """The rows: each trajectory's rows cut off (`_new_sample`), then its last, in order. `token_rewards`: each
     step's reward at its turn's last sampled token (a share of `reward/env`); all 0 for a trajectory an error ended."""
@@ -658,7 +671,12 @@ def _columns(trajs: list[_Traj]) -> Episodes:
         reward = 0.0 if t.error else float(sum(t.all_rewards))
         last = _Row(t.prompt_text, t.prompt_ids, t.ids, t.mask, t.logprobs, t.rewards, t.turns, t.finish, t.messages,
                     t.ends, t.observed)
-        for r in [*t.done, last]:
+        rows = [*t.done, last]
+        if credit(t) == "final" and any(t.mask):  # only the final turn's sampled tokens are trained
+            start = t.ends[-2] + 1 if len(t.ends) > 1 else 0
+            last = replace(last, mask=[0] * start + t.mask[start:])
+            rows = [last]  # the rows cut off before hold earlier turns only: nothing of them to train
+        for r in rows:
             is_last = r is last
             vals = (t.prompt_id, t.sample, r.prompt_text, r.prompt_ids, r.ids, r.logprobs, r.finish, r.mask, r.turns,
                     r.rewards, t.terminated and is_last, (t.truncated or not t.terminated) and is_last,

@@ -5,6 +5,7 @@ answers; all on the real sandbox (bubblewrap)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import time
@@ -200,3 +201,71 @@ def test_sft_transcripts_are_the_same_in_every_process():
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": h}).stdout for h in ("1", "2", "3")}
     assert len(outs) == 1 and "Failed test" in outs.pop()
+
+
+@pytest.fixture(scope="module")
+def untrained(tmp_path_factory):
+    """The tiny model untrained, saved as a checkpoint: its programs fail, so its trajectories use every attempt."""
+    from rlkit import tiny
+    from rlkit.io import checkpoints, manifests
+
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model(tiny.TinyConfig(layers=2, hidden=32, heads=4, intermediate=64), tok, seed=0)
+    d = tmp_path_factory.mktemp("codefb") / "pol"
+    d.mkdir()
+    checkpoints.save_model(model, tok, d, manifests.make_manifest("model", "test", {}, {}, step=0))
+    return d
+
+
+def _rollout(policy, spec: str, n: int = 2):
+    from rlkit import engines
+    from rlkit.engines import EngineOptions
+    from rlkit.sampling.driver import Prompts, Sampling, run_episodes
+
+    eng = engines.create("hf", policy, EngineOptions(device="cpu"))
+    tok = eng.tokenizer
+    env = get_env(spec)
+    ex = list(itertools.islice(env.make().iter_examples("train", 0), 3))
+    prompts = Prompts(0, [e.prompt_id for e in ex], [e.answer for e in ex], [e.prompt for e in ex],
+                      [tok(e.prompt)["input_ids"] for e in ex])
+    s = Sampling(n=n, temperature=1.0, max_new_tokens=12, max_turns=env.attribute("max_turns"), env_workers=4)
+    return run_episodes(eng, tok, env, prompts, s, seed=3).columns
+
+
+def test_credit_final_trains_only_the_final_programs_tokens(untrained):
+    assert _env().credit == "all" and _env("code-feedback:credit=final").credit == "final"
+    with pytest.raises(RlkitError, match="credit=last: expected all or final"):
+        get_env("code-feedback:credit=last")
+    every = _rollout(untrained, "code-feedback:attempts=3")
+    final = _rollout(untrained, "code-feedback:attempts=3,credit=final")
+    assert final["completion_ids"] == every["completion_ids"] and final["reward/env"] == every["reward/env"]
+    assert final["turns"] == every["turns"] and max(every["turns"]) == 3
+    for mask, want, turns in zip(final["loss_mask"], every["loss_mask"], every["turns"], strict=True):
+        runs = [(m, len(list(g))) for m, g in itertools.groupby(want)]  # sampled, feedback, sampled, ...
+        assert [m for m, _ in runs][::2] == [1] * turns  # each turn's sampled tokens, then its feedback
+        last = sum(k for _, k in runs[:2 * (turns - 1)])  # where the final program starts
+        assert mask == [0] * last + want[last:] and sum(mask) == runs[2 * (turns - 1)][1] > 0
+    one = _rollout(untrained, "code-feedback:attempts=1,credit=final")  # one program: it is the final one
+    assert all(t == 1 and set(m) == {1} for t, m in zip(one["turns"], one["loss_mask"], strict=True))
+
+
+def test_an_environments_credit_other_than_all_or_final_is_one_line(untrained, tmp_path):
+    from rlkit.envs import EnvError
+
+    mod = tmp_path / "lastenv.py"
+    mod.write_text("from rlkit.envs.code_feedback import CodeFeedbackEnv\n\n\n"
+                   "class Last(CodeFeedbackEnv):\n    credit = 'last'\n\n"
+                   "    def __init__(self):\n        super().__init__(attempts=2)\n        self.credit = 'last'\n")
+    with pytest.raises(EnvError, match=r"environment Last: credit='last' \(prompt .* sample 0\): expected 'all' or "
+                                       r"'final'"):
+        _rollout(untrained, f"{mod}:Last", n=1)
+
+
+def test_repair_transcripts_are_demonstrations_to_the_verifier_check():
+    from rlkit.tasks.trust import check_verifier
+
+    task = get_task("code-feedback:fix=1")  # every target a wrong first program, its feedback and the fix
+    assert task.targets_are_gold is False and get_task("code-feedback:fix=0").targets_are_gold is True
+    out = check_verifier(task)  # sft refused these targets: the single-turn verifier scores the first program
+    assert out.rejected == 0 and not out.paid and any("demonstrations" in n for n in out.notes)
+    assert check_verifier(get_task("code-feedback:fix=0")).rejected == 0  # right at once: held to full marks
