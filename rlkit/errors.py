@@ -22,6 +22,10 @@ class SandboxUnavailable(RlkitError):
     exit_code = 69  # EX_UNAVAILABLE
 
 
+class EmptySplit(RlkitError):
+    """A data task's split holds no problem (its line says which and how to widen it); exit 2 as any bad input."""
+
+
 class UntrustedVerifier(RlkitError):
     """A task's verifier pays junk, or sft's targets are answers its verifier rejects (`rlkit.tasks.trust`)."""
 

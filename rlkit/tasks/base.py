@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
-from rlkit.errors import RlkitError
+from rlkit.errors import EmptySplit, RlkitError
 from rlkit.plugins.extras import library_version  # noqa: F401 (the task vocabulary)
 from rlkit.plugins.options import as_bool  # noqa: F401 (the task vocabulary: tasks' boolean options)
 
@@ -309,7 +309,7 @@ class TaskBase:
         rows = self.rows(split)
         if rows is not None:
             if not rows:
-                raise RlkitError(self.empty(split))
+                raise EmptySplit(self.empty(split))
             for p in shuffled_passes(rows, rng, unique):
                 yield Example(p.prompt_id, p.prompt, p.answer, split)
             return

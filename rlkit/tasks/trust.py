@@ -34,7 +34,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from rlkit.errors import RlkitError, UntrustedVerifier
+from rlkit.errors import EmptySplit, RlkitError, UntrustedVerifier
 
 SAMPLE = 8  # examples a verifier is checked on
 CODE_SAMPLE = 2  # ... when it runs programs in the sandbox (each answer is a sandboxed program)
@@ -125,11 +125,8 @@ def _sample(task, n: int) -> list:
     for split in SPLITS:
         try:
             drawn = list(itertools.islice(task.iter_examples(split, SEED), DRAWS * n))
-        except RlkitError as e:  # an empty split is skipped; anything else (a data file that cannot be read) is
-            empty = getattr(task, "empty", None)  # the stage's own error, said once, not a skipped check
-            if str(e) == (empty(split) if callable(empty) else None) or "empty" in str(e):
-                continue
-            raise
+        except EmptySplit:  # skipped; any other error (a data file that cannot be read) is the stage's own, said
+            continue  # once, not a skipped check
         seen: dict[tuple[str, str], object] = {}
         for ex in drawn:
             seen.setdefault((ex.prompt, ex.answer), ex)
