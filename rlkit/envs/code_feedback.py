@@ -17,10 +17,13 @@ hidden. After each program:
   on the final program against all tests, visible and hidden (`reward=all`: 1.0 when every test passes;
   `reward=fraction`: the share passed), times `discount` ** (attempts used - 1) (default 1: no discount).
 
-`credit=final` trains only the final program of a trajectory: the environment's `credit` attribute tells the rollout
-driver to set the earlier programs' `loss_mask` to 0 (`rlkit.sampling.driver`), so the reward of a repaired
-trajectory reinforces its fix and not the wrong first program it repaired; a trajectory right at attempt 1 trains
-that attempt. `credit=all` (default): every program of the trajectory is trained with the trajectory's reward.
+`credit` says which programs a trajectory's reward trains (the environment's `credit` attribute, read by the
+rollout driver, `rlkit.sampling.driver`). `credit=all` (default): every program, with the trajectory's reward.
+`credit=final`: only the final program (the earlier ones' `loss_mask` 0), so the reward of a repaired trajectory
+reinforces its fix and not the wrong first program it repaired. `credit=turn`: every program with its own result (a
+row a program, rewarded with its own step's reward: 0 for a program that failed a visible test, the final
+program's reward for the last), so GRPO's group baseline is taken over programs: a first program is judged as
+single-turn RL judges it, and a second by whether it fixed the first.
 
 A hidden test's input and expected value never reach the model: only its pass or fail, through the reward. The
 feedback runs only visible tests; the reward's run is the code task's (`rlkit.sandbox.programs`: the expected values
@@ -59,7 +62,7 @@ FEEDBACK_VALUE_CHARS = 200  # one shown value (an input, an expected or actual o
 JUDGED_CHARS = 1 << 20  # a visible test's output (stdout, a value as JSON) compared at most: longer is wrong
 FEEDBACK_TB_FRAMES = 2  # an error's traceback is shown with its last frames in the program (and the error)
 STOP = "\n"  # the generated task's model turn: one line
-CREDITS = ("all", "final")  # the programs of a trajectory its reward trains (`CodeFeedbackEnv.credit`)
+CREDITS = ("all", "final", "turn")  # the programs of a trajectory its reward trains (`CodeFeedbackEnv.credit`)
 SANDBOX_MB = 10  # a sandboxed run's resident memory, Python and the feedback runner (max RSS measured: 10.3 MB)
 
 # The feedback run, inside the sandbox (`python -I -S -c RUNNER`, under the code task's limits): the program against
@@ -308,7 +311,7 @@ def _problems(attempts: int = 3, visible: int = 2, reward: str = "all", discount
     check("environment code-feedback", (1 <= attempts <= 20, f"attempts={attempts}", "1 <= attempts <= 20"),
           (visible >= 0, f"visible={visible}", "visible >= 0 (tests shown as feedback)"),
           (0 < discount <= 1, f"discount={discount:g}", "0 < discount <= 1"),
-          (credit in CREDITS, f"credit={credit}", " or ".join(CREDITS)))
+          (credit in CREDITS, f"credit={credit}", ", ".join(CREDITS[:-1]) + " or " + CREDITS[-1]))
     try:
         lo, hi = span(ops)
     except ValueError:
@@ -365,7 +368,7 @@ class CodeFeedbackEnv:
         if sandbox not in ("bwrap", "none"):
             raise RlkitError(f"environment code-feedback: sandbox={sandbox}: expected bwrap or none")
         self.attempts, self.visible, self.discount, self.messages = attempts, visible, discount, messages
-        self.credit = credit  # "final": the rollout driver trains only the final program's tokens
+        self.credit = credit  # read by the rollout driver: which programs train, with which reward
         self.sandbox = Sandbox(sandbox, limits=self.task.limits())
         self.sandbox.check()  # once a process: no bubblewrap is one line before any sampling
         self.suite = None

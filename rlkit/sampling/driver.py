@@ -27,9 +27,14 @@ row of a trajectory has its group and sample index and the trajectory's reward; 
 trajectory's last row. A tokenizer without a chat
 template renders a message as `<ROLE>content</ROLE>` (a tool result: `<tool>408</tool>`).
 
-Credit. An environment instance whose `credit` attribute is "final" has only its trajectory's final turn trained:
-when the trajectory ends, the earlier turns' tokens get `loss_mask` 0 (as the observations' have) and the rows cut
-off before its last are left out (they hold earlier turns only); "all" (or no attribute) trains every turn.
+Credit. An environment instance's `credit` attribute says which turns a trajectory's rewards train. "all" (or no
+attribute): every turn, with the trajectory's reward. "final": only the final turn; when the trajectory ends the
+earlier turns' tokens get `loss_mask` 0 (as the observations' have) and the rows cut off before its last are left
+out (they hold earlier turns only). "turn": every turn with its own step's reward; the trajectory becomes one row
+a turn (its last row's turns; the rows cut off before are left out), row k the conversation up to turn k with only
+that turn's tokens trained and `reward/env` that step's reward (`turn_rewards` and `token_rewards` hold it alone),
+so a group's baseline is taken over turns: a first attempt is judged as single-turn RL judges it, and a later
+attempt by what it did with the feedback.
 
 Limits: `max_turns` model turns; `max_new_tokens` per turn; `max_total_tokens` completion tokens over all turns
 (and never past the model's context); `max_env_tokens` per observation, of which the first are kept (the end is
@@ -648,13 +653,33 @@ class _Row:
     observed: list[int]  # each observation appended: its tokens before the --max-env-tokens cut
 
 
+CREDITS = ("all", "final", "turn")  # what an environment's `credit` may say (see the module docstring)
+
+
 def credit(t: _Traj) -> str:
-    """The turns of trajectory `t` its reward trains, as its environment instance says (`credit`): "all" (default),
-    or "final", the last turn only (the earlier turns' `loss_mask` 0, the rows cut off before it left out)."""
+    """The turns of trajectory `t` its rewards train, as its environment instance says (`credit`): "all" (default),
+    "final" (the last turn only) or "turn" (each turn with its own step's reward, a row each)."""
     c = getattr(t.env, "credit", "all")
-    if c not in ("all", "final"):
-        raise EnvError(f"environment {type(t.env).__name__}: credit={c!r} ({t.label}): expected 'all' or 'final'")
+    if c not in CREDITS:
+        raise EnvError(f"environment {type(t.env).__name__}: credit={c!r} ({t.label}): expected "
+                       + ", ".join(f"'{x}'" for x in CREDITS))
     return c
+
+
+def _turn_rows(last: _Row) -> list[_Row]:
+    """`credit="turn"`: row `last` as one row a turn, row k its conversation up to turn k's last sampled token with
+    only turn k's tokens trained, rewarded with turn k's step reward alone."""
+    out = []
+    for k, end in enumerate(last.ends):
+        start = last.ends[k - 1] + 1 if k else 0
+        reward = last.rewards[k] if k < len(last.rewards) else 0.0
+        said = [i for i, m in enumerate(last.messages) if m.get("role") == "assistant"]
+        cut = said[k] + 1 if k < len(said) else len(last.messages)
+        out.append(_Row(last.prompt_text, last.prompt_ids, last.ids[:end + 1],
+                        [0] * start + last.mask[start:end + 1], last.logprobs[:end + 1], [0.0] * k + [reward], k + 1,
+                        last.finish if k == len(last.ends) - 1 else "stop", last.messages[:cut], last.ends[:k + 1],
+                        last.observed[:k]))
+    return out
 
 
 def _columns(trajs: list[_Traj]) -> Episodes:
@@ -672,12 +697,18 @@ def _columns(trajs: list[_Traj]) -> Episodes:
         last = _Row(t.prompt_text, t.prompt_ids, t.ids, t.mask, t.logprobs, t.rewards, t.turns, t.finish, t.messages,
                     t.ends, t.observed)
         rows = [*t.done, last]
-        if credit(t) == "final" and any(t.mask):  # only the final turn's sampled tokens are trained
+        how = credit(t)
+        if how == "final" and any(t.mask):  # only the final turn's sampled tokens are trained
             start = t.ends[-2] + 1 if len(t.ends) > 1 else 0
             last = replace(last, mask=[0] * start + t.mask[start:])
             rows = [last]  # the rows cut off before hold earlier turns only: nothing of them to train
+        elif how == "turn" and not t.error and len(t.ends) > 1:  # a row a turn, each with its own step's reward
+            rows = _turn_rows(last)
+            last = rows[-1]
         for r in rows:
             is_last = r is last
+            if how == "turn" and not t.error and len(rows) > 1:
+                reward = float(r.rewards[-1]) if r.rewards else 0.0
             vals = (t.prompt_id, t.sample, r.prompt_text, r.prompt_ids, r.ids, r.logprobs, r.finish, r.mask, r.turns,
                     r.rewards, t.terminated and is_last, (t.truncated or not t.terminated) and is_last,
                     t.end_reason if is_last else "continued",

@@ -234,7 +234,7 @@ def _rollout(policy, spec: str, n: int = 2):
 
 def test_credit_final_trains_only_the_final_programs_tokens(untrained):
     assert _env().credit == "all" and _env("code-feedback:credit=final").credit == "final"
-    with pytest.raises(RlkitError, match="credit=last: expected all or final"):
+    with pytest.raises(RlkitError, match="credit=last: expected all, final or turn"):
         get_env("code-feedback:credit=last")
     every = _rollout(untrained, "code-feedback:attempts=3")
     final = _rollout(untrained, "code-feedback:attempts=3,credit=final")
@@ -249,6 +249,50 @@ def test_credit_final_trains_only_the_final_programs_tokens(untrained):
     assert all(t == 1 and set(m) == {1} for t, m in zip(one["turns"], one["loss_mask"], strict=True))
 
 
+PAID = """from dataclasses import replace
+
+from rlkit.envs.code_feedback import CodeFeedbackEnv
+
+
+class Paid(CodeFeedbackEnv):
+    \"\"\"The code-feedback environment whose attempt k (from 1) is paid k / 10 more: a reward on every step.\"\"\"
+
+    def __init__(self, credit="all"):
+        super().__init__(attempts=3, credit=credit)
+
+    def reset(self, example):
+        self.k = 0
+        return super().reset(example)
+
+    def step(self, action):
+        self.k += 1
+        s = super().step(action)
+        return replace(s, reward=s.reward + self.k / 10)
+"""
+
+
+def test_credit_turn_gives_each_program_a_row_with_its_own_reward(untrained, tmp_path):
+    (tmp_path / "paid.py").write_text(PAID)
+    every = _rollout(untrained, f"{tmp_path}/paid.py:Paid")
+    turn = _rollout(untrained, f"{tmp_path}/paid.py:Paid:credit=turn")
+    assert _env("code-feedback:credit=turn").credit == "turn" and max(every["turns"]) == 3
+    rows = iter(range(len(turn["turns"])))
+    for ids, mask, turns, total, why in zip(every["completion_ids"], every["loss_mask"], every["turns"],
+                                            every["reward/env"], every["end_reason"], strict=True):
+        assert total == pytest.approx(sum(k / 10 for k in range(1, turns + 1)))  # every program fails, untrained
+        runs = [(m, len(list(g))) for m, g in itertools.groupby(mask)]  # sampled, feedback, sampled, ...
+        start = 0
+        for k in range(turns):  # row k: the conversation up to program k, only program k trained, paid its own
+            i = next(rows)
+            end = start + runs[2 * k][1]
+            assert turn["completion_ids"][i] == ids[:end] and turn["loss_mask"][i] == [0] * start + mask[start:end]
+            assert turn["reward/env"][i] == pytest.approx((k + 1) / 10) and turn["turns"][i] == k + 1
+            assert sum(turn["token_rewards"][i]) == pytest.approx(turn["reward/env"][i])
+            assert turn["end_reason"][i] == ("continued" if k < turns - 1 else why)
+            start = end + (runs[2 * k + 1][1] if 2 * k + 1 < len(runs) else 0)
+    assert next(rows, None) is None
+
+
 def test_an_environments_credit_other_than_all_or_final_is_one_line(untrained, tmp_path):
     from rlkit.envs import EnvError
 
@@ -256,8 +300,8 @@ def test_an_environments_credit_other_than_all_or_final_is_one_line(untrained, t
     mod.write_text("from rlkit.envs.code_feedback import CodeFeedbackEnv\n\n\n"
                    "class Last(CodeFeedbackEnv):\n    credit = 'last'\n\n"
                    "    def __init__(self):\n        super().__init__(attempts=2)\n        self.credit = 'last'\n")
-    with pytest.raises(EnvError, match=r"environment Last: credit='last' \(prompt .* sample 0\): expected 'all' or "
-                                       r"'final'"):
+    with pytest.raises(EnvError, match=r"environment Last: credit='last' \(prompt .* sample 0\): expected 'all', "
+                                       r"'final', 'turn'"):
         _rollout(untrained, f"{mod}:Last", n=1)
 
 
