@@ -95,6 +95,7 @@ for label, name, key in (("SFT checkpoint", "sft", None), (f"feedback RL ({round
     wall = f"{times[key]:.1f}" if key in times else "-"
     print(f"{label:30}{p1:>11.1%}{pk:>11.1%}{repaired:>10.1%}{wall:>11}")
 d = 100 * (figs["feedback"] - figs["single"])
-print(f"pass at attempt {k}: feedback RL {'beats' if d > 0 else 'does not beat'} single-turn RL by {d:+.1f} points "
-      f"(equal samples: the same prompts x n per round)\n")
+verdict = f"beats single-turn RL by {d:.1f} points" if d > 0 else (f"trails single-turn RL by {-d:.1f} points" if d < 0
+                                                                     else "ties single-turn RL")
+print(f"pass at attempt {k}: feedback RL {verdict} (equal samples: the same prompts x n per round)\n")
 PY

@@ -668,7 +668,8 @@ def credit(t: _Traj) -> str:
 
 def _turn_rows(last: _Row) -> list[_Row]:
     """`credit="turn"`: row `last` as one row a turn, row k its conversation up to turn k's last sampled token with
-    only turn k's tokens trained, rewarded with turn k's step reward alone."""
+    only turn k's tokens trained, rewarded with turn k's step reward alone; its `turns` 1 (its own turn, the last of
+    its conversation: a trajectory's turns are the sum over its rows, as for rows a chat template cut)."""
     out = []
     for k, end in enumerate(last.ends):
         start = last.ends[k - 1] + 1 if k else 0
@@ -676,7 +677,7 @@ def _turn_rows(last: _Row) -> list[_Row]:
         said = [i for i, m in enumerate(last.messages) if m.get("role") == "assistant"]
         cut = said[k] + 1 if k < len(said) else len(last.messages)
         out.append(_Row(last.prompt_text, last.prompt_ids, last.ids[:end + 1],
-                        [0] * start + last.mask[start:end + 1], last.logprobs[:end + 1], [0.0] * k + [reward], k + 1,
+                        [0] * start + last.mask[start:end + 1], last.logprobs[:end + 1], [0.0] * k + [reward], 1,
                         last.finish if k == len(last.ends) - 1 else "stop", last.messages[:cut], last.ends[:k + 1],
                         last.observed[:k]))
     return out

@@ -286,7 +286,7 @@ def test_credit_turn_gives_each_program_a_row_with_its_own_reward(untrained, tmp
             i = next(rows)
             end = start + runs[2 * k][1]
             assert turn["completion_ids"][i] == ids[:end] and turn["loss_mask"][i] == [0] * start + mask[start:end]
-            assert turn["reward/env"][i] == pytest.approx((k + 1) / 10) and turn["turns"][i] == k + 1
+            assert turn["reward/env"][i] == pytest.approx((k + 1) / 10) and turn["turns"][i] == 1
             assert sum(turn["token_rewards"][i]) == pytest.approx(turn["reward/env"][i])
             assert turn["end_reason"][i] == ("continued" if k < turns - 1 else why)
             start = end + (runs[2 * k + 1][1] if 2 * k + 1 < len(runs) else 0)
