@@ -95,15 +95,22 @@ def write(engine: Engine, tokenizer, verifier: Verifier, w, bar, chunks, s: Samp
                 bar.advance(0)
                 continue
         w.write(cols)
-        bar.advance(len(cols["group_id"]), **verifier.record(cols, ep.env_wait if ep is not None else 0.0))
+        bar.advance(_done(cols), **verifier.record(cols, ep.env_wait if ep is not None else 0.0))
         if refill is not None and refill.done:
             break
     if refill is not None:
         rest = refill.fill()
         if rest is not None:
             w.write(rest)
-            bar.advance(len(rest["group_id"]), **verifier.record(rest))
+            bar.advance(_done(rest), **verifier.record(rest))
         verifier.refills.append(refill)
+
+
+def _done(cols: dict) -> int:
+    """The completions (trajectories, under --env) a chunk's rows finish, as the progress bar counts them: a
+    trajectory of several rows (a chat template's cut, `credit="turn"`) once, at its last row."""
+    ends = cols.get("end_reason")
+    return len(cols["group_id"]) if ends is None else sum(e != "continued" for e in ends)
 
 
 def task_total(task, num_prompts: int, seed: int) -> int:
