@@ -6,20 +6,23 @@
 #   sft on repair transcripts (--task code-feedback: a FIX share with a wrong first program, the feedback masked,
 #   and the fix; the others right at once) -> freeze-ref -> two RL runs from that checkpoint, with equal samples
 #   (ROUNDS x PROMPTS x N trajectories each, the same seeds):
-#     feedback     ROUNDS x (rollout --env code-feedback:attempts=ATTEMPTS | score-ref | update)
+#     feedback     ROUNDS x (rollout --env code-feedback:attempts=ATTEMPTS,credit=CREDIT | score-ref | update):
+#                  with credit=turn each program is trained with its own result (0 for one that failed a visible
+#                  test), so GRPO's baseline is taken over the group's programs
 #     single-turn  ROUNDS x (rollout --env code-feedback:attempts=1 | score-ref | update): one program per
 #                  trajectory, rewarded on all its tests as the code task rewards it
 #   -> greedy held-out evals of the SFT checkpoint and of each run's final policy: pass at attempt 1, pass at
 #   attempt ATTEMPTS (the held-out problems, with the feedback), and the share of attempt-1 failures repaired.
 # Every program runs against its tests in its own bubblewrap sandbox (SANDBOX=none: a plain subprocess, UNSAFE).
-# At the defaults (2 shared CPU cores, ~25-40 min): SEED 0 SFT 66.5% at attempt 1 / 69.5% at attempt 3, feedback RL
-# 73.5% / 76.0%, single-turn RL 77.0% / 80.0%; SEED 1 87.0 / 88.5, 88.0 / 90.0, 92.5 / 94.0. Feedback RL does not
-# beat single-turn RL on pass at attempt 3 at this size (DISCOUNT=0.5: 77.5% and 91.0%); docs/benchmarks.md.
+# At the defaults (2 CPU cores, ~30 min), pass at attempt 1 / at attempt 3: SEED 0 SFT 32.5% / 38.0%, feedback RL
+# 56.0% / 62.0%, single-turn RL 46.0% / 52.5%; SEED 1 42.5 / 52.0, 49.5 / 59.5, 47.5 / 55.0. Feedback RL beats
+# single-turn RL on pass at attempt 3 by 9.5 and 4.5 points (CREDIT=final: 59.5% and 53.5%); docs/benchmarks.md.
 # Knobs (environment), defaults in brackets:
 #   RUNS [runs/code-agent]  SEED [0]  MODEL [tiny]  SFT_EXAMPLES [12000]  FIX [0.5]  EVAL_NUM [200]
 #   ATTEMPTS [3]  VISIBLE [2] tests shown as feedback (of 7)  ROUNDS [3]  PROMPTS [128]  N [8]  ALGO [grpo]
 #   DISCOUNT [1] the feedback run's reward for a fix at attempt a is DISCOUNT**(a-1) (evals: pass or fail)
-#   CREDIT [all] the feedback run's programs a trajectory's reward trains: all, or final (the earlier ones' loss_mask 0)
+#   CREDIT [turn] how the feedback run's programs are trained: turn (each with its own result), all (each with the
+#     trajectory's reward) or final (only the final program; the earlier ones' loss_mask 0)
 #   LR [1e-4]  EPOCHS [2]  MINIBATCH [128]  BETA [0.01]  KL [k3+]  TEMPERATURE [1.0]  SANDBOX [bwrap]
 #   ENV_WORKERS [CPU count] programs run at once (trajectories' environment calls)
 # A rerun skips every stage whose output is up to date with its inputs and settings.
@@ -29,7 +32,7 @@ set -euo pipefail
 
 defaults RUNS=runs/code-agent SEED=0 MODEL=tiny SFT_EXAMPLES=12000 FIX=0.5 EVAL_NUM=200 ATTEMPTS=3 VISIBLE=2
 defaults ROUNDS=3 PROMPTS=128 N=8 ALGO=grpo LR=1e-4 EPOCHS=2 MINIBATCH=128 BETA=0.01 KL=k3+ TEMPERATURE=1.0
-defaults SANDBOX=bwrap ENV_WORKERS="$(nproc)" DISCOUNT=1 CREDIT=all
+defaults SANDBOX=bwrap ENV_WORKERS="$(nproc)" DISCOUNT=1 CREDIT=turn
 ENV="code-feedback:visible=$VISIBLE"
 sb=(--sandbox "$SANDBOX")
 
