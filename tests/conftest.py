@@ -263,6 +263,19 @@ def ref_dir(sft_dir, tmp_path_factory) -> Path:
     return out
 
 
+def untrained_checkpoint(d: Path):
+    """A small tiny model (2 layers, hidden 32), untrained, saved as a checkpoint in the new folder `d`: its samples
+    are noise (a program that fails, a turn that never ends). -> (model, tokenizer, d)."""
+    from rlkit import tiny
+    from rlkit.io import checkpoints, manifests
+
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model(tiny.TinyConfig(layers=2, hidden=32, heads=4, intermediate=64), tok, seed=0)
+    d.mkdir()
+    checkpoints.save_model(model, tok, d, manifests.make_manifest("model", "test", {}, {}, step=0))
+    return model, tok, d
+
+
 def updates_in_one_process(model, tok, cfg, tables: list[Path]):
     """The updates `rlkit update` runs, one per rollouts table, in this process with one Trainer (optimizer
     kept in memory): what N sequential `update` processes must equal. -> the TrainerState after them."""

@@ -17,6 +17,8 @@ from rlkit.envs import get_env
 from rlkit.errors import RlkitError
 from rlkit.tasks import Example, get_task
 
+from conftest import untrained_checkpoint
+
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None and not __import__("os").environ.get("RLKIT_REQUIRE_SANDBOX"),
                                 reason="bubblewrap is not installed (apt-get install bubblewrap)")
 
@@ -206,15 +208,7 @@ def test_sft_transcripts_are_the_same_in_every_process():
 @pytest.fixture(scope="module")
 def untrained(tmp_path_factory):
     """The tiny model untrained, saved as a checkpoint: its programs fail, so its trajectories use every attempt."""
-    from rlkit import tiny
-    from rlkit.io import checkpoints, manifests
-
-    tok = tiny.build_tokenizer()
-    model = tiny.build_model(tiny.TinyConfig(layers=2, hidden=32, heads=4, intermediate=64), tok, seed=0)
-    d = tmp_path_factory.mktemp("codefb") / "pol"
-    d.mkdir()
-    checkpoints.save_model(model, tok, d, manifests.make_manifest("model", "test", {}, {}, step=0))
-    return d
+    return untrained_checkpoint(tmp_path_factory.mktemp("codefb") / "pol")[2]
 
 
 def _rollout(policy, spec: str, n: int = 2):

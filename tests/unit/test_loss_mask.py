@@ -23,7 +23,7 @@ from rlkit.algorithms.config import RLConfig
 from rlkit.errors import RlkitError
 from rlkit.io import schemas
 
-from conftest import one_error_line, run_cli_inproc
+from conftest import one_error_line, run_cli_inproc, untrained_checkpoint
 
 # 8 rows in 2 groups of 4. Each row: prompt length, completion length, and its loss_mask as (sampled, env) runs
 # (None: a null loss_mask, every token sampled). Row 3 ends on environment tokens (truncated after a tool reply).
@@ -45,15 +45,7 @@ CLENS = [len(m) if m is not None else 9 for m in MASKS]
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
     """A tiny Llama saved as a checkpoint (PPO's critic starts from it), and its tokenizer."""
-    from rlkit import tiny
-    from rlkit.io import checkpoints, manifests
-
-    tok = tiny.build_tokenizer()
-    model = tiny.build_model(tiny.TinyConfig(layers=2, hidden=32, heads=4, intermediate=64), tok, seed=0)
-    d = tmp_path_factory.mktemp("lossmask") / "pol"
-    d.mkdir()
-    checkpoints.save_model(model, tok, d, manifests.make_manifest("model", "test", {}, {}, step=0))
-    return model, tok, d
+    return untrained_checkpoint(tmp_path_factory.mktemp("lossmask") / "pol")
 
 
 @pytest.fixture(scope="module")
