@@ -236,7 +236,10 @@ def test_every_recipe_runs_scaled_down(recipe, tmp_path, request):
         sft = json.loads((runs / "sft" / "rlkit.json").read_text())
         assert sft["config"]["task"].startswith("code-feedback:visible=2,fix=0.5,ops=2-3")
         rows = [json.loads(x) for x in (runs / "metrics.jsonl").read_text().splitlines()]
-        assert [r["sequences"] for r in rows if r["stage"] == "update"] == [8 * 2, 8 * 2]
+        fb, single = [r for r in rows if r["stage"] == "update"]
+        assert single["sequences"] == 8 * 2  # one program a trajectory
+        # credit=turn (the default): a row a program, so as many rows as the trajectories' programs
+        assert 8 * 2 < fb["sequences"] <= 8 * 2 * 3 and fb["sequences"] == round(fb["mean_turns"] * 8 * 2)
         out = r.stdout.decode()
         for who, label in (("sft", "SFT checkpoint"), ("feedback", "feedback RL (1 rounds)"),
                            ("single", "single-turn RL (1 rounds)")):
