@@ -671,10 +671,10 @@ def _turn_rows(last: _Row) -> list[_Row]:
     only turn k's tokens trained, rewarded with turn k's step reward alone; its `turns` 1 (its own turn, the last of
     its conversation: a trajectory's turns are the sum over its rows, as for rows a chat template cut)."""
     out = []
+    said = [i for i, m in enumerate(last.messages) if m.get("role") == "assistant"]
     for k, end in enumerate(last.ends):
         start = last.ends[k - 1] + 1 if k else 0
         reward = last.rewards[k] if k < len(last.rewards) else 0.0
-        said = [i for i, m in enumerate(last.messages) if m.get("role") == "assistant"]
         cut = said[k] + 1 if k < len(said) else len(last.messages)
         out.append(_Row(last.prompt_text, last.prompt_ids, last.ids[:end + 1],
                         [0] * start + last.mask[start:end + 1], last.logprobs[:end + 1], [0.0] * k + [reward], 1,
@@ -699,17 +699,18 @@ def _columns(trajs: list[_Traj]) -> Episodes:
                     t.ends, t.observed)
         rows = [*t.done, last]
         how = credit(t)
+        split = how == "turn" and not t.error and len(t.ends) > 1  # a row a turn, each with its own step's reward
         if how == "final" and any(t.mask):  # only the final turn's sampled tokens are trained
             start = t.ends[-2] + 1 if len(t.ends) > 1 else 0
             last = replace(last, mask=[0] * start + t.mask[start:])
             rows = [last]  # the rows cut off before hold earlier turns only: nothing of them to train
-        elif how == "turn" and not t.error and len(t.ends) > 1:  # a row a turn, each with its own step's reward
+        elif split:
             rows = _turn_rows(last)
             last = rows[-1]
         for r in rows:
             is_last = r is last
-            if how == "turn" and not t.error and len(rows) > 1:
-                reward = float(r.rewards[-1]) if r.rewards else 0.0
+            if split:
+                reward = float(r.rewards[-1])
             vals = (t.prompt_id, t.sample, r.prompt_text, r.prompt_ids, r.ids, r.logprobs, r.finish, r.mask, r.turns,
                     r.rewards, t.terminated and is_last, (t.truncated or not t.terminated) and is_last,
                     t.end_reason if is_last else "continued",
