@@ -235,8 +235,9 @@ def clean_worker(root: Path, index: int, count: int) -> list[str]:
 @dataclass(frozen=True)
 class Geometry:
     """How a worker's stream is cut into batch files (recorded by `rollout --follow` in its manifest's `follow`
-    entry): `rows` rows a batch (its groups times --n), batch b's group ids in [b * `prompts`, (b + 1) * `prompts`),
-    the worker's shard `index`/`count` of every batch's prompts."""
+    entry): `rows` samples a batch (its groups times --n: trajectories under --env, each of one row or of several,
+    the earlier ones ending `continued`), batch b's group ids in [b * `prompts`, (b + 1) * `prompts`), the worker's
+    shard `index`/`count` of every batch's prompts."""
 
     rows: int
     prompts: int
@@ -255,13 +256,14 @@ class Geometry:
 
 class SpoolWriter:
     """The writer of a follow stream into a spool: the rows of batch b go to their own file, complete (renamed into
-    place with its end marker) as soon as the batch's last row is written. Same `write` as `streams.TableWriter`.
-    A batch whose file this worker already wrote (a restarted worker's pipe samples its batch again) is skipped."""
+    place with its end marker) as soon as the batch's last sample is written (its last row: a trajectory of several
+    rows ends at the one whose `end_reason` is not "continued"). Same `write` as `streams.TableWriter`. A batch whose
+    file this worker already wrote (a restarted worker's pipe samples its batch again) is skipped."""
 
     def __init__(self, root: Path, kind_name: str, manifest: dict, extra, geometry: Geometry) -> None:
         self.root, self.kind_name, self.manifest, self.extra, self.g = root, kind_name, manifest, extra, geometry
         self.rows = 0  # rows written so far (as `TableWriter.rows`)
-        self.cur = None  # (TableWriter or None while skipping, batch, rows so far)
+        self.cur = None  # (TableWriter or None while skipping, batch, samples so far)
         self.skipped: list[int] = []
         from rlkit.io import streams
 
@@ -283,6 +285,7 @@ class SpoolWriter:
         self.cur = (streams.TableWriter(self.kind_name, out, self.manifest, self.extra), b, 0)
 
     def write(self, columns) -> None:
+        import numpy as np
         import pyarrow as pa
 
         if not isinstance(columns, pa.RecordBatch):
@@ -293,18 +296,19 @@ class SpoolWriter:
             if self.cur is None:
                 self._open(columns, int(columns.column("policy_step")[0].as_py()))
             w, b, n = self.cur
-            take = min(columns.num_rows, self.g.rows - n)
+            done = np.cumsum(_ends(columns))  # samples finished by each row
+            take = int(np.searchsorted(done, self.g.rows - n) + 1) if done[-1] >= self.g.rows - n else columns.num_rows
             part, columns = columns.slice(0, take), columns.slice(take)
             groups = part.column("group_id").to_numpy() // self.g.prompts
             if (groups != b).any():
                 bad = int((groups != b).argmax())
-                raise RlkitError(f"spool: batch {b} of {worker_name(self.g.index, self.g.count)} ended after {n + bad} of "
-                                 f"its {self.g.rows} rows (a row of batch {int(groups[bad])} came): the stream is not "
-                                 "the one its manifest describes")
+                raise RlkitError(f"spool: batch {b} of {worker_name(self.g.index, self.g.count)} ended after "
+                                 f"{n + int(done[bad - 1] if bad else 0)} of its {self.g.rows} samples (a row of batch "
+                                 f"{int(groups[bad])} came): the stream is not the one its manifest describes")
             if w is not None:
                 w.write(part)
             self.rows += take
-            n += take
+            n += int(done[take - 1])
             self.cur = (w, b, n)
             if n == self.g.rows:
                 if w is not None:
@@ -319,6 +323,16 @@ class SpoolWriter:
         if self.cur is not None and self.cur[0] is not None:
             self.cur[0].abort()
         self.cur = None
+
+
+def _ends(batch):
+    """Whether each row of a record batch ends its sample: every row, but a trajectory's rows before its last
+    (`end_reason` "continued")."""
+    import numpy as np
+
+    if "end_reason" not in batch.schema.names:
+        return np.ones(batch.num_rows, dtype=np.int64)
+    return np.array([e != "continued" for e in batch.column("end_reason").to_pylist()], dtype=np.int64)
 
 
 @contextmanager

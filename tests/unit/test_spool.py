@@ -112,10 +112,40 @@ def test_the_writer_publishes_each_batch_whole_and_skips_one_written_before(tmp_
     assert w.skipped == [0] and [f.path.name for f in spool.scan(tmp_path)] == [
         "b000000-w01of02-s000000.arrow", "b000001-w01of02-s000001.arrow"]
     # a row of another batch before this one is complete: the stream is not what its manifest says
-    with pytest.raises(RlkitError, match="batch 2 of w01of02 ended after 2 of its 4 rows"):
+    with pytest.raises(RlkitError, match="batch 2 of w01of02 ended after 2 of its 4 samples"):
         with spool.writing(tmp_path, "rollouts", man, [], g) as w:
             w.write(_rows([8, 12], step=2))
     assert not list(tmp_path.glob(".b000002*"))
+
+
+def test_a_batch_of_trajectories_of_several_rows_ends_at_its_last_samples_last_row(tmp_path):
+    """Under --env a trajectory may be several rows (`credit=turn`, a chat template's cut), its earlier ones ending
+    "continued": a batch is its groups times --n samples, not rows, and its file ends at its last sample's last row."""
+    from rlkit.io.schemas import MULTI_TURN_FIELDS
+
+    extra = [f for f in MULTI_TURN_FIELDS if f.name == "end_reason"]
+    g = spool.Geometry(rows=2 * N, prompts=4, index=1, count=2)
+
+    def rows(groups, step, ends):
+        r = _rows(groups, step)
+        k = [i for i in range(len(r["group_id"])) for _ in range(len(ends.get(i, ["terminated"])))]
+        out = {c: [v[i] for i in k] for c, v in r.items()}
+        out["end_reason"] = [e for i in range(len(r["group_id"])) for e in ends.get(i, ["terminated"])]
+        return out
+
+    with spool.writing(tmp_path, "rollouts", {"kind": "rollouts"}, extra, g) as w:
+        # batch 0: group 2's first sample in three rows, its second in one; group 3's in one each; then batch 1
+        first = rows([2, 3], 0, {0: ["continued", "continued", "terminated"]})
+        nxt = rows([6, 7], 1, {1: ["continued", "max_turns"]})
+        w.write({c: first[c] + nxt[c][:2] for c in first})  # batch 1 cut inside its second sample's rows
+        assert [f.path.name for f in spool.scan(tmp_path)] == ["b000000-w01of02-s000000.arrow"]
+        w.write({c: nxt[c][2:] for c in nxt})
+    t, _ = streams.read_table(tmp_path / "b000000-w01of02-s000000.arrow", ["rollouts"])
+    assert t.column("group_id").to_pylist() == [2, 2, 2, 2, 3, 3]
+    assert t.column("end_reason").to_pylist() == ["continued", "continued"] + ["terminated"] * 4
+    t, _ = streams.read_table(tmp_path / "b000001-w01of02-s000001.arrow", ["rollouts"])
+    assert t.column("group_id").to_pylist() == [6, 6, 6, 7, 7]
+    assert t.column("end_reason").to_pylist() == ["terminated", "continued", "max_turns", "terminated", "terminated"]
 
 
 def test_one_worker_a_shard_and_one_worker_count_a_spool(tmp_path):
