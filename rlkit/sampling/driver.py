@@ -157,6 +157,9 @@ class Episodes:
     env_wait: float = 0.0  # seconds the turn loop waited on the environment with nothing to sample
     # the trajectories (their labels) an observation of which the tokenizer could only encode with its unknown token
     unknown: list[str] = field(default_factory=list)
+    # each trajectory's reward (its steps' sum; 0 when an error ended it): a row's `reward/env` is this, or under
+    # `credit="turn"` its own turn's
+    rewards: list[float] = field(default_factory=list)
 
     def close(self, failure: BaseException | None = None) -> None:
         """Close the instances `run_episodes(keep_open=True)` left open (nothing otherwise); a failing close() is
@@ -692,9 +695,10 @@ def _columns(trajs: list[_Traj]) -> Episodes:
              "loss_mask", "turns", "turn_rewards", "terminated", "truncated", "end_reason", "tool_calls", "messages",
              "reward/env", "token_rewards", "observation_tokens")
     cols: dict[str, list] = {k: [] for k in names}
-    index, final, fins = [], [], []
+    index, final, fins, totals = [], [], [], []
     for k, t in enumerate(trajs):
         reward = 0.0 if t.error else float(sum(t.all_rewards))
+        totals.append(reward)
         last = _Row(t.prompt_text, t.prompt_ids, t.ids, t.mask, t.logprobs, t.rewards, t.turns, t.finish, t.messages,
                     t.ends, t.observed)
         rows = [*t.done, last]
@@ -722,4 +726,4 @@ def _columns(trajs: list[_Traj]) -> Episodes:
             final.append(t.last_action)
             fins.append(r.finish)
     unknown = [t.label for t in trajs if t.unknown]
-    return Episodes(cols, final, fins, index, unknown=unknown)
+    return Episodes(cols, final, fins, index, unknown=unknown, rewards=totals)

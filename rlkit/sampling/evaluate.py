@@ -84,7 +84,7 @@ def env_eval(engine, env, prompts: Sequence[str], answers: Sequence[str | None],
         turns[k] += c["turns"][row]
         sampled[k] += sum(c["loss_mask"][row])
     rows = [last[k] for k in range(n)]
-    rewards = [c["reward/env"][r] for r in rows]
+    rewards = ep.rewards  # each trajectory's (a row's reward/env is its own turn's under credit="turn")
     ends: dict[str, int] = {}
     for r in rows:
         ends[c["end_reason"][r]] = ends.get(c["end_reason"][r], 0) + 1
@@ -98,7 +98,7 @@ def env_eval(engine, env, prompts: Sequence[str], answers: Sequence[str | None],
         "truncated_fraction": sum(bool(c["truncated"][r]) for r in rows) / max(1, n),
         "end_reasons": dict(sorted(ends.items(), key=lambda kv: (-kv[1], kv[0]))),
         "samples": [
-            {"prompt": prompts[k], "messages": c["messages"][r], "reward": c["reward/env"][r],
+            {"prompt": prompts[k], "messages": c["messages"][r], "reward": rewards[k],
              "turns": turns[k], "end_reason": c["end_reason"][r], "answer": answers[k]}
             for k, r in enumerate(rows[:samples])
         ],

@@ -211,7 +211,7 @@ def untrained(tmp_path_factory):
     return untrained_checkpoint(tmp_path_factory.mktemp("codefb") / "pol")[2]
 
 
-def _rollout(policy, spec: str, n: int = 2):
+def _rollout(policy, spec: str, n: int = 2, episodes: bool = False):
     from rlkit import engines
     from rlkit.engines import EngineOptions
     from rlkit.sampling.driver import Prompts, Sampling, run_episodes
@@ -223,7 +223,8 @@ def _rollout(policy, spec: str, n: int = 2):
     prompts = Prompts(0, [e.prompt_id for e in ex], [e.answer for e in ex], [e.prompt for e in ex],
                       [tok(e.prompt)["input_ids"] for e in ex])
     s = Sampling(n=n, temperature=1.0, max_new_tokens=12, max_turns=env.attribute("max_turns"), env_workers=4)
-    return run_episodes(eng, tok, env, prompts, s, seed=3).columns
+    ep = run_episodes(eng, tok, env, prompts, s, seed=3)
+    return ep if episodes else ep.columns
 
 
 def test_credit_final_trains_only_the_final_programs_tokens(untrained):
@@ -268,7 +269,9 @@ class Paid(CodeFeedbackEnv):
 def test_credit_turn_gives_each_program_a_row_with_its_own_reward(untrained, tmp_path):
     (tmp_path / "paid.py").write_text(PAID)
     every = _rollout(untrained, f"{tmp_path}/paid.py:Paid")
-    turn = _rollout(untrained, f"{tmp_path}/paid.py:Paid:credit=turn")
+    ep = _rollout(untrained, f"{tmp_path}/paid.py:Paid:credit=turn", episodes=True)
+    turn = ep.columns
+    assert ep.rewards == every["reward/env"]  # each trajectory's whole reward, as eval reports it
     assert _env("code-feedback:credit=turn").credit == "turn" and max(every["turns"]) == 3
     rows = iter(range(len(turn["turns"])))
     for ids, mask, turns, total, why in zip(every["completion_ids"], every["loss_mask"], every["turns"],
