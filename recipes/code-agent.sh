@@ -16,7 +16,8 @@
 # Every program runs against its tests in its own bubblewrap sandbox (SANDBOX=none: a plain subprocess, UNSAFE).
 # At the defaults (2 CPU cores, ~30 min), pass at attempt 1 / at attempt 3: SEED 0 SFT 32.5% / 38.0%, feedback RL
 # 56.0% / 62.0%, single-turn RL 46.0% / 52.5%; SEED 1 42.5 / 52.0, 49.5 / 59.5, 47.5 / 55.0. Feedback RL beats
-# single-turn RL on pass at attempt 3 by 9.5 and 4.5 points (CREDIT=final: 59.5% and 53.5%); docs/benchmarks.md.
+# single-turn RL on pass at attempt 3 by 9.5 and 4.5 points (CREDIT=all: 55.5% and 57.0%; CREDIT=final: 59.5% and
+# 53.5%); docs/benchmarks.md.
 # Knobs (environment), defaults in brackets:
 #   RUNS [runs/code-agent]  SEED [0]  MODEL [tiny]  SFT_EXAMPLES [12000]  FIX [0.5]  EVAL_NUM [200]
 #   ATTEMPTS [3]  VISIBLE [2] tests shown as feedback (of 7)  ROUNDS [3]  PROMPTS [128]  N [8]  ALGO [grpo]
